@@ -1,0 +1,39 @@
+"""The packtune exception tree, mapped to HTTP status codes in one handler.
+
+    PacktuneError
+    ├── SpecError          (422) a study spec is invalid; ``field`` names the part
+    ├── NotFound           (404) no such study / trial / pack
+    ├── Conflict           (409) the request does not fit the object's state
+    └── StoreUnavailable   (503) the database cannot be reached
+"""
+
+from __future__ import annotations
+
+
+class PacktuneError(Exception):
+    """Base of every error packtune raises on purpose."""
+
+    status_code = 500
+
+
+class SpecError(PacktuneError, ValueError):
+    """A study spec is invalid. ``field`` is a dotted path such as ``space.lr.low``."""
+
+    status_code = 422
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class NotFound(PacktuneError, LookupError):
+    status_code = 404
+
+
+class Conflict(PacktuneError):
+    status_code = 409
+
+
+class StoreUnavailable(PacktuneError):
+    status_code = 503

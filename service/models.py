@@ -1,0 +1,267 @@
+"""SQLAlchemy 2 models: the only place ORM classes are defined.
+
+Everything the scheduler decides is a row here; no process keeps state of its
+own. Statuses are enums (stored as strings, so SQLite and PostgreSQL agree).
+
+Trial life cycle (one bracket, rungs ``0 … s``)::
+
+    pending ──(put in a pack)──> queued ──> running ──> paused (reached its rung's resource)
+       ^                                                  │ rung complete
+       └────────── promoted to the next rung ─────────────┤
+                                              not promoted └──> stopped
+    last rung reached ──> completed;   non-finite loss ──> diverged;
+    workload raised / attempts spent ──> failed;   study cancelled ──> cancelled
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Enum,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
+
+
+def _enum(cls: type[enum.Enum]) -> Enum:
+    # Strings in the database (no native PG enum types): migrations stay simple.
+    return Enum(
+        cls,
+        native_enum=False,
+        length=16,
+        validate_strings=True,
+        values_callable=lambda e: [m.value for m in e],
+    )
+
+
+class StudyStatus(enum.StrEnum):
+    pending = "pending"
+    running = "running"
+    completed = "completed"
+    failed = "failed"
+    cancelled = "cancelled"
+
+
+class TrialStatus(enum.StrEnum):
+    pending = "pending"
+    queued = "queued"
+    running = "running"
+    paused = "paused"
+    stopped = "stopped"
+    completed = "completed"
+    diverged = "diverged"
+    failed = "failed"
+    cancelled = "cancelled"
+
+
+class PackStatus(enum.StrEnum):
+    pending = "pending"  # planned, not yet handed to a queue
+    queued = "queued"  # handed to RQ / the in-process runner
+    running = "running"
+    completed = "completed"
+    failed = "failed"  # this attempt failed; re-queued as a new attempt or trials failed
+    split = "split"  # CUDA out of memory: replaced by two smaller packs
+    cancelled = "cancelled"
+
+
+class WorkerStatus(enum.StrEnum):
+    idle = "idle"
+    busy = "busy"
+    dead = "dead"
+
+
+class Study(Base):
+    __tablename__ = "studies"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    workload: Mapped[str] = mapped_column(String(100))
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    seed: Mapped[int] = mapped_column(BigInteger, default=0)
+    status: Mapped[StudyStatus] = mapped_column(_enum(StudyStatus), default=StudyStatus.pending)
+    best_trial_id: Mapped[int | None] = mapped_column(
+        ForeignKey("trials.id", use_alter=True, name="fk_studies_best_trial"), nullable=True
+    )
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+    trials: Mapped[list[Trial]] = relationship(
+        back_populates="study", foreign_keys="Trial.study_id", cascade="all, delete-orphan"
+    )
+
+
+class Trial(Base):
+    __tablename__ = "trials"
+    __table_args__ = (
+        UniqueConstraint("study_id", "sample_index", name="uq_trials_study_sample"),
+        Index("ix_trials_study_status", "study_id", "status"),
+        Index("ix_trials_study_bracket_rung", "study_id", "bracket", "rung"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    study_id: Mapped[int] = mapped_column(ForeignKey("studies.id", ondelete="CASCADE"))
+    sample_index: Mapped[int] = mapped_column(Integer)  # position in the study's seeded stream
+    bracket: Mapped[int] = mapped_column(Integer)  # Hyperband's s
+    rung: Mapped[int] = mapped_column(Integer, default=0)  # current rung i
+    config: Mapped[dict[str, Any]] = mapped_column(JSON)
+    fusion_key: Mapped[str] = mapped_column(String(500))
+    status: Mapped[TrialStatus] = mapped_column(_enum(TrialStatus), default=TrialStatus.pending)
+    resource_done: Mapped[float] = mapped_column(Float, default=0.0)  # cumulative resource trained
+    checkpoint_path: Mapped[str | None] = mapped_column(Text, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), default=utcnow, onupdate=utcnow
+    )
+
+    study: Mapped[Study] = relationship(back_populates="trials", foreign_keys=[study_id])
+    measurements: Mapped[list[Measurement]] = relationship(
+        back_populates="trial", cascade="all, delete-orphan", order_by="Measurement.resource"
+    )
+
+
+class RungPromotion(Base):
+    """One row per trial promoted out of a rung: ``trial`` went from ``rung`` to ``rung + 1``."""
+
+    __tablename__ = "rung_promotions"
+    __table_args__ = (
+        UniqueConstraint("trial_id", "rung", name="uq_promotions_trial_rung"),
+        Index("ix_promotions_study_bracket", "study_id", "bracket"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    study_id: Mapped[int] = mapped_column(ForeignKey("studies.id", ondelete="CASCADE"))
+    trial_id: Mapped[int] = mapped_column(ForeignKey("trials.id", ondelete="CASCADE"))
+    bracket: Mapped[int] = mapped_column(Integer)
+    rung: Mapped[int] = mapped_column(Integer)
+    value: Mapped[float | None] = mapped_column(Float, nullable=True)  # objective when promoted
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Pack(Base):
+    """What one job runs on one device: one or more fused arrays."""
+
+    __tablename__ = "packs"
+    __table_args__ = (Index("ix_packs_study_status", "study_id", "status"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    study_id: Mapped[int] = mapped_column(ForeignKey("studies.id", ondelete="CASCADE"))
+    status: Mapped[PackStatus] = mapped_column(_enum(PackStatus), default=PackStatus.pending)
+    device: Mapped[str | None] = mapped_column(String(200), nullable=True)  # e.g. "worker-1/cuda:0"
+    worker_name: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    job_id: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    parent_id: Mapped[int | None] = mapped_column(ForeignKey("packs.id"), nullable=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    estimated_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    peak_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    train_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    enqueued_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+    members: Mapped[list[PackMember]] = relationship(
+        back_populates="pack", cascade="all, delete-orphan", order_by="PackMember.trial_id"
+    )
+
+
+class PackMember(Base):
+    """One unit of work in a pack: train ``trial`` from ``from_resource`` to ``to_resource``."""
+
+    __tablename__ = "pack_members"
+    __table_args__ = (Index("ix_pack_members_trial", "trial_id"),)
+
+    pack_id: Mapped[int] = mapped_column(
+        ForeignKey("packs.id", ondelete="CASCADE"), primary_key=True
+    )
+    trial_id: Mapped[int] = mapped_column(
+        ForeignKey("trials.id", ondelete="CASCADE"), primary_key=True
+    )
+    fusion_key: Mapped[str] = mapped_column(String(500))
+    from_resource: Mapped[float] = mapped_column(Float)
+    to_resource: Mapped[float] = mapped_column(Float)
+
+    pack: Mapped[Pack] = relationship(back_populates="members")
+
+
+class Measurement(Base):
+    """A trial's metrics at one cumulative resource; a repeated report updates the row."""
+
+    __tablename__ = "measurements"
+    __table_args__ = (UniqueConstraint("trial_id", "resource", name="uq_measurements_trial_resource"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    trial_id: Mapped[int] = mapped_column(ForeignKey("trials.id", ondelete="CASCADE"))
+    resource: Mapped[float] = mapped_column(Float)
+    metrics: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    trial: Mapped[Trial] = relationship(back_populates="measurements")
+
+
+class Worker(Base):
+    __tablename__ = "workers"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    host: Mapped[str] = mapped_column(String(200))
+    device_kind: Mapped[str] = mapped_column(String(200))  # "cpu" or the GPU's NVML name
+    gpus: Mapped[list[Any]] = mapped_column(JSON, default=list)  # per-GPU NVML readings
+    memory_budget: Mapped[int | None] = mapped_column(BigInteger, nullable=True)  # CPU workers
+    status: Mapped[WorkerStatus] = mapped_column(_enum(WorkerStatus), default=WorkerStatus.idle)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_heartbeat: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Profile(Base):
+    """Memory model and throughput table for one (workload, fusion key, device kind)."""
+
+    __tablename__ = "profiles"
+    __table_args__ = (
+        UniqueConstraint("workload", "fusion_key", "device_kind", name="uq_profiles_key"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    workload: Mapped[str] = mapped_column(String(100))
+    fusion_key: Mapped[str] = mapped_column(String(500))
+    device_kind: Mapped[str] = mapped_column(String(200))
+    base_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    per_trial_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # {"<k>": trial-steps per second} measured for fused arrays of size k
+    throughput: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    updated_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), default=utcnow, onupdate=utcnow
+    )
+
+
+class Lease(Base):
+    """A named lease (e.g. the scheduler's); the holder renews it before ``expires_at``."""
+
+    __tablename__ = "leases"
+
+    name: Mapped[str] = mapped_column(String(100), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(200))
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

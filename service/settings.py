@@ -1,0 +1,93 @@
+"""One settings object for every packtune process.
+
+Every field is read from the environment with the ``PACKTUNE_`` prefix
+(``PACKTUNE_DATABASE_URL``, ``PACKTUNE_REDIS_URL``, ...). A bad value stops
+start-up: :func:`get_settings` raises :class:`SettingsError` whose message is
+one line naming the variable.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "PACKTUNE_"
+
+
+class SettingsError(ValueError):
+    """A setting from the environment has a bad value."""
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+
+    database_url: str = Field(
+        default="sqlite:///packtune.db",
+        description="SQLAlchemy URL; default a SQLite file in the working directory.",
+    )
+    redis_url: str | None = Field(
+        default=None,
+        description="Redis URL for RQ; unset means packs run in-process (embedded mode).",
+    )
+    api_token: SecretStr | None = Field(
+        default=None, description="Bearer token every POST must carry; unset leaves the API open."
+    )
+    checkpoint_dir: Path = Field(
+        default=Path("packtune-checkpoints"),
+        description="Where trial checkpoints live; shared storage when workers are on several hosts.",
+    )
+    data_dir: Path | None = Field(
+        default=None, description="Folder with datasets (CIFAR-10 for resnet-cifar)."
+    )
+    queue_name: str = Field(default="packtune", min_length=1, description="RQ queue name.")
+    job_timeout: int = Field(default=3600, gt=0, description="RQ job timeout per pack, seconds.")
+    max_attempts: int = Field(default=3, ge=1, description="Attempts per pack before its trials fail.")
+    scheduler_interval: float = Field(
+        default=0.5, gt=0, description="Seconds between scheduler ticks."
+    )
+    heartbeat_interval: float = Field(
+        default=5.0, gt=0, description="Seconds between worker heartbeats."
+    )
+    heartbeat_timeout: float = Field(
+        default=30.0, gt=0, description="A worker silent this long is dead; its packs re-queue."
+    )
+    cpu_memory_budget: int = Field(
+        default=4 * 2**30, gt=0, description="Bytes a CPU device may give one pack."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="Device a worker trains on."
+    )
+    oom_above: int | None = Field(
+        default=None,
+        ge=1,
+        description="Fault injection: packs with more trials than this raise CUDA out-of-memory.",
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        default="INFO", description="Log level."
+    )
+
+
+def _one_line(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        field = str(err["loc"][0]) if err["loc"] else "?"
+        parts.append(f"{ENV_PREFIX}{field.upper()}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def load_settings() -> Settings:
+    """Read the settings afresh from the environment."""
+    try:
+        return Settings()
+    except ValidationError as exc:
+        raise SettingsError(_one_line(exc)) from None
+
+
+@functools.cache
+def get_settings() -> Settings:
+    """The process-wide settings, read once."""
+    return load_settings()
