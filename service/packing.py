@@ -1,0 +1,285 @@
+"""The pack planner: which ready units of work train together, on which device.
+
+A *unit* is (trial, from_resource, to_resource). Units with the same fusion
+key and the same resource span can be trained as one *fused array*; a *pack*
+is the arrays one job runs on one device. :func:`plan_packs` decides, from
+plain values only:
+
+1. Group units by ``(fusion_key, from_resource, to_resource)``, in that sorted
+   order, trial ids ascending within a group.
+2. Cut each group into arrays no larger than the best array size measured for
+   its key (:func:`best_array_size`, Omnivore's "grow while it gains 10%"),
+   the study's ``max_pack_size``, and the largest size whose estimated memory
+   fits the roomiest device. A unit that fits no device even alone is
+   *unplaceable*: the caller must say so, not wait for it.
+3. First-fit-decreasing: arrays by estimated bytes, largest first, go into the
+   first open pack whose device still has room (and whose trial count stays
+   within ``max_pack_size``); otherwise into a new pack on the device with
+   the most room left that fits the array, within ``max_packs_per_device``;
+   otherwise they are *deferred* to a later plan.
+
+A device's room is its capacity, ``int(free_bytes * HEADROOM)``, shared by
+every pack planned onto it in one call: packs on one device may run at once.
+With no devices at all nothing is unplaceable; everything is deferred.
+
+Memory per array of k trials follows ``MemoryModel.bytes(k) = base + k *
+per_trial``, one model per fusion key (``default_memory`` for keys not yet
+probed). A pack's estimate is the sum of its arrays'. Models only grow:
+:meth:`MemoryModel.corrected` after a measured peak, :meth:`MemoryModel.after_oom`
+after a CUDA out-of-memory error (the caller re-queues both halves of
+:func:`split_in_two`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import groupby
+
+HEADROOM = 0.9
+GAIN = 1.10  # Omnivore: double the array size while throughput grows by >= 10 %
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Train ``trial_id`` from cumulative resource ``from_resource`` to ``to_resource``."""
+
+    trial_id: int
+    fusion_key: str
+    from_resource: float
+    to_resource: float
+
+    @property
+    def group(self) -> tuple[str, float, float]:
+        return (self.fusion_key, self.from_resource, self.to_resource)
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Estimated peak device bytes of a fused array of ``k`` trials: ``base + k * per_trial``."""
+
+    base: int
+    per_trial: int
+
+    def bytes(self, k: int) -> int:
+        return self.base + k * self.per_trial
+
+    @classmethod
+    def from_probe(cls, peak_one: int, peak_two: int) -> MemoryModel:
+        """The model through the peaks measured at k=1 and k=2 (never negative)."""
+        per_trial = max(0, peak_two - peak_one)
+        return cls(base=max(0, peak_one - per_trial), per_trial=per_trial)
+
+    def corrected(self, k: int, peak_bytes: int) -> MemoryModel:
+        """A model that predicts at least ``peak_bytes`` for ``k`` trials; never lower."""
+        _check_k(k)
+        if self.bytes(k) >= peak_bytes:
+            return self
+        return MemoryModel(self.base, -(-(peak_bytes - self.base) // k))
+
+    def after_oom(self, k: int, capacity_bytes: int) -> MemoryModel:
+        """A model under which ``k`` trials no longer fit ``capacity_bytes``; never lower."""
+        _check_k(k)
+        if self.bytes(k) > capacity_bytes:
+            return self
+        return MemoryModel(self.base, (capacity_bytes - self.base) // k + 1)
+
+    def max_fit(self, capacity_bytes: int, limit: int) -> int:
+        """The largest ``k <= limit`` with ``bytes(k) <= capacity_bytes`` (0 if none)."""
+        if self.base + self.per_trial > capacity_bytes:
+            return 0
+        if self.per_trial <= 0:
+            return limit
+        return min(limit, (capacity_bytes - self.base) // self.per_trial)
+
+
+def _check_k(k: int) -> None:
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+
+
+@dataclass(frozen=True)
+class Device:
+    """A device a pack can run on, with the free memory it last reported."""
+
+    name: str
+    free_bytes: int
+
+    @property
+    def capacity(self) -> int:
+        return int(self.free_bytes * HEADROOM)
+
+
+def best_array_size(throughput: Mapping[int, float], cap: int | None) -> int:
+    """The array size to use next, from measured trial-steps/second by array size.
+
+    Start at the smallest measured k and double while 2k is measured and gains
+    at least 10 %. Stopping because 2k was measured and gained less returns k;
+    stopping because 2k was never measured proposes 2k, to explore. An empty
+    table proposes 2. The result is clamped to ``[1, cap]``.
+    """
+    if cap is not None and cap < 1:
+        raise ValueError(f"cap must be >= 1, got {cap}")
+    if not throughput:
+        choice = 2
+    else:
+        k = min(throughput)
+        while 2 * k in throughput and throughput[2 * k] >= GAIN * throughput[k]:
+            k *= 2
+        choice = k if 2 * k in throughput else 2 * k
+    return max(1, choice if cap is None else min(choice, cap))
+
+
+def split_in_two(units: Sequence[Unit]) -> tuple[list[Unit], list[Unit]]:
+    """Halves of a pack that ran out of memory; the first half gets the odd one."""
+    if len(units) < 2:
+        raise ValueError("a single unit cannot be split; its memory model must rule it out")
+    middle = (len(units) + 1) // 2
+    return list(units[:middle]), list(units[middle:])
+
+
+@dataclass(frozen=True)
+class FusedArray:
+    """Units of one ``(fusion_key, from_resource, to_resource)`` trained as one model."""
+
+    fusion_key: str
+    from_resource: float
+    to_resource: float
+    units: tuple[Unit, ...]
+    estimated_bytes: int
+
+
+@dataclass(frozen=True)
+class PlannedPack:
+    """What one job runs on ``device``."""
+
+    device: str
+    arrays: tuple[FusedArray, ...]
+
+    @property
+    def estimated_bytes(self) -> int:
+        return sum(array.estimated_bytes for array in self.arrays)
+
+    @property
+    def units(self) -> tuple[Unit, ...]:
+        return tuple(unit for array in self.arrays for unit in array.units)
+
+
+@dataclass
+class PackPlan:
+    """Every input unit lands in exactly one of ``packs``, ``deferred``, ``unplaceable``."""
+
+    packs: list[PlannedPack] = field(default_factory=list)
+    deferred: list[Unit] = field(default_factory=list)
+    unplaceable: list[Unit] = field(default_factory=list)
+
+
+def _sort_key(unit: Unit) -> tuple[str, float, float, int]:
+    return (*unit.group, unit.trial_id)
+
+
+def _arrays(
+    units: Sequence[Unit],
+    memory: Mapping[str, MemoryModel],
+    array_size: Mapping[str, int],
+    default_memory: MemoryModel,
+    max_pack_size: int | None,
+    largest_capacity: int,
+    unplaceable: list[Unit],
+) -> list[FusedArray]:
+    arrays = []
+    for (key, start, stop), members in groupby(sorted(units, key=_sort_key), key=_group):
+        group = list(members)
+        model = memory.get(key, default_memory)
+        limit = max(1, array_size.get(key, 1))
+        if max_pack_size is not None:
+            limit = min(limit, max_pack_size)
+        limit = model.max_fit(largest_capacity, limit)
+        if limit == 0:
+            unplaceable.extend(group)
+            continue
+        for first in range(0, len(group), limit):
+            chunk = tuple(group[first : first + limit])
+            arrays.append(FusedArray(key, start, stop, chunk, model.bytes(len(chunk))))
+    return arrays
+
+
+def _group(unit: Unit) -> tuple[str, float, float]:
+    return unit.group
+
+
+@dataclass
+class _OpenPack:
+    device: Device
+    arrays: list[FusedArray]
+
+    def trials(self) -> int:
+        return sum(len(array.units) for array in self.arrays)
+
+
+def plan_packs(
+    units: Iterable[Unit],
+    devices: Sequence[Device],
+    memory: Mapping[str, MemoryModel],
+    array_size: Mapping[str, int],
+    *,
+    default_memory: MemoryModel,
+    max_pack_size: int | None = None,
+    max_packs_per_device: int | None = None,
+) -> PackPlan:
+    """Bin-pack ready units into packs that fit their devices (see the module docstring)."""
+    units = list(units)
+    if len({unit.trial_id for unit in units}) != len(units):
+        raise ValueError("a trial may have only one ready unit of work")
+    if len({device.name for device in devices}) != len(devices):
+        raise ValueError("device names must be unique")
+    for name, value in (
+        ("max_pack_size", max_pack_size),
+        ("max_packs_per_device", max_packs_per_device),
+    ):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1 or None, got {value}")
+    if not devices:
+        return PackPlan(deferred=sorted(units, key=_sort_key))
+
+    plan = PackPlan()
+    largest = max(device.capacity for device in devices)
+    arrays = _arrays(
+        units, memory, array_size, default_memory, max_pack_size, largest, plan.unplaceable
+    )
+    used = {device.name: 0 for device in devices}
+    count = {device.name: 0 for device in devices}
+    open_packs: list[_OpenPack] = []
+    deferred: list[Unit] = []
+    # sorted() is stable: equal estimates keep the deterministic group order.
+    for array in sorted(arrays, key=lambda array: -array.estimated_bytes):
+        size = array.estimated_bytes
+        target = next(
+            (
+                pack
+                for pack in open_packs
+                if used[pack.device.name] + size <= pack.device.capacity
+                and (max_pack_size is None or pack.trials() + len(array.units) <= max_pack_size)
+            ),
+            None,
+        )
+        if target is None:
+            candidates = [
+                device
+                for device in devices
+                if used[device.name] + size <= device.capacity
+                and (max_packs_per_device is None or count[device.name] < max_packs_per_device)
+            ]
+            if not candidates:
+                deferred.extend(array.units)
+                continue
+            device = max(candidates, key=lambda device: device.capacity - used[device.name])
+            target = _OpenPack(device, [])
+            open_packs.append(target)
+            count[device.name] += 1
+        target.arrays.append(array)
+        used[target.device.name] += size
+
+    plan.packs = [PlannedPack(pack.device.name, tuple(pack.arrays)) for pack in open_packs]
+    plan.deferred = sorted(deferred, key=_sort_key)
+    return plan
