@@ -1,0 +1,168 @@
+"""Dispatch: hand a pack to RQ, or run it in the embedded runner — the same job either way.
+
+The scheduler only ever calls :meth:`Dispatcher.enqueue` with a pack id and a
+job id (``pack-<id>-<attempt>``) and asks :meth:`Dispatcher.state` what became
+of a job. The job itself is ``worker.jobs.run_pack``, named by dotted path so
+that this module (and the API process) never imports torch.
+
+- :class:`RQDispatcher` (``PACKTUNE_REDIS_URL`` set): one RQ queue; any
+  ``packtune worker`` takes the next pack.
+- :class:`EmbeddedDispatcher` (no Redis): a single child process runs packs
+  one after another. It is started with ``spawn`` so the parent (API +
+  scheduler) never loads torch or CUDA; a crashed child is replaced.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import multiprocessing
+import socket
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from collections.abc import Callable
+from typing import Protocol
+
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+JOB_FUNC = "worker.jobs.run_pack"
+
+
+class JobState(enum.StrEnum):
+    queued = "queued"
+    running = "running"
+    finished = "finished"
+    failed = "failed"
+    missing = "missing"  # never enqueued here, or vanished (e.g. Redis restarted)
+
+
+def job_id_for(pack_id: int, attempt: int) -> str:
+    return f"pack-{pack_id}-{attempt}"
+
+
+class Dispatcher(Protocol):
+    #: the name of the device this dispatcher's own runner trains on, or None (RQ workers
+    #: report themselves through heartbeats)
+    embedded_worker: str | None
+
+    def enqueue(self, pack_id: int, job_id: str) -> None: ...
+
+    def state(self, job_id: str) -> tuple[JobState, str | None]:
+        """The job's state and, for a failed job, its error text."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class RQDispatcher:
+    embedded_worker: str | None = None
+
+    def __init__(self, settings: Settings) -> None:
+        from redis import Redis
+        from rq import Queue
+
+        assert settings.redis_url is not None
+        self.redis = Redis.from_url(settings.redis_url)
+        self.queue = Queue(settings.queue_name, connection=self.redis)
+        self.job_timeout = settings.job_timeout
+
+    def enqueue(self, pack_id: int, job_id: str) -> None:
+        self.queue.enqueue_call(
+            JOB_FUNC,
+            args=(pack_id,),
+            job_id=job_id,
+            timeout=self.job_timeout,
+            result_ttl=24 * 3600,
+            failure_ttl=7 * 24 * 3600,
+            description=f"pack {pack_id}",
+        )
+
+    def state(self, job_id: str) -> tuple[JobState, str | None]:
+        from rq.exceptions import NoSuchJobError
+        from rq.job import Job, JobStatus
+
+        try:
+            job = Job.fetch(job_id, connection=self.redis)
+            status = job.get_status(refresh=True)
+        except NoSuchJobError:
+            return JobState.missing, None
+        if status == JobStatus.FINISHED:
+            return JobState.finished, None
+        if status in (JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED):
+            result = job.latest_result()
+            error = getattr(result, "exc_string", None) if result is not None else None
+            return JobState.failed, (error or str(status)).strip().splitlines()[-1]
+        if status == JobStatus.STARTED:
+            return JobState.running, None
+        return JobState.queued, None
+
+    def close(self) -> None:
+        self.redis.close()
+
+
+def _run_in_child(pack_id: int) -> str:
+    from worker.jobs import run_pack  # imported in the child only
+
+    return str(run_pack(pack_id))
+
+
+class EmbeddedDispatcher:
+    """Runs packs in one spawned child process, one after another (FIFO)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.embedded_worker = f"embedded@{socket.gethostname()}"
+        self._ctx = multiprocessing.get_context("spawn")
+        self._pool: ProcessPoolExecutor | None = None
+        self._jobs: dict[str, Future[str]] = {}
+        self.notify: Callable[[], None] | None = None  # called when a job ends
+
+    def _submit(self, pack_id: int) -> Future[str]:
+        fut = self._executor().submit(_run_in_child, pack_id)
+        fut.add_done_callback(lambda _: self.notify() if self.notify else None)
+        return fut
+
+    def _executor(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=self._ctx)
+        return self._pool
+
+    def enqueue(self, pack_id: int, job_id: str) -> None:
+        try:
+            self._jobs[job_id] = self._submit(pack_id)
+        except BrokenProcessPool:
+            log.warning("embedded runner died; starting a new one")
+            self._pool = None
+            self._jobs[job_id] = self._submit(pack_id)
+
+    def state(self, job_id: str) -> tuple[JobState, str | None]:
+        fut = self._jobs.get(job_id)
+        if fut is None:
+            return JobState.missing, None
+        if not fut.done():
+            return (JobState.running if fut.running() else JobState.queued), None
+        exc = fut.exception()
+        if exc is not None:
+            if isinstance(exc, BrokenProcessPool):
+                self._pool = None
+            return JobState.failed, f"{type(exc).__name__}: {exc}"
+        return JobState.finished, None
+
+    def forget(self, job_id: str) -> None:
+        self._jobs.pop(job_id, None)
+
+    def busy(self) -> int:
+        """Jobs submitted and not yet done."""
+        return sum(not f.done() for f in self._jobs.values())
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+
+def make_dispatcher(settings: Settings) -> Dispatcher:
+    if settings.redis_url:
+        return RQDispatcher(settings)
+    return EmbeddedDispatcher(settings)

@@ -1,0 +1,203 @@
+"""A study's life in the database: sample its trials, advance its brackets, finish it.
+
+Every function here reads the current rows and writes the decision back, and
+is idempotent: calling it twice, or after a crash half way, gives the same
+database. Synchronous successive halving per bracket: a bracket's rung is
+decided only when none of the bracket's trials is pending, queued or running.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from service import store
+from service.hyperband import plan_brackets, promote, rank
+from service.models import (
+    Measurement,
+    Pack,
+    PackStatus,
+    Study,
+    StudyStatus,
+    Trial,
+    TrialStatus,
+)
+from service.space import fusion_key, parse_space, sample_config
+from worker.workloads import get_workload
+
+ACTIVE = (TrialStatus.pending, TrialStatus.queued, TrialStatus.running)
+FINAL = (
+    TrialStatus.completed,
+    TrialStatus.stopped,
+    TrialStatus.diverged,
+    TrialStatus.failed,
+    TrialStatus.cancelled,
+)
+# statuses that count as "finished the current rung" when deciding promotions
+RUNG_DONE = (TrialStatus.paused, TrialStatus.diverged, TrialStatus.failed)
+
+
+def brackets_of(spec: dict[str, Any]) -> list[list[Any]]:
+    hb = spec["hyperband"]
+    return plan_brackets(hb["max_resource"], eta=hb.get("eta", 3), min_resource=hb.get("min_resource", 1))
+
+
+def rung_resource(spec: dict[str, Any], bracket: int, rung: int) -> float:
+    brackets = brackets_of(spec)
+    s_max = len(brackets) - 1
+    return float(brackets[s_max - bracket][rung].resource)
+
+
+def start_study(s: Session, study: Study) -> int:
+    """Sample every trial of every bracket (deterministic from the seed); mark it running."""
+    spec = study.spec
+    workload = get_workload(study.workload)
+    space = parse_space(spec.get("space", {}))
+    brackets = brackets_of(spec)
+    s_max = len(brackets) - 1
+    rows = []
+    index = 0
+    for j, rungs in enumerate(brackets):
+        bracket = s_max - j
+        for _ in range(rungs[0].n):
+            config = sample_config(space, study.seed, index)
+            resolved = workload.resolve(config)
+            rows.append(
+                {
+                    "sample_index": index,
+                    "bracket": bracket,
+                    "rung": 0,
+                    "config": config,
+                    "fusion_key": fusion_key(workload.name, resolved, workload.structural),
+                }
+            )
+            index += 1
+    inserted = store.add_trials(s, study.id, rows)
+    store.set_study_status(s, study, StudyStatus.running)
+    return inserted
+
+
+def _values_at(
+    s: Session, trials: Sequence[Trial], resource: float, metric: str
+) -> dict[int, float | None]:
+    """Each trial's objective value measured at ``resource`` (None when missing)."""
+    values: dict[int, float | None] = {t.id: None for t in trials}
+    if not values:
+        return values
+    rows = s.execute(
+        select(Measurement.trial_id, Measurement.resource, Measurement.metrics).where(
+            Measurement.trial_id.in_(list(values))
+        )
+    )
+    for trial_id, res, metrics in rows:
+        if math.isclose(res, resource, rel_tol=1e-9, abs_tol=1e-9):
+            v = metrics.get(metric)
+            values[trial_id] = float(v) if isinstance(v, int | float) else None
+    return values
+
+
+@dataclass
+class Advance:
+    promoted: int = 0
+    stopped: int = 0
+    completed: int = 0
+
+
+def advance_brackets(s: Session, study: Study) -> Advance:
+    """Decide every bracket whose current rung is finished."""
+    spec = study.spec
+    eta = int(spec["hyperband"].get("eta", 3))
+    metric = spec.get("objective", {}).get("metric", "val_loss")
+    mode = spec.get("objective", {}).get("mode", "min")
+    by_bracket: dict[int, list[Trial]] = defaultdict(list)
+    for t in store.trials_of(s, study.id):
+        by_bracket[t.bracket].append(t)
+    out = Advance()
+    for bracket, trials in by_bracket.items():
+        if any(t.status in ACTIVE for t in trials):
+            continue
+        paused = [t for t in trials if t.status == TrialStatus.paused]
+        if not paused:
+            continue
+        rung = paused[0].rung
+        if rung >= bracket:  # last rung of this bracket: done
+            for t in paused:
+                t.status = TrialStatus.completed
+            out.completed += len(paused)
+            continue
+        contenders = [t for t in trials if t.rung == rung and t.status in RUNG_DONE]
+        values = _values_at(s, contenders, rung_resource(spec, bracket, rung), metric)
+        for t in contenders:  # diverged and failed trials rank last
+            if t.status != TrialStatus.paused:
+                values[t.id] = None
+        results = [(t.id, values[t.id]) for t in contenders]
+        chosen = set(promote(results, eta, mode))
+        store.record_promotions(
+            s, study.id, bracket, rung, [(tid, values[tid]) for tid in sorted(chosen)]
+        )
+        for t in paused:
+            if t.id in chosen:
+                t.rung = rung + 1
+                t.status = TrialStatus.pending
+                out.promoted += 1
+            else:
+                t.status = TrialStatus.stopped
+                out.stopped += 1
+    s.flush()
+    return out
+
+
+def best_trial(s: Session, study: Study) -> tuple[int, float] | None:
+    """The best trial at max resource by the objective (finite values only)."""
+    spec = study.spec
+    max_resource = float(spec["hyperband"]["max_resource"])
+    metric = spec.get("objective", {}).get("metric", "val_loss")
+    mode = spec.get("objective", {}).get("mode", "min")
+    finals = store.trials_of(s, study.id, status=TrialStatus.completed)
+    values = _values_at(s, finals, max_resource, metric)
+    ranked = rank([(tid, v) for tid, v in values.items()], mode)
+    for tid in ranked:
+        v = values[tid]
+        if v is not None and math.isfinite(v):
+            return tid, v
+    return None
+
+
+def finish_if_done(s: Session, study: Study) -> bool:
+    """Mark the study completed (with its best trial) or failed once no trial can move."""
+    counts = store.count_trials_by_status(s, study.id)
+    if not counts or any(counts.get(st, 0) for st in (*ACTIVE, TrialStatus.paused)):
+        return False
+    best = best_trial(s, study)
+    if best is None:
+        store.set_study_status(
+            s, study, StudyStatus.failed,
+            error="no trial reached max_resource with a finite objective value",
+        )
+    else:
+        study.best_trial_id = best[0]
+        store.set_study_status(s, study, StudyStatus.completed)
+    return True
+
+
+def cancel_rest(s: Session, study: Study) -> int:
+    """For a cancelled study: cancel every trial that can still move and every unstarted pack."""
+    res = s.execute(
+        update(Trial)
+        .where(Trial.study_id == study.id, Trial.status.in_([*ACTIVE, TrialStatus.paused]))
+        .values(status=TrialStatus.cancelled)
+    )
+    s.execute(
+        update(Pack)
+        .where(Pack.study_id == study.id, Pack.status.in_([PackStatus.pending, PackStatus.queued]))
+        .values(status=PackStatus.cancelled)
+    )
+    if study.finished_at is None:
+        store.set_study_status(s, study, StudyStatus.cancelled)
+    return int(getattr(res, "rowcount", 0) or 0)

@@ -1,0 +1,127 @@
+"""Turn a study's ready trials into packs: the adapter between the store and ``packing``.
+
+Reads pending trials, live workers and profiles; calls the pure planner; writes
+the packs (status ``pending``) and marks their trials ``queued``, all in the
+caller's transaction.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from service import store
+from service.lifecycle import rung_resource
+from service.models import Pack, PackStatus, Profile, Study, TrialStatus, Worker
+from service.packing import (
+    Device,
+    MemoryModel,
+    PackPlan,
+    Unit,
+    best_array_size,
+    plan_packs,
+)
+from service.settings import Settings
+
+#: packs a device may have outstanding (one running, one waiting): keeps the queue short so
+#: that each plan uses the newest throughput and memory measurements
+QUEUE_DEPTH = 2
+#: memory model for a fusion key never probed on this device kind: small, so that the first
+#: pack (k <= 2 by the throughput rule) runs and its probe measures the truth
+DEFAULT_MEMORY = MemoryModel(base=256 * 2**20, per_trial=64 * 2**20)
+
+
+def devices_of(workers: list[Worker], settings: Settings) -> dict[str, tuple[Device, str]]:
+    """Every device of the live workers: name -> (Device, device kind)."""
+    out: dict[str, tuple[Device, str]] = {}
+    for w in workers:
+        if w.gpus:
+            for g in w.gpus:
+                free = int(g.get("memory_available", g.get("memory_free", 0)))
+                name = f"{w.name}/cuda:{g.get('index', 0)}"
+                out[name] = (Device(name, free), w.device_kind)
+        else:
+            budget = w.memory_budget or settings.cpu_memory_budget
+            out[f"{w.name}/cpu"] = (Device(f"{w.name}/cpu", budget), w.device_kind)
+    return out
+
+
+def outstanding(s: Session) -> Counter[str]:
+    """Packs queued or running per target device, across studies."""
+    rows = s.execute(
+        select(Pack.device, func.count())
+        .where(Pack.status.in_([PackStatus.pending, PackStatus.queued, PackStatus.running]))
+        .group_by(Pack.device)
+    )
+    return Counter({str(d): int(n) for d, n in rows if d is not None})
+
+
+def _profiles(s: Session, workload: str, kind: str) -> dict[str, Profile]:
+    rows = s.scalars(
+        select(Profile).where(Profile.workload == workload, Profile.device_kind == kind)
+    )
+    return {p.fusion_key: p for p in rows}
+
+
+def plan_study(
+    s: Session, study: Study, workers: list[Worker], settings: Settings
+) -> PackPlan | None:
+    """Plan and record packs for the study's pending trials; None when nothing could run."""
+    pending = store.trials_of(s, study.id, status=TrialStatus.pending)
+    if not pending:
+        return None
+    devices = devices_of(workers, settings)
+    busy = outstanding(s)
+    free = [dev for name, (dev, _) in devices.items() if busy[name] < QUEUE_DEPTH]
+    if not free:
+        return None
+    kind = devices[free[0].name][1]  # one device kind per plan; mixed fleets use the first
+    packing: dict[str, Any] = study.spec.get("packing") or {}
+    cap = packing.get("max_pack_size")
+    if not packing.get("enabled", True):
+        cap = 1
+    profiles = _profiles(s, study.workload, kind)
+    units = [
+        Unit(t.id, t.fusion_key, t.resource_done, rung_resource(study.spec, t.bracket, t.rung))
+        for t in pending
+    ]
+    memory: dict[str, MemoryModel] = {}
+    sizes: dict[str, int] = {}
+    for key in {u.fusion_key for u in units}:
+        p = profiles.get(key)
+        if p is not None and p.base_bytes is not None and p.per_trial_bytes is not None:
+            memory[key] = MemoryModel(int(p.base_bytes), int(p.per_trial_bytes))
+        table = {int(k): float(v) for k, v in (p.throughput if p else {}).items()}
+        sizes[key] = best_array_size(table, cap)
+    plan = plan_packs(
+        units,
+        free,
+        memory,
+        sizes,
+        default_memory=DEFAULT_MEMORY,
+        max_pack_size=cap,
+        max_packs_per_device=1,
+    )
+    by_id = {t.id: t for t in pending}
+    for planned in plan.packs:
+        members = [
+            (u.trial_id, u.fusion_key, u.from_resource, u.to_resource) for u in planned.units
+        ]
+        store.create_pack(
+            s,
+            study_id=study.id,
+            members=members,
+            device=planned.device,
+            estimated_bytes=planned.estimated_bytes,
+        )
+        for u in planned.units:
+            by_id[u.trial_id].status = TrialStatus.queued
+    for u in plan.unplaceable:
+        t = by_id[u.trial_id]
+        t.status = TrialStatus.failed
+        t.error = "fits no device: its estimated memory exceeds every live device's free memory"
+    s.flush()
+    return plan

@@ -1,0 +1,278 @@
+"""The scheduler loop: reads the database, decides, writes back, dispatches.
+
+It keeps no state of its own. Each tick, under a database lease (so two
+schedulers started by mistake do not both act):
+
+1. reconcile dispatched packs with their jobs: a job that failed, vanished
+   (e.g. Redis restarted) or whose worker stopped sending heartbeats puts its
+   pack back to ``pending``;
+2. for every study: sample the trials of a new one, cancel what a cancelled
+   one still has, decide finished rungs (promotions), finish a study whose
+   trials can no longer move, and plan packs for ready trials;
+3. dispatch ``pending`` packs: attempt + 1, job id ``pack-<id>-<attempt>``,
+   committed *before* the job is enqueued — a crash in between leaves a
+   queued pack without a job, which step 1 re-dispatches. A pack out of
+   attempts fails its trials with the error kept.
+
+Killing it at any point and starting it again loses nothing and enqueues
+nothing twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from service import lifecycle, planning, store
+from service.db import get_sessionmaker, session_scope
+from service.dispatch import Dispatcher, JobState, job_id_for, make_dispatcher
+from service.models import (
+    Pack,
+    PackStatus,
+    Study,
+    StudyStatus,
+    Trial,
+    TrialStatus,
+    Worker,
+    WorkerStatus,
+)
+from service.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
+
+LEASE = "scheduler"
+
+
+@dataclass
+class TickReport:
+    leader: bool = False
+    started: int = 0
+    planned: int = 0
+    dispatched: int = 0
+    requeued: int = 0
+    failed_packs: int = 0
+    finished_studies: list[int] = field(default_factory=list)
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        factory: sessionmaker[Session] | None = None,
+        dispatcher: Dispatcher | None = None,
+        holder: str | None = None,
+    ) -> None:
+        self.settings = settings or get_settings()
+        self.factory = factory or get_sessionmaker()
+        self.dispatcher = dispatcher or make_dispatcher(self.settings)
+        self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
+        self.wake = threading.Event()
+        if hasattr(self.dispatcher, "notify"):
+            self.dispatcher.notify = self.wake.set  # a finished pack wakes the loop at once
+
+    # -- one tick ---------------------------------------------------------------------------
+
+    def tick(self) -> TickReport:
+        report = TickReport()
+        to_enqueue: list[tuple[int, str]] = []
+        ttl = max(10.0, 5 * self.settings.scheduler_interval)
+        with session_scope(self.factory) as s:
+            if not store.acquire_lease(s, LEASE, self.holder, ttl):
+                return report
+            report.leader = True
+            now = _now()
+            self._embedded_heartbeat(s)
+            store.mark_dead_workers(s, self.settings.heartbeat_timeout)
+            workers = store.live_workers(s, self.settings.heartbeat_timeout)
+            self._reconcile(s, {w.name for w in workers}, report)
+            for study in s.scalars(
+                select(Study).where(
+                    Study.status.in_([StudyStatus.pending, StudyStatus.running])
+                ).order_by(Study.id)
+            ):
+                self._advance(s, study, workers, report)
+            self._cancelled(s)
+            to_enqueue = self._dispatch(s, now, report)
+        for pack_id, job_id in to_enqueue:
+            try:
+                self.dispatcher.enqueue(pack_id, job_id)
+            except Exception as exc:  # e.g. Redis down: the next tick re-dispatches
+                log.warning("could not enqueue pack %s: %s", pack_id, exc)
+        return report
+
+    def _embedded_heartbeat(self, s: Session) -> None:
+        name = self.dispatcher.embedded_worker
+        if name is None:
+            return
+        from worker.gpu import gpu_readings  # pynvml only, no torch
+
+        gpus = gpu_readings() if self.settings.device != "cpu" else []
+        store.heartbeat(
+            s,
+            name=name,
+            host=socket.gethostname(),
+            device_kind=gpus[0]["name"] if gpus else "cpu",
+            gpus=gpus[:1],
+            memory_budget=self.settings.cpu_memory_budget,
+            status=WorkerStatus.idle,
+        )
+
+    def _reconcile(self, s: Session, live: set[str], report: TickReport) -> None:
+        packs = s.scalars(
+            select(Pack).where(Pack.status.in_([PackStatus.queued, PackStatus.running]))
+        )
+        for pack in packs:
+            if pack.job_id is None:
+                self._requeue(pack, "dispatched without a job id", report)
+                continue
+            state, error = self.dispatcher.state(pack.job_id)
+            if state == JobState.failed:
+                self._requeue(pack, error or "job failed", report)
+            elif state == JobState.missing:
+                self._requeue(pack, "job vanished from the queue", report)
+            elif state == JobState.finished:
+                s.refresh(pack)  # the job ended: its own status is the truth
+                if pack.status in (PackStatus.queued, PackStatus.running):
+                    self._requeue(pack, "job ended without finishing the pack", report)
+            elif (
+                pack.status == PackStatus.running
+                and pack.worker_name is not None
+                and pack.worker_name not in live
+                and pack.worker_name != self.dispatcher.embedded_worker
+            ):
+                self._requeue(pack, f"worker {pack.worker_name} stopped sending heartbeats", report)
+
+    @staticmethod
+    def _requeue(pack: Pack, reason: str, report: TickReport) -> None:
+        log.info("pack %s back to pending: %s", pack.id, reason)
+        pack.status = PackStatus.pending
+        pack.error = reason
+        report.requeued += 1
+
+    def _advance(
+        self,
+        s: Session,
+        study: Study,
+        workers: list[Worker],
+        report: TickReport,
+    ) -> None:
+        try:
+            if study.status == StudyStatus.pending:
+                report.started += lifecycle.start_study(s, study) > 0
+            lifecycle.advance_brackets(s, study)
+            if lifecycle.finish_if_done(s, study):
+                report.finished_studies.append(study.id)
+                return
+            plan = planning.plan_study(s, study, workers, self.settings)
+            if plan is not None:
+                report.planned += len(plan.packs)
+        except (KeyError, ValueError) as exc:  # e.g. a workload no longer registered
+            log.error("study %s failed: %s", study.id, exc)
+            store.set_study_status(s, study, StudyStatus.failed, error=str(exc))
+            lifecycle.cancel_rest(s, study)
+            study.status = StudyStatus.failed
+
+    @staticmethod
+    def _cancelled(s: Session) -> None:
+        studies = s.scalars(
+            select(Study)
+            .join(Trial, Trial.study_id == Study.id)
+            .where(
+                Study.status == StudyStatus.cancelled,
+                Trial.status.in_([*lifecycle.ACTIVE, TrialStatus.paused]),
+            )
+            .distinct()
+        )
+        for study in studies:
+            lifecycle.cancel_rest(s, study)
+
+    def _dispatch(self, s: Session, now: datetime, report: TickReport) -> list[tuple[int, str]]:
+        out: list[tuple[int, str]] = []
+        for pack in s.scalars(
+            select(Pack).where(Pack.status == PackStatus.pending).order_by(Pack.id)
+        ):
+            if pack.attempts >= self.settings.max_attempts:
+                self._fail(s, pack)
+                report.failed_packs += 1
+                continue
+            pack.attempts += 1
+            pack.job_id = job_id_for(pack.id, pack.attempts)
+            pack.status = PackStatus.queued
+            pack.enqueued_at = now
+            out.append((pack.id, pack.job_id))
+        report.dispatched = len(out)
+        return out
+
+    @staticmethod
+    def _fail(s: Session, pack: Pack) -> None:
+        error = f"pack {pack.id} failed after {pack.attempts} attempts: {pack.error}"
+        pack.status = PackStatus.failed
+        pack.finished_at = _now()
+        ids = [m.trial_id for m in pack.members]
+        for trial in s.scalars(select(Trial).where(Trial.id.in_(ids))):
+            if trial.status in (TrialStatus.queued, TrialStatus.running):
+                trial.status = TrialStatus.failed
+                trial.error = error
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def run(
+        self,
+        stop: threading.Event | None = None,
+        until_study: int | None = None,
+        on_tick: object = None,
+    ) -> None:
+        """Tick until ``stop`` is set (or, with ``until_study``, that study is finished)."""
+        stop = stop or threading.Event()
+        interval = self.settings.scheduler_interval
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                report = self.tick()
+            except Exception:
+                log.exception("scheduler tick failed; trying again")
+                report = TickReport()
+            if callable(on_tick):
+                on_tick(report)
+            if until_study is not None and self._finished(until_study):
+                return
+            busy = report.dispatched or report.planned or report.requeued
+            wait = 0.0 if busy else max(0.0, interval - (time.monotonic() - started))
+            self.wake.wait(wait)
+            self.wake.clear()
+
+    def _finished(self, study_id: int) -> bool:
+        with session_scope(self.factory) as s:
+            study = store.get_study(s, study_id)
+            return study.status in (
+                StudyStatus.completed,
+                StudyStatus.failed,
+                StudyStatus.cancelled,
+            )
+
+    def close(self) -> None:
+        with session_scope(self.factory) as s:
+            store.release_lease(s, LEASE, self.holder)
+        self.dispatcher.close()
+
+
+def run_scheduler(stop: threading.Event | None = None) -> None:
+    """``packtune scheduler``: tick until stopped."""
+    scheduler = Scheduler()
+    try:
+        scheduler.run(stop)
+    finally:
+        scheduler.close()
+
