@@ -1,0 +1,192 @@
+"""The study spec: the JSON body of ``POST /api/studies`` and the YAML file of ``packtune run``.
+
+:class:`StudySpec` checks the shape (types, ranges, unknown keys) and, in one
+``after`` validator, what needs the other fields: the workload is registered,
+the space parses and names only parameters the workload takes, and the
+Hyperband settings imply a study of sane size. Those checks raise
+:class:`~service.errors.SpecError` carrying a dotted ``field`` such as
+``space.lr.low``; pydantic wraps it, and :func:`spec_error_of` gets it back.
+
+:func:`validate_spec` is what callers use: any problem comes out as one
+``SpecError(field, message)``, the first pydantic finds. The module is pure:
+no database, no torch (workloads are looked up by name only).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import ErrorDetails
+
+from service.errors import SpecError
+from service.hyperband import Rung, plan_brackets, s_max, total_trials
+from service.space import Dimension, parse_space
+
+# A study bigger than this is almost certainly a unit mistake (steps for epochs).
+MAX_RESOURCE_LIMIT = 10_000
+MAX_TRIALS = 100_000
+RESERVED_PARAMS = frozenset({"seed", "data_seed"})
+
+Name = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=200)]
+Resource = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+class _Strict(BaseModel):
+    # strict: "27" or true is not a number; JSON and YAML carry real ones.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class Objective(_Strict):
+    metric: Annotated[str, StringConstraints(min_length=1, max_length=100)] = "val_loss"
+    mode: Literal["min", "max"] = "min"
+
+
+class HyperbandSettings(_Strict):
+    """R (``max_resource``), r_min (``min_resource``) and eta, in the study's resource unit."""
+
+    max_resource: Resource
+    min_resource: Resource = 1.0
+    eta: Annotated[int, Field(ge=2, le=1_000)] = 3
+
+    @field_validator("max_resource")
+    @classmethod
+    def _not_absurd(cls, value: float) -> float:
+        if value > MAX_RESOURCE_LIMIT:
+            raise SpecError(
+                "hyperband.max_resource",
+                f"must be at most {MAX_RESOURCE_LIMIT} (got {value}); the resource unit is "
+                "epochs, not steps",
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _ordered(self) -> HyperbandSettings:
+        if self.max_resource < self.min_resource:
+            raise SpecError(
+                "hyperband.max_resource",
+                f"must be >= min_resource ({self.min_resource}), got {self.max_resource}",
+            )
+        return self
+
+
+class PackingSettings(_Strict):
+    enabled: bool = True
+    max_pack_size: Annotated[int, Field(ge=1)] | None = None
+
+
+class StudySpec(_Strict):
+    """A tuning study; see DESIGN.md "Study spec" for an example."""
+
+    name: Name
+    workload: Annotated[str, StringConstraints(min_length=1, max_length=100)]
+    objective: Objective = Objective()
+    space: dict[str, Any]
+    hyperband: HyperbandSettings
+    packing: PackingSettings = PackingSettings()
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] = 0
+
+    @field_validator("workload")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        known = _workloads()
+        if name not in known:
+            raise SpecError("workload", f"unknown workload {name!r}; known: {sorted(known)}")
+        return name
+
+    @model_validator(mode="after")
+    def _consistent(self) -> StudySpec:
+        check_space(self.workload, self.space)
+        check_size(self.hyperband)
+        return self
+
+    def dimensions(self) -> dict[str, Dimension]:
+        """The parsed search space."""
+        return parse_space(self.space)
+
+    def total_trials(self) -> int:
+        return total_trials(self.brackets())
+
+    def brackets(self) -> list[list[Rung]]:
+        """Hyperband's plan for this spec (see :func:`service.hyperband.plan_brackets`)."""
+        hb = self.hyperband
+        return plan_brackets(hb.max_resource, hb.eta, hb.min_resource)
+
+
+def _workloads() -> dict[str, Any]:
+    from worker.workloads import registry  # imports no torch
+
+    return registry()
+
+
+def check_space(workload: str, raw: dict[str, Any]) -> None:
+    """``raw`` parses, and every parameter is one ``workload`` takes and not a reserved one."""
+    parse_space(raw)
+    params = _workloads()[workload].params
+    for name in raw:
+        if name in RESERVED_PARAMS:
+            raise SpecError(f"space.{name}", "is set by packtune for every trial; remove it")
+        if name not in params:
+            raise SpecError(
+                f"space.{name}",
+                f"workload {workload!r} does not take this parameter; it takes {sorted(params)}",
+            )
+
+
+def check_size(hb: HyperbandSettings) -> None:
+    """Reject settings whose plan samples more than :data:`MAX_TRIALS` trials.
+
+    The top bracket alone samples ``eta**s_max`` trials, so that is checked
+    before the plan is built (a tiny ``min_resource`` would make it enormous).
+    """
+    top = s_max(hb.max_resource, hb.eta, hb.min_resource)
+    trials = hb.eta**top
+    if trials <= MAX_TRIALS:
+        trials = total_trials(plan_brackets(hb.max_resource, hb.eta, hb.min_resource))
+    if trials > MAX_TRIALS:
+        raise SpecError(
+            "hyperband",
+            f"these settings sample {trials} trials, more than {MAX_TRIALS}; "
+            "raise min_resource or eta, or lower max_resource",
+        )
+
+
+def spec_error_of(error: ErrorDetails, prefix: tuple[str | int, ...] = ()) -> SpecError:
+    """One pydantic error as a ``SpecError``; ``prefix`` is dropped from the location.
+
+    A ``SpecError`` raised in a validator keeps its own ``field``; any other
+    error is named by its location (``hyperband.eta``).
+    """
+    original = (error.get("ctx") or {}).get("error")
+    if isinstance(original, SpecError):
+        return original
+    loc = tuple(error["loc"])
+    if prefix and loc[: len(prefix)] == prefix:
+        loc = loc[len(prefix) :]
+    field = ".".join(str(part) for part in loc) or "spec"
+    message = error["msg"]
+    if error["type"] == "extra_forbidden":
+        message = "unknown key"
+    elif error["type"] == "missing":
+        message = "is required"
+    return SpecError(field, message)
+
+
+def validate_spec(raw: Any) -> StudySpec:
+    """A checked :class:`StudySpec` from JSON-like ``raw``, or ``SpecError`` naming the field."""
+    if isinstance(raw, StudySpec):
+        return raw
+    if not isinstance(raw, dict):
+        raise SpecError("spec", f"must be a mapping, got {type(raw).__name__}")
+    try:
+        return StudySpec.model_validate(raw)
+    except ValidationError as exc:
+        raise spec_error_of(exc.errors()[0]) from None

@@ -1,0 +1,123 @@
+"""Study spec validation: every rule names the field it rejects."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from service.errors import SpecError
+from service.spec import MAX_TRIALS, StudySpec, validate_spec
+
+GOOD: dict[str, Any] = {
+    "name": "digits-mlp-lr",
+    "workload": "digits-mlp",
+    "objective": {"metric": "val_loss", "mode": "min"},
+    "space": {
+        "lr": {"type": "loguniform", "low": 1e-4, "high": 0.3},
+        "momentum": {"type": "uniform", "low": 0.0, "high": 0.99},
+        "hidden": {"type": "choice", "values": [64, 128]},
+    },
+    "hyperband": {"max_resource": 27, "min_resource": 1, "eta": 3},
+    "packing": {"enabled": True, "max_pack_size": None},
+    "seed": 0,
+}
+
+
+def with_(path: str, value: Any) -> dict[str, Any]:
+    """GOOD with the value at dotted ``path`` replaced (``...`` deletes it)."""
+    spec = copy.deepcopy(GOOD)
+    *parents, last = path.split(".")
+    node = spec
+    for part in parents:
+        node = node[part]
+    if value is ...:
+        del node[last]
+    else:
+        node[last] = value
+    return spec
+
+
+def rejected(raw: Any) -> SpecError:
+    with pytest.raises(SpecError) as info:
+        validate_spec(raw)
+    return info.value
+
+
+def test_the_design_example_is_valid() -> None:
+    spec = validate_spec(GOOD)
+    assert isinstance(spec, StudySpec)
+    assert spec.hyperband.max_resource == 27
+    assert spec.total_trials() == 49  # DESIGN.md: R=27, eta=3 gives 49 trials
+    assert set(spec.dimensions()) == {"lr", "momentum", "hidden"}
+    # The dumped form validates again to the same spec (it is what the store keeps).
+    assert validate_spec(spec.model_dump(mode="json")) == spec
+
+
+def test_defaults_fill_the_optional_parts() -> None:
+    spec = validate_spec(
+        {"name": "x", "workload": "digits-mlp", "space": {}, "hyperband": {"max_resource": 9}}
+    )
+    assert spec.objective.metric == "val_loss" and spec.objective.mode == "min"
+    assert (spec.hyperband.min_resource, spec.hyperband.eta) == (1, 3)
+    assert spec.packing.enabled is True and spec.packing.max_pack_size is None
+    assert spec.seed == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "field", "words"),
+    [
+        ("hyperband.eta", 1, "hyperband.eta", "greater than or equal to 2"),
+        ("hyperband.eta", 2.5, "hyperband.eta", "integer"),
+        ("hyperband.eta", "3", "hyperband.eta", "integer"),
+        ("hyperband.max_resource", 10**9, "hyperband.max_resource", "at most 10000"),
+        ("hyperband.max_resource", 0, "hyperband.max_resource", "greater than 0"),
+        ("hyperband.max_resource", float("inf"), "hyperband.max_resource", "finite"),
+        ("hyperband.max_resource", "27", "hyperband.max_resource", "number"),
+        ("hyperband.min_resource", 81, "hyperband.max_resource", ">= min_resource"),
+        ("hyperband.min_resource", 1e-9, "hyperband", f"more than {MAX_TRIALS}"),
+        ("space.lr.low", 1.0, "space.lr.low", "greater than high"),
+        ("space.lr.low", 0, "space.lr.low", "greater than 0"),
+        ("space.lr.type", "normal", "space.lr.type", "must be one of"),
+        ("space.hidden.values", [], "space.hidden.values", "empty"),
+        ("space.momentum.high", 0.0, "space.momentum.high", "empty range"),
+        ("space.depth", {"type": "int", "low": 1, "high": 3}, "space.depth", "does not take"),
+        ("space.seed", {"type": "int", "low": 0, "high": 3}, "space.seed", "set by packtune"),
+        ("space.data_seed", {"type": "choice", "values": [1]}, "space.data_seed", "packtune"),
+        ("workload", "no-such-workload", "workload", "unknown workload"),
+        ("workload", ..., "workload", "required"),
+        ("hyperband", ..., "hyperband", "required"),
+        ("objective.mode", "best", "objective.mode", "'min' or 'max'"),
+        ("colour", "blue", "colour", "unknown key"),
+        ("hyperband.speed", 2, "hyperband.speed", "unknown key"),
+        ("name", "   ", "name", "at least 1 character"),
+        ("name", "x" * 201, "name", "at most 200"),
+        ("seed", -1, "seed", "greater than or equal to 0"),
+        ("packing.max_pack_size", 0, "packing.max_pack_size", "greater than or equal to 1"),
+        ("packing.enabled", "yes", "packing.enabled", "boolean"),
+    ],
+)
+def test_each_rule_names_its_field(path: str, value: Any, field: str, words: str) -> None:
+    error = rejected(with_(path, value))
+    assert error.field == field
+    assert words in error.message
+    assert str(error) == f"{field}: {error.message}"
+
+
+def test_a_spec_that_is_not_a_mapping_is_rejected() -> None:
+    assert rejected([1, 2]).field == "spec"
+    assert rejected(None).field == "spec"
+
+
+def test_fractional_resources_are_allowed() -> None:
+    spec = validate_spec(with_("hyperband", {"max_resource": 0.9, "min_resource": 0.1}))
+    assert [len(bracket) for bracket in spec.brackets()] == [3, 2, 1]
+
+
+def test_the_trial_cap_counts_every_bracket() -> None:
+    # eta=2 up to 8192: 14 brackets, the top one alone 8192 trials; under the cap.
+    ok = validate_spec(with_("hyperband", {"max_resource": 8192, "eta": 2}))
+    assert 8192 < ok.total_trials() <= MAX_TRIALS
+    too_many = rejected(with_("hyperband", {"max_resource": 10_000, "min_resource": 0.01}))
+    assert too_many.field == "hyperband"
