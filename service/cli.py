@@ -1,0 +1,271 @@
+"""``packtune``: run | serve | scheduler | worker | submit | db upgrade.
+
+User mistakes (a bad spec, a bad setting, an unreachable server) print one
+line and exit non-zero; no stack traces.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+
+from service.errors import PacktuneError, SpecError
+from service.settings import SettingsError, get_settings
+
+app = typer.Typer(
+    name="packtune",
+    help="Pack-aware hyperparameter tuning: Hyperband with trials packed onto one device.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+db_app = typer.Typer(help="Database commands.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(
+        level=get_settings().log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _masked(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def load_spec_file(path: Path) -> dict[str, Any]:
+    """Read and validate a YAML/JSON spec; one-line error and exit 2 when it is wrong."""
+    import yaml
+
+    from service.spec import validate_spec
+
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        fail(f"{path}: no such file")
+    except (OSError, UnicodeDecodeError) as exc:
+        fail(f"{path}: cannot read: {exc}")
+    except yaml.YAMLError as exc:
+        fail(f"{path}: not valid YAML: {str(exc).splitlines()[0]}")
+    try:
+        return validate_spec(raw).model_dump(mode="json")
+    except SpecError as exc:
+        fail(f"{path}: {exc.field}: {exc.message}")
+
+
+@app.command()
+def run(
+    spec: Annotated[Path, typer.Argument(help="Study spec (YAML or JSON).")],
+    top: Annotated[int, typer.Option(help="Rows of the leaderboard to print.")] = 10,
+) -> None:
+    """Run a study end to end here (embedded: SQLite, packs in a child process)."""
+    from rich.console import Console
+
+    from service import store
+    from service.db import get_sessionmaker, session_scope, upgrade
+    from service.progress import leaderboard_table, watch
+    from service.queries import leaderboard, study_summary
+    from service.scheduler import Scheduler
+
+    body = load_spec_file(spec)
+    settings = get_settings()
+    _setup_logging()
+    logging.getLogger().setLevel(logging.WARNING)
+    upgrade(settings.database_url)
+    factory = get_sessionmaker()
+    with session_scope(factory) as s:
+        study = store.create_study(
+            s, name=body["name"], workload=body["workload"], spec=body, seed=body["seed"]
+        )
+        study_id = study.id
+    console = Console()
+    console.print(f"study {study_id} [bold]{body['name']}[/]: {body['workload']}, "
+                  f"database {_masked(settings.database_url)}")
+
+    def fetch() -> dict[str, Any]:
+        with session_scope(factory) as s:
+            return study_summary(s, study_id)
+
+    scheduler = Scheduler(settings)
+    stop = threading.Event()
+    thread = threading.Thread(
+        target=scheduler.run, kwargs={"stop": stop, "until_study": study_id}, daemon=True
+    )
+    thread.start()
+    try:
+        summary = watch(fetch, console=console, until=lambda: not thread.is_alive())
+    except KeyboardInterrupt:
+        stop.set()
+        fail("interrupted; the study can be resumed with `packtune serve`", 130)
+    finally:
+        stop.set()
+        thread.join()
+        scheduler.close()
+    metric = body["objective"]["metric"]
+    with session_scope(factory) as s:
+        rows = leaderboard(s, study_id, limit=top)
+    console.print(leaderboard_table(rows, metric, top))
+    console.print(f"study {study_id} {summary['status']}")
+    if summary["status"] != "completed":
+        raise typer.Exit(1)
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port.")] = 8000,
+    no_scheduler: Annotated[
+        bool, typer.Option("--no-scheduler", help="API only (run `packtune scheduler` apart).")
+    ] = False,
+) -> None:
+    """Serve the API and dashboard; also the scheduler, and packs in-process without Redis."""
+    import uvicorn
+
+    from service.db import upgrade
+
+    settings = get_settings()
+    _setup_logging()
+    if settings.database_url.startswith("sqlite"):
+        upgrade(settings.database_url)  # embedded: nothing else would create the file
+    stop = threading.Event()
+    thread = None
+    if not no_scheduler:
+        from service.scheduler import run_scheduler
+
+        thread = threading.Thread(target=run_scheduler, args=(stop,), daemon=True)
+        thread.start()
+    try:
+        uvicorn.run("service.api.app:create_app", factory=True, host=host, port=port)
+    finally:
+        stop.set()
+        if thread is not None:
+            thread.join(timeout=30)
+
+
+@app.command()
+def scheduler() -> None:
+    """Run the scheduler loop (one per deployment; a second one waits on the lease)."""
+    from service.scheduler import run_scheduler
+
+    _setup_logging()
+    try:
+        run_scheduler()
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command()
+def worker(
+    gpu: Annotated[int | None, typer.Option(help="Pin this worker to GPU N.")] = None,
+    name: Annotated[str | None, typer.Option(help="Worker name (default host-gpuN).")] = None,
+    all_gpus: Annotated[
+        bool, typer.Option("--all-gpus", help="One worker process per visible GPU.")
+    ] = False,
+    burst: Annotated[bool, typer.Option(help="Exit when the queue is empty.")] = False,
+) -> None:
+    """Run an RQ worker that trains packs and sends NVML heartbeats."""
+    settings = get_settings()
+    if not settings.redis_url:
+        fail("PACKTUNE_REDIS_URL is not set: a worker takes packs from Redis "
+             "(without Redis, `packtune serve` runs packs itself)")
+    _setup_logging()
+    from worker.main import run_all_gpus, run_worker
+
+    try:
+        if all_gpus:
+            raise typer.Exit(run_all_gpus(burst=burst))
+        run_worker(gpu=gpu, name=name, burst=burst)
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command()
+def submit(
+    spec: Annotated[Path, typer.Argument(help="Study spec (YAML or JSON).")],
+    url: Annotated[str, typer.Option(help="packtune API base URL.")] = "http://127.0.0.1:8000",
+    watch_: Annotated[bool, typer.Option("--watch", help="Follow the study's progress.")] = False,
+    token: Annotated[
+        str | None, typer.Option(envvar="PACKTUNE_API_TOKEN", help="Bearer token.")
+    ] = None,
+) -> None:
+    """Submit a study to a running service."""
+    import httpx
+    from rich.console import Console
+
+    from service.progress import leaderboard_table, watch
+
+    body = load_spec_file(spec)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    base = url.rstrip("/")
+    try:
+        with httpx.Client(base_url=base, headers=headers, timeout=30) as client:
+            resp = client.post("/api/studies", json=body)
+            if resp.status_code >= 400:
+                fail(f"{resp.status_code}: {_detail(resp)}")
+            study = resp.json()
+            console = Console()
+            console.print(f"study {study['id']} submitted: {base}/#/studies/{study['id']}")
+            if not watch_:
+                return
+
+            def fetch() -> dict[str, Any]:
+                r = client.get(f"/api/studies/{study['id']}")
+                r.raise_for_status()
+                return dict(r.json())
+
+            summary = watch(fetch, console=console)
+            rows = client.get(f"/api/studies/{study['id']}/leaderboard").json()["data"]
+            console.print(leaderboard_table(rows, body["objective"]["metric"]))
+            console.print(f"study {study['id']} {summary['status']}")
+    except httpx.HTTPError as exc:
+        fail(f"cannot reach {base}: {exc}")
+
+
+def _detail(resp: Any) -> str:
+    try:
+        detail = resp.json().get("detail")
+    except ValueError:
+        return str(resp.text[:200])
+    if isinstance(detail, list):
+        return "; ".join(
+            f"{'.'.join(str(p) for p in d.get('loc', [])[1:])}: {d.get('msg')}" for d in detail
+        )
+    return str(detail)
+
+
+@db_app.command("upgrade")
+def db_upgrade() -> None:
+    """Create or migrate the database schema to the newest version."""
+    from service.db import upgrade
+
+    settings = get_settings()
+    upgrade(settings.database_url)
+    typer.echo(f"database at head: {_masked(settings.database_url)}")
+
+
+def main() -> None:
+    try:
+        app()
+    except SettingsError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except PacktuneError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

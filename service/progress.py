@@ -1,0 +1,91 @@
+"""Live progress in the terminal, the same for ``packtune run`` and ``packtune submit --watch``.
+
+Both feed :func:`watch` a function returning the study summary (the JSON of
+``GET /api/studies/{id}``): one reads the database, the other the API.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+FINISHED = ("completed", "failed", "cancelled")
+
+
+def _best(summary: dict[str, Any], metric: str) -> str:
+    best = summary.get("best_trial") or summary.get("best_so_far")
+    if not best:
+        return "best: -"
+    value = (best.get("metrics") or {}).get(metric)
+    shown = f"{value:.4g}" if isinstance(value, int | float) else "?"
+    return f"best: trial {best['id']} {metric}={shown}"
+
+
+def watch(
+    fetch: Callable[[], dict[str, Any]],
+    *,
+    console: Console | None = None,
+    interval: float = 0.5,
+    until: Callable[[], bool] | None = None,
+) -> dict[str, Any]:
+    """Show a progress bar (units done / total, packs running, best so far) until the study
+    is finished; returns the last summary."""
+    console = console or Console()
+    summary = fetch()
+    metric = summary.get("objective", {}).get("metric", "val_loss")
+    columns = (
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("units"),
+        TextColumn("{task.fields[packs]} packs running"),
+        TextColumn("{task.fields[best]}"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task(summary.get("name", "study"), total=None, packs=0, best="best: -")
+        while True:
+            progress = summary.get("progress") or {}
+            bar.update(
+                task,
+                total=progress.get("total"),
+                completed=progress.get("done", 0),
+                packs=summary.get("packs_running", 0),
+                best=_best(summary, metric),
+                description=f"{summary.get('name', 'study')} [{summary.get('status')}]",
+            )
+            if summary.get("status") in FINISHED or (until is not None and until()):
+                break
+            time.sleep(interval)
+            summary = fetch()
+    return summary
+
+
+def leaderboard_table(rows: list[dict[str, Any]], metric: str, limit: int = 10) -> Table:
+    table = Table(title="leaderboard")
+    table.add_column("#", justify="right")
+    table.add_column("trial", justify="right")
+    table.add_column("bracket", justify="right")
+    table.add_column("resource", justify="right")
+    table.add_column(metric, justify="right")
+    table.add_column("config")
+    for i, row in enumerate(rows[:limit], 1):
+        value = (row.get("metrics") or {}).get(metric)
+        config = ", ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in sorted((row.get("config") or {}).items())
+        )
+        table.add_row(
+            str(i),
+            str(row["id"]),
+            str(row.get("bracket", "")),
+            f"{row.get('resource', 0):g}",
+            f"{value:.4f}" if isinstance(value, int | float) else "-",
+            config,
+        )
+    return table

@@ -1,0 +1,119 @@
+"""``packtune worker``: an RQ worker that trains packs and sends NVML heartbeats.
+
+It is a ``SimpleWorker`` (jobs run in the worker process, not a forked child):
+the CUDA context, imported torch and loaded datasets survive from one pack to
+the next. A crash kills the worker; its heartbeat stops and the scheduler
+re-queues its pack.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import uuid
+from typing import Any
+
+from service.settings import get_settings
+
+log = logging.getLogger(__name__)
+
+WORKER_NAME_ENV = "PACKTUNE_WORKER_NAME"
+
+
+def readings_with_headroom(index: int | None) -> list[dict[str, Any]]:
+    """NVML readings; ``memory_available`` adds back what this process's torch holds
+    (packs run one at a time, so the next pack may use it)."""
+    from worker.gpu import gpu_readings
+
+    readings = gpu_readings(index=index)
+    torch = sys.modules.get("torch")
+    reserved = 0
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        reserved = int(torch.cuda.memory_reserved())
+    for r in readings:
+        r["memory_available"] = int(r["memory_free"]) + reserved
+    return readings
+
+
+def send_heartbeat(name: str, index: int | None, busy: bool) -> None:
+    from service import store
+    from service.db import session_scope
+    from service.models import WorkerStatus
+
+    settings = get_settings()
+    readings = readings_with_headroom(index) if settings.device != "cpu" else []
+    with session_scope() as s:
+        store.heartbeat(
+            s,
+            name=name,
+            host=socket.gethostname(),
+            device_kind=readings[0]["name"] if readings else "cpu",
+            gpus=readings,
+            memory_budget=None if readings else settings.cpu_memory_budget,
+            status=WorkerStatus.busy if busy else WorkerStatus.idle,
+        )
+
+
+class Heartbeat(threading.Thread):
+    def __init__(self, name: str, index: int | None, interval: float) -> None:
+        super().__init__(name="packtune-heartbeat", daemon=True)
+        self.worker_name, self.index, self.interval = name, index, interval
+        self.busy = False
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                send_heartbeat(self.worker_name, self.index, self.busy)
+            except Exception as exc:  # the database may be restarting; try again next beat
+                log.warning("heartbeat failed: %s", exc)
+            self.stop.wait(self.interval)
+
+
+def run_worker(gpu: int | None = None, name: str | None = None, burst: bool = False) -> None:
+    from redis import Redis
+    from rq import Queue, SimpleWorker
+
+    settings = get_settings()
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)  # before torch is imported
+    host = socket.gethostname()
+    name = name or (f"{host}-gpu{gpu}" if gpu is not None else f"{host}-{os.getpid()}")
+    os.environ[WORKER_NAME_ENV] = name
+    assert settings.redis_url is not None
+    redis = Redis.from_url(settings.redis_url)
+    queue = Queue(settings.queue_name, connection=redis)
+    send_heartbeat(name, gpu, busy=False)  # fail fast on a bad database URL
+    beat = Heartbeat(name, gpu, settings.heartbeat_interval)
+    beat.start()
+    rq_worker = SimpleWorker([queue], connection=redis, name=f"{name}-{uuid.uuid4().hex[:8]}")
+    log.info("worker %s listening on %s", name, settings.queue_name)
+    try:
+        rq_worker.work(burst=burst, with_scheduler=False)
+    finally:
+        beat.stop.set()
+
+
+def run_all_gpus(burst: bool = False) -> int:
+    """One ``packtune worker --gpu N`` process per visible GPU (one CPU worker if none);
+    returns the first non-zero exit code."""
+    from worker.gpu import gpu_readings
+
+    indices = [int(r["index"]) for r in gpu_readings()]
+    base = [sys.executable, "-m", "service.cli", "worker"] + (["--burst"] if burst else [])
+    commands = [base + ["--gpu", str(i)] for i in indices] or [base]
+    procs = [subprocess.Popen(cmd) for cmd in commands]
+
+    def forward(signum: int, _frame: object) -> None:
+        for p in procs:
+            p.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    codes = [p.wait() for p in procs]
+    return next((c for c in codes if c), 0)
