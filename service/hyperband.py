@@ -17,7 +17,9 @@ r_i         ``Rung.resource``       ``r * eta**i``: cumulative resource at rung 
 ==========  ======================  =============================================
 
 Everything that decides a count is integer (or :class:`fractions.Fraction`)
-arithmetic: ``floor(log(243, 3))`` is 4 in floating point, not 5. Rung
+arithmetic: ``floor(log(243, 3))`` is 4 in floating point, not 5. A float
+resource is taken as the decimal it prints as (``0.1`` is exactly 1/10), so
+``max_resource=0.9, min_resource=0.1, eta=3`` has ``s_max`` 2. Rung
 resources are computed as ``R / eta**(s - i)`` from the exact value, so the
 last rung of every bracket is exactly ``max_resource``.
 
@@ -55,7 +57,9 @@ def _check(max_resource: float, eta: int, min_resource: float) -> tuple[Fraction
             raise ValueError(f"{name} must be a number, got {value!r}")
         if not math.isfinite(value) or value <= 0:
             raise ValueError(f"{name} must be finite and > 0, got {value!r}")
-        exact.append(Fraction(value))
+        # A float is read as the decimal it prints as (0.1 -> 1/10), the number the
+        # user typed, so that 9 * 0.1 <= 0.9 holds as the user expects.
+        exact.append(Fraction(repr(value)) if isinstance(value, float) else Fraction(value))
     low, high = exact
     if high < low:
         raise ValueError(f"max_resource ({max_resource}) must be >= min_resource ({min_resource})")

@@ -35,9 +35,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
+from operator import attrgetter
 
 HEADROOM = 0.9
-GAIN = 1.10  # Omnivore: double the array size while throughput grows by >= 10 %
+MIN_GAIN_PERCENT = 10  # Omnivore: double the array size while throughput grows by >= 10 %
 
 
 @dataclass(frozen=True)
@@ -124,10 +125,15 @@ def best_array_size(throughput: Mapping[int, float], cap: int | None) -> int:
         choice = 2
     else:
         k = min(throughput)
-        while 2 * k in throughput and throughput[2 * k] >= GAIN * throughput[k]:
+        while 2 * k in throughput and _gains(throughput[k], throughput[2 * k]):
             k *= 2
         choice = k if 2 * k in throughput else 2 * k
     return max(1, choice if cap is None else min(choice, cap))
+
+
+def _gains(old: float, new: float) -> bool:
+    # In percent, so that exactly +10 % counts (1.10 * 100 is 110.00000000000001).
+    return 100 * new >= (100 + MIN_GAIN_PERCENT) * old
 
 
 def split_in_two(units: Sequence[Unit]) -> tuple[list[Unit], list[Unit]]:
@@ -188,7 +194,9 @@ def _arrays(
     unplaceable: list[Unit],
 ) -> list[FusedArray]:
     arrays = []
-    for (key, start, stop), members in groupby(sorted(units, key=_sort_key), key=_group):
+    for (key, start, stop), members in groupby(
+        sorted(units, key=_sort_key), key=attrgetter("group")
+    ):
         group = list(members)
         model = memory.get(key, default_memory)
         limit = max(1, array_size.get(key, 1))
@@ -202,10 +210,6 @@ def _arrays(
             chunk = tuple(group[first : first + limit])
             arrays.append(FusedArray(key, start, stop, chunk, model.bytes(len(chunk))))
     return arrays
-
-
-def _group(unit: Unit) -> tuple[str, float, float]:
-    return unit.group
 
 
 @dataclass

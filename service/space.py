@@ -131,7 +131,7 @@ def parse_dimension(spec: Any, field: str) -> Dimension:
     if not isinstance(spec, Mapping):
         raise SpecError(field, "must be a mapping with a 'type'")
     kind = spec.get("type")
-    if kind not in _KEYS:
+    if not isinstance(kind, str) or kind not in _KEYS:
         raise SpecError(f"{field}.type", f"must be one of {sorted(_KEYS)}, got {kind!r}")
     unknown = sorted(str(key) for key in set(spec) - _KEYS[kind])
     if unknown:

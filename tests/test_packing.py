@@ -1,0 +1,289 @@
+"""The pack planner, with made-up devices and memory models."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from service.packing import (
+    HEADROOM,
+    Device,
+    MemoryModel,
+    PackPlan,
+    Unit,
+    best_array_size,
+    plan_packs,
+    split_in_two,
+)
+
+MiB = 2**20
+GPU = Device("gpu0", 1000 * MiB)  # capacity 900 MiB
+SMALL = MemoryModel(base=100 * MiB, per_trial=50 * MiB)
+
+
+def units(key: str, ids: range, start: float = 0.0, stop: float = 1.0) -> list[Unit]:
+    return [Unit(trial, key, start, stop) for trial in ids]
+
+
+def placed(plan: PackPlan) -> list[Unit]:
+    return [unit for pack in plan.packs for unit in pack.units]
+
+
+def test_device_capacity_keeps_headroom() -> None:
+    assert GPU.capacity == int(1000 * MiB * HEADROOM) == 900 * MiB
+
+
+def test_memory_model_corrected_only_raises() -> None:
+    model = MemoryModel(base=100, per_trial=10)
+    assert model.bytes(4) == 140
+    assert model.corrected(4, 120) is model
+    raised = model.corrected(4, 151)
+    assert raised.base == 100 and raised.bytes(4) >= 151
+    assert raised.bytes(4) - 151 < 4  # the smallest per_trial that covers the peak
+    with pytest.raises(ValueError):
+        model.corrected(0, 200)
+
+
+def test_memory_model_after_oom() -> None:
+    model = MemoryModel(base=100, per_trial=10)
+    raised = model.after_oom(4, 200)
+    assert raised.bytes(4) > 200 and raised.per_trial > model.per_trial
+    assert raised.bytes(2) <= 200  # the halves fit again
+    already = MemoryModel(base=300, per_trial=10)
+    assert already.after_oom(4, 200) is already
+
+
+def test_memory_model_from_probe() -> None:
+    assert MemoryModel.from_probe(150, 200) == MemoryModel(base=100, per_trial=50)
+    assert MemoryModel.from_probe(150, 140) == MemoryModel(base=150, per_trial=0)
+
+
+@given(
+    base=st.integers(0, 10**9),
+    per_trial=st.integers(0, 10**9),
+    k=st.integers(1, 64),
+    target=st.integers(0, 10**11),
+)
+def test_memory_model_properties(base: int, per_trial: int, k: int, target: int) -> None:
+    model = MemoryModel(base, per_trial)
+    corrected = model.corrected(k, target)
+    assert corrected.bytes(k) >= target and corrected.per_trial >= per_trial
+    assert corrected.base == base
+    oom = model.after_oom(k, target)
+    assert oom.bytes(k) > target and oom.per_trial >= per_trial
+    fit = model.max_fit(target, 64)
+    assert fit == 0 or model.bytes(fit) <= target
+    assert fit == 64 or model.bytes(fit + 1) > target
+
+
+@pytest.mark.parametrize(
+    ("table", "cap", "expected"),
+    [
+        ({}, None, 2),
+        ({}, 1, 1),
+        ({1: 100.0}, None, 2),  # the only entry: explore
+        ({1: 100.0, 2: 150.0}, None, 4),  # gained: explore further
+        ({1: 100.0, 2: 150.0, 4: 200.0}, None, 8),
+        ({1: 100.0, 2: 150.0, 4: 160.0}, None, 2),  # +6.7 %: stop
+        ({1: 100.0, 2: 110.0}, None, 4),  # exactly +10 % counts as a gain
+        ({1: 100.0, 2: 109.0}, None, 1),
+        ({1: 100.0, 2: 80.0, 4: 90.0}, None, 1),  # k=1 is best
+        ({1: 100.0, 2: 150.0, 4: 300.0}, 4, 4),  # capped by max_pack_size
+        ({1: 100.0, 2: 150.0, 8: 400.0}, None, 4),  # 4 never measured: try it
+        ({2: 100.0, 4: 200.0}, None, 8),
+    ],
+)
+def test_best_array_size(table: dict[int, float], cap: int | None, expected: int) -> None:
+    assert best_array_size(table, cap) == expected
+
+
+def test_best_array_size_rejects_a_bad_cap() -> None:
+    with pytest.raises(ValueError):
+        best_array_size({}, 0)
+
+
+def test_split_in_two() -> None:
+    five = units("a", range(5))
+    first, second = split_in_two(five)
+    assert first == five[:3] and second == five[3:]
+    with pytest.raises(ValueError):
+        split_in_two(five[:1])
+
+
+def test_groups_by_key_and_resource_span() -> None:
+    ready = (
+        units("b", range(0, 3), 0, 1)
+        + units("a", range(3, 5), 0, 1)
+        + units("a", range(5, 7), 1, 3)  # same key, promoted: another group
+    )
+    plan = plan_packs(ready[::-1], [GPU], {}, {"a": 8, "b": 8}, default_memory=MemoryModel(0, MiB))
+    (pack,) = plan.packs
+    groups = sorted(
+        (array.fusion_key, array.from_resource, [u.trial_id for u in array.units])
+        for array in pack.arrays
+    )
+    assert groups == [("a", 0, [3, 4]), ("a", 1, [5, 6]), ("b", 0, [0, 1, 2])]
+    for array in pack.arrays:
+        assert {unit.group for unit in array.units} == {
+            (array.fusion_key, array.from_resource, array.to_resource)
+        }
+
+
+def test_array_size_defaults_to_one_and_is_capped() -> None:
+    ready = units("a", range(10)) + units("b", range(10, 13))
+    model = MemoryModel(0, MiB)
+    plan = plan_packs(ready, [GPU], {}, {"a": 4}, default_memory=model)
+    a_sizes = sorted(len(x.units) for p in plan.packs for x in p.arrays if x.fusion_key == "a")
+    b_sizes = [len(x.units) for p in plan.packs for x in p.arrays if x.fusion_key == "b"]
+    assert a_sizes == [2, 4, 4] and b_sizes == [1, 1, 1]
+
+    capped = plan_packs(ready, [GPU], {}, {"a": 4}, default_memory=model, max_pack_size=3)
+    assert all(len(pack.units) <= 3 for pack in capped.packs)
+    assert sorted(len(x.units) for p in capped.packs for x in p.arrays if x.fusion_key == "a") == [
+        1,
+        3,
+        3,
+        3,
+    ]
+    assert sorted(u.trial_id for u in placed(capped)) == list(range(13))
+
+
+def test_a_table_that_prefers_one_gives_one_trial_arrays() -> None:
+    size = best_array_size({1: 100.0, 2: 80.0, 4: 90.0}, None)
+    plan = plan_packs(units("a", range(4)), [GPU], {"a": SMALL}, {"a": size}, default_memory=SMALL)
+    assert [len(array.units) for pack in plan.packs for array in pack.arrays] == [1, 1, 1, 1]
+    assert not plan.deferred and not plan.unplaceable
+
+
+def test_first_fit_decreasing_fills_packs() -> None:
+    big = MemoryModel(base=400 * MiB, per_trial=100 * MiB)  # k=1: 500 MiB
+    small = MemoryModel(base=0, per_trial=100 * MiB)  # k=1: 100 MiB
+    ready = units("big", range(0, 2)) + units("small", range(2, 8))
+    two = [Device("gpu0", 1000 * MiB), Device("gpu1", 1000 * MiB)]  # 900 MiB each
+    plan = plan_packs(
+        ready, two, {"big": big, "small": small}, {"big": 1, "small": 2}, default_memory=small
+    )
+    # Arrays: big 500, big 500, small 200 x3. FFD: big->gpu0, big->gpu1 (most room on
+    # a tie goes to the first), smalls fill gpu0 (400 left: two of them), then gpu1.
+    assert [pack.device for pack in plan.packs] == ["gpu0", "gpu1"]
+    assert [pack.estimated_bytes // MiB for pack in plan.packs] == [900, 700]
+    assert [[len(a.units) for a in pack.arrays] for pack in plan.packs] == [[1, 2, 2], [1, 2]]
+    assert not plan.deferred and not plan.unplaceable
+
+
+def test_new_pack_goes_to_the_roomiest_device() -> None:
+    devices = [Device("small", 200 * MiB), Device("large", 2000 * MiB)]
+    plan = plan_packs(units("a", range(1)), devices, {}, {}, default_memory=SMALL)
+    assert [pack.device for pack in plan.packs] == ["large"]
+
+
+def test_oversized_arrays_shrink_to_fit() -> None:
+    # k=8 would need 100 + 8 * 150 = 1300 MiB; 900 MiB holds k <= 5.
+    model = MemoryModel(base=100 * MiB, per_trial=150 * MiB)
+    plan = plan_packs(units("a", range(8)), [GPU], {"a": model}, {"a": 8}, default_memory=model)
+    arrays = [array for pack in plan.packs for array in pack.arrays]
+    assert [len(array.units) for array in arrays] == [5]
+    assert arrays[0].estimated_bytes == model.bytes(5) <= GPU.capacity
+    assert [unit.trial_id for unit in plan.deferred] == [5, 6, 7]
+
+
+def test_a_unit_that_fits_nowhere_is_unplaceable() -> None:
+    huge = MemoryModel(base=2000 * MiB, per_trial=MiB)
+    ready = units("huge", range(2)) + units("ok", range(2, 4))
+    plan = plan_packs(ready, [GPU], {"huge": huge}, {"huge": 2}, default_memory=SMALL)
+    assert [unit.trial_id for unit in plan.unplaceable] == [0, 1]
+    assert sorted(unit.trial_id for unit in placed(plan)) == [2, 3]
+
+
+def test_deferral_under_max_packs_per_device() -> None:
+    ready = units("a", range(6))
+    plan = plan_packs(
+        ready,
+        [GPU],
+        {},
+        {"a": 2},
+        default_memory=SMALL,
+        max_pack_size=2,
+        max_packs_per_device=2,
+    )
+    assert len(plan.packs) == 2
+    assert [unit.trial_id for unit in placed(plan)] == [0, 1, 2, 3]
+    assert [unit.trial_id for unit in plan.deferred] == [4, 5]
+    assert plan.unplaceable == []
+
+
+def test_no_devices_defers_everything() -> None:
+    plan = plan_packs(units("a", range(3)), [], {}, {}, default_memory=SMALL)
+    assert plan.packs == [] and plan.unplaceable == []
+    assert [unit.trial_id for unit in plan.deferred] == [0, 1, 2]
+
+
+def test_bad_input_is_rejected() -> None:
+    with pytest.raises(ValueError, match="one ready unit"):
+        plan_packs(units("a", range(2)) * 2, [GPU], {}, {}, default_memory=SMALL)
+    with pytest.raises(ValueError, match="unique"):
+        plan_packs([], [GPU, GPU], {}, {}, default_memory=SMALL)
+    with pytest.raises(ValueError, match="max_pack_size"):
+        plan_packs([], [GPU], {}, {}, default_memory=SMALL, max_pack_size=0)
+
+
+@st.composite
+def planner_inputs(draw: st.DrawFn) -> dict:
+    keys = draw(st.lists(st.sampled_from("abcde"), min_size=1, max_size=5, unique=True))
+    spans = [(0.0, 1.0), (1.0, 3.0), (3.0, 9.0)]
+    trial_ids = draw(st.lists(st.integers(0, 10**6), max_size=60, unique=True))
+    ready = [
+        Unit(trial, draw(st.sampled_from(keys)), *draw(st.sampled_from(spans)))
+        for trial in trial_ids
+    ]
+    model = st.builds(MemoryModel, st.integers(0, 800), st.integers(0, 300))
+    devices = [
+        Device(f"gpu{i}", free)
+        for i, free in enumerate(draw(st.lists(st.integers(0, 2000), max_size=4)))
+    ]
+    return {
+        "units": ready,
+        "devices": devices,
+        "memory": draw(st.dictionaries(st.sampled_from(keys), model)),
+        "array_size": draw(st.dictionaries(st.sampled_from(keys), st.integers(1, 16))),
+        "default_memory": draw(model),
+        "max_pack_size": draw(st.none() | st.integers(1, 12)),
+        "max_packs_per_device": draw(st.none() | st.integers(1, 3)),
+    }
+
+
+@given(planner_inputs())
+def test_plan_properties(inputs: dict) -> None:
+    plan = plan_packs(**inputs)
+    everything = placed(plan) + plan.deferred + plan.unplaceable
+    assert Counter(everything) == Counter(inputs["units"])
+    capacity = {device.name: device.capacity for device in inputs["devices"]}
+    used: Counter[str] = Counter()
+    packs_on: Counter[str] = Counter()
+    for pack in plan.packs:
+        assert pack.arrays
+        assert pack.estimated_bytes <= capacity[pack.device]
+        used[pack.device] += pack.estimated_bytes
+        packs_on[pack.device] += 1
+        if inputs["max_pack_size"] is not None:
+            assert len(pack.units) <= inputs["max_pack_size"]
+        for array in pack.arrays:
+            assert {unit.group for unit in array.units} == {
+                (array.fusion_key, array.from_resource, array.to_resource)
+            }
+            model = inputs["memory"].get(array.fusion_key, inputs["default_memory"])
+            assert array.estimated_bytes == model.bytes(len(array.units))
+            assert len(array.units) <= max(1, inputs["array_size"].get(array.fusion_key, 1))
+    for name, total in used.items():
+        assert total <= capacity[name]
+    if inputs["max_packs_per_device"] is not None:
+        assert all(count <= inputs["max_packs_per_device"] for count in packs_on.values())
+    largest = max(capacity.values(), default=None)
+    for unit in plan.unplaceable:
+        model = inputs["memory"].get(unit.fusion_key, inputs["default_memory"])
+        assert largest is not None and model.bytes(1) > largest
+    # Deterministic, whatever order the units arrive in.
+    assert plan_packs(**{**inputs, "units": inputs["units"][::-1]}) == plan
