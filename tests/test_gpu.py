@@ -1,0 +1,84 @@
+"""NVML readings: no NVML means [] and one warning; real readings where there is a GPU."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from worker import gpu
+
+READINGS = [
+    {"index": 0, "name": "NVIDIA A100-SXM4-40GB", "uuid": "GPU-aaaa-1111"},
+    {"index": 1, "name": "NVIDIA H100 80GB HBM3", "uuid": "GPU-bbbb-2222"},
+]
+
+
+def test_without_nvml_readings_are_empty_and_warn_once(caplog: pytest.LogCaptureFixture) -> None:
+    gpu._nvml.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="worker.gpu"):
+            first = gpu.gpu_readings()
+            second = gpu.gpu_readings(index=0)
+        if first:
+            pytest.skip("NVML is available on this host")
+        assert first == [] and second == []
+        warnings = [r for r in caplog.records if "NVML not available" in r.getMessage()]
+        assert len(warnings) == 1
+        assert warnings[0].levelno == logging.WARNING
+        assert gpu.device_kind(first) == "cpu"
+        assert gpu.cuda_device_readings(0) == []
+    finally:
+        gpu._nvml.cache_clear()
+
+
+def test_device_kind_names_the_chosen_gpu() -> None:
+    assert gpu.device_kind(READINGS) == "NVIDIA A100-SXM4-40GB"
+    assert gpu.device_kind(READINGS, index=1) == "NVIDIA H100 80GB HBM3"
+    assert gpu.device_kind(READINGS, index=5) == "cpu"
+    assert gpu.device_kind([]) == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("cuda_index", "visible", "expected"),
+    [
+        (0, None, 0),  # (read from the environment below: unset)
+        (0, "1", 1),
+        (1, "3,2", 2),
+        (2, "3,2", None),
+        (0, "", None),
+        (0, "GPU-bbbb", 1),
+        (0, "GPU-", None),  # ambiguous prefix
+        (0, "GPU-cccc", None),
+    ],
+)
+def test_nvml_index_follows_cuda_visible_devices(
+    monkeypatch: pytest.MonkeyPatch, cuda_index: int, visible: str | None, expected: int | None
+) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert gpu.nvml_index(cuda_index, visible, READINGS) == expected
+
+
+@pytest.mark.gpu
+def test_real_readings_on_a_gpu() -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    gpu._nvml.cache_clear()
+    readings = gpu.gpu_readings()
+    assert readings, "CUDA works, so NVML should too"
+    for r in readings:
+        assert set(r) == {"index", "name", "uuid", "memory_total", "memory_used",
+                          "memory_free", "utilization"}
+        assert r["memory_total"] > 0
+        assert 0 <= r["memory_free"] <= r["memory_total"]
+        assert 0 <= r["memory_used"] <= r["memory_total"]
+        assert r["utilization"] is None or 0 <= r["utilization"] <= 100
+        assert r["name"] and r["uuid"].startswith(("GPU-", "MIG-"))
+    assert [r["index"] for r in gpu.gpu_readings(index=0)] == [0]
+    assert gpu.gpu_readings(index=len(readings)) == []
+    mine = gpu.cuda_device_readings(0)
+    assert len(mine) == 1
+    assert gpu.device_kind(mine) == torch.cuda.get_device_name(0)
+    free, total = torch.cuda.mem_get_info(0)
+    assert mine[0]["memory_total"] == total

@@ -1,0 +1,68 @@
+"""Pieces the built-in workloads share: classification loss and metrics, layers.
+
+Like every module of this package it imports torch only inside functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from worker.workloads.base import Workload
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+ACTIVATIONS = ("relu", "tanh", "gelu")
+
+
+def device_name(device: Any) -> str:
+    """A canonical string for ``device`` ("cpu", "cuda:0"), usable as a cache key."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return str(dev)
+
+
+def activation(name: str) -> nn.Module:
+    """A fresh activation module by name."""
+    from torch import nn
+
+    layers: dict[str, type[nn.Module]] = {"relu": nn.ReLU, "tanh": nn.Tanh, "gelu": nn.GELU}
+    if name not in layers:
+        raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, not {name!r}")
+    return layers[name]()
+
+
+def positive_int(config: Mapping[str, Any], key: str, minimum: int = 1) -> int:
+    """``config[key]`` as an int, ``ValueError`` naming the key when below ``minimum``."""
+    value = int(config[key])
+    if value < minimum:
+        raise ValueError(f"{key} must be >= {minimum}, not {value}")
+    return value
+
+
+class ClassificationWorkload(Workload):
+    """A workload whose outputs are logits and whose targets are int64 class labels."""
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        return F.cross_entropy(outputs, targets)
+
+    def metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+        return classification_metrics(outputs, targets)
+
+
+def classification_metrics(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+    """Validation loss and accuracy of one model's logits."""
+    import torch
+    import torch.nn.functional as F
+
+    with torch.no_grad():
+        loss = F.cross_entropy(outputs.float(), targets)
+        accuracy = (outputs.argmax(dim=-1) == targets).float().mean()
+    return {"val_loss": float(loss), "val_accuracy": float(accuracy)}
