@@ -1,0 +1,80 @@
+"""Per-trial checkpoints, written atomically.
+
+A checkpoint is one member's exported state (:meth:`FusedArray.member_state`:
+params, buffers, optimizer state, RNG state, steps done, config) saved with
+``torch.save`` at ``<checkpoint_dir>/study-<id>/trial-<id>.pt``.
+
+Writing goes to a temporary file in the same directory, is flushed and
+fsynced, then ``os.replace``-d over the old file: a reader sees either the
+old checkpoint or the new one, never half of one, and a job killed mid-write
+leaves at most a stray ``.tmp`` file that no reader opens.
+
+Loading uses ``torch.load(weights_only=True)``: the checkpoint directory may
+be shared storage other hosts write to, and a full unpickler would run
+whatever code a tampered file names. A member state holds only tensors,
+dicts, lists, strings and numbers, all of which the restricted unpickler
+accepts; anything else makes loading fail loudly instead of executing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def checkpoint_path(directory: str | os.PathLike[str], study_id: object, trial_id: object) -> Path:
+    """Where trial ``trial_id`` of study ``study_id`` keeps its checkpoint."""
+    return Path(directory) / f"study-{study_id}" / f"trial-{trial_id}.pt"
+
+
+def _fsync_directory(path: Path) -> None:
+    """Make a rename in ``path`` durable (best effort: not every platform allows it)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def save_checkpoint(
+    directory: str | os.PathLike[str], study_id: object, trial_id: object, state: Mapping[str, Any]
+) -> Path:
+    """Write ``state`` atomically as the trial's checkpoint; returns its path."""
+    path = checkpoint_path(directory, study_id, trial_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(dict(state), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The state saved at ``path``, on the CPU; ``None`` if there is no checkpoint.
+
+    A file that exists but cannot be read (corrupt, or holding objects the
+    restricted unpickler refuses) raises: silently restarting a trial from
+    scratch would corrupt the study's results.
+    """
+    try:
+        state = torch.load(Path(path), map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        return None
+    if not isinstance(state, dict):
+        raise ValueError(f"{path} does not hold a checkpoint (got {type(state).__name__})")
+    return state

@@ -1,0 +1,447 @@
+"""Fused arrays: k trials of one fusion key trained as one stacked model.
+
+Each member's model is built exactly as a plain run would build it
+(``torch.manual_seed(config["seed"])`` then ``workload.build_model``), and the
+members' parameters and buffers are stacked with
+``torch.func.stack_module_state``: every tensor becomes ``[k, ...]``, the
+BatchNorm running statistics included. Three ways to run the stack:
+
+- ``vmap``: ``torch.func.vmap(functional_call)`` over the stacked tensors with
+  the shared batch (``in_dims=None``). BatchNorm in train mode updates its
+  running statistics in place; because the statistics are themselves stacked
+  (batched, not a plain tensor receiving a batched update, which vmap
+  refuses), each member's slice gets its own update, exactly as in a plain
+  run. ``torch.func.replace_all_batch_norm_modules_`` is *not* used: it stops
+  tracking the statistics, and eval-mode results would then differ.
+- ``bmm``: hand-fused for ``nn.Sequential`` stacks of Linear, BatchNorm1d,
+  element-wise activations, Dropout and Flatten. The first Linear sees the
+  shared input and runs as one ``[B, in] @ [in, k*out]`` matmul; later ones
+  are ``torch.baddbmm`` over ``[k, B, in]`` activations; BatchNorm runs as one
+  ``F.batch_norm`` over ``k*C`` channels. On a CPU this is typically the
+  fastest way to train an MLP array.
+- ``serial``: k separate models, one after another (the baseline, and what
+  the planner picks where fusion measured slower, e.g. CNNs on a CPU).
+
+``mode="auto"`` takes ``bmm`` where the model allows it, else ``vmap`` (or
+``serial`` for a single member). Train/eval mode is set on one shared
+template module, so all members switch together: train mode for steps (batch
+statistics, dropout on), eval mode for validation (running statistics,
+dropout off).
+
+Randomness (dropout): each member owns a CPU ``torch.Generator`` seeded from
+its trial seed; its state is part of the member's exported state. Before each
+step the global generator is reseeded from one draw of every member's
+generator, and the array's ops draw from it (``vmap(randomness="different")``
+gives each member different masks). A stochastic trial is therefore
+reproducible given its own stream *and its companions*: resuming the same
+array at any step is exact, but the same trial packed with other trials sees
+other masks. Models without randomness do not touch any generator.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, stack_module_state, vmap
+from torch.nn import functional as F
+
+from worker.optim import OPTIMIZER_HYPER, StackedOptimizer, build_optimizer
+from worker.workloads.base import OPTIMIZER_PARAMS, Split, Workload
+
+Mode = Literal["auto", "vmap", "bmm", "serial"]
+Forward = Callable[[dict[str, Tensor], dict[str, Tensor], Tensor], Tensor]
+
+# Modules that act element-wise, so they apply unchanged to ``[k, B, F]``.
+_POINTWISE = (
+    nn.Identity, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
+    nn.Mish, nn.Tanh, nn.Sigmoid, nn.Softplus, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid,
+    nn.Dropout, nn.AlphaDropout,
+)  # fmt: skip
+_RNG_MIX = 6364136223846793005  # Knuth's MMIX multiplier, to fold member draws into one seed
+
+
+def bmm_plan(model: nn.Module) -> list[tuple[str, nn.Module, str]] | None:
+    """``(kind, module, name prefix)`` steps of a hand-fusable model, or ``None``.
+
+    Fusable: an ``nn.Sequential`` (nested ones too) of Linear, BatchNorm1d
+    with a momentum, element-wise activations, Dropout and ``Flatten()``.
+    """
+    steps: list[tuple[str, nn.Module, str]] = []
+
+    def walk(module: nn.Module, prefix: str) -> bool:
+        if isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward:
+            return all(walk(child, f"{prefix}{name}.") for name, child in module.named_children())
+        if isinstance(module, nn.Linear):
+            steps.append(("linear", module, prefix))
+        elif isinstance(module, nn.BatchNorm1d) and module.momentum is not None:
+            steps.append(("batch_norm", module, prefix))
+        elif isinstance(module, nn.Flatten) and (module.start_dim, module.end_dim) == (1, -1):
+            steps.append(("flatten", module, prefix))
+        elif type(module) in _POINTWISE:
+            steps.append(("pointwise", module, prefix))
+        else:
+            return False
+        return True
+
+    return steps if walk(model, "") else None
+
+
+def _stacked_batch_norm(
+    h: Tensor, bn: nn.BatchNorm1d, params: dict[str, Tensor], buffers: dict[str, Tensor], pre: str
+) -> Tensor:
+    """BatchNorm1d of ``[k, B, C, ...]`` as one ``F.batch_norm`` over ``k*C`` channels."""
+    k, batch, channels = h.shape[:3]
+    track = bn.track_running_stats
+    if bn.training and track:
+        buffers[pre + "num_batches_tracked"].add_(1)
+    running_mean = buffers[pre + "running_mean"].view(-1) if track else None
+    running_var = buffers[pre + "running_var"].view(-1) if track else None
+    weight = params[pre + "weight"].reshape(-1) if bn.affine else None
+    bias = params[pre + "bias"].reshape(-1) if bn.affine else None
+    flat = h.movedim(0, 1).reshape(batch, k * channels, *h.shape[3:])
+    out = F.batch_norm(
+        flat, running_mean, running_var, weight, bias,
+        bn.training or not track, bn.momentum or 0.0, bn.eps,
+    )  # fmt: skip
+    return out.reshape(batch, k, channels, *h.shape[3:]).movedim(1, 0)
+
+
+def bmm_forward(plan: list[tuple[str, nn.Module, str]]) -> Forward:
+    """Forward of a stack following ``plan``: shared ``[B, ...]`` in, ``[k, B, ...]`` out."""
+
+    def forward(params: dict[str, Tensor], buffers: dict[str, Tensor], x: Tensor) -> Tensor:
+        k = next(iter(params.values())).shape[0]
+        h, shared = x, True  # shared: still the one input every member sees
+        for kind, module, pre in plan:
+            if kind == "flatten":
+                h = h.flatten(1 if shared else 2)
+                continue
+            if kind == "linear" and shared:
+                w, b = params[pre + "weight"], params.get(pre + "bias")
+                out_features = w.shape[1]
+                y = F.linear(h, w.reshape(-1, w.shape[2]), None if b is None else b.reshape(-1))
+                h, shared = y.view(h.shape[0], k, out_features).transpose(0, 1), False
+                continue
+            if shared:
+                h, shared = h.expand(k, *h.shape), False
+            if kind == "linear":
+                w, b = params[pre + "weight"].transpose(1, 2), params.get(pre + "bias")
+                h = torch.bmm(h, w) if b is None else torch.baddbmm(b.unsqueeze(1), h, w)
+            elif kind == "batch_norm":
+                assert isinstance(module, nn.BatchNorm1d)
+                h = _stacked_batch_norm(h, module, params, buffers, pre)
+            else:
+                h = module(h)
+        return h.expand(k, *h.shape) if shared else h
+
+    return forward
+
+
+def vmap_forward(template: nn.Module) -> Forward:
+    """``vmap`` of ``functional_call`` over stacked params and buffers, input shared."""
+
+    def one(params: dict[str, Tensor], buffers: dict[str, Tensor], x: Tensor) -> Tensor:
+        return functional_call(template, (params, buffers), (x,))
+
+    return vmap(one, in_dims=(0, 0, None), randomness="different")  # type: ignore[no-any-return]
+
+
+def single_forward(template: nn.Module) -> Forward:
+    """A plain call of one member (stack of 1), for serial mode: no vmap overhead."""
+
+    def forward(params: dict[str, Tensor], buffers: dict[str, Tensor], x: Tensor) -> Tensor:
+        sliced = ({n: p[0] for n, p in params.items()}, {n: b[0] for n, b in buffers.items()})
+        return functional_call(template, sliced, (x,)).unsqueeze(0)
+
+    return forward
+
+
+class Group:
+    """Members trained as one stack: all of an array's (fused) or one (serial)."""
+
+    def __init__(
+        self,
+        keys: list[Hashable],
+        params: dict[str, Tensor],
+        buffers: dict[str, Tensor],
+        optimizer: StackedOptimizer,
+        forward: Forward,
+    ) -> None:
+        self.keys, self.params, self.buffers = keys, params, buffers
+        self.optimizer, self.forward = optimizer, forward
+        self.loss_sum = torch.zeros(len(keys), dtype=torch.float64, device=_device_of(params))
+
+    def step(self, x: Tensor, y: Tensor, loss: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+        """One optimizer step on the batch; the members' ``[k]`` losses, detached."""
+        out = self.forward(self.params, self.buffers, x)
+        losses = loss(out[0], y).unsqueeze(0) if len(self.keys) == 1 else vmap(
+            loss, in_dims=(0, None)
+        )(out, y)
+        losses.sum().backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        losses = losses.detach()
+        self.loss_sum += losses
+        return losses
+
+    def keep(self, index: list[int]) -> None:
+        """Keep members ``index`` (dropping the others' slices everywhere)."""
+        idx = torch.tensor(index, dtype=torch.long, device=self.loss_sum.device)
+        self.keys = [self.keys[i] for i in index]
+        self.params = {n: p.detach()[idx].requires_grad_(p.requires_grad) for n, p in
+                       self.params.items()}
+        self.buffers = {n: b[idx] for n, b in self.buffers.items()}
+        self.optimizer.select(index, self.params)
+        self.loss_sum = self.loss_sum[idx]
+
+
+def _device_of(tensors: Mapping[str, Tensor]) -> torch.device:
+    return next(iter(tensors.values())).device
+
+
+def hyper_tensors(configs: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
+    """The fusible optimizer hyperparameters of ``configs`` as ``[k]`` float64 tensors."""
+    return {
+        key: torch.tensor([float(c.get(key, OPTIMIZER_PARAMS[key])) for c in configs],
+                          dtype=torch.float64)
+        for key in OPTIMIZER_HYPER
+    }
+
+
+def _build_model(workload: Workload, config: Mapping[str, Any], state: Mapping | None) -> nn.Module:
+    torch.manual_seed(int(config["seed"]))
+    model = workload.build_model(config)
+    if state is not None:
+        model.load_state_dict({**state["params"], **state["buffers"]})
+    return model.train()
+
+
+def _check_fusible(workload: Workload, configs: Sequence[Mapping[str, Any]]) -> None:
+    shared = sorted(set(workload.structural) | {"batch_size", "data_seed"})
+    for key in shared:
+        values = {repr(c.get(key)) for c in configs}
+        if len(values) > 1:
+            raise ValueError(f"members of one array must share {key!r}; got {sorted(values)}")
+
+
+class FusedArray:
+    """k trials of one workload and fusion key, trained on shared batches.
+
+    ``members`` are ``(key, config)`` pairs: ``key`` identifies the trial
+    (its id), ``config`` carries ``seed`` and ``data_seed``. ``states``
+    optionally gives each member's exported :meth:`member_state` (``None`` for
+    a fresh one); every member must be at the same step. ``data`` may pass
+    the workload's (train, validation) splits to share them between arrays.
+    """
+
+    def __init__(
+        self,
+        workload: Workload,
+        members: Sequence[tuple[Hashable, Mapping[str, Any]]],
+        *,
+        device: str | torch.device = "cpu",
+        mode: Mode = "auto",
+        states: Sequence[Mapping[str, Any] | None] | None = None,
+        data: tuple[Split, Split] | None = None,
+    ) -> None:
+        if not members:
+            raise ValueError("an array needs at least one member")
+        states = list(states) if states is not None else [None] * len(members)
+        keys = [key for key, _ in members]
+        if len(set(keys)) != len(keys) or len(states) != len(keys):
+            raise ValueError("member keys must be unique, with one state (or None) each")
+        configs = [workload.resolve(config) for _, config in members]
+        _check_fusible(workload, configs)
+        done = {int(s["steps_done"]) if s else 0 for s in states}
+        if len(done) != 1:
+            raise ValueError(f"members of one array must be at the same step; got {sorted(done)}")
+        self.workload, self.device = workload, torch.device(device)
+        self.config = configs[0]
+        self.configs = dict(zip(keys, configs, strict=True))
+        self.step = done.pop()
+        self.steps_per_epoch = workload.steps_per_epoch(self.config)
+        self.diverged: dict[Hashable, int] = {}
+        models = [_build_model(workload, c, s) for c, s in zip(configs, states, strict=True)]
+        self.template = copy.deepcopy(models[0]).to("meta")
+        self.stochastic = bool(getattr(workload, "stochastic", False)) or any(
+            isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
+            for m in self.template.modules()
+        )
+        self.generators = {}
+        for key, config, state in zip(keys, configs, states, strict=True):
+            gen = torch.Generator()
+            if state is not None:
+                gen.set_state(state["rng"])
+            else:
+                gen.manual_seed(int(config["seed"]) + 1_000_003)
+            self.generators[key] = gen
+        plan = bmm_plan(self.template)
+        if mode == "auto":
+            mode = "bmm" if plan is not None else "serial" if len(keys) == 1 else "vmap"
+        if mode == "bmm" and plan is None:
+            raise ValueError(f"{workload.name}'s model is not a hand-fusable Sequential")
+        self.mode = mode
+        if mode == "serial":
+            forward = single_forward(self.template)
+            parts = [([i], forward) for i in range(len(keys))]
+        else:
+            forward = bmm_forward(plan) if plan and mode == "bmm" else vmap_forward(self.template)
+            parts = [(list(range(len(keys))), forward)]
+        self.groups = [
+            self._group([keys[i] for i in idx], [models[i] for i in idx],
+                        [configs[i] for i in idx], [states[i] for i in idx], fwd)
+            for idx, fwd in parts
+        ]  # fmt: skip
+        self.train_split, self.val_split = data or workload.data(self.config, self.device)
+
+    def _group(
+        self,
+        keys: list[Hashable],
+        models: list[nn.Module],
+        configs: list[Mapping[str, Any]],
+        states: list[Mapping[str, Any] | None],
+        forward: Forward,
+    ) -> Group:
+        stacked_params, stacked_buffers = stack_module_state(models)
+        params = {n: p.detach().to(self.device).requires_grad_(p.requires_grad)
+                  for n, p in stacked_params.items()}
+        buffers = {n: b.to(self.device) for n, b in stacked_buffers.items()}
+        optimizer = build_optimizer(
+            str(self.config["optimizer"]), params, hyper_tensors(configs),
+            nesterov=bool(self.config.get("nesterov", False)),
+            states=[s["optimizer"] if s else None for s in states],
+        )  # fmt: skip
+        return Group(keys, params, buffers, optimizer, forward)
+
+    @property
+    def keys(self) -> list[Hashable]:
+        """Keys of the members still training, in order."""
+        return [key for group in self.groups for key in group.keys]
+
+    def _locate(self, key: Hashable) -> tuple[Group, int]:
+        for group in self.groups:
+            if key in group.keys:
+                return group, group.keys.index(key)
+        raise KeyError(f"{key!r} is not an active member of this array")
+
+    def _reseed(self, group: Group) -> None:
+        """Seed the global generator from one draw of each member's own stream."""
+        seed = 0
+        for key in group.keys:
+            draw = int(torch.randint(0, 2**62, (1,), generator=self.generators[key]))
+            seed = (seed * _RNG_MIX + draw) % 2**63
+        torch.manual_seed(seed)
+
+    def train_step(self, batch: Tensor) -> None:
+        """One step of every member on the train examples ``batch`` (indices)."""
+        index = batch.to(self.device)
+        x, y = self.train_split.x[index], self.train_split.y[index]
+        for group in list(self.groups):
+            if self.stochastic:
+                self._reseed(group)
+            losses = group.step(x, y, self.workload.loss)
+            finite = torch.isfinite(losses)
+            if not bool(finite.all()):
+                self._drop_diverged(group, finite.tolist())
+        self.step += 1
+
+    def _drop_diverged(self, group: Group, finite: list[bool]) -> None:
+        for key, ok in zip(group.keys, finite, strict=True):
+            if not ok:
+                self.diverged[key] = self.step + 1
+        keep = [i for i, ok in enumerate(finite) if ok]
+        if keep:
+            group.keep(keep)
+        else:
+            self.groups.remove(group)
+
+    def reset_train_loss(self) -> None:
+        for group in self.groups:
+            group.loss_sum.zero_()
+
+    def train_loss(self, steps: int) -> dict[Hashable, float]:
+        """Each member's summed step losses since :meth:`reset_train_loss`, over ``steps``."""
+        return {key: float(total) / max(steps, 1) for group in self.groups
+                for key, total in zip(group.keys, group.loss_sum.tolist(), strict=True)}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[Hashable, dict[str, float]]:
+        """``val_loss`` and the workload's metrics of every member, in eval mode."""
+        x, y = self.val_split.x, self.val_split.y
+        size = int(self.config["batch_size"])
+        results: dict[Hashable, dict[str, float]] = {}
+        self.template.eval()
+        try:
+            for group in self.groups:
+                chunks = [group.forward(group.params, group.buffers, x[start : start + size])
+                          for start in range(0, x.shape[0], size)]
+                out = torch.cat(chunks, dim=1)
+                for i, key in enumerate(group.keys):
+                    results[key] = {"val_loss": float(self.workload.loss(out[i], y)),
+                                    **self.workload.metrics(out[i], y)}
+        finally:
+            self.template.train()
+        return results
+
+    def member_state(self, key: Hashable) -> dict[str, Any]:
+        """What resuming ``key`` elsewhere needs, on the CPU (checkpoint-ready)."""
+        group, i = self._locate(key)
+        return {
+            "key": key,
+            "config": dict(self.configs[key]),
+            "params": {n: p[i].detach().to("cpu", copy=True) for n, p in group.params.items()},
+            "buffers": {n: b[i].to("cpu", copy=True) for n, b in group.buffers.items()},
+            "optimizer": group.optimizer.member_state(i),
+            "rng": self.generators[key].get_state(),
+            "steps_done": self.step,
+        }
+
+
+@dataclass(frozen=True)
+class Report:
+    """Metrics of every active member at ``step``; ``resource`` is in epochs."""
+
+    step: int
+    resource: float
+    metrics: dict[Hashable, dict[str, float]]
+    diverged: tuple[Hashable, ...] = ()
+
+
+def train(
+    array: FusedArray, to_step: int, on_report: Callable[[Report], None] | None = None
+) -> list[Report]:
+    """Train ``array`` from its current step to global step ``to_step``.
+
+    Step ``s`` uses the batch at position ``s % steps_per_epoch`` of epoch
+    ``s // steps_per_epoch``, so stopping and resuming at any step is exact.
+    At each epoch boundary and at ``to_step`` the members are evaluated; the
+    report's ``train_loss`` is the mean step loss of the epoch's steps run in
+    this call.
+    """
+    if to_step < array.step:
+        raise ValueError(f"array is at step {array.step}, past to_step={to_step}")
+    spe, reports = array.steps_per_epoch, []
+    while array.step < to_step and array.groups:
+        epoch = array.step // spe
+        batches = list(array.workload.batch_indices(array.config, epoch))
+        end, start = min(to_step, (epoch + 1) * spe), array.step
+        diverged_before = set(array.diverged)
+        array.reset_train_loss()
+        while array.step < end and array.groups:
+            array.train_step(batches[array.step - epoch * spe])
+        train_loss, evaluated = array.train_loss(array.step - start), array.evaluate()
+        report = Report(
+            step=array.step,
+            resource=array.step / spe,
+            metrics={key: {"train_loss": train_loss[key], **evaluated[key]} for key in array.keys},
+            diverged=tuple(k for k in array.diverged if k not in diverged_before),
+        )
+        reports.append(report)
+        if on_report is not None:
+            on_report(report)
+    return reports
