@@ -30,6 +30,7 @@ from sqlalchemy import (
     Integer,
     String,
     Text,
+    TypeDecorator,
     UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -37,6 +38,32 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timezone-aware UTC datetime on every backend.
+
+    PostgreSQL keeps the offset; SQLite stores the wall time without one and
+    hands back naive values. Values are converted to UTC on the way in (naive
+    ones are taken to be UTC already) and tagged as UTC on the way out, so
+    SQLite's stored strings compare in time order and reads compare with
+    ``utcnow()``.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is None or value.tzinfo is None:
+            return value
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
 
 
 class Base(DeclarativeBase):
@@ -80,7 +107,9 @@ class PackStatus(enum.StrEnum):
     running = "running"
     completed = "completed"
     failed = "failed"  # this attempt failed; re-queued as a new attempt or trials failed
-    split = "split"  # CUDA out of memory: replaced by two smaller packs
+    # CUDA out of memory: replaced by two smaller packs. (The member shadows
+    # str.split on purpose; PackStatus.split is the status, not the method.)
+    split = "split"  # type: ignore[assignment]
     cancelled = "cancelled"
 
 
@@ -100,12 +129,15 @@ class Study(Base):
     seed: Mapped[int] = mapped_column(BigInteger, default=0)
     status: Mapped[StudyStatus] = mapped_column(_enum(StudyStatus), default=StudyStatus.pending)
     best_trial_id: Mapped[int | None] = mapped_column(
-        ForeignKey("trials.id", use_alter=True, name="fk_studies_best_trial"), nullable=True
+        ForeignKey(
+            "trials.id", use_alter=True, name="fk_studies_best_trial", ondelete="SET NULL"
+        ),
+        nullable=True,
     )
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
-    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
 
     trials: Mapped[list[Trial]] = relationship(
         back_populates="study", foreign_keys="Trial.study_id", cascade="all, delete-orphan"
@@ -131,10 +163,8 @@ class Trial(Base):
     resource_done: Mapped[float] = mapped_column(Float, default=0.0)  # cumulative resource trained
     checkpoint_path: Mapped[str | None] = mapped_column(Text, nullable=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    updated_at: Mapped[datetime] = mapped_column(
-        DateTime(timezone=True), default=utcnow, onupdate=utcnow
-    )
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
 
     study: Mapped[Study] = relationship(back_populates="trials", foreign_keys=[study_id])
     measurements: Mapped[list[Measurement]] = relationship(
@@ -157,7 +187,7 @@ class RungPromotion(Base):
     bracket: Mapped[int] = mapped_column(Integer)
     rung: Mapped[int] = mapped_column(Integer)
     value: Mapped[float | None] = mapped_column(Float, nullable=True)  # objective when promoted
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
 class Pack(Base):
@@ -178,10 +208,10 @@ class Pack(Base):
     peak_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     train_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    enqueued_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
-    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
-    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    enqueued_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
 
     members: Mapped[list[PackMember]] = relationship(
         back_populates="pack", cascade="all, delete-orphan", order_by="PackMember.trial_id"
@@ -211,13 +241,15 @@ class Measurement(Base):
     """A trial's metrics at one cumulative resource; a repeated report updates the row."""
 
     __tablename__ = "measurements"
-    __table_args__ = (UniqueConstraint("trial_id", "resource", name="uq_measurements_trial_resource"),)
+    __table_args__ = (
+        UniqueConstraint("trial_id", "resource", name="uq_measurements_trial_resource"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     trial_id: Mapped[int] = mapped_column(ForeignKey("trials.id", ondelete="CASCADE"))
     resource: Mapped[float] = mapped_column(Float)
     metrics: Mapped[dict[str, Any]] = mapped_column(JSON)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
     trial: Mapped[Trial] = relationship(back_populates="measurements")
 
@@ -232,8 +264,8 @@ class Worker(Base):
     gpus: Mapped[list[Any]] = mapped_column(JSON, default=list)  # per-GPU NVML readings
     memory_budget: Mapped[int | None] = mapped_column(BigInteger, nullable=True)  # CPU workers
     status: Mapped[WorkerStatus] = mapped_column(_enum(WorkerStatus), default=WorkerStatus.idle)
-    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    last_heartbeat: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    last_heartbeat: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
 class Profile(Base):
@@ -252,9 +284,7 @@ class Profile(Base):
     per_trial_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     # {"<k>": trial-steps per second} measured for fused arrays of size k
     throughput: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
-    updated_at: Mapped[datetime] = mapped_column(
-        DateTime(timezone=True), default=utcnow, onupdate=utcnow
-    )
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
 
 
 class Lease(Base):
@@ -264,4 +294,4 @@ class Lease(Base):
 
     name: Mapped[str] = mapped_column(String(100), primary_key=True)
     holder: Mapped[str] = mapped_column(String(200))
-    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime())

@@ -1,0 +1,198 @@
+"""Engines, sessions and schema upgrades.
+
+Two backends are supported:
+
+* **SQLite** (the embedded default). The API, the scheduler and the in-process
+  runner share one file from several threads, so connections are made with
+  ``check_same_thread=False``, a 30 s busy timeout, WAL journaling (readers do
+  not block the writer) and foreign keys switched on. Every transaction starts
+  with ``BEGIN IMMEDIATE``: it takes the write lock up front, so a transaction
+  that reads and then writes waits for a busy writer (up to the timeout)
+  instead of failing at once with "database is locked" when its read snapshot
+  went stale.
+* **PostgreSQL** (scale-out). ``postgresql://`` URLs are served by the psycopg 3
+  driver; pooled connections are pinged before use so a restarted server does
+  not hand out dead ones.
+
+Database errors that mean "cannot reach or use the store" are turned into
+:class:`service.errors.StoreUnavailable` at one boundary, :func:`session_scope`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib import resources
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import StaticPool
+
+from service.errors import StoreUnavailable
+from service.settings import get_settings
+
+SQLITE_BUSY_TIMEOUT_S = 30.0
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(item) for item in value]
+    return value
+
+
+def json_dumps(value: Any) -> str:
+    """JSON for every JSON column: NaN and infinities become ``null``.
+
+    JSON has no non-finite numbers; PostgreSQL refuses Python's ``NaN`` token
+    while SQLite would store it, so a diverged loss reads back as ``None`` on
+    both backends.
+    """
+    return json.dumps(_finite(value), allow_nan=False)
+
+
+def normalise_url(url: str | URL) -> URL:
+    """Parse ``url``, giving bare PostgreSQL URLs the psycopg 3 driver."""
+    parsed = make_url(url)
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed
+
+
+def _is_memory_sqlite(url: URL) -> bool:
+    return url.database in (None, "", ":memory:") or "mode=memory" in str(url)
+
+
+def _configure_sqlite(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # Leave transactions to the "begin" hook below instead of the driver's
+        # implicit BEGIN, so that it can be BEGIN IMMEDIATE.
+        dbapi_conn.isolation_level = None
+        cursor = dbapi_conn.cursor()
+        try:
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
+        finally:
+            cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def make_engine(url: str | URL) -> Engine:
+    """An engine configured for ``url``'s backend (see the module docstring)."""
+    parsed = normalise_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        kwargs: dict[str, Any] = {
+            "connect_args": {"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_S},
+            "json_serializer": json_dumps,
+        }
+        if _is_memory_sqlite(parsed):
+            # One shared connection, or every session would see its own empty database.
+            kwargs["poolclass"] = StaticPool
+        engine = create_engine(parsed, **kwargs)
+        _configure_sqlite(engine)
+        return engine
+    return create_engine(parsed, pool_pre_ping=True, json_serializer=json_dumps)
+
+
+def session_factory(engine: Engine) -> sessionmaker[Session]:
+    """Sessions whose objects stay readable after commit (they are handed to callers)."""
+    return sessionmaker(bind=engine, expire_on_commit=False)
+
+
+_engines: dict[str, tuple[Engine, sessionmaker[Session]]] = {}
+_engines_lock = threading.Lock()
+
+
+def _cached(url: str) -> tuple[Engine, sessionmaker[Session]]:
+    with _engines_lock:
+        if url not in _engines:
+            engine = make_engine(url)
+            _engines[url] = (engine, session_factory(engine))
+        return _engines[url]
+
+
+def get_engine() -> Engine:
+    """The process-wide engine for the settings' ``database_url``."""
+    return _cached(get_settings().database_url)[0]
+
+
+def get_sessionmaker() -> sessionmaker[Session]:
+    """The process-wide session factory for the settings' ``database_url``."""
+    return _cached(get_settings().database_url)[1]
+
+
+def dispose_engines() -> None:
+    """Close and forget every cached engine (tests; a child process after fork)."""
+    with _engines_lock:
+        for engine, _ in _engines.values():
+            engine.dispose()
+        _engines.clear()
+
+
+def _rollback_quietly(session: Session) -> None:
+    try:
+        session.rollback()
+    except SQLAlchemyError:
+        # The connection is gone; the original error is the one worth reporting.
+        pass
+
+
+@contextmanager
+def session_scope(factory: sessionmaker[Session] | None = None) -> Iterator[Session]:
+    """A session that commits when the block ends and rolls back if it raises.
+
+    Lost or unusable connections (``OperationalError``, ``InterfaceError``),
+    raised in the block or at commit, become :class:`StoreUnavailable`.
+    """
+    session = (factory or get_sessionmaker())()
+    try:
+        yield session
+        session.commit()
+    except (OperationalError, InterfaceError) as exc:
+        _rollback_quietly(session)
+        raise StoreUnavailable(f"database unavailable: {exc.orig or exc}") from exc
+    except BaseException:
+        _rollback_quietly(session)
+        raise
+    finally:
+        session.close()
+
+
+def alembic_config(url: str | URL | None = None) -> Any:
+    """The Alembic ``Config`` for the packaged migrations, pointed at ``url``.
+
+    ``url`` defaults to the settings' ``database_url``. It travels in
+    ``config.attributes`` rather than the ini file, so no ``%`` escaping applies.
+    """
+    from alembic.config import Config
+
+    ini = resources.files("migrations").joinpath("alembic.ini")
+    config = Config(str(ini))
+    config.set_main_option("script_location", str(resources.files("migrations")))
+    target = normalise_url(url if url is not None else get_settings().database_url)
+    config.attributes["url"] = target
+    return config
+
+
+def upgrade(url: str | URL | None = None) -> None:
+    """Bring the database at ``url`` (default: the settings' URL) to the newest schema."""
+    from alembic import command
+
+    try:
+        command.upgrade(alembic_config(url), "head")
+    except (OperationalError, InterfaceError) as exc:
+        raise StoreUnavailable(f"database unavailable: {exc.orig or exc}") from exc

@@ -1,0 +1,124 @@
+"""The migrations build exactly the schema ``service.models`` describes, on both backends."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy.engine import URL, make_url
+
+from service.db import alembic_config, make_engine, upgrade
+from service.models import Base
+
+PG_SCHEMA = "packtune_test_migrations"
+REPO = Path(__file__).resolve().parents[1]
+TABLES = {table.name for table in Base.metadata.sorted_tables}
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def empty_url(request: pytest.FixtureRequest) -> Iterator[str | URL]:
+    """An empty database: a new SQLite file, or a new private PostgreSQL schema."""
+    if request.param == "sqlite":
+        yield request.getfixturevalue("sqlite_url")
+        return
+    base = request.getfixturevalue("postgres_url")
+    admin = make_engine(base)
+    with admin.begin() as conn:
+        conn.exec_driver_sql(f"DROP SCHEMA IF EXISTS {PG_SCHEMA} CASCADE")
+        conn.exec_driver_sql(f"CREATE SCHEMA {PG_SCHEMA}")
+    yield make_url(base).update_query_dict({"options": f"-csearch_path={PG_SCHEMA}"})
+    with admin.begin() as conn:
+        conn.exec_driver_sql(f"DROP SCHEMA IF EXISTS {PG_SCHEMA} CASCADE")
+    admin.dispose()
+
+
+def inspect_db(url: str | URL) -> tuple[set[str], list[Any], str | None]:
+    """(table names, differences from the models, Alembic revision) of the database at ``url``."""
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            context = MigrationContext.configure(conn)
+            return (
+                set(sa.inspect(conn).get_table_names()),
+                compare_metadata(context, Base.metadata),
+                context.get_current_revision(),
+            )
+    finally:
+        engine.dispose()
+
+
+def test_upgrade_builds_the_models_schema(empty_url: str | URL) -> None:
+    upgrade(empty_url)
+    tables, diff, revision = inspect_db(empty_url)
+    assert tables == TABLES | {"alembic_version"}
+    assert diff == []
+    assert revision == "0001"
+
+
+def test_upgrade_twice_is_a_no_op(empty_url: str | URL) -> None:
+    upgrade(empty_url)
+    engine = make_engine(empty_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("INSERT INTO leases VALUES ('x', 'me', CURRENT_TIMESTAMP)"))
+    upgrade(empty_url)
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT holder FROM leases")).scalars().all() == ["me"]
+    engine.dispose()
+    tables, diff, revision = inspect_db(empty_url)
+    assert (tables, diff, revision) == (TABLES | {"alembic_version"}, [], "0001")
+
+
+def test_downgrade_removes_everything(empty_url: str | URL) -> None:
+    upgrade(empty_url)
+    command.downgrade(alembic_config(empty_url), "base")
+    assert inspect_db(empty_url)[0] == {"alembic_version"}
+    upgrade(empty_url)
+    assert inspect_db(empty_url)[1] == []
+
+
+def test_comparison_notices_a_difference(sqlite_url: str) -> None:
+    """The no-difference checks above can fail: a model change shows up."""
+    upgrade(sqlite_url)
+    changed = sa.MetaData()
+    for table in Base.metadata.sorted_tables:
+        table.to_metadata(changed)
+    sa.Index("ix_probe", changed.tables["workers"].c.host)
+    changed.tables["leases"].append_column(sa.Column("probe", sa.Integer()))
+    engine = make_engine(sqlite_url)
+    with engine.connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn), changed)
+    engine.dispose()
+    assert sorted(d[0] for d in diff) == ["add_column", "add_index"]
+
+
+def test_upgrade_defaults_to_settings_url_from_any_directory(
+    clean_env: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    db = tmp_path / "from-settings.db"
+    clean_env.setenv("PACKTUNE_DATABASE_URL", f"sqlite:///{db}")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    clean_env.chdir(elsewhere)
+    upgrade()
+    assert inspect_db(f"sqlite:///{db}")[0] == TABLES | {"alembic_version"}
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_alembic_command_line(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    db = tmp_path / "cli.db"
+    clean_env.setenv("PACKTUNE_DATABASE_URL", f"sqlite:///{db}")
+    subprocess.run(
+        [sys.executable, "-m", "alembic", "-c", "migrations/alembic.ini", "upgrade", "head"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    )
+    assert inspect_db(f"sqlite:///{db}")[1:] == ([], "0001")
