@@ -80,5 +80,5 @@ def test_real_readings_on_a_gpu() -> None:
     mine = gpu.cuda_device_readings(0)
     assert len(mine) == 1
     assert gpu.device_kind(mine) == torch.cuda.get_device_name(0)
-    free, total = torch.cuda.mem_get_info(0)
-    assert mine[0]["memory_total"] == total
+    _, cuda_total = torch.cuda.mem_get_info(0)  # CUDA leaves out the driver's reserve
+    assert cuda_total <= mine[0]["memory_total"] <= 1.05 * cuda_total

@@ -386,3 +386,20 @@ def test_a_workload_from_an_entry_point_is_registered(plugin_on_path: Path) -> N
     assert type(found["tiny-plugin"]).__name__ == "TinyWorkload"
     assert type(found["digits-mlp"]) is digits.DigitsMLP  # a plugin cannot shadow a built-in
     assert "broken" not in found and set(NAMES) <= set(found)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", NAMES)
+def test_data_and_model_on_cuda(name: str) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    w = workloads.get_workload(name)
+    cfg = SMALL[name]
+    train, val = w.data(cfg, device="cuda")
+    assert train.x.is_cuda and val.y.is_cuda and train.x.dtype == torch.float32
+    assert w.data(cfg, device="cuda:0")[0].x.data_ptr() == train.x.data_ptr()
+    cpu_train, _ = w.data(cfg)
+    torch.testing.assert_close(train.x.cpu(), cpu_train.x)
+    model = _build(w, cfg, 0).cuda()
+    with torch.no_grad():
+        assert 0.0 <= w.metrics(model(val.x), val.y)["val_accuracy"] <= 1.0
