@@ -16,6 +16,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy.engine import URL, make_url
 
 from service.db import alembic_config, make_engine, upgrade
+from service.errors import StoreUnavailable
 from service.models import Base
 
 PG_SCHEMA = "packtune_test_migrations"
@@ -122,3 +123,8 @@ def test_alembic_command_line(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> 
         capture_output=True,
     )
     assert inspect_db(f"sqlite:///{db}")[1:] == ([], "0001")
+
+
+def test_upgrade_of_unreachable_database_is_store_unavailable() -> None:
+    with pytest.raises(StoreUnavailable):
+        upgrade("postgresql://postgres@127.0.0.1:1/test?connect_timeout=2")

@@ -20,7 +20,16 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 from service import store
-from service.db import make_engine, normalise_url, session_factory, session_scope, upgrade
+from service.db import (
+    dispose_engines,
+    get_engine,
+    get_sessionmaker,
+    make_engine,
+    normalise_url,
+    session_factory,
+    session_scope,
+    upgrade,
+)
 from service.errors import NotFound, StoreUnavailable
 from service.models import (
     Base,
@@ -506,6 +515,20 @@ def test_unreachable_database_is_store_unavailable(tmp_path: Any) -> None:
         with pytest.raises(StoreUnavailable), session_scope(session_factory(engine)) as s:
             store.list_studies(s)
         engine.dispose()
+
+
+def test_default_engine_follows_settings(clean_env: pytest.MonkeyPatch, sqlite_url: str) -> None:
+    clean_env.setenv("PACKTUNE_DATABASE_URL", sqlite_url)
+    upgrade()
+    try:
+        with session_scope() as s:
+            new_study(s, "default")
+        assert get_engine() is get_engine() and get_sessionmaker() is get_sessionmaker()
+        assert str(get_engine().url) == sqlite_url
+        with session_scope(session_factory(make_engine(sqlite_url))) as s:
+            assert [st.name for st in store.list_studies(s)[0]] == ["default"]
+    finally:
+        dispose_engines()
 
 
 def test_engine_settings() -> None:
