@@ -1,0 +1,183 @@
+"""The FastAPI application: routers, error mapping, request body limit.
+
+``create_app(settings)`` builds an app; ``service.api.app:app`` is one built
+from the environment on first access (so importing this module has no side
+effects). The app serves requests only: the scheduler runs elsewhere (``packtune
+serve`` starts it beside uvicorn). Nothing here imports torch.
+
+Errors, all as ``{"detail": ...}``:
+
+- :class:`~service.errors.PacktuneError` subclasses -> their ``status_code``;
+  a :class:`~service.errors.SpecError` -> 422 with ``detail`` a list like
+  FastAPI's own, ``[{"loc": ["body", "hyperband", "eta"], "msg": ..., "type":
+  "value_error"}]``, so a client sees which field is wrong;
+- request validation -> 422 (spec errors raised inside the body's validators
+  are reported the same way as above);
+- a body that is not JSON -> 422, not UTF-8 -> 400, over :data:`MAX_BODY_BYTES` -> 413.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy import Engine
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.api import routes, system
+from service.db import get_sessionmaker, make_engine, session_factory
+from service.errors import PacktuneError, SpecError
+from service.settings import Settings, get_settings
+
+MAX_BODY_BYTES = 1 << 20
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """An app over the database of ``settings`` (default: the environment's settings).
+
+    Without ``settings`` the process-wide session factory is used; with them
+    the app owns an engine of its own, disposed when the app shuts down.
+    """
+    owned: Engine | None = None
+    if settings is None:
+        settings = get_settings()
+        factory = get_sessionmaker()
+    else:
+        owned = make_engine(settings.database_url)
+        factory = session_factory(owned)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        if owned is not None:
+            owned.dispose()
+
+    app = FastAPI(
+        title="packtune",
+        summary="Pack-aware hyperparameter tuning: Hyperband whose trials share a GPU.",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.sessionmaker = factory
+    app.include_router(routes.writes)
+    app.include_router(routes.router)
+    app.include_router(system.router)
+    app.add_exception_handler(PacktuneError, _packtune_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+    return app
+
+
+def spec_error_detail(error: SpecError) -> dict[str, Any]:
+    return {"loc": ["body", *error.field.split(".")], "msg": error.message, "type": "value_error"}
+
+
+async def _packtune_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, PacktuneError)
+    if isinstance(exc, SpecError):
+        return JSONResponse(status_code=422, content={"detail": [spec_error_detail(exc)]})
+    return JSONResponse(status_code=exc.status_code, content={"detail": str(exc)})
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-safe copy of an error's context value (no exceptions, no NaN)."""
+    if isinstance(value, bool | int | str) or value is None:
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    return str(value)
+
+
+async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    detail = []
+    for error in exc.errors():
+        ctx = error.get("ctx") or {}
+        if isinstance(ctx.get("error"), SpecError):
+            detail.append(spec_error_detail(ctx["error"]))
+            continue
+        entry: dict[str, Any] = {
+            "loc": [_plain(part) for part in error["loc"]],
+            "msg": error["msg"],
+            "type": error["type"],
+        }
+        if ctx:
+            entry["ctx"] = {key: _plain(value) for key, value in ctx.items()}
+        detail.append(entry)  # the input is not echoed: it may be large or not JSON-safe
+    return JSONResponse(status_code=422, content={"detail": detail})
+
+
+class BodyLimit:
+    """Answer 413 to a request whose body is over ``max_bytes``.
+
+    The declared ``Content-Length`` is checked first; a body sent without one
+    (chunked) is read up to the limit and then replayed to the app.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                await _reject(send, 400, "invalid Content-Length header")
+                return
+            if int(declared) > self.max_bytes:
+                await _reject(send, 413, f"request body is over {self.max_bytes} bytes")
+                return
+            await self.app(scope, receive, send)  # the server enforces the declared length
+            return
+        chunks: list[bytes] = []
+        size, more = 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await _reject(send, 413, f"request body is over {self.max_bytes} bytes")
+                return
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+async def _reject(send: Send, status: int, detail: str) -> None:
+    response = JSONResponse(status_code=status, content={"detail": detail})
+    await send(
+        {"type": "http.response.start", "status": status, "headers": response.raw_headers}
+    )
+    await send({"type": "http.response.body", "body": response.body})
+
+
+app: FastAPI  # bound on first access by __getattr__ below
+
+
+def __getattr__(name: str) -> Any:
+    # ``service.api.app:app`` for uvicorn without the factory flag: built on first use.
+    if name == "app":
+        global app
+        app = create_app()
+        return app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,53 @@
+"""Dependencies the routes share: a database session, the settings, the write guard."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.db import session_scope
+from service.settings import Settings
+
+
+def get_settings_dep(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    """One session per request, committed when the route returns, rolled back if it raises.
+
+    Used with ``scope="function"`` so the commit happens before the response
+    is sent: a client that sees 201 can read what it created.
+    """
+    factory: sessionmaker[Session] = request.app.state.sessionmaker
+    with session_scope(factory) as session:
+        yield session
+
+
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
+SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
+
+_bearer = HTTPBearer(auto_error=False, description="Set when PACKTUNE_API_TOKEN is configured.")
+
+
+def require_token(
+    settings: SettingsDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> None:
+    """Writes need ``Authorization: Bearer <token>`` when ``api_token`` is set; reads do not."""
+    if settings.api_token is None:
+        return
+    expected = settings.api_token.get_secret_value().encode()
+    given = credentials.credentials.encode() if credentials is not None else b""
+    if not secrets.compare_digest(given, expected):
+        raise HTTPException(
+            status_code=status.HTTP_401_UNAUTHORIZED,
+            detail="missing or wrong bearer token",
+            headers={"WWW-Authenticate": "Bearer"},
+        )

@@ -1,0 +1,127 @@
+"""Study routes: thin adapters from HTTP to :mod:`service.store` and :mod:`service.queries`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Path, Query, Response, status
+
+from service import queries, store
+from service.api.deps import SessionDep, require_token
+from service.api.schemas import (
+    BracketPublic,
+    CurvePublic,
+    LeaderboardEntry,
+    ListOf,
+    PackPublic,
+    StudyPublic,
+    TrialPublic,
+)
+from service.errors import Conflict
+from service.models import PackStatus, StudyStatus, TrialStatus
+from service.spec import StudySpec
+
+# Ids are 32-bit integer columns; a bigger number is a client error, not a database one.
+MAX_ID = 2**31 - 1
+StudyId = Annotated[int, Path(ge=1, le=MAX_ID, description="Study id.")]
+Limit = Annotated[int, Query(ge=1, le=500)]
+Offset = Annotated[int, Query(ge=0)]
+
+router = APIRouter(prefix="/api/studies", tags=["studies"])
+writes = APIRouter(prefix="/api/studies", tags=["studies"], dependencies=[Depends(require_token)])
+
+CANCELLABLE = (StudyStatus.pending, StudyStatus.running)
+
+
+@writes.post("", status_code=status.HTTP_201_CREATED, response_model=StudyPublic)
+def create_study(spec: StudySpec, s: SessionDep, response: Response) -> dict[str, Any]:
+    """Create a study in status ``pending``; the scheduler picks it up on its next tick.
+
+    The body is checked in full (workload, space, Hyperband settings) before
+    anything is stored; a bad field gives 422 with its path in ``loc``.
+    """
+    study = store.create_study(
+        s, name=spec.name, workload=spec.workload, spec=spec.model_dump(mode="json"), seed=spec.seed
+    )
+    response.headers["Location"] = f"/api/studies/{study.id}"
+    return queries.study_summary(s, study.id)
+
+
+@writes.post("/{study_id}/cancel", response_model=StudyPublic)
+def cancel_study(study_id: StudyId, s: SessionDep) -> dict[str, Any]:
+    """Cancel a pending or running study; the scheduler cancels its trials on its next tick."""
+    study = store.get_study(s, study_id)
+    s.refresh(study, with_for_update=True)  # PostgreSQL: no status change slips in between
+    if study.status not in CANCELLABLE:
+        raise Conflict(f"study {study_id} is {study.status.value}; it can no longer be cancelled")
+    store.set_study_status(s, study, StudyStatus.cancelled)
+    return queries.study_summary(s, study_id)
+
+
+@router.get("", response_model=ListOf[StudyPublic])
+def list_studies(s: SessionDep, limit: Limit = 50, offset: Offset = 0) -> dict[str, Any]:
+    """Studies, newest first."""
+    rows, count = queries.list_studies(s, limit, offset)
+    return {"data": rows, "count": count}
+
+
+@router.get("/{study_id}", response_model=StudyPublic)
+def get_study(study_id: StudyId, s: SessionDep) -> dict[str, Any]:
+    """One study: status, progress in rung-units, best trial (and best so far while running)."""
+    return queries.study_summary(s, study_id)
+
+
+@router.get("/{study_id}/trials", response_model=ListOf[TrialPublic])
+def list_trials(
+    study_id: StudyId,
+    s: SessionDep,
+    status: TrialStatus | None = None,
+    bracket: Annotated[int | None, Query(ge=0, le=MAX_ID)] = None,
+    limit: Annotated[int | None, Query(ge=1, le=100_000)] = None,
+    offset: Offset = 0,
+) -> dict[str, Any]:
+    """The study's trials by id with their latest metrics (all of them unless ``limit``)."""
+    rows, count = queries.trials(
+        s, study_id, status=status, bracket=bracket, limit=limit, offset=offset
+    )
+    return {"data": rows, "count": count}
+
+
+@router.get("/{study_id}/brackets", response_model=ListOf[BracketPublic])
+def list_brackets(study_id: StudyId, s: SessionDep) -> dict[str, Any]:
+    """Hyperband's brackets, highest ``s`` first: planned rungs and the trials that reached them."""
+    rows = queries.brackets(s, study_id)
+    return {"data": rows, "count": len(rows)}
+
+
+@router.get("/{study_id}/packs", response_model=ListOf[PackPublic])
+def list_packs(
+    study_id: StudyId,
+    s: SessionDep,
+    status: PackStatus | None = None,
+    limit: Limit = 100,
+    offset: Offset = 0,
+) -> dict[str, Any]:
+    """The study's packs, newest first, with members, device, memory and timing."""
+    rows, count = queries.packs(s, study_id, status=status, limit=limit, offset=offset)
+    return {"data": rows, "count": count}
+
+
+@router.get("/{study_id}/curves", response_model=ListOf[CurvePublic])
+def list_curves(
+    study_id: StudyId,
+    s: SessionDep,
+    trial_id: Annotated[list[Annotated[int, Query(ge=1, le=MAX_ID)]] | None, Query()] = None,
+) -> dict[str, Any]:
+    """Learning curves: each trial's metrics at every resource measured (``trial_id`` filters)."""
+    rows = queries.curves(s, study_id, trial_id)
+    return {"data": rows, "count": len(rows)}
+
+
+@router.get("/{study_id}/leaderboard", response_model=ListOf[LeaderboardEntry])
+def leaderboard(
+    study_id: StudyId, s: SessionDep, limit: Annotated[int | None, Query(ge=1)] = None
+) -> dict[str, Any]:
+    """Measured trials, best first: higher resource first, then the objective; ``count`` is all."""
+    rows, count = queries.leaderboard(s, study_id, limit)
+    return {"data": rows, "count": count}

@@ -1,0 +1,161 @@
+"""What the API sends back, one model per resource; lists come as ``{"data", "count"}``.
+
+The request body of ``POST /api/studies`` is :class:`service.spec.StudySpec`
+itself. These models mirror the dicts :mod:`service.queries` returns; they
+exist for the OpenAPI schema and to pin the wire format.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Generic, Literal, TypeVar
+
+from pydantic import BaseModel
+
+from service.models import PackStatus, StudyStatus, TrialStatus, WorkerStatus
+
+T = TypeVar("T")
+
+
+class ListOf(BaseModel, Generic[T]):
+    data: list[T]
+    count: int
+
+
+class Objective(BaseModel):
+    metric: str
+    mode: Literal["min", "max"]
+
+
+class Progress(BaseModel):
+    """Rung-units finished out of those the full Hyperband plan would run."""
+
+    done: int
+    total: int
+
+
+class TrialBrief(BaseModel):
+    id: int
+    config: dict[str, Any]
+    metrics: dict[str, Any]
+
+
+class TrialPublic(BaseModel):
+    id: int
+    sample_index: int
+    bracket: int
+    rung: int
+    status: TrialStatus
+    config: dict[str, Any]
+    fusion_key: str
+    resource: float
+    measured_resource: float | None
+    metrics: dict[str, Any]
+    error: str | None
+    updated_at: datetime
+
+
+class LeaderboardEntry(TrialPublic):
+    rank: int
+    value: float | None  # the objective at ``measured_resource``; null when not finite
+
+
+class StudyPublic(BaseModel):
+    id: int
+    name: str
+    workload: str
+    status: StudyStatus
+    seed: int
+    objective: Objective
+    spec: dict[str, Any]
+    error: str | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    progress: Progress
+    trial_counts: dict[str, int]
+    packs_running: int
+    best_trial: TrialBrief | None
+    best_so_far: LeaderboardEntry | None = None
+
+
+class RungTrial(BaseModel):
+    trial_id: int
+    status: TrialStatus
+    promoted: bool
+
+
+class RungPublic(BaseModel):
+    rung: int
+    n: int
+    resource: float
+    trials: list[RungTrial]
+
+
+class BracketPublic(BaseModel):
+    s: int
+    rungs: list[RungPublic]
+
+
+class PackMemberPublic(BaseModel):
+    trial_id: int
+    fusion_key: str
+    from_resource: float
+    to_resource: float
+
+
+class PackPublic(BaseModel):
+    id: int
+    status: PackStatus
+    members: list[PackMemberPublic]
+    device: str | None
+    worker: str | None
+    estimated_bytes: int | None
+    peak_bytes: int | None
+    train_seconds: float | None
+    created_at: datetime
+    enqueued_at: datetime | None
+    started_at: datetime | None
+    finished_at: datetime | None
+    duration: float | None
+    attempts: int
+    error: str | None
+    parent_id: int | None
+
+
+class CurvePoint(BaseModel):
+    resource: float
+    metrics: dict[str, Any]
+
+
+class CurvePublic(BaseModel):
+    trial_id: int
+    points: list[CurvePoint]
+
+
+class WorkerPublic(BaseModel):
+    name: str
+    host: str
+    device_kind: str
+    gpus: list[Any]
+    memory_budget: int | None
+    status: WorkerStatus
+    started_at: datetime
+    last_heartbeat: datetime
+    alive: bool
+
+
+class WorkloadPublic(BaseModel):
+    name: str
+    params: dict[str, Any]
+    structural: list[str]
+    doc: str
+
+
+class Health(BaseModel):
+    status: Literal["ok", "unavailable"]
+    detail: str | None = None
+
+
+class ErrorDetail(BaseModel):
+    detail: str | list[dict[str, Any]]

@@ -1,0 +1,51 @@
+"""Service-wide routes: health, workers, workloads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from sqlalchemy import text
+from sqlalchemy.exc import SQLAlchemyError
+
+from service import queries
+from service.api.deps import SessionDep, SettingsDep
+from service.api.schemas import Health, ListOf, WorkerPublic, WorkloadPublic
+from service.db import session_scope
+from service.errors import PacktuneError
+
+router = APIRouter()
+
+
+@router.get(
+    "/healthz",
+    response_model=Health,
+    response_model_exclude_none=True,
+    tags=["system"],
+    responses={503: {"model": Health, "description": "The database cannot be reached."}},
+)
+def healthz(request: Request) -> Any:
+    """200 when the database answers ``select 1``; 503 otherwise."""
+    try:
+        with session_scope(request.app.state.sessionmaker) as s:
+            s.execute(text("select 1"))
+    except (PacktuneError, SQLAlchemyError) as exc:
+        return JSONResponse(
+            status_code=503, content={"status": "unavailable", "detail": str(exc)}
+        )
+    return {"status": "ok"}
+
+
+@router.get("/api/workers", response_model=ListOf[WorkerPublic], tags=["system"])
+def list_workers(s: SessionDep, settings: SettingsDep) -> dict[str, Any]:
+    """Every worker that has sent a heartbeat; ``alive`` within ``heartbeat_timeout``."""
+    rows = queries.workers(s, settings.heartbeat_timeout)
+    return {"data": rows, "count": len(rows)}
+
+
+@router.get("/api/workloads", response_model=ListOf[WorkloadPublic], tags=["system"])
+def list_workloads() -> dict[str, Any]:
+    """The registered workloads with their parameters (defaults) and structural ones."""
+    rows = queries.workloads()
+    return {"data": rows, "count": len(rows)}

@@ -1,0 +1,575 @@
+"""The REST API over a real migrated database (SQLite; the key tests on PostgreSQL too)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from fastapi.testclient import TestClient
+from sqlalchemy.engine import make_url
+
+from service import store
+from service.api.app import MAX_BODY_BYTES, create_app
+from service.db import dispose_engines, session_scope, upgrade
+from service.models import PackStatus, StudyStatus, TrialStatus, WorkerStatus
+from service.settings import get_settings
+
+SPEC: dict[str, Any] = {
+    "name": "digits-mlp-lr",
+    "workload": "digits-mlp",
+    "objective": {"metric": "val_loss", "mode": "min"},
+    "space": {
+        "lr": {"type": "loguniform", "low": 1e-4, "high": 0.3},
+        "hidden": {"type": "choice", "values": [64, 128]},
+    },
+    "hyperband": {"max_resource": 9, "eta": 3},
+    "seed": 7,
+}
+
+
+@pytest.fixture
+def fresh_postgres(postgres_url: str) -> Iterator[str]:
+    """A database of its own on the PostgreSQL server, so the schema starts empty."""
+    name = f"packtune_api_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(postgres_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield make_url(postgres_url).set(database=name).render_as_string(hide_password=False)
+    finally:
+        dispose_engines()
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def make_client(monkeypatch: pytest.MonkeyPatch, url: str, **env: str) -> TestClient:
+    monkeypatch.setenv("PACKTUNE_DATABASE_URL", url)
+    for key, value in env.items():
+        monkeypatch.setenv(f"PACKTUNE_{key.upper()}", value)
+    get_settings.cache_clear()
+    upgrade(url)
+    return TestClient(create_app())
+
+
+@pytest.fixture
+def client(clean_env: pytest.MonkeyPatch, sqlite_url: str) -> Iterator[TestClient]:
+    with make_client(clean_env, sqlite_url) as c:
+        yield c
+    dispose_engines()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def any_client(
+    request: pytest.FixtureRequest, clean_env: pytest.MonkeyPatch, sqlite_url: str
+) -> Iterator[TestClient]:
+    url = sqlite_url if request.param == "sqlite" else request.getfixturevalue("fresh_postgres")
+    with make_client(clean_env, url) as c:
+        yield c
+    dispose_engines()
+
+
+def spec(**changes: Any) -> dict[str, Any]:
+    body = copy.deepcopy(SPEC)
+    body.update(changes)
+    return body
+
+
+# -- studies: create, list, get, cancel ---------------------------------------------------
+
+
+def test_create_get_list_and_cancel(any_client: TestClient) -> None:
+    created = any_client.post("/api/studies", json=spec())
+    assert created.status_code == 201, created.text
+    study = created.json()
+    assert created.headers["location"] == f"/api/studies/{study['id']}"
+    assert study["status"] == "pending"
+    assert study["workload"] == "digits-mlp" and study["seed"] == 7
+    assert study["objective"] == {"metric": "val_loss", "mode": "min"}
+    # R=9, eta=3: brackets 9/3/1, 5/1, 3 -> 22 rung-units.
+    assert study["progress"] == {"done": 0, "total": 22}
+    assert study["best_trial"] is None and study["best_so_far"] is None
+    assert study["spec"]["hyperband"] == {"max_resource": 9, "min_resource": 1, "eta": 3}
+
+    fetched = any_client.get(f"/api/studies/{study['id']}")
+    assert fetched.status_code == 200
+    assert fetched.json() == study
+
+    second = any_client.post("/api/studies", json=spec(name="second")).json()
+    listed = any_client.get("/api/studies").json()
+    assert listed["count"] == 2
+    assert [row["id"] for row in listed["data"]] == [second["id"], study["id"]]  # newest first
+    page = any_client.get("/api/studies", params={"limit": 1, "offset": 1}).json()
+    assert page["count"] == 2 and [row["id"] for row in page["data"]] == [study["id"]]
+
+    cancelled = any_client.post(f"/api/studies/{study['id']}/cancel")
+    assert cancelled.status_code == 200
+    assert cancelled.json()["status"] == "cancelled"
+    assert cancelled.json()["finished_at"] is not None
+    again = any_client.post(f"/api/studies/{study['id']}/cancel")
+    assert again.status_code == 409
+    assert "cancelled" in again.json()["detail"]
+
+
+def test_running_studies_cancel_finished_ones_conflict(client: TestClient) -> None:
+    running = client.post("/api/studies", json=spec()).json()["id"]
+    done = client.post("/api/studies", json=spec()).json()["id"]
+    with session_scope(client.app.state.sessionmaker) as s:  # type: ignore[attr-defined]
+        store.set_study_status(s, store.get_study(s, running), StudyStatus.running)
+        store.set_study_status(s, store.get_study(s, done), StudyStatus.completed)
+    assert client.post(f"/api/studies/{running}/cancel").json()["status"] == "cancelled"
+    conflict = client.post(f"/api/studies/{done}/cancel")
+    assert conflict.status_code == 409
+    assert client.get(f"/api/studies/{done}").json()["status"] == "completed"
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["", "/trials", "/brackets", "/packs", "/curves", "/leaderboard"],
+)
+def test_unknown_ids_are_404_and_bad_ids_422(any_client: TestClient, path: str) -> None:
+    missing = any_client.get(f"/api/studies/424242{path}")
+    assert missing.status_code == 404
+    assert missing.json() == {"detail": "study 424242 not found"}
+    for bad in ("abc", "1.5", "0", str(2**40)):
+        assert any_client.get(f"/api/studies/{bad}{path}").status_code == 422
+
+
+def test_cancel_of_an_unknown_study_is_404(client: TestClient) -> None:
+    assert client.post("/api/studies/99/cancel").status_code == 404
+    assert client.post("/api/studies/x/cancel").status_code == 422
+
+
+# -- validation -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "loc"),
+    [
+        (spec(hyperband={"max_resource": 9, "eta": 1}), ["body", "hyperband", "eta"]),
+        (spec(hyperband={"max_resource": 10**9}), ["body", "hyperband", "max_resource"]),
+        (
+            spec(space={"lr": {"type": "loguniform", "low": 0, "high": 1}}),
+            ["body", "space", "lr", "low"],
+        ),
+        (spec(space={"lr": {"type": "gauss"}}), ["body", "space", "lr", "type"]),
+        (spec(space={"depth": {"type": "int", "low": 1, "high": 3}}), ["body", "space", "depth"]),
+        (spec(workload="nope"), ["body", "workload"]),
+        (spec(colour="red"), ["body", "colour"]),
+        ({k: v for k, v in SPEC.items() if k != "workload"}, ["body", "workload"]),
+    ],
+)
+def test_a_bad_spec_is_422_naming_the_field(
+    any_client: TestClient, body: dict[str, Any], loc: list[str]
+) -> None:
+    response = any_client.post("/api/studies", json=body)
+    assert response.status_code == 422
+    detail = response.json()["detail"]
+    assert isinstance(detail, list)
+    assert loc in [entry["loc"] for entry in detail], detail
+    assert all(entry["msg"] for entry in detail)
+    assert any_client.get("/api/studies").json()["count"] == 0  # nothing was stored
+
+
+@pytest.mark.parametrize(
+    ("content", "content_type", "status"),
+    [
+        (b"{not json", "application/json", 422),
+        (b'{"name": "\xff\xfe"}', "application/json", 400),
+        (b'{"name": NaN, "hyperband": {"max_resource": Infinity}}', "application/json", 422),
+        (b"[1, 2, 3]", "application/json", 422),
+        (b"name=x", "text/plain", 422),
+        (b"", "application/json", 422),
+    ],
+)
+def test_bodies_that_are_not_a_spec_are_4xx_with_detail(
+    client: TestClient, content: bytes, content_type: str, status: int
+) -> None:
+    response = client.post("/api/studies", content=content, headers={"content-type": content_type})
+    assert response.status_code == status, response.text
+    assert response.json()["detail"]
+
+
+def test_a_body_over_the_limit_is_413(client: TestClient) -> None:
+    big = b"x" * (MAX_BODY_BYTES + 1)
+    response = client.post(
+        "/api/studies", content=big, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 413
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: sent chunked
+        for _ in range(MAX_BODY_BYTES // 50_000 + 2):
+            yield b" " * 50_000
+
+    chunked = client.post(
+        "/api/studies", content=chunks(), headers={"content-type": "application/json"}
+    )
+    assert chunked.status_code == 413
+    # A body under the limit sent the same way is read and replayed to the route.
+    small = client.post(
+        "/api/studies",
+        content=iter(
+            [
+                b'{"name": "chunked", ',
+                b'"workload": "digits-mlp", "space": {}, ',
+                b'"hyperband": {"max_resource": 3}}',
+            ]
+        ),
+        headers={"content-type": "application/json"},
+    )
+    assert small.status_code == 201, small.text
+
+
+# -- auth -----------------------------------------------------------------------------------
+
+
+def test_posts_need_the_token_when_one_is_set(
+    clean_env: pytest.MonkeyPatch, sqlite_url: str
+) -> None:
+    with make_client(clean_env, sqlite_url, api_token="s3cret-token") as c:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic czNj"}):
+            denied = c.post("/api/studies", json=spec(), headers=headers)
+            assert denied.status_code == 401
+            assert denied.headers["www-authenticate"] == "Bearer"
+            assert isinstance(denied.json()["detail"], str)
+        auth = {"Authorization": "Bearer s3cret-token"}
+        created = c.post("/api/studies", json=spec(), headers=auth)
+        assert created.status_code == 201
+        study_id = created.json()["id"]
+        assert c.get(f"/api/studies/{study_id}").status_code == 200  # reads stay open
+        assert c.get("/api/studies").json()["count"] == 1
+        assert c.post(f"/api/studies/{study_id}/cancel").status_code == 401
+        assert c.post(f"/api/studies/{study_id}/cancel", headers=auth).status_code == 200
+    dispose_engines()
+
+
+def test_without_a_token_posts_are_open_and_every_post_is_guarded(client: TestClient) -> None:
+    assert client.post("/api/studies", json=spec()).status_code == 201
+    # The OpenAPI document lists the bearer scheme on exactly the writes.
+    paths = client.get("/openapi.json").json()["paths"]
+    operations = [(path, method, op) for path, ops in paths.items() for method, op in ops.items()]
+    posts = [(path, op) for path, method, op in operations if method == "post"]
+    assert {path for path, _ in posts} == {"/api/studies", "/api/studies/{study_id}/cancel"}
+    for path, op in posts:
+        assert op.get("security") == [{"HTTPBearer": []}], path
+    assert all("security" not in op for _, method, op in operations if method == "get")
+
+
+# -- health ---------------------------------------------------------------------------------
+
+
+def test_healthz(client: TestClient) -> None:
+    response = client.get("/healthz")
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok"}
+
+
+def test_an_unreachable_database_is_503(clean_env: pytest.MonkeyPatch) -> None:
+    from service.settings import load_settings
+
+    clean_env.setenv("PACKTUNE_DATABASE_URL", "postgresql://nobody@127.0.0.1:1/none")
+    get_settings.cache_clear()
+    with TestClient(create_app(load_settings())) as c:
+        health = c.get("/healthz")
+        assert health.status_code == 503
+        assert health.json()["status"] == "unavailable"
+        listing = c.get("/api/studies")
+        assert listing.status_code == 503
+        assert "database unavailable" in listing.json()["detail"]
+
+
+# -- the API never imports torch ------------------------------------------------------------
+
+
+def test_the_api_process_does_not_import_torch(sqlite_url: str) -> None:
+    upgrade(sqlite_url)
+    code = (
+        "import sys\n"
+        "from fastapi.testclient import TestClient\n"
+        "from service.api.app import create_app\n"
+        "c = TestClient(create_app())\n"
+        "assert c.get('/api/workloads').status_code == 200\n"
+        "assert c.post('/api/studies', json={'name': 'x', 'workload': 'digits-mlp',\n"
+        "    'space': {}, 'hyperband': {'max_resource': 3}}).status_code == 201\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "PACKTUNE_DATABASE_URL": sqlite_url},
+        cwd=Path(__file__).resolve().parents[1],
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "False"
+
+
+# -- workloads ------------------------------------------------------------------------------
+
+
+def test_workloads_are_described(client: TestClient) -> None:
+    body = client.get("/api/workloads").json()
+    by_name = {row["name"]: row for row in body["data"]}
+    assert body["count"] == len(by_name) >= 1
+    mlp = by_name["digits-mlp"]
+    assert "lr" in mlp["params"] and "batch_size" in mlp["structural"]
+    assert "lr" not in mlp["structural"]
+
+
+def test_nan_metrics_come_back_as_null(client: TestClient) -> None:
+    study_id = client.post("/api/studies", json=spec()).json()["id"]
+    with session_scope(client.app.state.sessionmaker) as s:  # type: ignore[attr-defined]
+        store.add_trials(s, study_id, [_trial(0, 0, 0, TrialStatus.diverged, 1.0)])
+        (trial,) = store.trials_of(s, study_id)
+        store.record_measurement(s, trial.id, 1.0, {"val_loss": math.nan})
+    rows = client.get(f"/api/studies/{study_id}/leaderboard").json()["data"]
+    assert rows[0]["value"] is None and rows[0]["metrics"]["val_loss"] is None
+
+
+def _trial(index: int, bracket: int, rung: int, status: TrialStatus, done: float) -> dict[str, Any]:
+    return {
+        "sample_index": index,
+        "bracket": bracket,
+        "rung": rung,
+        "config": {"lr": 0.01 * (index + 1), "hidden": 64},
+        "fusion_key": 'digits-mlp|{"hidden":64}',
+        "status": status,
+        "resource_done": done,
+    }
+
+
+def _worker_names(rows: list[dict[str, Any]]) -> dict[str, bool]:
+    return {row["name"]: row["alive"] for row in rows}
+
+
+def test_workers_report_alive_or_not(client: TestClient) -> None:
+    with session_scope(client.app.state.sessionmaker) as s:  # type: ignore[attr-defined]
+        store.heartbeat(s, name="old", host="h1", device_kind="cpu", gpus=[])
+        store.mark_dead_workers(s, timeout_seconds=-1)
+        store.heartbeat(
+            s,
+            name="gpu-1",
+            host="h2",
+            device_kind="NVIDIA H100",
+            gpus=[{"index": 0}],
+            status=WorkerStatus.busy,
+        )
+    body = client.get("/api/workers").json()
+    assert body["count"] == 2
+    assert _worker_names(body["data"]) == {"gpu-1": True, "old": False}
+    gpu = next(row for row in body["data"] if row["name"] == "gpu-1")
+    assert gpu["status"] == "busy" and gpu["gpus"] == [{"index": 0}]
+
+
+# -- read endpoints over a populated study --------------------------------------------------
+#
+# R=9, eta=3. Bracket s=2 (rungs 9@1, 3@3, 1@9): all nine measured at 1; the best
+# three (#3, #7, #1) promoted to rung 1, where #3 and #1 finished at 3 and #7 runs;
+# #5 diverged (no finite loss); the other five stopped. Bracket s=1: five pending.
+# Bracket s=0 (3@9): #14 completed at 9, #15 failed, #16 queued.
+
+RUNG0_LOSS = [0.9, 0.5, 0.7, 0.3, 0.8, None, 0.6, 0.4, 1.0]
+RUNG1_LOSS = {3: 0.2, 1: 0.25}
+PROMOTED = (3, 7, 1)
+
+
+def populate(factory: Any, study_id: int) -> dict[int, int]:
+    """Trials, measurements, promotions, packs of the study above; sample index -> trial id."""
+    rows = []
+    for i in range(9):
+        if i in PROMOTED:
+            status = TrialStatus.running if i == 7 else TrialStatus.paused
+            rows.append(_trial(i, 2, 1, status, 1.0 if i == 7 else 3.0))
+        else:
+            status = TrialStatus.diverged if i == 5 else TrialStatus.stopped
+            rows.append(_trial(i, 2, 0, status, 1.0))
+    rows += [_trial(i, 1, 0, TrialStatus.pending, 0.0) for i in range(9, 14)]
+    rows += [
+        _trial(14, 0, 0, TrialStatus.completed, 9.0),
+        _trial(15, 0, 0, TrialStatus.failed, 0.0),
+        _trial(16, 0, 0, TrialStatus.queued, 0.0),
+    ]
+    with session_scope(factory) as s:
+        store.add_trials(s, study_id, rows)
+        ids = {t.sample_index: t.id for t in store.trials_of(s, study_id)}
+        for i, loss in enumerate(RUNG0_LOSS):
+            store.record_measurement(s, ids[i], 1.0, {"val_loss": loss, "val_accuracy": 0.5})
+        for i, loss in RUNG1_LOSS.items():
+            store.record_measurement(s, ids[i], 3.0, {"val_loss": loss, "val_accuracy": 0.8})
+        store.record_measurement(s, ids[14], 9.0, {"val_loss": 0.35, "val_accuracy": 0.9})
+        store.record_promotions(s, study_id, 2, 0, [(ids[i], RUNG0_LOSS[i]) for i in PROMOTED])
+        key = 'digits-mlp|{"hidden":64}'
+        first = store.create_pack(
+            s,
+            study_id=study_id,
+            members=[(ids[3], key, 1.0, 3.0), (ids[1], key, 1.0, 3.0)],
+            estimated_bytes=1000,
+        )
+        claimed = store.claim_pack(s, first.id, worker_name="gpu-1", device="gpu-1/cuda:0")
+        assert claimed is not None
+        store.finish_pack(s, claimed, PackStatus.completed, peak_bytes=900, train_seconds=0.5)
+        store.create_pack(
+            s, study_id=study_id, members=[(ids[7], key, 1.0, 3.0)], parent_id=first.id
+        )
+        study = store.get_study(s, study_id)
+        store.set_study_status(s, study, StudyStatus.running)
+    return ids
+
+
+@pytest.fixture
+def populated(any_client: TestClient) -> tuple[TestClient, int, dict[int, int]]:
+    study_id = any_client.post("/api/studies", json=spec()).json()["id"]
+    ids = populate(any_client.app.state.sessionmaker, study_id)  # type: ignore[attr-defined]
+    return any_client, study_id, ids
+
+
+def test_study_summary_progress_and_best(populated: tuple[TestClient, int, dict[int, int]]) -> None:
+    client, study_id, ids = populated
+    study = client.get(f"/api/studies/{study_id}").json()
+    assert study["status"] == "running"
+    # s=2: five stopped + one diverged at rung 0 (1 each), #3 and #1 paused at rung 1 (2 each),
+    # #7 running at rung 1 (1); s=0: completed + failed (1 each) -> 13 of 22.
+    assert study["progress"] == {"done": 13, "total": 22}
+    assert study["trial_counts"]["pending"] == 5 and study["trial_counts"]["stopped"] == 5
+    assert study["packs_running"] == 0
+    assert study["best_trial"] is None  # the scheduler has not named one yet
+    assert study["best_so_far"]["id"] == ids[14]  # the only trial measured at 9
+
+    with session_scope(client.app.state.sessionmaker) as s:  # type: ignore[attr-defined]
+        best = store.get_study(s, study_id)
+        best.best_trial_id = ids[3]
+        store.set_study_status(s, best, StudyStatus.completed)
+    study = client.get(f"/api/studies/{study_id}").json()
+    assert study["best_trial"] == {
+        "id": ids[3],
+        "config": {"lr": 0.04, "hidden": 64},
+        "metrics": {"val_loss": 0.2, "val_accuracy": 0.8},
+    }
+    assert study["progress"] == {"done": 22, "total": 22}  # completed: the bar is full
+    listed = client.get("/api/studies").json()["data"][0]
+    assert listed["best_trial"]["id"] == ids[3]
+
+
+def test_trials_with_their_latest_metrics(
+    populated: tuple[TestClient, int, dict[int, int]],
+) -> None:
+    client, study_id, ids = populated
+    body = client.get(f"/api/studies/{study_id}/trials").json()
+    assert body["count"] == 17 and len(body["data"]) == 17
+    by_id = {row["id"]: row for row in body["data"]}
+    three = by_id[ids[3]]
+    assert (three["bracket"], three["rung"], three["status"]) == (2, 1, "paused")
+    assert three["resource"] == 3.0 and three["measured_resource"] == 3.0
+    assert three["metrics"] == {"val_loss": 0.2, "val_accuracy": 0.8}  # the latest, not rung 0's
+    assert by_id[ids[7]]["metrics"]["val_loss"] == 0.4  # promoted, not yet measured at 3
+    assert by_id[ids[9]]["metrics"] == {} and by_id[ids[9]]["measured_resource"] is None
+
+    pending = client.get(f"/api/studies/{study_id}/trials", params={"status": "pending"}).json()
+    assert pending["count"] == 5
+    assert {row["id"] for row in pending["data"]} == {ids[i] for i in range(9, 14)}
+    page = client.get(
+        f"/api/studies/{study_id}/trials", params={"bracket": 2, "limit": 4, "offset": 4}
+    ).json()
+    assert page["count"] == 9 and [row["id"] for row in page["data"]] == [
+        ids[i] for i in range(4, 8)
+    ]
+    assert client.get(f"/api/studies/{study_id}/trials?status=bogus").status_code == 422
+
+
+def test_brackets_show_rungs_trials_and_promotions(
+    populated: tuple[TestClient, int, dict[int, int]],
+) -> None:
+    client, study_id, ids = populated
+    body = client.get(f"/api/studies/{study_id}/brackets").json()
+    assert body["count"] == 3
+    assert [b["s"] for b in body["data"]] == [2, 1, 0]
+    top = body["data"][0]["rungs"]
+    assert [(r["n"], r["resource"]) for r in top] == [(9, 1.0), (3, 3.0), (1, 9.0)]
+    rung0 = {t["trial_id"]: t for t in top[0]["trials"]}
+    assert set(rung0) == {ids[i] for i in range(9)}
+    assert {tid for tid, t in rung0.items() if t["promoted"]} == {ids[i] for i in PROMOTED}
+    assert rung0[ids[5]]["status"] == "diverged" and rung0[ids[0]]["status"] == "stopped"
+    rung1 = {t["trial_id"]: t for t in top[1]["trials"]}
+    assert {tid: t["status"] for tid, t in rung1.items()} == {
+        ids[1]: "paused",
+        ids[3]: "paused",
+        ids[7]: "running",
+    }
+    assert not any(t["promoted"] for t in rung1.values())
+    assert top[2]["trials"] == []
+    assert [len(r["trials"]) for r in body["data"][1]["rungs"]] == [5, 0]
+    assert [len(r["trials"]) for r in body["data"][2]["rungs"]] == [3]
+
+
+def test_packs_with_members_and_timing(
+    populated: tuple[TestClient, int, dict[int, int]],
+) -> None:
+    client, study_id, ids = populated
+    body = client.get(f"/api/studies/{study_id}/packs").json()
+    assert body["count"] == 2
+    newest, first = body["data"]
+    assert newest["status"] == "pending" and newest["parent_id"] == first["id"]
+    assert newest["duration"] is None and newest["attempts"] == 0
+    assert first["status"] == "completed" and first["worker"] == "gpu-1"
+    assert first["device"] == "gpu-1/cuda:0" and first["attempts"] == 1
+    assert (first["estimated_bytes"], first["peak_bytes"]) == (1000, 900)
+    assert first["duration"] is not None and first["duration"] >= 0
+    assert first["members"] == [
+        {
+            "trial_id": t,
+            "fusion_key": 'digits-mlp|{"hidden":64}',
+            "from_resource": 1.0,
+            "to_resource": 3.0,
+        }
+        for t in sorted([ids[1], ids[3]])
+    ]
+    done = client.get(f"/api/studies/{study_id}/packs", params={"status": "completed"}).json()
+    assert [p["id"] for p in done["data"]] == [first["id"]]
+
+
+def test_curves_per_trial(populated: tuple[TestClient, int, dict[int, int]]) -> None:
+    client, study_id, ids = populated
+    body = client.get(f"/api/studies/{study_id}/curves").json()
+    assert body["count"] == 10  # the nine of bracket 2 and #14
+    curves = {c["trial_id"]: c["points"] for c in body["data"]}
+    assert [p["resource"] for p in curves[ids[3]]] == [1.0, 3.0]
+    assert [p["metrics"]["val_loss"] for p in curves[ids[3]]] == [0.3, 0.2]
+    some = client.get(
+        f"/api/studies/{study_id}/curves", params={"trial_id": [ids[1], ids[14]]}
+    ).json()
+    assert sorted(c["trial_id"] for c in some["data"]) == sorted([ids[1], ids[14]])
+
+
+def test_leaderboard_ranks_by_resource_then_objective(
+    populated: tuple[TestClient, int, dict[int, int]],
+) -> None:
+    client, study_id, ids = populated
+    body = client.get(f"/api/studies/{study_id}/leaderboard").json()
+    expected = [14, 3, 1, 7, 6, 2, 4, 0, 8, 5]  # 9 first; then 3; then 1, by loss; None last
+    assert [row["id"] for row in body["data"]] == [ids[i] for i in expected]
+    assert [row["rank"] for row in body["data"]] == list(range(1, 11))
+    assert body["data"][0]["value"] == 0.35 and body["data"][-1]["value"] is None
+    top = client.get(f"/api/studies/{study_id}/leaderboard", params={"limit": 3}).json()
+    assert top["count"] == 10 and [row["id"] for row in top["data"]] == [ids[14], ids[3], ids[1]]
+
+
+def test_leaderboard_follows_the_mode(client: TestClient) -> None:
+    body = spec(objective={"metric": "val_accuracy", "mode": "max"})
+    study_id = client.post("/api/studies", json=body).json()["id"]
+    with session_scope(client.app.state.sessionmaker) as s:  # type: ignore[attr-defined]
+        store.add_trials(s, study_id, [_trial(i, 2, 0, TrialStatus.paused, 1.0) for i in range(3)])
+        ids = {t.sample_index: t.id for t in store.trials_of(s, study_id)}
+        for i, accuracy in enumerate([0.7, 0.9, 0.8]):
+            store.record_measurement(s, ids[i], 1.0, {"val_accuracy": accuracy})
+    rows = client.get(f"/api/studies/{study_id}/leaderboard").json()["data"]
+    assert [row["id"] for row in rows] == [ids[1], ids[2], ids[0]]
