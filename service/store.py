@@ -306,8 +306,8 @@ def queue_pack(s: Session, pack_id: int, *, job_id: str | None = None) -> bool:
 def claim_pack(s: Session, pack_id: int, *, worker_name: str, device: str) -> Pack | None:
     """Atomically take a ``queued`` (or ``pending``) pack to ``running`` for this worker.
 
-    Counts one more attempt. Returns None when the pack is not claimable: another
-    worker has it, or it finished or was cancelled.
+    Attempts are counted when the scheduler dispatches, not here. Returns None when the
+    pack is not claimable: another worker has it, or it finished or was cancelled.
     """
     stmt = (
         update(Pack)
@@ -317,7 +317,6 @@ def claim_pack(s: Session, pack_id: int, *, worker_name: str, device: str) -> Pa
             worker_name=worker_name,
             device=device,
             started_at=utcnow(),
-            attempts=Pack.attempts + 1,
         )
         .returning(Pack.id)
         .execution_options(synchronize_session=False)

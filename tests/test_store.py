@@ -334,7 +334,7 @@ def test_pack_life_cycle(factory: Factory) -> None:
         assert (claimed.status, claimed.worker_name, claimed.attempts) == (
             PackStatus.running,
             "w1",
-            1,
+            0,  # attempts are counted by the scheduler when it dispatches
         )
         with pytest.raises(ValueError):
             store.finish_pack(s, claimed, PackStatus.running)
@@ -376,7 +376,7 @@ def test_claim_pack_race_has_one_winner(factory: Factory) -> None:
     assert len(winners) == 1
     with session_scope(factory) as s:
         pack = store.get_pack(s, pack_id)
-        assert (pack.worker_name, pack.attempts) == (winners[0], 1)
+        assert (pack.worker_name, pack.attempts) == (winners[0], 0)
 
 
 # -- workers ------------------------------------------------------------------
