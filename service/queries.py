@@ -61,8 +61,12 @@ def objective_of(spec: dict[str, Any]) -> tuple[str, str]:
     return objective.get("metric", "val_loss"), objective.get("mode", "min")
 
 
-def finite(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+def value_of(metrics: dict[str, Any] | None, metric: str) -> float | None:
+    """``metrics[metric]`` as a float when it is a finite number, else None."""
+    value = (metrics or {}).get(metric)
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
 
 
 # -- studies ------------------------------------------------------------------------------
@@ -239,24 +243,30 @@ def leaderboard(s: Session, study_id: int, limit: int | None = None) -> tuple[li
     study = store.get_study(s, study_id)
     metric, mode = objective_of(study.spec)
     sign = 1.0 if mode == "min" else -1.0
-    stmt = _trial_select(_latest(Trial.study_id == study_id)).where(
-        Trial.study_id == study_id, Measurement.id.is_not(None)
+    # Rank on (id, resource, metrics) alone; whole rows only for the page shown.
+    latest = _latest(Trial.study_id == study_id)
+    stmt = select(Measurement.trial_id, Measurement.resource, Measurement.metrics).join(
+        latest,
+        and_(Measurement.trial_id == latest.c.trial_id, Measurement.resource == latest.c.resource),
     )
-    rows = [_trial_row(row) for row in s.execute(stmt)]
-    for row in rows:
-        value = row["metrics"].get(metric)
-        row["value"] = float(value) if finite(value) else None
-
-    def key(row: Row) -> tuple[bool, float, float, int]:
-        value = row["value"]
+    ranked: list[tuple[bool, float, float, int]] = []
+    for trial_id, resource, metrics in s.execute(stmt):
+        value = value_of(metrics, metric)
         if value is None:
-            return (True, 0.0, 0.0, row["id"])
-        return (False, -row["measured_resource"], sign * value, row["id"])
-
-    rows.sort(key=key)
-    for position, row in enumerate(rows, start=1):
-        row["rank"] = position
-    return (rows[:limit] if limit is not None else rows), len(rows)
+            ranked.append((True, 0.0, 0.0, trial_id))
+        else:
+            ranked.append((False, -resource, sign * value, trial_id))
+    ranked.sort()
+    shown = ranked[:limit] if limit is not None else ranked
+    if len(shown) <= 500:  # an id list stays well under SQLite's bound-parameter limit
+        rows = _trials_by_id(s, [trial_id for *_, trial_id in shown])
+    else:
+        rows = {row["id"]: row for row in trials(s, study_id)[0]}
+    out = []
+    for position, (_, _, _, trial_id) in enumerate(shown, start=1):
+        row = rows[trial_id]
+        out.append({**row, "rank": position, "value": value_of(row["metrics"], metric)})
+    return out, len(ranked)
 
 
 def curves(s: Session, study_id: int, trial_ids: list[int] | None = None) -> list[Row]:

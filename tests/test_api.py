@@ -417,6 +417,7 @@ def populate(factory: Any, study_id: int) -> dict[int, int]:
         )
         claimed = store.claim_pack(s, first.id, worker_name="gpu-1", device="gpu-1/cuda:0")
         assert claimed is not None
+        claimed.attempts = 2  # the scheduler counts dispatches; say this was the second
         store.finish_pack(s, claimed, PackStatus.completed, peak_bytes=900, train_seconds=0.5)
         store.create_pack(
             s, study_id=study_id, members=[(ids[7], key, 1.0, 3.0)], parent_id=first.id
@@ -521,7 +522,7 @@ def test_packs_with_members_and_timing(
     assert newest["status"] == "pending" and newest["parent_id"] == first["id"]
     assert newest["duration"] is None and newest["attempts"] == 0
     assert first["status"] == "completed" and first["worker"] == "gpu-1"
-    assert first["device"] == "gpu-1/cuda:0" and first["attempts"] == 1
+    assert first["device"] == "gpu-1/cuda:0" and first["attempts"] == 2
     assert (first["estimated_bytes"], first["peak_bytes"]) == (1000, 900)
     assert first["duration"] is not None and first["duration"] >= 0
     assert first["members"] == [
@@ -573,3 +574,46 @@ def test_leaderboard_follows_the_mode(client: TestClient) -> None:
             store.record_measurement(s, ids[i], 1.0, {"val_accuracy": accuracy})
     rows = client.get(f"/api/studies/{study_id}/leaderboard").json()["data"]
     assert [row["id"] for row in rows] == [ids[1], ids[2], ids[0]]
+
+
+def test_reads_cost_the_same_number_of_queries_for_any_study_size(client: TestClient) -> None:
+    """No query per trial: a 3,000-trial study takes as many statements as a 3-trial one."""
+    factory = client.app.state.sessionmaker  # type: ignore[attr-defined]
+    studies = []
+    for size in (3, 3000):
+        study_id = client.post("/api/studies", json=spec()).json()["id"]
+        with session_scope(factory) as s:
+            rows = [_trial(i, 2, i % 2, TrialStatus.paused, 1.0) for i in range(size)]
+            store.add_trials(s, study_id, rows)
+            for trial in store.trials_of(s, study_id):
+                store.record_measurement(s, trial.id, 1.0, {"val_loss": trial.sample_index % 7})
+                if trial.rung == 1:
+                    store.record_measurement(s, trial.id, 3.0, {"val_loss": 0.5})
+            some = [(t.id, None) for t in store.trials_of(s, study_id, rung=1)]
+            store.record_promotions(s, study_id, 2, 0, some)
+            key = 'digits-mlp|{"hidden":64}'
+            members = [(tid, key, 1.0, 3.0) for tid, _ in some[:50]]
+            store.create_pack(s, study_id=study_id, members=members)
+        studies.append(study_id)
+
+    statements = 0
+
+    def count(*_: Any) -> None:
+        nonlocal statements
+        statements += 1
+
+    engine = factory.kw["bind"]
+    sa.event.listen(engine, "before_cursor_execute", count)
+    try:
+        for path in ("", "/trials", "/brackets", "/packs", "/curves", "/leaderboard?limit=5"):
+            costs = []
+            for study_id in studies:
+                statements = 0
+                response = client.get(f"/api/studies/{study_id}{path}")
+                assert response.status_code == 200
+                costs.append(statements)
+            assert costs[0] == costs[1] <= 8, (path, costs)
+        big = client.get(f"/api/studies/{studies[1]}/trials").json()
+        assert big["count"] == 3000 and len(big["data"]) == 3000
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", count)
