@@ -97,7 +97,10 @@ def run(
 
     def fetch() -> dict[str, Any]:
         with session_scope(factory) as s:
-            return study_summary(s, study_id)
+            summary = study_summary(s, study_id)
+            top_rows, _ = leaderboard(s, study_id, limit=1)
+        summary["best_so_far"] = top_rows[0] if top_rows else None
+        return summary
 
     scheduler = Scheduler(settings)
     stop = threading.Event()
@@ -116,7 +119,7 @@ def run(
         scheduler.close()
     metric = body["objective"]["metric"]
     with session_scope(factory) as s:
-        rows = leaderboard(s, study_id, limit=top)
+        rows, _ = leaderboard(s, study_id, limit=top)
     console.print(leaderboard_table(rows, metric, top))
     console.print(f"study {study_id} {summary['status']}")
     if summary["status"] != "completed":
@@ -224,7 +227,12 @@ def submit(
             def fetch() -> dict[str, Any]:
                 r = client.get(f"/api/studies/{study['id']}")
                 r.raise_for_status()
-                return dict(r.json())
+                summary = dict(r.json())
+                top_rows = client.get(
+                    f"/api/studies/{study['id']}/leaderboard", params={"limit": 1}
+                ).json()["data"]
+                summary["best_so_far"] = top_rows[0] if top_rows else None
+                return summary
 
             summary = watch(fetch, console=console)
             rows = client.get(f"/api/studies/{study['id']}/leaderboard").json()["data"]

@@ -1,0 +1,134 @@
+"""Helpers for end-to-end tests: real ``packtune`` processes on free ports."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from service.hyperband import plan_brackets
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def packtune_env(**settings: Any) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PACKTUNE_")}
+    env.update({f"PACKTUNE_{k.upper()}": str(v) for k, v in settings.items() if v is not None})
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def start(args: list[str], env: Mapping[str, str], log: Path) -> subprocess.Popen[bytes]:
+    out = log.open("ab")
+    return subprocess.Popen(
+        [sys.executable, "-m", "service.cli", *args], env=dict(env), stdout=out, stderr=out
+    )
+
+
+def stop(proc: subprocess.Popen[bytes], timeout: float = 10) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextmanager
+def serving(env: Mapping[str, str], log: Path, *extra: str) -> Iterator[str]:
+    """``packtune serve`` on a free port; yields its base URL once /healthz answers."""
+    port = free_port()
+    proc = start(["serve", "--port", str(port), *extra], env, log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"packtune serve exited: {log.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"packtune serve did not come up: {log.read_text()[-2000:]}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        stop(proc)
+
+
+def wait_finished(url: str, study_id: int, timeout: float, log: Path | None = None) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        summary = httpx.get(f"{url}/api/studies/{study_id}", timeout=10).json()
+        if summary["status"] in ("completed", "failed", "cancelled"):
+            return dict(summary)
+        if time.monotonic() > deadline:
+            tail = log.read_text()[-3000:] if log else ""
+            raise TimeoutError(f"study {study_id} not finished: {summary}\n{tail}")
+        time.sleep(0.3)
+
+
+def final_metrics(curves: list[dict[str, Any]], metric: str) -> dict[int, dict[float, float]]:
+    """trial id -> {resource: metric} from the /curves payload."""
+    out: dict[int, dict[float, float]] = defaultdict(dict)
+    for curve in curves:
+        for point in curve["points"]:
+            out[curve["trial_id"]][float(point["resource"])] = point["metrics"].get(metric)
+    return dict(out)
+
+
+def check_hyperband(
+    spec: dict[str, Any], trials: list[dict[str, Any]], curves: dict[int, dict[float, float]]
+) -> None:
+    """Trials per bracket and rung match plan_brackets; every promotion was among the best
+    floor(n_i/eta) of its rung; every trial's measurements reach its final resource."""
+    hb = spec["hyperband"]
+    brackets = plan_brackets(hb["max_resource"], eta=hb["eta"], min_resource=hb["min_resource"])
+    s_max = len(brackets) - 1
+    eta = hb["eta"]
+    by_bracket: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for t in trials:
+        by_bracket[t["bracket"]].append(t)
+    assert sorted(by_bracket) == list(range(s_max + 1))
+    for j, rungs in enumerate(brackets):
+        s = s_max - j
+        members = by_bracket[s]
+        assert len(members) == rungs[0].n, (s, len(members), rungs[0].n)
+        for i, rung in enumerate(rungs):
+            reached = [t for t in members if t["rung"] >= i]
+            assert len(reached) == rung.n, (s, i, len(reached), rung.n)
+            if i == 0:
+                continue
+            prev = [t for t in members if t["rung"] >= i - 1]
+            r_prev = rungs[i - 1].resource
+            ranked = sorted(
+                prev,
+                key=lambda t: (
+                    not math.isfinite(curves[t["id"]].get(r_prev, math.inf)),
+                    curves[t["id"]].get(r_prev, math.inf),
+                    t["id"],
+                ),
+            )
+            best_ids = {t["id"] for t in ranked[: len(prev) // eta]}
+            assert {t["id"] for t in reached} == best_ids, (s, i)
+        for t in members:
+            target = rungs[t["rung"]].resource
+            assert math.isclose(max(curves[t["id"]]), target), (t["id"], curves[t["id"]], target)
+            assert math.isclose(t["resource"], target)

@@ -1,0 +1,177 @@
+"""Train one fused array of a pack and record it: measurements, checkpoints, profiles.
+
+Plain values in (:class:`ArrayJob`), rows out. Errors raised by the workload
+or the training code become :class:`TrialError` (the job then isolates the
+trial at fault); database trouble and CUDA out-of-memory pass through
+unchanged, because they are not a trial's fault.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from sqlalchemy.exc import SQLAlchemyError
+
+from service import store
+from service.db import session_scope
+from service.errors import StoreUnavailable
+from service.models import TrialStatus
+from service.space import trial_seed
+from worker.checkpoints import load_checkpoint, save_checkpoint
+from worker.fused import FusedArray, Report, train
+from worker.memory import probe
+from worker.workloads import get_workload
+
+log = logging.getLogger(__name__)
+
+NOT_A_TRIAL_FAULT = (StoreUnavailable, SQLAlchemyError, torch.cuda.OutOfMemoryError)
+
+
+class TrialError(Exception):
+    """The workload or the training code raised for this array."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.text = f"{type(exc).__name__}: {exc}"
+        super().__init__(self.text)
+
+
+@dataclass(frozen=True)
+class MemberJob:
+    trial_id: int
+    sample_index: int
+    config: dict[str, Any]
+    resource_done: float
+    checkpoint_path: str | None
+
+
+@dataclass(frozen=True)
+class ArrayJob:
+    pack_id: int
+    study_id: int
+    study_seed: int
+    workload: str
+    fusion_key: str
+    from_resource: float
+    to_resource: float
+    members: list[MemberJob]
+
+    def alone(self, member: MemberJob) -> ArrayJob:
+        return dataclasses.replace(self, members=[member])
+
+    def config(self, m: MemberJob) -> dict[str, Any]:
+        return {
+            **m.config,
+            "seed": trial_seed(self.study_seed, m.sample_index),
+            "data_seed": self.study_seed,
+        }
+
+
+def _steps(job: ArrayJob, steps_per_epoch: int) -> tuple[int, int]:
+    return round(job.from_resource * steps_per_epoch), round(job.to_resource * steps_per_epoch)
+
+
+def _mark_done(job: ArrayJob, done: dict[int, str]) -> None:
+    """Trials whose unit is finished: resource, checkpoint, ``paused`` for the scheduler."""
+    with session_scope() as s:
+        for trial_id, path in done.items():
+            trial = store.get_trial(s, trial_id)
+            if trial.status != TrialStatus.running:
+                continue  # cancelled meanwhile
+            trial.resource_done = job.to_resource
+            trial.checkpoint_path = path
+            trial.status = TrialStatus.paused
+
+
+def _ensure_profile(job: ArrayJob, config: dict[str, Any], device: torch.device, kind: str,
+                    data: Any) -> None:
+    """Probe memory (k=1, k=2) the first time this fusion key runs on this device kind."""
+    workload = get_workload(job.workload)
+    with session_scope() as s:
+        profile = store.get_profile(s, job.workload, job.fusion_key, kind)
+        if profile is not None and profile.base_bytes is not None:
+            return
+    result = probe(workload, config, device, ks=(1, 2), steps=2, data=data)
+    with session_scope() as s:
+        store.set_memory_model(
+            s, job.workload, job.fusion_key, kind, result.base_bytes, result.per_trial_bytes
+        )
+        profile = store.get_profile(s, job.workload, job.fusion_key, kind)
+        known = set(profile.throughput) if profile is not None else set()
+        for k, value in result.throughput_by_k.items():
+            if str(k) not in known:
+                store.record_throughput(s, job.workload, job.fusion_key, kind, k, value)
+
+
+def run_array(job: ArrayJob, device: torch.device, kind: str, checkpoint_dir: Path) -> None:
+    """Train ``job``'s members from its from- to its to-resource, recording as it goes."""
+    workload = get_workload(job.workload)
+    configs = {m.trial_id: job.config(m) for m in job.members}
+    first = workload.resolve(next(iter(configs.values())))
+    spe = workload.steps_per_epoch(first)
+    from_step, to_step = _steps(job, spe)
+    todo, states, done = [], [], {}
+    for m in job.members:
+        state = load_checkpoint(m.checkpoint_path) if m.checkpoint_path else None
+        steps = int(state["steps_done"]) if state else 0
+        if state is None and m.resource_done > 0:
+            raise RuntimeError(f"trial {m.trial_id}: checkpoint {m.checkpoint_path} is missing")
+        if steps == to_step and to_step > from_step:
+            done[m.trial_id] = str(m.checkpoint_path)  # trained by a run that died before recording
+        elif steps == from_step:
+            todo.append(m)
+            states.append(state)
+        else:
+            raise RuntimeError(
+                f"trial {m.trial_id}: checkpoint at step {steps}, expected {from_step}"
+            )
+    if done:
+        _mark_done(job, done)
+    if not todo:
+        return
+    try:
+        data = workload.data(first, device)
+        _ensure_profile(job, first, device, kind, data)
+        array = FusedArray(
+            workload, [(m.trial_id, configs[m.trial_id]) for m in todo],
+            device=device, states=states, data=data,
+        )  # fmt: skip
+    except NOT_A_TRIAL_FAULT:
+        raise
+    except Exception as exc:
+        raise TrialError(exc) from exc
+
+    def record(report: Report) -> None:
+        resource = job.to_resource if report.step >= to_step else report.resource
+        with session_scope() as s:
+            for trial_id, metrics in report.metrics.items():
+                store.record_measurement(s, int(trial_id), resource, metrics)  # type: ignore[call-overload]
+            for trial_id in report.diverged:
+                trial = store.get_trial(s, int(trial_id))  # type: ignore[call-overload]
+                trial.status = TrialStatus.diverged
+                trial.error = f"loss became non-finite at step {array.diverged[trial_id]}"
+
+    k = len(todo)
+    started = time.perf_counter()
+    try:
+        train(array, to_step, on_report=record)
+    except NOT_A_TRIAL_FAULT:
+        raise
+    except Exception as exc:
+        raise TrialError(exc) from exc
+    seconds = time.perf_counter() - started
+    saved = {
+        int(key): str(save_checkpoint(checkpoint_dir, job.study_id, key, array.member_state(key)))
+        for key in array.keys
+    }
+    _mark_done(job, saved)
+    if to_step > from_step and seconds > 0:
+        with session_scope() as s:
+            store.record_throughput(
+                s, job.workload, job.fusion_key, kind, k, k * (to_step - from_step) / seconds
+            )

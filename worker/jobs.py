@@ -1,0 +1,222 @@
+"""``run_pack(pack_id)``: the one job. RQ workers and the embedded runner both call it.
+
+It claims the pack (a pack already taken, finished or cancelled is left
+alone), trains each fused array of the pack from its from-resource to its
+to-resource, writes a measurement per epoch per trial, checkpoints every
+surviving trial at the end of its unit, and closes the pack. Outcomes:
+
+- ``completed``: every unit done (diverged trials are marked and left out);
+- ``split``: CUDA out of memory — the pack is replaced by two halves and the
+  memory model for its fusion key is raised; no trial fails for it;
+- back to ``pending`` (the scheduler re-dispatches, counting attempts) for
+  failures that are not a trial's own: lost database, killed process...
+
+A trial whose workload raises is found by re-running its array one member at
+a time; that trial fails with the error kept and its pack-mates go on.
+
+Run again for a finished pack, it changes nothing; after a crash it resumes
+from the checkpoints (a unit whose checkpoint was written but not recorded
+is recognised by its step count and not trained twice).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import traceback
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from service import store
+from service.db import get_sessionmaker, session_scope
+from service.errors import StoreUnavailable
+from service.models import PackStatus, StudyStatus, TrialStatus
+from service.packing import MemoryModel, Unit, split_in_two
+from service.settings import get_settings
+from worker.execute import ArrayJob, MemberJob, TrialError, run_array
+from worker.workloads import get_workload
+
+log = logging.getLogger(__name__)
+
+WORKER_NAME_ENV = "PACKTUNE_WORKER_NAME"
+
+
+class InjectedOutOfMemory(torch.cuda.OutOfMemoryError):
+    """Raised by the ``PACKTUNE_OOM_ABOVE`` fault injection."""
+
+
+def pick_device() -> torch.device:
+    wanted = get_settings().device
+    if wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def device_kind(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _load(pack_id: int, worker: str, device: torch.device) -> list[ArrayJob] | None:
+    """Claim the pack and read what its arrays need; None when there is nothing to do."""
+    with session_scope() as s:
+        pack = store.claim_pack(s, pack_id, worker_name=worker, device=f"{worker}/{device}")
+        if pack is None:
+            return None
+        study = store.get_study(s, pack.study_id)
+        if study.status in (StudyStatus.cancelled, StudyStatus.failed, StudyStatus.completed):
+            store.finish_pack(s, pack, PackStatus.cancelled, error=f"study {study.status}")
+            return None
+        groups: dict[tuple[str, float, float], list[MemberJob]] = defaultdict(list)
+        for m in pack.members:
+            trial = store.get_trial(s, m.trial_id)
+            if trial.status not in (TrialStatus.queued, TrialStatus.running):
+                continue  # cancelled, or finished by an earlier run of this job
+            trial.status = TrialStatus.running
+            groups[(m.fusion_key, m.from_resource, m.to_resource)].append(
+                MemberJob(
+                    trial_id=trial.id,
+                    sample_index=trial.sample_index,
+                    config=dict(trial.config),
+                    resource_done=trial.resource_done,
+                    checkpoint_path=trial.checkpoint_path,
+                )
+            )
+        return [
+            ArrayJob(
+                pack_id=pack_id,
+                study_id=study.id,
+                study_seed=study.seed,
+                workload=study.workload,
+                fusion_key=key,
+                from_resource=start,
+                to_resource=end,
+                members=members,
+            )
+            for (key, start, end), members in sorted(groups.items())
+        ]
+
+
+def run_pack(pack_id: int) -> str:
+    """Train pack ``pack_id``; returns its outcome (also written to the database)."""
+    settings = get_settings()
+    worker = os.environ.get(WORKER_NAME_ENV) or f"embedded@{socket.gethostname()}"
+    device = pick_device()
+    arrays = _load(pack_id, worker, device)
+    if arrays is None:
+        return "skipped"
+    kind = device_kind(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    started = time.perf_counter()
+    try:
+        size = sum(len(a.members) for a in arrays)
+        if settings.oom_above is not None and size > settings.oom_above:
+            raise InjectedOutOfMemory(f"injected: {size} trials > PACKTUNE_OOM_ABOVE")
+        for array in arrays:
+            _run_isolating(array, device, kind, settings.checkpoint_dir)
+    except torch.cuda.OutOfMemoryError as exc:
+        _split(pack_id, arrays, kind, device, f"{type(exc).__name__}: {exc}")
+        return "split"
+    except Exception as exc:
+        log.exception("pack %s failed", pack_id)
+        _back_to_pending(pack_id, f"{type(exc).__name__}: {exc}")
+        return "failed"
+    peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+    with session_scope() as s:
+        pack = store.get_pack(s, pack_id)
+        store.finish_pack(
+            s, pack, PackStatus.completed, peak_bytes=peak,
+            train_seconds=time.perf_counter() - started,
+        )  # fmt: skip
+        if peak is not None and len(arrays) == 1:
+            _correct_memory(s, arrays[0], kind, len(arrays[0].members), peak)
+    return "completed"
+
+
+def _run_isolating(array: ArrayJob, device: torch.device, kind: str, ckpt_dir: Any) -> None:
+    """Run an array; if the workload raises, run its members one by one to find the culprit."""
+    try:
+        run_array(array, device, kind, ckpt_dir)
+    except TrialError as exc:
+        if len(array.members) == 1:
+            _fail_trial(array.members[0].trial_id, exc.text)
+            return
+        log.warning("array of %d raised (%s); isolating members", len(array.members), exc.text)
+        for member in array.members:
+            try:
+                run_array(array.alone(member), device, kind, ckpt_dir)
+            except TrialError as solo:
+                _fail_trial(member.trial_id, solo.text)
+
+
+def _fail_trial(trial_id: int, error: str) -> None:
+    with session_scope() as s:
+        trial = store.get_trial(s, trial_id)
+        trial.status = TrialStatus.failed
+        trial.error = error
+
+
+def _correct_memory(s: Any, array: ArrayJob, kind: str, k: int, peak: int) -> None:
+    profile = store.get_profile(s, array.workload, array.fusion_key, kind)
+    if profile is None or profile.base_bytes is None or profile.per_trial_bytes is None:
+        return
+    model = MemoryModel(int(profile.base_bytes), int(profile.per_trial_bytes)).corrected(k, peak)
+    store.set_memory_model(s, array.workload, array.fusion_key, kind, model.base, model.per_trial)
+
+
+def _split(pack_id: int, arrays: list[ArrayJob], kind: str, device: torch.device, error: str) -> None:
+    """CUDA out of memory: replace the pack by two halves of its unfinished units."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        capacity = int(torch.cuda.mem_get_info(device)[0])
+    else:
+        capacity = get_settings().cpu_memory_budget
+    with session_scope() as s:
+        pack = store.get_pack(s, pack_id)
+        units = []
+        for m in pack.members:
+            trial = store.get_trial(s, m.trial_id)
+            if trial.status == TrialStatus.running:
+                trial.status = TrialStatus.queued
+                units.append(Unit(m.trial_id, m.fusion_key, m.from_resource, m.to_resource))
+        workload = arrays[0].workload if arrays else ""
+        for key in {u.fusion_key for u in units}:
+            k = sum(u.fusion_key == key for u in units)
+            profile = store.get_profile(s, workload, key, kind)
+            base = int(profile.base_bytes or 0) if profile else 0
+            per = int(profile.per_trial_bytes or 1) if profile else 1
+            raised = MemoryModel(base, per).after_oom(k, capacity)
+            store.set_memory_model(s, workload, key, kind, raised.base, raised.per_trial)
+        if len(units) < 2:
+            for u in units:
+                trial = store.get_trial(s, u.trial_id)
+                trial.status = TrialStatus.failed
+                trial.error = f"out of memory even alone on {kind}: {error}"
+            store.finish_pack(s, pack, PackStatus.failed, error=error)
+            return
+        for half in split_in_two(units):
+            store.create_pack(
+                s, study_id=pack.study_id, parent_id=pack.id,
+                members=[(u.trial_id, u.fusion_key, u.from_resource, u.to_resource) for u in half],
+            )  # fmt: skip
+        store.finish_pack(s, pack, PackStatus.split, error=error)
+
+
+def _back_to_pending(pack_id: int, error: str) -> None:
+    """A failure that is not a trial's own: let the scheduler try the pack again."""
+    try:
+        with session_scope() as s:
+            pack = store.get_pack(s, pack_id)
+            for m in pack.members:
+                trial = store.get_trial(s, m.trial_id)
+                if trial.status == TrialStatus.running:
+                    trial.status = TrialStatus.queued
+            pack.status = PackStatus.pending
+            pack.error = error
+    except StoreUnavailable:
+        # the database is gone too: the scheduler sees the job end without finishing the pack
+        log.error("could not record the failure of pack %s: %s", pack_id, traceback.format_exc())
