@@ -165,9 +165,7 @@ class BodyLimit:
 
 async def _reject(send: Send, status: int, detail: str) -> None:
     response = JSONResponse(status_code=status, content={"detail": detail})
-    await send(
-        {"type": "http.response.start", "status": status, "headers": response.raw_headers}
-    )
+    await send({"type": "http.response.start", "status": status, "headers": response.raw_headers})
     await send({"type": "http.response.body", "body": response.body})
 
 

@@ -31,9 +31,7 @@ def healthz(request: Request) -> Any:
         with session_scope(request.app.state.sessionmaker) as s:
             s.execute(text("select 1"))
     except (PacktuneError, SQLAlchemyError) as exc:
-        return JSONResponse(
-            status_code=503, content={"status": "unavailable", "detail": str(exc)}
-        )
+        return JSONResponse(status_code=503, content={"status": "unavailable", "detail": str(exc)})
     return {"status": "ok"}
 
 
