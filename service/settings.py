@@ -61,6 +61,11 @@ class Settings(BaseSettings):
     device: Literal["auto", "cpu", "cuda"] = Field(
         default="auto", description="Device a worker trains on."
     )
+    torch_threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="CPU threads torch may use in a worker; default: all cores but one.",
+    )
     oom_above: int | None = Field(
         default=None,
         ge=1,
