@@ -14,11 +14,11 @@ BatchNorm running statistics included. Three ways to run the stack:
   run. ``torch.func.replace_all_batch_norm_modules_`` is *not* used: it stops
   tracking the statistics, and eval-mode results would then differ.
 - ``bmm``: hand-fused for ``nn.Sequential`` stacks of Linear, BatchNorm1d,
-  element-wise activations, Dropout and Flatten. The first Linear sees the
-  shared input and runs as one ``[B, in] @ [in, k*out]`` matmul; later ones
-  are ``torch.baddbmm`` over ``[k, B, in]`` activations; BatchNorm runs as one
-  ``F.batch_norm`` over ``k*C`` channels. On a CPU this is typically the
-  fastest way to train an MLP array.
+  element-wise activations, Dropout and Flatten. Linear layers are
+  ``torch.baddbmm`` over ``[k, B, in]`` activations (the shared input is
+  expanded, not copied); BatchNorm runs as one ``F.batch_norm`` over ``k*C``
+  channels. (One ``[B, in] @ [in, k*out]`` matmul for the first layer measured
+  no faster, and its rounding would depend on the companions.)
 - ``serial``: k separate models, one after another (the baseline, and what
   the planner picks where fusion measured slower, e.g. CNNs on a CPU).
 
@@ -120,12 +120,6 @@ def bmm_forward(plan: list[tuple[str, nn.Module, str]]) -> Forward:
         for kind, module, pre in plan:
             if kind == "flatten":
                 h = h.flatten(1 if shared else 2)
-                continue
-            if kind == "linear" and shared:
-                w, b = params[pre + "weight"], params.get(pre + "bias")
-                out_features = w.shape[1]
-                y = F.linear(h, w.reshape(-1, w.shape[2]), None if b is None else b.reshape(-1))
-                h, shared = y.view(h.shape[0], k, out_features).transpose(0, 1), False
                 continue
             if shared:
                 h, shared = h.expand(k, *h.shape), False

@@ -186,6 +186,8 @@ def build_optimizer(
 ) -> StackedOptimizer:
     """The stacked optimizer called ``name`` (``sgd``, ``adam`` or ``adamw``).
 
+    ``hyper`` values should be float64 (or Python floats): a float32 tensor
+    has already rounded ``lr=0.1`` to 0.10000000149.
     ``states`` optionally gives each member's exported state (``None`` for a
     fresh member), so an array can resume trials that trained elsewhere.
     """

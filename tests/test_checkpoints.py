@@ -1,0 +1,130 @@
+"""Checkpoints: resuming is exact, in the same array or another one; writes are atomic."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.workloads_fixture import TinyMLP
+from worker.checkpoints import checkpoint_path, load_checkpoint, save_checkpoint
+from worker.fused import FusedArray, train
+
+STUDY = 7
+
+
+def configs(n: int, **extra: Any) -> list[tuple[str, dict[str, Any]]]:
+    return [(f"t{i}", {"seed": 20 + i, "data_seed": 4, "lr": 0.01 * (i + 1), **extra})
+            for i in range(n)]
+
+
+def checkpointed(array: FusedArray, directory: Path) -> list[dict[str, Any]]:
+    """Every member's state, through a save and a load."""
+    states = []
+    for key in array.keys:
+        path = save_checkpoint(directory, STUDY, key, array.member_state(key))
+        state = load_checkpoint(path)
+        assert state is not None
+        states.append(state)
+    return states
+
+
+def assert_same_state(a: dict[str, Any], b: dict[str, Any], exact: bool = True) -> None:
+    def same(x: torch.Tensor, y: torch.Tensor) -> bool:
+        return torch.equal(x, y) if exact else torch.allclose(x, y, rtol=1e-12, atol=1e-12)
+
+    assert a["steps_done"] == b["steps_done"]
+    assert a["optimizer"]["step"] == b["optimizer"]["step"]
+    for part in ("params", "buffers"):
+        assert all(same(t, b[part][name]) for name, t in a[part].items()), part
+    for name, slots in a["optimizer"]["state"].items():
+        assert all(same(t, b["optimizer"]["state"][name][k]) for k, t in slots.items()), name
+
+
+@pytest.mark.parametrize("mode", ["bmm", "vmap", "serial"])
+@pytest.mark.parametrize("extra", [{"dropout": 0.3, "optimizer": "sgd"},
+                                   {"batch_norm": True, "optimizer": "adam"}])
+def test_resume_is_exact(tmp_path, mode, extra):
+    """0 -> 1 epoch, checkpoint, 1 -> 3 epochs equals 0 -> 3 epochs in one go."""
+    workload = TinyMLP()
+    members = configs(2, **extra)
+    first = FusedArray(workload, members, mode=mode)
+    spe = first.steps_per_epoch
+    train(first, spe)
+    states = checkpointed(first, tmp_path)
+    resumed = FusedArray(workload, members, mode=mode, states=states)
+    assert resumed.step == spe
+    resumed_reports = train(resumed, 3 * spe)
+    straight = FusedArray(workload, members, mode=mode)
+    straight_reports = train(straight, 3 * spe)
+    assert resumed_reports == straight_reports[1:]
+    for key, _ in members:
+        assert_same_state(resumed.member_state(key), straight.member_state(key))
+        assert torch.equal(resumed.member_state(key)["rng"], straight.member_state(key)["rng"])
+
+
+@pytest.mark.parametrize("mode", ["bmm", "vmap"])
+def test_resume_in_a_differently_sized_array(tmp_path, mode):
+    """t0 trains in an array of 4, then with a new companion in an array of 2."""
+    workload = TinyMLP()
+    members = configs(4, batch_norm=True, optimizer="adamw")
+    newcomer = ("t9", {"seed": 99, "data_seed": 4, "lr": 0.5, "batch_norm": True,
+                       "optimizer": "adamw"})
+    four = FusedArray(workload, members, mode=mode)
+    spe = four.steps_per_epoch
+    train(four, spe)
+    t0_state = checkpointed(four, tmp_path)[0]
+    solo_newcomer = FusedArray(workload, [newcomer], mode=mode)
+    train(solo_newcomer, spe)
+    pair = FusedArray(workload, [members[0], newcomer], mode=mode,
+                      states=[t0_state, checkpointed(solo_newcomer, tmp_path)[0]])
+    pair_reports = train(pair, 3 * spe)
+    alone = FusedArray(workload, members[:1], mode=mode)
+    alone_reports = train(alone, 3 * spe)
+    assert_same_state(pair.member_state("t0"), alone.member_state("t0"), exact=False)
+    for mine, ref in zip(pair_reports, alone_reports[1:], strict=True):
+        for name, value in ref.metrics["t0"].items():
+            assert mine.metrics["t0"][name] == pytest.approx(value, rel=1e-12, abs=1e-12)
+
+
+def test_checkpoint_path_and_missing_checkpoint(tmp_path):
+    path = checkpoint_path(tmp_path, 3, 41)
+    assert path == tmp_path / "study-3" / "trial-41.pt"
+    assert load_checkpoint(path) is None
+
+
+def test_failed_write_never_replaces_a_good_checkpoint(tmp_path):
+    good = {"steps_done": 5, "params": {"w": torch.arange(4.0)}}
+    path = save_checkpoint(tmp_path, STUDY, 1, good)
+    # A write that dies half-way: torch.save fails on an object it cannot pickle,
+    # after it has begun writing the temporary file.
+    bad = {"steps_done": 6, "params": {"w": torch.zeros(4)}, "broken": lambda: None}
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        save_checkpoint(tmp_path, STUDY, 1, bad)
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # temp file cleaned up
+    loaded = load_checkpoint(path)
+    assert loaded is not None and loaded["steps_done"] == 5
+    assert torch.equal(loaded["params"]["w"], good["params"]["w"])
+    # A temp file left by a killed writer is ignored by readers and by the next write.
+    stray = path.parent / f".{path.name}.killed.tmp"
+    stray.write_bytes(b"half a checkpoint")
+    loaded = load_checkpoint(path)
+    assert loaded is not None and loaded["steps_done"] == 5
+    save_checkpoint(tmp_path, STUDY, 1, {"steps_done": 7})
+    loaded = load_checkpoint(path)
+    assert loaded is not None and loaded["steps_done"] == 7
+
+
+class NotAllowed:
+    """A class the restricted unpickler must refuse to build."""
+
+
+def test_loading_refuses_arbitrary_objects(tmp_path):
+    path = checkpoint_path(tmp_path, STUDY, 2)
+    path.parent.mkdir(parents=True)
+    torch.save({"steps_done": 1, "payload": NotAllowed()}, path)
+    with pytest.raises(pickle.UnpicklingError):
+        load_checkpoint(path)

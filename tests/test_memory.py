@@ -1,0 +1,84 @@
+"""The memory probe, on the CPU (estimate) and on CUDA (measured), and fused training on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.workloads_fixture import TinyCNN, TinyMLP
+from worker.fused import FusedArray, train
+from worker.memory import probe
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+def test_cpu_probe_fits_a_positive_line_that_grows_with_the_model():
+    workload = TinyMLP()
+    small = probe(workload, {"hidden": 16, "optimizer": "adam"})
+    large = probe(workload, {"hidden": 128, "optimizer": "adam"})
+    for result in (small, large):
+        assert not result.measured
+        assert result.base_bytes > 0 and result.per_trial_bytes > 0
+        assert set(result.peak_by_k) == {1, 2} and set(result.throughput_by_k) == {1, 2}
+        assert all(rate > 0 for rate in result.throughput_by_k.values())
+        assert result.bytes_for(2) == result.peak_by_k[2]
+    assert large.per_trial_bytes > small.per_trial_bytes
+    # Adam keeps two slots per parameter: param + grad + 2 slots = 4 copies per trial at least.
+    params = sum(p.numel() * p.element_size()
+                 for p in workload.build_model(workload.resolve({"hidden": 128})).parameters())
+    assert large.per_trial_bytes >= 4 * params
+    splits = workload.data(workload.resolve({}))
+    data = sum(t.nbytes for split in splits for t in (split.x, split.y))
+    assert large.base_bytes >= data
+
+
+def test_cpu_probe_of_a_cnn_under_vmap():
+    result = probe(TinyCNN(), {"batch_norm": True}, ks=(1, 2, 4), mode="vmap")
+    assert set(result.peak_by_k) == {1, 2, 4}
+    assert result.peak_by_k[1] < result.peak_by_k[2] < result.peak_by_k[4]
+    assert result.per_trial_bytes > 0
+
+
+def test_probe_needs_two_sizes():
+    with pytest.raises(ValueError, match="two array sizes"):
+        probe(TinyMLP(), {}, ks=(2,))
+
+
+@gpu
+@needs_cuda
+def test_cuda_probe_measures_the_allocator_peak():
+    workload = TinyMLP()
+    small = probe(workload, {"hidden": 64, "dtype": "float32"}, device="cuda")
+    large = probe(workload, {"hidden": 1024, "layers": 3, "dtype": "float32"}, device="cuda")
+    for result in (small, large):
+        assert result.measured
+        assert result.per_trial_bytes > 0 and result.peak_by_k[2] > result.peak_by_k[1]
+    assert large.per_trial_bytes > small.per_trial_bytes
+    print(f"cuda probe: small {small}, large {large}")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("workload_cls,mode", [(TinyMLP, "bmm"), (TinyMLP, "vmap"),
+                                               (TinyCNN, "vmap"), (TinyCNN, "serial")])
+def test_cuda_fused_array_matches_plain_runs(workload_cls, mode):
+    from tests.test_fused import member_configs, plain_run
+
+    workload = workload_cls()
+    members = member_configs("adam", {"batch_norm": True})
+    array = FusedArray(workload, members, device="cuda", mode=mode)
+    reports = train(array, 2 * array.steps_per_epoch)
+    worst = 0.0
+    for key, cfg in members:
+        model, epoch_losses, val_loss = plain_run(workload, {**cfg}, epochs=2)
+        fused = [r.metrics[key]["train_loss"] for r in reports]
+        fused.append(reports[-1].metrics[key]["val_loss"])
+        worst = max(worst, *(abs(a - b) for a, b in zip(fused, [*epoch_losses, val_loss],
+                                                          strict=True)))
+        state = array.member_state(key)
+        for name, ref in model.state_dict().items():
+            mine = state["params"].get(name, state["buffers"].get(name))
+            assert torch.allclose(mine, ref, rtol=1e-9, atol=1e-9), (key, name)
+    print(f"cuda {workload.name} {mode}: largest loss difference {worst:.2e}")
+    assert worst < 1e-9

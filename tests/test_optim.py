@@ -1,0 +1,137 @@
+"""Stacked optimizers match torch.optim member by member."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.optim import OPTIMIZER_HYPER, build_optimizer
+
+K = 4
+HYPER = {
+    "lr": [0.1, 0.01, 0.3, 0.05],
+    "momentum": [0.9, 0.0, 0.5, 0.99],
+    "weight_decay": [0.0, 0.1, 0.01, 1e-3],
+    "beta1": [0.9, 0.8, 0.5, 0.95],
+    "beta2": [0.999, 0.99, 0.9, 0.98],
+    "eps": [1e-8, 1e-6, 1e-3, 1e-7],
+}
+SHAPES = {"w": (5, 3), "b": (5,), "conv": (2, 1, 3, 3)}
+
+
+def torch_optimizer(name: str, params: list[torch.Tensor], i: int, nesterov: bool):
+    h = {key: values[i] for key, values in HYPER.items()}
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=h["lr"], momentum=h["momentum"],
+                               weight_decay=h["weight_decay"],
+                               nesterov=nesterov and h["momentum"] > 0)
+    cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
+    return cls(params, lr=h["lr"], betas=(h["beta1"], h["beta2"]), eps=h["eps"],
+               weight_decay=h["weight_decay"])
+
+
+def run_both(name: str, nesterov: bool, dtype: torch.dtype, steps: int = 6):
+    """Stacked and per-member torch.optim runs on the same random gradients."""
+    gen = torch.Generator().manual_seed(0)
+    init = {n: torch.randn(K, *s, generator=gen, dtype=dtype) for n, s in SHAPES.items()}
+    stacked = {n: t.clone().requires_grad_() for n, t in init.items()}
+    hyper = {key: torch.tensor(values, dtype=torch.float64) for key, values in HYPER.items()}
+    opt = build_optimizer(name, stacked, hyper, nesterov=nesterov)
+    refs = []
+    for i in range(K):
+        params = [init[n][i].clone().requires_grad_() for n in SHAPES]
+        refs.append((params, torch_optimizer(name, params, i, nesterov)))
+    for _ in range(steps):
+        grads = {n: torch.randn(K, *s, generator=gen, dtype=dtype) for n, s in SHAPES.items()}
+        for n, p in stacked.items():
+            p.grad = grads[n].clone()
+        opt.step()
+        opt.zero_grad()
+        for i, (params, ref) in enumerate(refs):
+            for n, p in zip(SHAPES, params, strict=True):
+                p.grad = grads[n][i].clone()
+            ref.step()
+    return stacked, refs, opt
+
+
+@pytest.mark.parametrize("name,nesterov", [("sgd", False), ("sgd", True), ("adam", False),
+                                           ("adamw", False)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-14), (torch.float32, 2e-6)])
+def test_matches_torch_optim_per_member(name, nesterov, dtype, tol):
+    stacked, refs, _ = run_both(name, nesterov, dtype)
+    worst = 0.0
+    for i, (params, _) in enumerate(refs):
+        for n, p in zip(SHAPES, params, strict=True):
+            worst = max(worst, float((stacked[n][i] - p).detach().abs().max()))
+            assert torch.allclose(stacked[n][i], p, rtol=tol, atol=tol), (name, n, i)
+    print(f"{name} nesterov={nesterov} {dtype}: largest difference {worst:.2e}")
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+def test_member_state_moves_to_another_array(name):
+    """Members exported from an array of 4 and resumed in an array of 2 (new companion)."""
+    stacked, _, opt = run_both(name, False, torch.float64, steps=3)
+    exported = [opt.member_state(i) for i in (2, 0)]
+    assert exported[0]["step"] == 3.0
+    gen = torch.Generator().manual_seed(1)
+    rows = [2, 0]
+    params = {n: stacked[n].detach()[rows].clone().requires_grad_() for n in SHAPES}
+    hyper = {key: torch.tensor(values, dtype=torch.float64)[rows] for key, values in HYPER.items()}
+    moved = build_optimizer(name, params, hyper, states=exported)
+    continued = build_optimizer(
+        name,
+        {n: stacked[n].detach().clone().requires_grad_() for n in SHAPES},
+        {key: torch.tensor(v, dtype=torch.float64) for key, v in HYPER.items()},
+        states=[opt.member_state(i) for i in range(K)],
+    )
+    for _ in range(3):
+        grads = {n: torch.randn(K, *s, generator=gen, dtype=torch.float64)
+                 for n, s in SHAPES.items()}
+        for n in SHAPES:
+            params[n].grad = grads[n][rows].clone()
+            continued.params[n].grad = grads[n].clone()
+        moved.step()
+        continued.step()
+    for n in SHAPES:
+        assert torch.equal(params[n], continued.params[n][rows])
+
+
+def test_select_drops_a_members_state():
+    stacked, _, opt = run_both("adam", False, torch.float64, steps=2)
+    before = [opt.member_state(i) for i in range(K)]
+    keep = [0, 1, 3]
+    opt.select(keep, {n: p.detach()[keep].clone().requires_grad_() for n, p in stacked.items()})
+    assert opt.size == 3
+    for new, old in enumerate(keep):
+        state = opt.member_state(new)
+        for n in SHAPES:
+            assert torch.equal(state["state"][n]["exp_avg"], before[old]["state"][n]["exp_avg"])
+    assert torch.equal(opt.hyper["lr"], torch.tensor(HYPER["lr"], dtype=torch.float64)[keep])
+
+
+def test_fresh_member_beside_resumed_one_starts_its_momentum_from_its_gradient():
+    """SGD's first step copies the gradient into the buffer, per member, as torch.optim does."""
+    stacked, _, opt = run_both("sgd", False, torch.float64, steps=2)
+    params = {n: stacked[n].detach()[:2].clone().requires_grad_() for n in SHAPES}
+    hyper = {key: torch.tensor(values, dtype=torch.float64)[:2] for key, values in HYPER.items()}
+    mixed = build_optimizer("sgd", params, hyper, states=[opt.member_state(0), None])
+    fresh_ref = [params[n][1].detach().clone().requires_grad_() for n in SHAPES]
+    ref = torch_optimizer("sgd", fresh_ref, 1, False)
+    for _ in range(2):
+        grads = {n: torch.randn(2, *s, dtype=torch.float64) for n, s in SHAPES.items()}
+        for n, p in zip(SHAPES, fresh_ref, strict=True):
+            params[n].grad = grads[n].clone()
+            p.grad = grads[n][1].clone()
+        mixed.step()
+        ref.step()
+    for n, p in zip(SHAPES, fresh_ref, strict=True):
+        assert torch.allclose(params[n][1], p, rtol=1e-14, atol=1e-14)
+
+
+def test_unknown_optimizer_and_missing_hyper_are_rejected():
+    params = {"w": torch.zeros(2, 3, requires_grad=True)}
+    hyper = {key: torch.ones(2) for key in OPTIMIZER_HYPER}
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        build_optimizer("rmsprop", params, hyper)
+    with pytest.raises(ValueError, match="beta2"):
+        build_optimizer("adam", params, {k: v for k, v in hyper.items() if k != "beta2"})
