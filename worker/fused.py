@@ -51,7 +51,7 @@ from torch.func import functional_call, stack_module_state, vmap
 from torch.nn import functional as F
 
 from worker.optim import OPTIMIZER_HYPER, StackedOptimizer, build_optimizer
-from worker.workloads.base import OPTIMIZER_PARAMS, Split, Workload
+from worker.workloads.base import OPTIMIZER_PARAMS, OPTIMIZER_STRUCTURAL, Split, Workload
 
 Mode = Literal["auto", "vmap", "bmm", "serial"]
 Forward = Callable[[dict[str, Tensor], dict[str, Tensor], Tensor], Tensor]
@@ -207,7 +207,10 @@ def hyper_tensors(configs: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
     }
 
 
-def _build_model(workload: Workload, config: Mapping[str, Any], state: Mapping | None) -> nn.Module:
+def _build_model(
+    workload: Workload, config: Mapping[str, Any], state: Mapping[str, Any] | None
+) -> nn.Module:
+    """One member's model, initialised exactly as a plain run of ``config`` would be."""
     torch.manual_seed(int(config["seed"]))
     model = workload.build_model(config)
     if state is not None:
@@ -215,8 +218,28 @@ def _build_model(workload: Workload, config: Mapping[str, Any], state: Mapping |
     return model.train()
 
 
+def _is_stochastic(workload: Workload, model: nn.Module) -> bool:
+    """Whether training draws random numbers: active dropout, or the workload says so."""
+    dropout = nn.modules.dropout._DropoutNd
+    return bool(getattr(workload, "stochastic", False)) or any(
+        isinstance(m, dropout) and m.p > 0 for m in model.modules()
+    )
+
+
+def _member_generator(
+    config: Mapping[str, Any], state: Mapping[str, Any] | None
+) -> torch.Generator:
+    """A member's own random stream: resumed from ``state``, else seeded from its trial seed."""
+    gen = torch.Generator()
+    if state is not None:
+        gen.set_state(state["rng"])
+    else:
+        gen.manual_seed(int(config["seed"]) + 1_000_003)  # not the init stream itself
+    return gen
+
+
 def _check_fusible(workload: Workload, configs: Sequence[Mapping[str, Any]]) -> None:
-    shared = sorted(set(workload.structural) | {"batch_size", "data_seed"})
+    shared = sorted(set(workload.structural) | OPTIMIZER_STRUCTURAL | {"batch_size", "data_seed"})
     for key in shared:
         values = {repr(c.get(key)) for c in configs}
         if len(values) > 1:
@@ -262,18 +285,11 @@ class FusedArray:
         self.diverged: dict[Hashable, int] = {}
         models = [_build_model(workload, c, s) for c, s in zip(configs, states, strict=True)]
         self.template = copy.deepcopy(models[0]).to("meta")
-        self.stochastic = bool(getattr(workload, "stochastic", False)) or any(
-            isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
-            for m in self.template.modules()
-        )
-        self.generators = {}
-        for key, config, state in zip(keys, configs, states, strict=True):
-            gen = torch.Generator()
-            if state is not None:
-                gen.set_state(state["rng"])
-            else:
-                gen.manual_seed(int(config["seed"]) + 1_000_003)
-            self.generators[key] = gen
+        self.stochastic = _is_stochastic(workload, self.template)
+        self.generators = {
+            key: _member_generator(config, state)
+            for key, config, state in zip(keys, configs, states, strict=True)
+        }
         plan = bmm_plan(self.template)
         if mode == "auto":
             mode = "bmm" if plan is not None else "serial" if len(keys) == 1 else "vmap"
@@ -332,16 +348,21 @@ class FusedArray:
         torch.manual_seed(seed)
 
     def train_step(self, batch: Tensor) -> None:
-        """One step of every member on the train examples ``batch`` (indices)."""
+        """One step of every member on the train examples ``batch`` (indices).
+
+        A member whose loss is not finite leaves the array. The check costs one
+        device synchronisation per step, for all groups together.
+        """
         index = batch.to(self.device)
         x, y = self.train_split.x[index], self.train_split.y[index]
-        for group in list(self.groups):
+        losses = []
+        for group in self.groups:
             if self.stochastic:
                 self._reseed(group)
-            losses = group.step(x, y, self.workload.loss)
-            finite = torch.isfinite(losses)
-            if not bool(finite.all()):
-                self._drop_diverged(group, finite.tolist())
+            losses.append(group.step(x, y, self.workload.loss))
+        if not bool(torch.isfinite(torch.cat(losses)).all()):
+            for group, group_losses in zip(list(self.groups), losses, strict=True):
+                self._drop_diverged(group, torch.isfinite(group_losses).tolist())
         self.step += 1
 
     def _drop_diverged(self, group: Group, finite: list[bool]) -> None:
@@ -349,6 +370,8 @@ class FusedArray:
             if not ok:
                 self.diverged[key] = self.step + 1
         keep = [i for i, ok in enumerate(finite) if ok]
+        if len(keep) == len(finite):
+            return
         if keep:
             group.keep(keep)
         else:
