@@ -186,14 +186,11 @@ class Scheduler:
 
     @staticmethod
     def _cancelled(s: Session) -> None:
+        movable = select(Trial.study_id).where(
+            Trial.status.in_([*lifecycle.ACTIVE, TrialStatus.paused])
+        )
         studies = s.scalars(
-            select(Study)
-            .join(Trial, Trial.study_id == Study.id)
-            .where(
-                Study.status == StudyStatus.cancelled,
-                Trial.status.in_([*lifecycle.ACTIVE, TrialStatus.paused]),
-            )
-            .distinct()
+            select(Study).where(Study.status == StudyStatus.cancelled, Study.id.in_(movable))
         )
         for study in studies:
             lifecycle.cancel_rest(s, study)
