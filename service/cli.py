@@ -92,8 +92,10 @@ def run(
         )
         study_id = study.id
     console = Console()
-    console.print(f"study {study_id} [bold]{body['name']}[/]: {body['workload']}, "
-                  f"database {_masked(settings.database_url)}")
+    console.print(
+        f"study {study_id} [bold]{body['name']}[/]: {body['workload']}, "
+        f"database {_masked(settings.database_url)}"
+    )
 
     def fetch() -> dict[str, Any]:
         with session_scope(factory) as s:
@@ -182,8 +184,10 @@ def worker(
     """Run an RQ worker that trains packs and sends NVML heartbeats."""
     settings = get_settings()
     if not settings.redis_url:
-        fail("PACKTUNE_REDIS_URL is not set: a worker takes packs from Redis "
-             "(without Redis, `packtune serve` runs packs itself)")
+        fail(
+            "PACKTUNE_REDIS_URL is not set: a worker takes packs from Redis "
+            "(without Redis, `packtune serve` runs packs itself)"
+        )
     _setup_logging()
     from worker.main import run_all_gpus, run_worker
 

@@ -18,9 +18,9 @@ import enum
 import logging
 import multiprocessing
 import socket
+from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from collections.abc import Callable
 from typing import Protocol
 
 from service.settings import Settings
@@ -112,7 +112,7 @@ class EmbeddedDispatcher:
     """Runs packs in one spawned child process, one after another (FIFO)."""
 
     def __init__(self, settings: Settings) -> None:
-        self.embedded_worker = f"embedded@{socket.gethostname()}"
+        self.embedded_worker: str | None = f"embedded@{socket.gethostname()}"
         self._ctx = multiprocessing.get_context("spawn")
         self._pool: ProcessPoolExecutor | None = None
         self._jobs: dict[str, Future[str]] = {}

@@ -45,7 +45,9 @@ RUNG_DONE = (TrialStatus.paused, TrialStatus.diverged, TrialStatus.failed)
 
 def brackets_of(spec: dict[str, Any]) -> list[list[Any]]:
     hb = spec["hyperband"]
-    return plan_brackets(hb["max_resource"], eta=hb.get("eta", 3), min_resource=hb.get("min_resource", 1))
+    return plan_brackets(
+        hb["max_resource"], eta=hb.get("eta", 3), min_resource=hb.get("min_resource", 1)
+    )
 
 
 def rung_resource(spec: dict[str, Any], bracket: int, rung: int) -> float:
@@ -177,7 +179,9 @@ def finish_if_done(s: Session, study: Study) -> bool:
     best = best_trial(s, study)
     if best is None:
         store.set_study_status(
-            s, study, StudyStatus.failed,
+            s,
+            study,
+            StudyStatus.failed,
             error="no trial reached max_resource with a finite objective value",
         )
     else:

@@ -98,9 +98,9 @@ class Scheduler:
             workers = store.live_workers(s, self.settings.heartbeat_timeout)
             self._reconcile(s, {w.name for w in workers}, report)
             for study in s.scalars(
-                select(Study).where(
-                    Study.status.in_([StudyStatus.pending, StudyStatus.running])
-                ).order_by(Study.id)
+                select(Study)
+                .where(Study.status.in_([StudyStatus.pending, StudyStatus.running]))
+                .order_by(Study.id)
             ):
                 self._advance(s, study, workers, report)
             self._cancelled(s)
@@ -272,4 +272,3 @@ def run_scheduler(stop: threading.Event | None = None) -> None:
         scheduler.run(stop)
     finally:
         scheduler.close()
-

@@ -38,14 +38,16 @@ class Settings(BaseSettings):
     )
     checkpoint_dir: Path = Field(
         default=Path("packtune-checkpoints"),
-        description="Where trial checkpoints live; shared storage when workers are on several hosts.",
+        description="Trial checkpoints; shared storage when workers run on several hosts.",
     )
     data_dir: Path | None = Field(
         default=None, description="Folder with datasets (CIFAR-10 for resnet-cifar)."
     )
     queue_name: str = Field(default="packtune", min_length=1, description="RQ queue name.")
     job_timeout: int = Field(default=3600, gt=0, description="RQ job timeout per pack, seconds.")
-    max_attempts: int = Field(default=3, ge=1, description="Attempts per pack before its trials fail.")
+    max_attempts: int = Field(
+        default=3, ge=1, description="Attempts per pack before its trials fail."
+    )
     scheduler_interval: float = Field(
         default=0.5, gt=0, description="Seconds between scheduler ticks."
     )

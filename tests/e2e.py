@@ -73,7 +73,9 @@ def serving(env: Mapping[str, str], log: Path, *extra: str) -> Iterator[str]:
         stop(proc)
 
 
-def wait_finished(url: str, study_id: int, timeout: float, log: Path | None = None) -> dict[str, Any]:
+def wait_finished(
+    url: str, study_id: int, timeout: float, log: Path | None = None
+) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
         summary = httpx.get(f"{url}/api/studies/{study_id}", timeout=10).json()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,12 @@ class ArrayJob:
         }
 
 
+def _id(key: Hashable) -> int:
+    """Array members are keyed by trial id."""
+    assert isinstance(key, int)
+    return key
+
+
 def _steps(job: ArrayJob, steps_per_epoch: int) -> tuple[int, int]:
     return round(job.from_resource * steps_per_epoch), round(job.to_resource * steps_per_epoch)
 
@@ -88,8 +95,9 @@ def _mark_done(job: ArrayJob, done: dict[int, str]) -> None:
             trial.status = TrialStatus.paused
 
 
-def _ensure_profile(job: ArrayJob, config: dict[str, Any], device: torch.device, kind: str,
-                    data: Any) -> None:
+def _ensure_profile(
+    job: ArrayJob, config: dict[str, Any], device: torch.device, kind: str, data: Any
+) -> None:
     """Probe memory (k=1, k=2) the first time this fusion key runs on this device kind."""
     workload = get_workload(job.workload)
     with session_scope() as s:
@@ -150,9 +158,9 @@ def run_array(job: ArrayJob, device: torch.device, kind: str, checkpoint_dir: Pa
         resource = job.to_resource if report.step >= to_step else report.resource
         with session_scope() as s:
             for trial_id, metrics in report.metrics.items():
-                store.record_measurement(s, int(trial_id), resource, metrics)  # type: ignore[call-overload]
+                store.record_measurement(s, _id(trial_id), resource, metrics)
             for trial_id in report.diverged:
-                trial = store.get_trial(s, int(trial_id))  # type: ignore[call-overload]
+                trial = store.get_trial(s, _id(trial_id))
                 trial.status = TrialStatus.diverged
                 trial.error = f"loss became non-finite at step {array.diverged[trial_id]}"
 
@@ -166,7 +174,7 @@ def run_array(job: ArrayJob, device: torch.device, kind: str, checkpoint_dir: Pa
         raise TrialError(exc) from exc
     seconds = time.perf_counter() - started
     saved = {
-        int(key): str(save_checkpoint(checkpoint_dir, job.study_id, key, array.member_state(key)))
+        _id(key): str(save_checkpoint(checkpoint_dir, job.study_id, key, array.member_state(key)))
         for key in array.keys
     }
     _mark_done(job, saved)

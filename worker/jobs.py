@@ -32,13 +32,12 @@ from typing import Any
 import torch
 
 from service import store
-from service.db import get_sessionmaker, session_scope
+from service.db import session_scope
 from service.errors import StoreUnavailable
 from service.models import PackStatus, StudyStatus, TrialStatus
 from service.packing import MemoryModel, Unit, split_in_two
 from service.settings import get_settings
 from worker.execute import ArrayJob, MemberJob, TrialError, run_array
-from worker.workloads import get_workload
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +170,9 @@ def _correct_memory(s: Any, array: ArrayJob, kind: str, k: int, peak: int) -> No
     store.set_memory_model(s, array.workload, array.fusion_key, kind, model.base, model.per_trial)
 
 
-def _split(pack_id: int, arrays: list[ArrayJob], kind: str, device: torch.device, error: str) -> None:
+def _split(
+    pack_id: int, arrays: list[ArrayJob], kind: str, device: torch.device, error: str
+) -> None:
     """CUDA out of memory: replace the pack by two halves of its unfinished units."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
