@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -77,7 +78,7 @@ def run(
     from service import store
     from service.db import get_sessionmaker, session_scope, upgrade
     from service.progress import leaderboard_table, watch
-    from service.queries import leaderboard, study_summary
+    from service.queries import leaderboard, packs, study_summary
     from service.scheduler import Scheduler
 
     body = load_spec_file(spec)
@@ -105,6 +106,7 @@ def run(
         return summary
 
     scheduler = Scheduler(settings)
+    started = time.monotonic()
     stop = threading.Event()
     thread = threading.Thread(
         target=scheduler.run, kwargs={"stop": stop, "until_study": study_id}, daemon=True
@@ -122,8 +124,13 @@ def run(
     metric = body["objective"]["metric"]
     with session_scope(factory) as s:
         rows, _ = leaderboard(s, study_id, limit=top)
+        _, n_packs = packs(s, study_id, limit=1)
     console.print(leaderboard_table(rows, metric, top))
-    console.print(f"study {study_id} {summary['status']}")
+    progress = summary["progress"]
+    console.print(
+        f"study {study_id} {summary['status']} in {time.monotonic() - started:.1f} s: "
+        f"{progress['total']} units of work in {n_packs} packs"
+    )
     if summary["status"] != "completed":
         raise typer.Exit(1)
 

@@ -77,7 +77,7 @@ def leaderboard_table(rows: list[dict[str, Any]], metric: str, limit: int = 10) 
     for i, row in enumerate(rows[:limit], 1):
         value = (row.get("metrics") or {}).get(metric)
         config = ", ".join(
-            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+            f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
             for k, v in sorted((row.get("config") or {}).items())
         )
         table.add_row(
