@@ -8,6 +8,7 @@ decided only when none of the bracket's trials is pending, queued or running.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -18,7 +19,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from service import store
-from service.hyperband import plan_brackets, promote, rank
+from service.hyperband import Rung, plan_brackets, promote, rank
 from service.models import (
     Measurement,
     Pack,
@@ -43,11 +44,15 @@ FINAL = (
 RUNG_DONE = (TrialStatus.paused, TrialStatus.diverged, TrialStatus.failed)
 
 
-def brackets_of(spec: dict[str, Any]) -> list[list[Any]]:
+def brackets_of(spec: dict[str, Any]) -> list[list[Rung]]:
     hb = spec["hyperband"]
-    return plan_brackets(
-        hb["max_resource"], eta=hb.get("eta", 3), min_resource=hb.get("min_resource", 1)
-    )
+    return _plan(float(hb["max_resource"]), int(hb.get("eta", 3)), float(hb.get("min_resource", 1)))
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(max_resource: float, eta: int, min_resource: float) -> list[list[Rung]]:
+    # planned once per spec, not once per trial: the scheduler asks for every pending trial
+    return plan_brackets(max_resource, eta=eta, min_resource=min_resource)
 
 
 def rung_resource(spec: dict[str, Any], bracket: int, rung: int) -> float:
