@@ -87,11 +87,13 @@ def test_resume_in_a_differently_sized_array(tmp_path, mode):
     pair_reports = train(pair, 3 * spe)
     alone = FusedArray(workload, members[:1], mode=mode)
     alone_reports = train(alone, 3 * spe)
-    # Not bitwise: a different k may take other kernel paths (seen on some CPUs).
-    assert_same_state(pair.member_state("t0"), alone.member_state("t0"), tol=1e-9)
+    # Not bitwise: a different k takes other kernel paths and reduction orders
+    # (on a 16-thread CPU, t0 alone and t0 among 4 differed by 4e-10 after 18
+    # Adam steps in float64). A wrongly resumed state differs by ~1e-2.
+    assert_same_state(pair.member_state("t0"), alone.member_state("t0"), tol=1e-7)
     for mine, ref in zip(pair_reports, alone_reports[1:], strict=True):
         for name, value in ref.metrics["t0"].items():
-            assert mine.metrics["t0"][name] == pytest.approx(value, rel=1e-9, abs=1e-9)
+            assert mine.metrics["t0"][name] == pytest.approx(value, rel=1e-7, abs=1e-7)
 
 
 def test_checkpoint_path_and_missing_checkpoint(tmp_path):
