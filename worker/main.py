@@ -82,6 +82,10 @@ def run_worker(gpu: int | None = None, name: str | None = None, burst: bool = Fa
     settings = get_settings()
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)  # before torch is imported
+    # Import torch here, before the heartbeat thread starts: the thread reads torch.cuda, and
+    # while the first job imports torch it would find the module half initialised and fail
+    # for seconds (longer than a short heartbeat timeout).
+    import torch  # noqa: F401
     host = socket.gethostname()
     name = name or (f"{host}-gpu{gpu}" if gpu is not None else f"{host}-{os.getpid()}")
     os.environ[WORKER_NAME_ENV] = name
