@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import Engine
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api import routes, system
+from service.api import dashboard, metrics, routes, system
 from service.db import get_sessionmaker, make_engine, session_factory
 from service.errors import PacktuneError, SpecError
 from service.settings import Settings, get_settings
@@ -68,6 +68,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(routes.writes)
     app.include_router(routes.router)
     app.include_router(system.router)
+    app.include_router(metrics.router)
+    app.include_router(dashboard.router)
     app.add_exception_handler(PacktuneError, _packtune_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)

@@ -1,0 +1,372 @@
+"""The dashboard: its assets are served and self-contained, and in headless Chromium it
+shows a study live (curves, brackets and the pack timeline appear, then change) and
+stays usable with a 1,214-trial study.
+
+Browser tests drive Debian's ``/usr/bin/chromium`` through Playwright (no browser is
+ever downloaded). Without it they fail under ``CI=true`` and skip otherwise.
+Screenshots go to ``test-artifacts/``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import re
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from service import lifecycle, store
+from service.api.app import create_app
+from service.api.dashboard import STATIC
+from service.db import dispose_engines, make_engine, session_factory, session_scope, upgrade
+from service.hyperband import plan_brackets, total_units
+from service.models import PackStatus, StudyStatus, TrialStatus, utcnow
+from service.settings import get_settings
+from tests.e2e import packtune_env, serving, wait_finished
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
+
+LIVE_SPEC: dict[str, Any] = {
+    "name": "dashboard-live",
+    "workload": "digits-mlp",
+    "objective": {"metric": "val_loss", "mode": "min"},
+    "space": {
+        "lr": {"type": "loguniform", "low": 0.001, "high": 0.5},
+        "momentum": {"type": "uniform", "low": 0.0, "high": 0.95},
+        "hidden": {"type": "choice", "values": [64, 128]},
+    },
+    "hyperband": {"max_resource": 27, "min_resource": 1, "eta": 3},
+    "packing": {"enabled": True, "max_pack_size": None},
+    "seed": 0,
+}
+BIG_SPEC: dict[str, Any] = {
+    **LIVE_SPEC,
+    "name": "dashboard-1214-trials",
+    "hyperband": {"max_resource": 729, "min_resource": 1, "eta": 3},
+}
+GPU = {
+    "index": 0,
+    "name": "NVIDIA H100",
+    "uuid": "GPU-x",
+    "memory_total": 80 * 2**30,
+    "memory_used": 52 * 2**30,
+    "memory_free": 28 * 2**30,
+    "utilization": 93,
+}
+
+# What the page shows, read from the DOM (the panels carry data-panel attributes).
+DOM_STATE = """() => {
+  const q = (s) => document.querySelectorAll(s);
+  return {
+    status: document.querySelector('[data-panel=summary] .badge')?.textContent ?? null,
+    settled: document.getElementById('live').classList.contains('idle'),
+    curves: q('[data-panel=curves] path.curve').length,
+    curveChars: [...q('[data-panel=curves] path.curve')].reduce(
+      (a, p) => a + (p.getAttribute('d') || '').length, 0),
+    cells: q('[data-panel=brackets] .cell[data-trial]').length,
+    promoted: q('[data-panel=brackets] .cell.s-promoted').length,
+    packs: q('[data-panel=timeline] g.pack').length,
+    params: q('[data-panel=params] path.pc').length,
+  };
+}"""
+
+
+# -- served assets (no browser needed) ------------------------------------------------------
+
+
+@pytest.fixture
+def client(clean_env: pytest.MonkeyPatch, sqlite_url: str) -> Iterator[TestClient]:
+    clean_env.setenv("PACKTUNE_DATABASE_URL", sqlite_url)
+    get_settings.cache_clear()
+    upgrade(sqlite_url)
+    with TestClient(create_app()) as c:
+        yield c
+    dispose_engines()
+
+
+def test_the_page_and_its_assets_are_served(client: TestClient) -> None:
+    page = client.get("/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    scripts = re.findall(r'src="([^"]+)"', page.text) + re.findall(
+        r'href="(static/[^"]+)"', page.text
+    )
+    assert "static/app.js" in scripts and "static/style.css" in scripts
+    for path in scripts:
+        assert client.get(f"/{path}").status_code == 200, path
+    js = client.get("/static/app.js")
+    assert js.headers["content-type"].startswith("text/javascript")
+    assert client.get("/static/style.css").headers["content-type"].startswith("text/css")
+
+
+@pytest.mark.parametrize("name", ["nope.js", "..%2Fdashboard.py", "%2E%2E%2Fapp.py", "index.htm"])
+def test_only_the_shipped_assets_are_served(client: TestClient, name: str) -> None:
+    assert client.get(f"/static/{name}").status_code == 404
+
+
+def test_the_page_needs_nothing_from_the_internet() -> None:
+    """No CDN, no remote script, style or font: every asset is local."""
+    for path in STATIC.iterdir():
+        text = path.read_text(encoding="utf-8")
+        remote = re.findall(r"""(?:src|href|url|import)\s*[=(]?\s*["']?(?:https?:)?//""", text)
+        assert remote == [], (path.name, remote)
+        assert not re.search(r"""from\s+["']https?:""", text), path.name
+    imports = set()
+    for path in STATIC.glob("*.js"):
+        imports |= set(re.findall(r'from "\./([\w.]+)"', path.read_text(encoding="utf-8")))
+    assert imports <= {p.name for p in STATIC.iterdir()}, imports
+
+
+# -- a 1,214-trial study, written through the store -----------------------------------------
+
+
+def fill_finished_study(url: str, spec: dict[str, Any]) -> int:
+    """A completed study as Hyperband would leave it, with made-up but plausible losses.
+
+    Trials are sampled by the real lifecycle; each rung's units run in packs of up to 16
+    on two GPUs; the best floor(n_i / eta) of each rung are promoted.
+    """
+    engine = make_engine(url)
+    rng = random.Random(0)
+    hb = spec["hyperband"]
+    plan = plan_brackets(hb["max_resource"], hb["eta"], hb["min_resource"])
+    began = utcnow() - timedelta(hours=12)
+    clock = {"gpu-a/cuda:0": began, "gpu-b/cuda:0": began}
+    try:
+        with session_scope(session_factory(engine)) as s:
+            for name in ("gpu-a", "gpu-b"):
+                worker = store.heartbeat(
+                    s, name=name, host=name, device_kind="NVIDIA H100", gpus=[GPU]
+                )
+                # gone long ago, so the live scheduler plans nothing for them
+                worker.last_heartbeat = began + timedelta(minutes=1)
+            study = store.create_study(
+                s, name=spec["name"], workload=spec["workload"], spec=spec, seed=spec["seed"]
+            )
+            lifecycle.start_study(s, study)
+            study.started_at = began
+            shape = {
+                t.id: (rng.uniform(0.05, 0.6), rng.uniform(0.5, 2.0), rng.uniform(0.01, 1.0))
+                for t in store.trials_of(s, study.id)
+            }
+            best: tuple[float, int] | None = None
+            for j, rungs in enumerate(plan):
+                bracket = len(plan) - 1 - j
+                alive = store.trials_of(s, study.id, bracket=bracket)
+                for i, rung in enumerate(rungs):
+                    start = rungs[i - 1].resource if i else 0.0
+                    losses = {}
+                    for t in alive:
+                        floor, height, speed = shape[t.id]
+                        losses[t.id] = floor + height / (1 + speed * rung.resource)
+                        store.record_measurement(s, t.id, rung.resource, {"val_loss": losses[t.id]})
+                        t.rung, t.resource_done = i, rung.resource
+                    for k in range(0, len(alive), 16):
+                        members = alive[k : k + 16]
+                        device = min(clock, key=lambda d: clock[d])
+                        pack = store.create_pack(
+                            s,
+                            study_id=study.id,
+                            members=[(t.id, t.fusion_key, start, rung.resource) for t in members],
+                            estimated_bytes=(4 + 3 * len(members)) * 2**30,
+                        )
+                        seconds = 0.5 * (rung.resource - start) * math.sqrt(len(members))
+                        pack.status, pack.attempts, pack.device = PackStatus.completed, 1, device
+                        pack.worker_name = device.split("/")[0]
+                        pack.started_at = clock[device]
+                        pack.finished_at = clock[device] = clock[device] + timedelta(
+                            seconds=seconds
+                        )
+                        pack.peak_bytes = int(pack.estimated_bytes * 0.8)
+                    ranked = sorted(alive, key=lambda t: (losses[t.id], t.id))
+                    if i == len(rungs) - 1:
+                        for t in alive:
+                            t.status = TrialStatus.completed
+                            if best is None or (losses[t.id], t.id) < best:
+                                best = (losses[t.id], t.id)
+                        continue
+                    keep = ranked[: len(alive) // hb["eta"]]
+                    store.record_promotions(
+                        s, study.id, bracket, i, [(t.id, losses[t.id]) for t in keep]
+                    )
+                    for t in ranked[len(keep) :]:
+                        t.status = TrialStatus.stopped
+                    alive = sorted(keep, key=lambda t: t.id)
+            assert best is not None
+            study.best_trial_id = best[1]
+            store.set_study_status(s, study, StudyStatus.completed)
+            study.finished_at = max(clock.values())
+            return study.id
+    finally:
+        engine.dispose()
+
+
+# -- the browser ----------------------------------------------------------------------------
+
+
+def _missing(what: str) -> None:
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"{what}; the browser tests need it under CI", pytrace=False)
+    pytest.skip(what)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _missing("the playwright package is not installed")
+    if not CHROMIUM.exists():
+        _missing(f"{CHROMIUM} is missing (apt-get install chromium)")
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """``packtune serve`` over a database that already holds the 1,214-trial study."""
+    tmp = tmp_path_factory.mktemp("dashboard")
+    url = f"sqlite:///{tmp / 'packtune.db'}"
+    upgrade(url)
+    big = fill_finished_study(url, BIG_SPEC)
+    env = packtune_env(database_url=url, checkpoint_dir=tmp / "checkpoints", log_level="WARNING")
+    log = tmp / "serve.log"
+    with serving(env, log) as base:
+        yield {"url": base, "big": big, "log": log}
+
+
+@pytest.fixture
+def page(browser: Any) -> Iterator[Any]:
+    context = browser.new_context(viewport={"width": 1400, "height": 900})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+    yield page
+    context.close()
+    assert errors == [], errors
+
+
+def shot(page: Any, name: str) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def test_a_running_study_is_shown_live(service: dict[str, Any], page: Any) -> None:
+    url = service["url"]
+    study_id = httpx.post(f"{url}/api/studies", json=LIVE_SPEC, timeout=30).json()["id"]
+    page.goto(f"{url}/#/studies/{study_id}")
+    states: list[dict[str, Any]] = []
+    running_shot = False
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        state = page.evaluate(DOM_STATE)
+        states.append(state)
+        if state["status"] == "running" and state["packs"] >= 2 and not running_shot:
+            shot(page, "dashboard-live-running")
+            running_shot = True
+        if state["settled"]:  # finished, read in full, and no longer polled
+            break
+        page.wait_for_timeout(250)
+    summary = wait_finished(url, study_id, timeout=5, log=service["log"])
+    shot(page, "dashboard-live-finished")
+    final = states[-1]
+    assert final["status"] == "completed", (final, states[-5:])
+    live = [s for s in states if s["status"] == "running"]
+    assert live, "the page never showed the study running"
+
+    def first_seen(key: str) -> dict[str, Any]:
+        return next(s for s in states if s[key] > 0)
+
+    # each view appeared while the study ran, and changed after it appeared
+    for key in ("curveChars", "cells", "packs"):
+        seen = first_seen(key)
+        assert seen["status"] == "running", (key, seen)
+        assert final[key] > seen[key], (key, seen, final)
+    assert any(s["promoted"] < final["promoted"] for s in live)
+    # finally they match the API
+    packs = httpx.get(f"{url}/api/studies/{study_id}/packs?limit=500", timeout=10).json()
+    assert final["packs"] == packs["count"]
+    assert final["cells"] == summary["progress"]["total"] == 69
+    assert final["curves"] == final["params"] == 49
+
+
+def test_hover_links_a_pack_to_its_trials(service: dict[str, Any], page: Any) -> None:
+    url, study_id = service["url"], service["big"]
+    page.goto(f"{url}/#/studies/{study_id}")
+    page.wait_for_function("document.querySelectorAll('[data-panel=timeline] g.pack').length > 0")
+    # the widest bar, hovered at its centre
+    pack_id, x, y = page.evaluate("""() => {
+      const outlines = [...document.querySelectorAll('[data-panel=timeline] g.pack rect.outline')];
+      const widest = outlines.sort((a, b) => b.getBBox().width - a.getBBox().width)[0];
+      widest.scrollIntoView({ block: "center" });
+      const r = widest.getBoundingClientRect();
+      return [+widest.parentNode.dataset.pack, r.x + r.width / 2, r.y + r.height / 2];
+    }""")
+    members = httpx.get(f"{url}/api/studies/{study_id}/packs?limit=500", timeout=10).json()["data"]
+    ids = {m["trial_id"] for p in members if p["id"] == pack_id for m in p["members"]}
+    page.mouse.move(x, y)
+    tip = page.locator("#tooltip")
+    assert tip.is_visible() and f"pack {pack_id}" in tip.inner_text()
+    lit = page.eval_on_selector_all(
+        "[data-panel=curves] .layer.hover path", "ps => ps.map(p => +p.dataset.trial)"
+    )
+    assert set(lit) == ids
+    cells = page.eval_on_selector_all(
+        "[data-panel=brackets] .cell.lit", "cs => cs.map(c => +c.dataset.trial)"
+    )
+    assert set(cells) == ids
+    page.mouse.move(5, 5)
+    page.wait_for_function(
+        "document.querySelectorAll('[data-panel=curves] .layer.hover path').length === 0"
+    )
+
+
+def test_a_1214_trial_study_renders_one_path_per_trial(service: dict[str, Any], page: Any) -> None:
+    url, study_id = service["url"], service["big"]
+    started = time.monotonic()
+    page.goto(f"{url}/#/studies/{study_id}")
+    page.wait_for_function(
+        "document.querySelectorAll('[data-panel=curves] path.curve').length === 1214",
+        timeout=30_000,
+    )
+    elapsed = time.monotonic() - started
+    state = page.evaluate(DOM_STATE)
+    shot(page, "dashboard-1214-trials")
+    assert state["status"] == "completed"
+    assert state["params"] == 1214
+    assert state["cells"] == total_units(plan_brackets(729, 3))  # one per trial per rung reached
+    nodes = page.evaluate("document.querySelectorAll('[data-panel=curves] svg *').length")
+    assert nodes < 1214 + 200, nodes  # one path per trial, not a node per point
+    assert elapsed < 20, f"first render took {elapsed:.1f} s"
+
+
+def test_the_studies_list_opens_a_study(service: dict[str, Any], page: Any) -> None:
+    url, study_id = service["url"], service["big"]
+    page.goto(url)
+    row = page.locator("[data-panel=studies] tr", has_text=BIG_SPEC["name"])
+    row.wait_for()
+    assert "completed" in row.inner_text()
+    shot(page, "dashboard-studies")
+    row.click()
+    page.wait_for_url(f"**/#/studies/{study_id}")
+    page.locator("[data-panel=summary] h1", has_text=BIG_SPEC["name"]).wait_for()
