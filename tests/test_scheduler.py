@@ -1,0 +1,211 @@
+"""The scheduler against a real SQLite database, with packs really trained in this process.
+
+``SyncDispatcher`` runs ``worker.jobs.run_pack`` at once when a pack is
+enqueued (the job the embedded runner and RQ workers run); tests make it
+lose jobs or fail them to exercise re-dispatch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.orm import selectinload
+
+from service import store
+from service.db import dispose_engines, get_sessionmaker, session_scope, upgrade
+from service.dispatch import JobState
+from service.hyperband import plan_brackets
+from service.models import Pack, PackStatus, StudyStatus, Trial, TrialStatus
+from service.scheduler import Scheduler
+from service.settings import get_settings
+
+SPEC: dict[str, Any] = {
+    "name": "sched",
+    "workload": "digits-mlp",
+    "objective": {"metric": "val_loss", "mode": "min"},
+    "space": {"lr": {"type": "loguniform", "low": 0.01, "high": 0.3}},
+    "hyperband": {"max_resource": 3, "min_resource": 1, "eta": 3},
+    "packing": {"enabled": True, "max_pack_size": None},
+    "seed": 1,
+}
+
+
+class SyncDispatcher:
+    """Runs each job at once, in this process; ``lose`` and ``fail`` simulate a broken queue."""
+
+    def __init__(self, run: bool = True) -> None:
+        self.embedded_worker: str | None = "sync@test"
+        self.enqueued: list[str] = []
+        self.states: dict[str, tuple[JobState, str | None]] = {}
+        self.run = run
+        self.fail = False
+
+    def enqueue(self, pack_id: int, job_id: str) -> None:
+        from worker.jobs import run_pack
+
+        self.enqueued.append(job_id)
+        if self.fail:
+            self.states[job_id] = (JobState.failed, "RuntimeError: broken worker")
+            return
+        if not self.run:
+            self.states[job_id] = (JobState.queued, None)
+            return
+        run_pack(pack_id)
+        self.states[job_id] = (JobState.finished, None)
+
+    def state(self, job_id: str) -> tuple[JobState, str | None]:
+        return self.states.get(job_id, (JobState.missing, None))
+
+    def lose(self) -> None:
+        self.states.clear()
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def db(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[str]:
+    url = f"sqlite:///{tmp_path / 'packtune.db'}"
+    clean_env.setenv("PACKTUNE_DATABASE_URL", url)
+    clean_env.setenv("PACKTUNE_CHECKPOINT_DIR", str(tmp_path / "ckpt"))
+    clean_env.setenv("PACKTUNE_WORKER_NAME", "sync@test")
+    clean_env.setenv("PACKTUNE_DEVICE", "cpu")
+    get_settings.cache_clear()
+    dispose_engines()
+    upgrade(url)
+    yield url
+    dispose_engines()
+
+
+def new_study(spec: dict[str, Any] = SPEC) -> int:
+    with session_scope(get_sessionmaker()) as s:
+        return store.create_study(
+            s, name=spec["name"], workload=spec["workload"], spec=spec, seed=spec["seed"]
+        ).id
+
+
+def scheduler(dispatcher: SyncDispatcher, holder: str = "test") -> Scheduler:
+    return Scheduler(get_settings(), get_sessionmaker(), dispatcher, holder=holder)  # type: ignore[arg-type]
+
+
+def run_to_end(sched: Scheduler, study_id: int, ticks: int = 60) -> StudyStatus:
+    for _ in range(ticks):
+        sched.tick()
+        with session_scope(get_sessionmaker()) as s:
+            status = store.get_study(s, study_id).status
+        if status in (StudyStatus.completed, StudyStatus.failed, StudyStatus.cancelled):
+            return status
+    raise AssertionError(f"study {study_id} still {status} after {ticks} ticks")
+
+
+def packs(study_id: int) -> list[Pack]:
+    with session_scope(get_sessionmaker()) as s:
+        stmt = (
+            select(Pack)
+            .where(Pack.study_id == study_id)
+            .options(selectinload(Pack.members))
+            .order_by(Pack.id)
+        )
+        return list(s.scalars(stmt))
+
+
+def trials(study_id: int) -> list[Trial]:
+    with session_scope(get_sessionmaker()) as s:
+        return store.trials_of(s, study_id)
+
+
+def test_first_tick_samples_every_bracket_and_dispatches_packs(db: str) -> None:
+    study_id = new_study()
+    dispatcher = SyncDispatcher(run=False)
+    report = scheduler(dispatcher).tick()
+    assert report.leader and report.started == 1
+    expected = sum(rungs[0].n for rungs in plan_brackets(3, eta=3))
+    assert len(trials(study_id)) == expected == 5
+    planned = packs(study_id)
+    assert planned and all(p.status == PackStatus.queued and p.attempts == 1 for p in planned)
+    assert dispatcher.enqueued == [f"pack-{p.id}-1" for p in planned]
+    queued = {m.trial_id for p in planned for m in p.members}
+    assert all(t.status == TrialStatus.queued for t in trials(study_id) if t.id in queued)
+
+
+def test_study_runs_to_completion_with_its_best_trial(db: str) -> None:
+    study_id = new_study()
+    assert run_to_end(scheduler(SyncDispatcher()), study_id) == StudyStatus.completed
+    with session_scope(get_sessionmaker()) as s:
+        study = store.get_study(s, study_id)
+        best = study.best_trial_id
+        finals = {
+            t.id: store.latest_measurement(s, t.id)
+            for t in store.trials_of(s, study_id, status=TrialStatus.completed)
+        }
+    values = {tid: m.metrics["val_loss"] for tid, m in finals.items() if m and m.resource == 3}
+    assert best == min(values, key=lambda tid: (values[tid], tid))
+    assert all(p.status == PackStatus.completed for p in packs(study_id))
+
+
+def test_two_schedulers_do_not_both_dispatch(db: str) -> None:
+    study_id = new_study()
+    one, two = SyncDispatcher(run=False), SyncDispatcher(run=False)
+    reports = [scheduler(one, "a").tick(), scheduler(two, "b").tick()]
+    assert [r.leader for r in reports] == [True, False]
+    assert two.enqueued == []
+    assert len(one.enqueued) == len(packs(study_id))
+
+
+def test_a_restarted_scheduler_dispatches_nothing_twice(db: str) -> None:
+    study_id = new_study()
+    first = SyncDispatcher(run=False)
+    scheduler(first, "same-host").tick()
+    dispatched = len(first.enqueued)
+    # a new process (same holder after restart); the queue still has the jobs
+    again = SyncDispatcher(run=False)
+    again.states = dict(first.states)
+    scheduler(again, "same-host").tick()
+    assert again.enqueued == []
+    assert all(p.attempts == 1 for p in packs(study_id))
+    assert len(packs(study_id)) == dispatched
+
+
+def test_vanished_jobs_are_dispatched_again_as_a_new_attempt(db: str) -> None:
+    study_id = new_study()
+    dispatcher = SyncDispatcher(run=False)
+    sched = scheduler(dispatcher)
+    sched.tick()
+    first = list(dispatcher.enqueued)
+    dispatcher.lose()  # e.g. Redis restarted
+    report = sched.tick()
+    assert report.requeued == len(first)
+    assert dispatcher.enqueued[len(first):] == [j.rsplit("-", 1)[0] + "-2" for j in first]
+    dispatcher.lose()  # once more; the third attempt runs
+    dispatcher.run = True
+    assert run_to_end(sched, study_id) == StudyStatus.completed
+    assert all(p.attempts <= 3 for p in packs(study_id))
+
+
+def test_a_pack_out_of_attempts_fails_its_trials_with_the_error(db: str) -> None:
+    study_id = new_study()
+    dispatcher = SyncDispatcher()
+    dispatcher.fail = True
+    status = run_to_end(scheduler(dispatcher), study_id)
+    assert status == StudyStatus.failed
+    failed = [t for t in trials(study_id) if t.status == TrialStatus.failed]
+    assert failed and all("broken worker" in (t.error or "") for t in failed)
+    assert all(p.attempts == get_settings().max_attempts for p in packs(study_id))
+
+
+def test_cancel_stops_dispatch_and_cancels_the_rest(db: str) -> None:
+    study_id = new_study()
+    dispatcher = SyncDispatcher(run=False)
+    sched = scheduler(dispatcher)
+    sched.tick()
+    with session_scope(get_sessionmaker()) as s:
+        store.set_study_status(s, store.get_study(s, study_id), StudyStatus.cancelled)
+    sent = len(dispatcher.enqueued)
+    sched.tick()
+    assert len(dispatcher.enqueued) == sent
+    assert {t.status for t in trials(study_id)} == {TrialStatus.cancelled}
+    assert {p.status for p in packs(study_id)} == {PackStatus.cancelled}
