@@ -141,6 +141,8 @@ class Scheduler:
             if state == JobState.failed:
                 self._requeue(pack, error or "job failed", report)
             elif state == JobState.missing:
+                if self._running_on_live_worker(pack, live):
+                    continue  # e.g. Redis restarted under a running job: its worker goes on
                 self._requeue(pack, "job vanished from the queue", report)
             elif state == JobState.finished:
                 s.refresh(pack)  # the job ended: its own status is the truth
@@ -153,6 +155,18 @@ class Scheduler:
                 and pack.worker_name != self.dispatcher.embedded_worker
             ):
                 self._requeue(pack, f"worker {pack.worker_name} stopped sending heartbeats", report)
+
+    def _running_on_live_worker(self, pack: Pack, live: set[str]) -> bool:
+        """The pack is running on an RQ worker that still sends heartbeats.
+
+        RQ workers run jobs in-process, so such a pack is being trained whatever
+        Redis says of its job; dispatching it again would train it twice at once.
+        """
+        return (
+            pack.status == PackStatus.running
+            and pack.worker_name in live
+            and pack.worker_name != self.dispatcher.embedded_worker
+        )
 
     @staticmethod
     def _requeue(pack: Pack, reason: str, report: TickReport) -> None:
