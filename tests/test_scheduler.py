@@ -179,7 +179,7 @@ def test_vanished_jobs_are_dispatched_again_as_a_new_attempt(db: str) -> None:
     dispatcher.lose()  # e.g. Redis restarted
     report = sched.tick()
     assert report.requeued == len(first)
-    assert dispatcher.enqueued[len(first):] == [j.rsplit("-", 1)[0] + "-2" for j in first]
+    assert dispatcher.enqueued[len(first) :] == [j.rsplit("-", 1)[0] + "-2" for j in first]
     dispatcher.lose()  # once more; the third attempt runs
     dispatcher.run = True
     assert run_to_end(sched, study_id) == StudyStatus.completed

@@ -1,0 +1,148 @@
+"""The ``packtune`` command as a user runs it: real subprocesses, real files."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+import yaml
+
+from tests.e2e import packtune_env, serving
+
+SMALL = {
+    "name": "cli-small",
+    "workload": "digits-mlp",
+    "objective": {"metric": "val_loss", "mode": "min"},
+    "space": {"lr": {"type": "loguniform", "low": 0.01, "high": 0.3}},
+    "hyperband": {"max_resource": 3, "eta": 3},
+    "seed": 0,
+}
+
+
+def packtune(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "service.cli", *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    return packtune_env(
+        database_url=f"sqlite:///{tmp_path / 'packtune.db'}",
+        checkpoint_dir=tmp_path / "ckpt",
+        scheduler_interval=0.1,
+    )
+
+
+def write(path: Path, body: object) -> Path:
+    path.write_text(yaml.safe_dump(body) if not isinstance(body, str) else body)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"hyperband": {"max_resource": 9, "eta": 1}}, "hyperband.eta"),
+        ({"workload": "no-such-workload"}, "workload"),
+        ({"space": {"lr": {"type": "uniform", "low": 1, "high": 0}}}, "space.lr"),
+        ({"space": {"units": {"type": "choice", "values": [1]}}}, "space.units"),
+    ],
+)
+def test_a_bad_spec_file_gives_one_line_naming_the_field(
+    env: dict[str, str], tmp_path: Path, change: dict[str, object], field: str
+) -> None:
+    spec = write(tmp_path / "bad.yaml", {**SMALL, **change})
+    result = packtune("run", str(spec), env=env, cwd=tmp_path)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ") and field in lines[0], lines[0]
+    assert not (tmp_path / "packtune.db").exists()  # nothing was created for a bad spec
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [(None, "no such file"), ("name: [unclosed", "not valid YAML"), ("- a list", "mapping")],
+)
+def test_unreadable_spec_files_are_one_line_errors(
+    env: dict[str, str], tmp_path: Path, content: str | None, needle: str
+) -> None:
+    path = tmp_path / "spec.yaml"
+    if content is not None:
+        path.write_text(content)
+    result = packtune("run", str(path), env=env, cwd=tmp_path)
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1 and needle in result.stderr, result.stderr
+
+
+def test_a_bad_setting_stops_start_up_naming_the_variable(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    result = packtune("db", "upgrade", env={**env, "PACKTUNE_JOB_TIMEOUT": "soon"}, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert "PACKTUNE_JOB_TIMEOUT" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_db_upgrade_creates_a_fresh_sqlite_file(env: dict[str, str], tmp_path: Path) -> None:
+    result = packtune("db", "upgrade", env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    tables = sa.inspect(sa.create_engine(env["PACKTUNE_DATABASE_URL"])).get_table_names()
+    assert {"studies", "trials", "packs", "measurements", "profiles"} <= set(tables)
+
+
+def test_db_upgrade_on_postgres(postgres_url: str, tmp_path: Path) -> None:
+    name = f"packtune_cli_{uuid.uuid4().hex[:8]}"
+    admin = sa.create_engine(postgres_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    url = sa.engine.make_url(postgres_url).set(database=name)
+    try:
+        env = packtune_env(database_url=url.render_as_string(hide_password=False))
+        result = packtune("db", "upgrade", env=env, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        engine = sa.create_engine(url)
+        assert "trials" in sa.inspect(engine).get_table_names()
+        engine.dispose()
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def test_run_trains_a_study_and_prints_the_leaderboard(env: dict[str, str], tmp_path: Path) -> None:
+    spec = write(tmp_path / "small.yaml", SMALL)
+    result = packtune("run", str(spec), "--top", "3", env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "leaderboard" in result.stdout and "completed" in result.stdout
+    assert "units of work in" in result.stdout
+
+
+def test_worker_without_redis_says_what_to_do(env: dict[str, str], tmp_path: Path) -> None:
+    result = packtune("worker", env=env, cwd=tmp_path)
+    assert result.returncode == 2 and "PACKTUNE_REDIS_URL" in result.stderr
+
+
+def test_submit_to_nothing_is_a_one_line_error(env: dict[str, str], tmp_path: Path) -> None:
+    spec = write(tmp_path / "small.yaml", SMALL)
+    result = packtune("submit", str(spec), "--url", "http://127.0.0.1:9", env=env, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: cannot reach") and "Traceback" not in result.stderr
+
+
+def test_submit_watch_follows_a_study_to_the_end(env: dict[str, str], tmp_path: Path) -> None:
+    spec = write(tmp_path / "small.yaml", SMALL)
+    with serving(env, tmp_path / "serve.log") as url:
+        result = packtune("submit", str(spec), "--url", url, "--watch", env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "submitted" in result.stdout and "leaderboard" in result.stdout
+    assert "completed" in result.stdout

@@ -1,0 +1,187 @@
+"""``run_pack`` on a real SQLite database: records, idempotency, crash recovery, OOM split."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from service import store
+from service.db import dispose_engines, get_sessionmaker, session_scope, upgrade
+from service.models import PackStatus, TrialStatus
+from service.settings import get_settings
+from service.space import fusion_key
+from worker.checkpoints import load_checkpoint
+from worker.jobs import run_pack
+from worker.workloads import get_workload
+
+SPEC: dict[str, Any] = {
+    "name": "jobs",
+    "workload": "digits-mlp",
+    "objective": {"metric": "val_loss", "mode": "min"},
+    "space": {},
+    "hyperband": {"max_resource": 3, "min_resource": 1, "eta": 3},
+    "packing": {"enabled": True, "max_pack_size": None},
+    "seed": 3,
+}
+
+
+@pytest.fixture
+def db(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[pytest.MonkeyPatch]:
+    url = f"sqlite:///{tmp_path / 'packtune.db'}"
+    clean_env.setenv("PACKTUNE_DATABASE_URL", url)
+    clean_env.setenv("PACKTUNE_CHECKPOINT_DIR", str(tmp_path / "ckpt"))
+    clean_env.setenv("PACKTUNE_DEVICE", "cpu")
+    get_settings.cache_clear()
+    dispose_engines()
+    upgrade(url)
+    yield clean_env
+    dispose_engines()
+
+
+def make_pack(lrs: list[float], start: float = 0.0, end: float = 1.0) -> tuple[int, list[int]]:
+    workload = get_workload("digits-mlp")
+    with session_scope(get_sessionmaker()) as s:
+        study = store.create_study(s, name="jobs", workload="digits-mlp", spec=SPEC, seed=3)
+        rows = [
+            {
+                "sample_index": i,
+                "bracket": 1,
+                "rung": 0,
+                "config": {"lr": lr},
+                "fusion_key": fusion_key(
+                    "digits-mlp", workload.resolve({"lr": lr}), workload.structural
+                ),
+            }
+            for i, lr in enumerate(lrs)
+        ]
+        store.add_trials(s, study.id, rows)
+        trials = store.trials_of(s, study.id)
+        for t in trials:
+            t.status = TrialStatus.queued
+        pack = store.create_pack(
+            s,
+            study_id=study.id,
+            members=[(t.id, t.fusion_key, start, end) for t in trials],
+        )
+        pack.status = PackStatus.queued
+        return pack.id, [t.id for t in trials]
+
+
+def snapshot(trial_ids: list[int]) -> dict[int, Any]:
+    with session_scope(get_sessionmaker()) as s:
+        out = {}
+        for tid in trial_ids:
+            t = store.get_trial(s, tid)
+            points = [(m.resource, m.metrics) for m in store.measurements_of(s, tid)]
+            out[tid] = (t.status, t.resource_done, t.checkpoint_path, t.error, points)
+        return out
+
+
+def test_a_pack_trains_records_and_checkpoints_every_member(db: pytest.MonkeyPatch) -> None:
+    pack_id, ids = make_pack([0.05, 0.1, 0.2])
+    assert run_pack(pack_id) == "completed"
+    state = snapshot(ids)
+    for tid in ids:
+        status, done, path, _, points = state[tid]
+        assert (status, done) == (TrialStatus.paused, 1.0)
+        assert [r for r, _ in points] == [1.0]
+        metrics = points[0][1]
+        assert {"train_loss", "val_loss", "val_accuracy"} <= set(metrics)
+        assert math.isfinite(metrics["val_loss"])
+        ckpt = load_checkpoint(path)
+        assert ckpt is not None and ckpt["steps_done"] == get_workload(
+            "digits-mlp"
+        ).steps_per_epoch({})
+    with session_scope(get_sessionmaker()) as s:
+        pack = store.get_pack(s, pack_id)
+        assert pack.status == PackStatus.completed and pack.train_seconds
+        key = pack.members[0].fusion_key
+        profile = store.get_profile(s, "digits-mlp", key, "cpu")
+        assert profile is not None and profile.base_bytes and profile.per_trial_bytes
+        assert "3" in profile.throughput  # this array's size was measured
+
+
+def test_running_a_finished_pack_again_changes_nothing(db: pytest.MonkeyPatch) -> None:
+    pack_id, ids = make_pack([0.05, 0.1])
+    run_pack(pack_id)
+    before = snapshot(ids)
+    assert run_pack(pack_id) == "skipped"
+    assert snapshot(ids) == before
+
+
+def test_a_unit_checkpointed_but_not_recorded_is_not_trained_twice(
+    db: pytest.MonkeyPatch,
+) -> None:
+    """A job killed between writing checkpoints and recording them: the retry sees the
+    checkpoint's step count and only records."""
+    pack_id, ids = make_pack([0.05, 0.1])
+    run_pack(pack_id)
+    done = snapshot(ids)
+    with session_scope(get_sessionmaker()) as s:  # roll the database back, keep the files
+        pack = store.get_pack(s, pack_id)
+        pack.status = PackStatus.queued
+        for tid in ids:
+            t = store.get_trial(s, tid)
+            t.status, t.resource_done = TrialStatus.queued, 0.0
+    assert run_pack(pack_id) == "completed"
+    assert snapshot(ids) == done
+
+
+def test_resuming_from_a_checkpoint_matches_one_longer_run(db: pytest.MonkeyPatch) -> None:
+    first, ids = make_pack([0.1])
+    run_pack(first)
+    with session_scope(get_sessionmaker()) as s:
+        trial = store.get_trial(s, ids[0])
+        trial.status = TrialStatus.queued
+        pack = store.create_pack(
+            s, study_id=trial.study_id, members=[(trial.id, trial.fusion_key, 1.0, 3.0)]
+        )
+        pack.status = PackStatus.queued
+        second = pack.id
+    run_pack(second)
+    resumed = snapshot(ids)[ids[0]][4]
+    whole, other = make_pack([0.1], 0.0, 3.0)
+    run_pack(whole)
+    straight = snapshot(other)[other[0]][4]
+    assert [r for r, _ in resumed] == [r for r, _ in straight] == [1.0, 2.0, 3.0]
+    for (_, a), (_, b) in zip(resumed[1:], straight[1:], strict=True):
+        assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-6)
+
+
+def test_a_diverging_member_is_marked_and_the_others_finish(db: pytest.MonkeyPatch) -> None:
+    pack_id, ids = make_pack([0.05, 1e6, 0.1])
+    assert run_pack(pack_id) == "completed"
+    state = snapshot(ids)
+    assert state[ids[1]][0] == TrialStatus.diverged
+    assert "non-finite" in (state[ids[1]][3] or "")
+    assert {state[i][0] for i in (ids[0], ids[2])} == {TrialStatus.paused}
+
+
+def test_out_of_memory_splits_the_pack_and_raises_the_memory_model(
+    db: pytest.MonkeyPatch,
+) -> None:
+    db.setenv("PACKTUNE_OOM_ABOVE", "2")
+    get_settings.cache_clear()
+    pack_id, ids = make_pack([0.05, 0.1, 0.2, 0.3])
+    assert run_pack(pack_id) == "split"
+    with session_scope(get_sessionmaker()) as s:
+        pack = store.get_pack(s, pack_id)
+        assert pack.status == PackStatus.split and "OutOfMemory" in (pack.error or "")
+        halves = [p for p in store.packs_of(s, pack.study_id) if p.parent_id == pack_id]
+        assert sorted(len(p.members) for p in halves) == [2, 2]
+        assert {m.trial_id for p in halves for m in p.members} == set(ids)
+        assert {store.get_trial(s, t).status for t in ids} == {TrialStatus.queued}
+        profile = store.get_profile(s, "digits-mlp", pack.members[0].fusion_key, "cpu")
+        assert profile is not None
+        capacity = get_settings().cpu_memory_budget
+        assert profile.base_bytes + 4 * profile.per_trial_bytes > capacity
+        half_ids = [p.id for p in halves]
+    for hid in half_ids:
+        with session_scope(get_sessionmaker()) as s:
+            store.get_pack(s, hid).status = PackStatus.queued
+        assert run_pack(hid) == "completed"
+    assert {v[0] for v in snapshot(ids).values()} == {TrialStatus.paused}
