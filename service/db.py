@@ -16,17 +16,21 @@ Two backends are supported:
 
 Database errors that mean "cannot reach or use the store" are turned into
 :class:`service.errors.StoreUnavailable` at one boundary, :func:`session_scope`.
+:func:`retrying` runs a transaction again while that lasts (a server restart
+takes seconds), for writes that must not be lost.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
@@ -38,6 +42,11 @@ from service.errors import StoreUnavailable
 from service.settings import get_settings
 
 SQLITE_BUSY_TIMEOUT_S = 30.0
+RETRY_SECONDS = 60.0
+"""How long :func:`retrying` keeps trying a transaction while the database is unavailable."""
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def _finite(value: Any) -> Any:
@@ -170,6 +179,34 @@ def session_scope(factory: sessionmaker[Session] | None = None) -> Iterator[Sess
         raise
     finally:
         session.close()
+
+
+def retrying(
+    work: Callable[[Session], T],
+    *,
+    within: float = RETRY_SECONDS,
+    factory: sessionmaker[Session] | None = None,
+) -> T:
+    """``work(session)`` in a transaction of its own, tried again while the store is unavailable.
+
+    Each try is a new :func:`session_scope`, so ``work`` must give the same
+    database when repeated (the store's writes are conditional or upserts).
+    Waits grow from 0.25 s to 5 s; after ``within`` seconds the last
+    :class:`StoreUnavailable` is raised.
+    """
+    deadline = time.monotonic() + within
+    delay = 0.25
+    while True:
+        try:
+            with session_scope(factory) as session:
+                return work(session)
+        except StoreUnavailable as exc:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise
+            log.warning("%s; trying again in %.2f s", exc, min(delay, left))
+            time.sleep(min(delay, left))
+            delay = min(2 * delay, 5.0)
 
 
 def alembic_config(url: str | URL | None = None) -> Any:

@@ -3,7 +3,9 @@
 Plain values in (:class:`ArrayJob`), rows out. Errors raised by the workload
 or the training code become :class:`TrialError` (the job then isolates the
 trial at fault); database trouble and CUDA out-of-memory pass through
-unchanged, because they are not a trial's fault.
+unchanged, because they are not a trial's fault. Every write is tried again
+for up to a minute while the database is unavailable (:func:`retrying`), so
+a database restart in the middle of a pack loses nothing: training waits.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from typing import Any
 
 import torch
 from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session
 
 from service import store
-from service.db import session_scope
+from service.db import retrying
 from service.errors import StoreUnavailable
 from service.models import TrialStatus
 from service.space import trial_seed
@@ -85,7 +88,8 @@ def _steps(job: ArrayJob, steps_per_epoch: int) -> tuple[int, int]:
 
 def _mark_done(job: ArrayJob, done: dict[int, str]) -> None:
     """Trials whose unit is finished: resource, checkpoint, ``paused`` for the scheduler."""
-    with session_scope() as s:
+
+    def write(s: Session) -> None:
         for trial_id, path in done.items():
             trial = store.get_trial(s, trial_id)
             if trial.status != TrialStatus.running:
@@ -94,26 +98,34 @@ def _mark_done(job: ArrayJob, done: dict[int, str]) -> None:
             trial.checkpoint_path = path
             trial.status = TrialStatus.paused
 
+    retrying(write)
+
 
 def _ensure_profile(
     job: ArrayJob, config: dict[str, Any], device: torch.device, kind: str, data: Any
 ) -> None:
     """Probe memory (k=1, k=2) the first time this fusion key runs on this device kind."""
     workload = get_workload(job.workload)
-    with session_scope() as s:
+
+    def probed(s: Session) -> bool:
         profile = store.get_profile(s, job.workload, job.fusion_key, kind)
-        if profile is not None and profile.base_bytes is not None:
-            return
+        return profile is not None and profile.base_bytes is not None
+
+    if retrying(probed):
+        return
     result = probe(workload, config, device, ks=(1, 2), steps=2, data=data)
-    with session_scope() as s:
+
+    def write(s: Session) -> None:
         store.set_memory_model(
             s, job.workload, job.fusion_key, kind, result.base_bytes, result.per_trial_bytes
         )
         profile = store.get_profile(s, job.workload, job.fusion_key, kind)
-        known = set(profile.throughput) if profile is not None else set()
+        measured = set(profile.throughput) if profile is not None else set()
         for k, value in result.throughput_by_k.items():
-            if str(k) not in known:
+            if str(k) not in measured:
                 store.record_throughput(s, job.workload, job.fusion_key, kind, k, value)
+
+    retrying(write)
 
 
 def run_array(job: ArrayJob, device: torch.device, kind: str, checkpoint_dir: Path) -> None:
@@ -156,13 +168,16 @@ def run_array(job: ArrayJob, device: torch.device, kind: str, checkpoint_dir: Pa
 
     def record(report: Report) -> None:
         resource = job.to_resource if report.step >= to_step else report.resource
-        with session_scope() as s:
+
+        def write(s: Session) -> None:
             for trial_id, metrics in report.metrics.items():
                 store.record_measurement(s, _id(trial_id), resource, metrics)
             for trial_id in report.diverged:
                 trial = store.get_trial(s, _id(trial_id))
                 trial.status = TrialStatus.diverged
                 trial.error = f"loss became non-finite at step {array.diverged[trial_id]}"
+
+        retrying(write)
 
     k = len(todo)
     started = time.perf_counter()
@@ -179,7 +194,5 @@ def run_array(job: ArrayJob, device: torch.device, kind: str, checkpoint_dir: Pa
     }
     _mark_done(job, saved)
     if to_step > from_step and seconds > 0:
-        with session_scope() as s:
-            store.record_throughput(
-                s, job.workload, job.fusion_key, kind, k, k * (to_step - from_step) / seconds
-            )
+        value = k * (to_step - from_step) / seconds
+        retrying(lambda s: store.record_throughput(s, job.workload, job.fusion_key, kind, k, value))

@@ -9,7 +9,8 @@ surviving trial at the end of its unit, and closes the pack. Outcomes:
 - ``split``: CUDA out of memory — the pack is replaced by two halves and the
   memory model for its fusion key is raised; no trial fails for it;
 - back to ``pending`` (the scheduler re-dispatches, counting attempts) for
-  failures that are not a trial's own: lost database, killed process...
+  failures that are not a trial's own: a database lost for over a minute
+  (every write is tried again until then), a killed process...
 
 A trial whose workload raises is found by re-running its array one member at
 a time; that trial fails with the error kept and its pack-mates go on.
@@ -30,9 +31,10 @@ from collections import defaultdict
 from typing import Any
 
 import torch
+from sqlalchemy.orm import Session
 
 from service import store
-from service.db import session_scope
+from service.db import retrying
 from service.errors import StoreUnavailable
 from service.models import PackStatus, StudyStatus, TrialStatus
 from service.packing import MemoryModel, Unit, split_in_two
@@ -64,42 +66,45 @@ def device_kind(device: torch.device) -> str:
 
 def _load(pack_id: int, worker: str, device: torch.device) -> list[ArrayJob] | None:
     """Claim the pack and read what its arrays need; None when there is nothing to do."""
-    with session_scope() as s:
-        pack = store.claim_pack(s, pack_id, worker_name=worker, device=f"{worker}/{device}")
-        if pack is None:
-            return None
-        study = store.get_study(s, pack.study_id)
-        if study.status in (StudyStatus.cancelled, StudyStatus.failed, StudyStatus.completed):
-            store.finish_pack(s, pack, PackStatus.cancelled, error=f"study {study.status}")
-            return None
-        groups: dict[tuple[str, float, float], list[MemberJob]] = defaultdict(list)
-        for m in pack.members:
-            trial = store.get_trial(s, m.trial_id)
-            if trial.status not in (TrialStatus.queued, TrialStatus.running):
-                continue  # cancelled, or finished by an earlier run of this job
-            trial.status = TrialStatus.running
-            groups[(m.fusion_key, m.from_resource, m.to_resource)].append(
-                MemberJob(
-                    trial_id=trial.id,
-                    sample_index=trial.sample_index,
-                    config=dict(trial.config),
-                    resource_done=trial.resource_done,
-                    checkpoint_path=trial.checkpoint_path,
-                )
+    return retrying(lambda s: _claim(s, pack_id, worker, device))
+
+
+def _claim(s: Session, pack_id: int, worker: str, device: torch.device) -> list[ArrayJob] | None:
+    pack = store.claim_pack(s, pack_id, worker_name=worker, device=f"{worker}/{device}")
+    if pack is None:
+        return None
+    study = store.get_study(s, pack.study_id)
+    if study.status in (StudyStatus.cancelled, StudyStatus.failed, StudyStatus.completed):
+        store.finish_pack(s, pack, PackStatus.cancelled, error=f"study {study.status}")
+        return None
+    groups: dict[tuple[str, float, float], list[MemberJob]] = defaultdict(list)
+    for m in pack.members:
+        trial = store.get_trial(s, m.trial_id)
+        if trial.status not in (TrialStatus.queued, TrialStatus.running):
+            continue  # cancelled, or finished by an earlier run of this job
+        trial.status = TrialStatus.running
+        groups[(m.fusion_key, m.from_resource, m.to_resource)].append(
+            MemberJob(
+                trial_id=trial.id,
+                sample_index=trial.sample_index,
+                config=dict(trial.config),
+                resource_done=trial.resource_done,
+                checkpoint_path=trial.checkpoint_path,
             )
-        return [
-            ArrayJob(
-                pack_id=pack_id,
-                study_id=study.id,
-                study_seed=study.seed,
-                workload=study.workload,
-                fusion_key=key,
-                from_resource=start,
-                to_resource=end,
-                members=members,
-            )
-            for (key, start, end), members in sorted(groups.items())
-        ]
+        )
+    return [
+        ArrayJob(
+            pack_id=pack_id,
+            study_id=study.id,
+            study_seed=study.seed,
+            workload=study.workload,
+            fusion_key=key,
+            from_resource=start,
+            to_resource=end,
+            members=members,
+        )
+        for (key, start, end), members in sorted(groups.items())
+    ]
 
 
 def run_pack(pack_id: int) -> str:
@@ -128,14 +133,15 @@ def run_pack(pack_id: int) -> str:
         _back_to_pending(pack_id, f"{type(exc).__name__}: {exc}")
         return "failed"
     peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
-    with session_scope() as s:
+    seconds = time.perf_counter() - started
+
+    def finish(s: Session) -> None:
         pack = store.get_pack(s, pack_id)
-        store.finish_pack(
-            s, pack, PackStatus.completed, peak_bytes=peak,
-            train_seconds=time.perf_counter() - started,
-        )  # fmt: skip
+        store.finish_pack(s, pack, PackStatus.completed, peak_bytes=peak, train_seconds=seconds)
         if peak is not None and len(arrays) == 1:
             _correct_memory(s, arrays[0], kind, len(arrays[0].members), peak)
+
+    retrying(finish)
     return "completed"
 
 
@@ -156,10 +162,12 @@ def _run_isolating(array: ArrayJob, device: torch.device, kind: str, ckpt_dir: A
 
 
 def _fail_trial(trial_id: int, error: str) -> None:
-    with session_scope() as s:
+    def write(s: Session) -> None:
         trial = store.get_trial(s, trial_id)
         trial.status = TrialStatus.failed
         trial.error = error
+
+    retrying(write)
 
 
 def _correct_memory(s: Any, array: ArrayJob, kind: str, k: int, peak: int) -> None:
@@ -179,48 +187,58 @@ def _split(
         capacity = int(torch.cuda.mem_get_info(device)[0])
     else:
         capacity = get_settings().cpu_memory_budget
-    with session_scope() as s:
-        pack = store.get_pack(s, pack_id)
-        units = []
-        for m in pack.members:
-            trial = store.get_trial(s, m.trial_id)
-            if trial.status == TrialStatus.running:
-                trial.status = TrialStatus.queued
-                units.append(Unit(m.trial_id, m.fusion_key, m.from_resource, m.to_resource))
-        workload = arrays[0].workload if arrays else ""
-        for key in {u.fusion_key for u in units}:
-            k = sum(u.fusion_key == key for u in units)
-            profile = store.get_profile(s, workload, key, kind)
-            base = int(profile.base_bytes or 0) if profile else 0
-            per = int(profile.per_trial_bytes or 1) if profile else 1
-            raised = MemoryModel(base, per).after_oom(k, capacity)
-            store.set_memory_model(s, workload, key, kind, raised.base, raised.per_trial)
-        if len(units) < 2:
-            for u in units:
-                trial = store.get_trial(s, u.trial_id)
-                trial.status = TrialStatus.failed
-                trial.error = f"out of memory even alone on {kind}: {error}"
-            store.finish_pack(s, pack, PackStatus.failed, error=error)
-            return
-        for half in split_in_two(units):
-            store.create_pack(
-                s, study_id=pack.study_id, parent_id=pack.id,
-                members=[(u.trial_id, u.fusion_key, u.from_resource, u.to_resource) for u in half],
-            )  # fmt: skip
-        store.finish_pack(s, pack, PackStatus.split, error=error)
+    retrying(lambda s: _split_pack(s, pack_id, arrays, kind, capacity, error))
+
+
+def _split_pack(
+    s: Session, pack_id: int, arrays: list[ArrayJob], kind: str, capacity: int, error: str
+) -> None:
+    pack = store.get_pack(s, pack_id)
+    if pack.status == PackStatus.split:
+        return  # an earlier try went through, but the connection broke before it heard so
+    units = []
+    for m in pack.members:
+        trial = store.get_trial(s, m.trial_id)
+        if trial.status == TrialStatus.running:
+            trial.status = TrialStatus.queued
+            units.append(Unit(m.trial_id, m.fusion_key, m.from_resource, m.to_resource))
+    workload = arrays[0].workload if arrays else ""
+    for key in {u.fusion_key for u in units}:
+        k = sum(u.fusion_key == key for u in units)
+        profile = store.get_profile(s, workload, key, kind)
+        base = int(profile.base_bytes or 0) if profile else 0
+        per = int(profile.per_trial_bytes or 1) if profile else 1
+        raised = MemoryModel(base, per).after_oom(k, capacity)
+        store.set_memory_model(s, workload, key, kind, raised.base, raised.per_trial)
+    if len(units) < 2:
+        for u in units:
+            trial = store.get_trial(s, u.trial_id)
+            trial.status = TrialStatus.failed
+            trial.error = f"out of memory even alone on {kind}: {error}"
+        store.finish_pack(s, pack, PackStatus.failed, error=error)
+        return
+    for half in split_in_two(units):
+        store.create_pack(
+            s, study_id=pack.study_id, parent_id=pack.id,
+            members=[(u.trial_id, u.fusion_key, u.from_resource, u.to_resource) for u in half],
+        )  # fmt: skip
+    store.finish_pack(s, pack, PackStatus.split, error=error)
 
 
 def _back_to_pending(pack_id: int, error: str) -> None:
     """A failure that is not a trial's own: let the scheduler try the pack again."""
+
+    def write(s: Session) -> None:
+        pack = store.get_pack(s, pack_id)
+        for m in pack.members:
+            trial = store.get_trial(s, m.trial_id)
+            if trial.status == TrialStatus.running:
+                trial.status = TrialStatus.queued
+        pack.status = PackStatus.pending
+        pack.error = error
+
     try:
-        with session_scope() as s:
-            pack = store.get_pack(s, pack_id)
-            for m in pack.members:
-                trial = store.get_trial(s, m.trial_id)
-                if trial.status == TrialStatus.running:
-                    trial.status = TrialStatus.queued
-            pack.status = PackStatus.pending
-            pack.error = error
+        retrying(write)
     except StoreUnavailable:
         # the database is gone too: the scheduler sees the job end without finishing the pack
         log.error("could not record the failure of pack %s: %s", pack_id, traceback.format_exc())
