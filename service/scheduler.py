@@ -5,7 +5,9 @@ schedulers started by mistake do not both act):
 
 1. reconcile dispatched packs with their jobs: a job that failed, vanished
    (e.g. Redis restarted) or whose worker stopped sending heartbeats puts its
-   pack back to ``pending``;
+   pack back to ``pending``. Workers are judged dead only once this scheduler
+   has reached the database for a whole heartbeat timeout: after a database
+   outage (or at start) every heartbeat looks old through no worker's fault;
 2. for every study: sample the trials of a new one, cancel what a cancelled
    one still has, decide finished rungs (promotions), finish a study whose
    trials can no longer move, and plan packs for ready trials;
@@ -34,6 +36,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service import lifecycle, planning, store
 from service.db import get_sessionmaker, session_scope
 from service.dispatch import Dispatcher, JobState, job_id_for, make_dispatcher
+from service.errors import StoreUnavailable
 from service.models import (
     Pack,
     PackStatus,
@@ -79,6 +82,8 @@ class Scheduler:
         self.dispatcher = dispatcher or make_dispatcher(self.settings)
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
         self.wake = threading.Event()
+        # since when (monotonic) every tick has reached the database; None after a failure
+        self.connected_since: float | None = None
         if hasattr(self.dispatcher, "notify"):
             self.dispatcher.notify = self.wake.set  # a finished pack wakes the loop at once
 
@@ -89,14 +94,24 @@ class Scheduler:
         to_enqueue: list[tuple[int, str]] = []
         ttl = max(10.0, 5 * self.settings.scheduler_interval)
         with session_scope(self.factory) as s:
-            if not store.acquire_lease(s, LEASE, self.holder, ttl):
+            leader = store.acquire_lease(s, LEASE, self.holder, ttl)
+            if self.connected_since is None:
+                self.connected_since = time.monotonic()
+            if not leader:
                 return report
             report.leader = True
             now = _now()
             self._embedded_heartbeat(s)
-            store.mark_dead_workers(s, self.settings.heartbeat_timeout)
-            workers = store.live_workers(s, self.settings.heartbeat_timeout)
-            self._reconcile(s, {w.name for w in workers}, report)
+            timeout = self.settings.heartbeat_timeout
+            workers = store.live_workers(s, timeout)
+            if time.monotonic() - self.connected_since >= timeout:
+                store.mark_dead_workers(s, timeout)
+                trusted = {w.name for w in workers}
+            else:  # too soon to tell a dead worker from one we could not hear
+                trusted = set(
+                    s.scalars(select(Worker.name).where(Worker.status != WorkerStatus.dead))
+                )
+            self._reconcile(s, trusted, report)
             for study in s.scalars(
                 select(Study)
                 .where(Study.status.in_([StudyStatus.pending, StudyStatus.running]))
@@ -252,6 +267,10 @@ class Scheduler:
             started = time.monotonic()
             try:
                 report = self.tick()
+            except StoreUnavailable as exc:
+                self.connected_since = None
+                log.warning("scheduler tick failed, trying again: %s", exc)
+                report = TickReport()
             except Exception:
                 log.exception("scheduler tick failed; trying again")
                 report = TickReport()
