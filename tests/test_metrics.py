@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -247,3 +250,26 @@ def test_an_unreachable_database_is_reported_not_raised(clean_env: pytest.Monkey
         names, samples = scrape(c)
     assert names == {"packtune_database_up"}
     assert value(samples, "packtune_database_up") == 0
+
+
+def test_a_scrape_does_not_import_torch(sqlite_url: str) -> None:
+    upgrade(sqlite_url)
+    code = (
+        "import sys\n"
+        "from fastapi.testclient import TestClient\n"
+        "from service.api.app import create_app\n"
+        "r = TestClient(create_app()).get('/metrics')\n"
+        "assert r.status_code == 200 and 'packtune_database_up 1.0' in r.text, r.text\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "PACKTUNE_DATABASE_URL": sqlite_url},
+        cwd=Path(__file__).resolve().parents[1],
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "False"

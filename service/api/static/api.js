@@ -20,7 +20,11 @@ export function serverNow() {
 
 export async function getJSON(path) {
   const response = await fetch(path, { headers: { Accept: "application/json" }, cache: "no-store" });
-  if (!response.ok) throw new Error(`${path}: HTTP ${response.status}`);
+  if (!response.ok) {
+    const error = new Error(`${path}: HTTP ${response.status}`);
+    error.status = response.status;
+    throw error;
+  }
   const date = Date.parse(response.headers.get("Date") ?? "");
   if (Number.isFinite(date)) clockOffset = date + 500 - Date.now(); // the header has whole seconds
   return response.json();
@@ -42,13 +46,6 @@ export class Changes {
     this.packs = new Set();
     this.workers = false;
     this.leaders = false;
-  }
-
-  get any() {
-    return (
-      this.summary || this.brackets || this.workers || this.leaders ||
-      this.trials.size > 0 || this.curves.size > 0 || this.packs.size > 0
-    );
   }
 }
 

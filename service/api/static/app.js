@@ -4,7 +4,7 @@ import { StudiesView } from "./studies.js";
 import { StudyView } from "./study.js";
 
 const POLL_MS = 1500;
-let current = null; // the mounted view: {refresh(): Promise<boolean>, resize(), stop()}
+let current = null; // the mounted view: {crumbs(), refresh(): Promise<boolean>, resize()}
 let timer = null;
 let generation = 0;
 
@@ -37,7 +37,6 @@ async function poll(gen) {
 function mount() {
   generation += 1;
   clearTimeout(timer);
-  current?.stop?.();
   const view = document.getElementById("view");
   const where = route();
   current = where.kind === "study" ? new StudyView(view, where.id) : new StudiesView(view);

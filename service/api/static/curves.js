@@ -138,7 +138,7 @@ export class CurvesPanel {
 
   drawCurve(id, feed) {
     const trial = feed.trials.get(id);
-    if (!trial || !this.layers) return;
+    if (!trial || !this.layers || !feed.curves.has(id)) return;
     const pts = this.points(id);
     let d = "";
     let pen = false;

@@ -20,9 +20,19 @@ function card(name, title, ...rest) {
 class Link {
   constructor() {
     this.panels = [];
+    this.current = "";
   }
 
   hover(ids) {
+    const key = ids.join(",");
+    if (key === this.current) return; // the pointer moved within the same trial or pack
+    this.current = key;
+    for (const panel of this.panels) panel.highlight?.(ids);
+  }
+
+  /** Panels redrew their charts: draw the highlight again on the new ones. */
+  redraw() {
+    const ids = this.current ? this.current.split(",").map(Number) : [];
     for (const panel of this.panels) panel.highlight?.(ids);
   }
 }
@@ -30,6 +40,7 @@ class Link {
 export class StudyView {
   constructor(root, id) {
     this.id = id;
+    this.root = root;
     this.feed = new StudyFeed(id);
     this.link = new Link();
     this.head = h("div", { class: "summary-body" }, h("p", { class: "muted" }, "Loading…"));
@@ -62,10 +73,19 @@ export class StudyView {
   }
 
   async refresh() {
-    const ch = await this.feed.refresh();
+    let ch;
+    try {
+      ch = await this.feed.refresh();
+    } catch (err) {
+      if (err.status !== 404) throw err;
+      this.root.replaceChildren(h("section", { class: "card" },
+        h("h2", {}, `Study ${this.id} not found`), h("a", { href: "#/" }, "All studies")));
+      return false;
+    }
     if (ch.summary || ch.leaders) this.renderSummary();
     if (ch.leaders) this.renderBoard();
     for (const panel of Object.values(this.panels)) panel.update(this.feed, ch);
+    if (this.link.current) this.link.redraw();
     return !this.feed.settled;
   }
 
@@ -139,8 +159,6 @@ export class StudyView {
         : h("p", { class: "muted" }, "No measurements yet.")
     );
   }
-
-  stop() {}
 }
 
 function kpi(label, value, note = "") {
