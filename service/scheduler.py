@@ -141,8 +141,12 @@ class Scheduler:
             device_kind=gpus[0]["name"] if gpus else "cpu",
             gpus=gpus[:1],
             memory_budget=self.settings.cpu_memory_budget,
-            status=WorkerStatus.idle,
+            status=WorkerStatus.busy if self._embedded_busy() else WorkerStatus.idle,
         )
+
+    def _embedded_busy(self) -> bool:
+        busy = getattr(self.dispatcher, "busy", None)
+        return bool(busy()) if callable(busy) else False
 
     def _reconcile(self, s: Session, live: set[str], report: TickReport) -> None:
         packs = s.scalars(
