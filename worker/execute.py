@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -173,9 +174,13 @@ def run_array(job: ArrayJob, device: torch.device, kind: str, checkpoint_dir: Pa
             for trial_id, metrics in report.metrics.items():
                 store.record_measurement(s, _id(trial_id), resource, metrics)
             for trial_id in report.diverged:
+                step = array.diverged[trial_id]
+                # A point where it diverged, with no objective: it then ranks last, not by an
+                # older finite value (and its curve shows where it ended).
+                store.record_measurement(s, _id(trial_id), step / spe, {"train_loss": math.nan})
                 trial = store.get_trial(s, _id(trial_id))
                 trial.status = TrialStatus.diverged
-                trial.error = f"loss became non-finite at step {array.diverged[trial_id]}"
+                trial.error = f"loss became non-finite at step {step}"
 
         retrying(write)
 
