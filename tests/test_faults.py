@@ -1,0 +1,523 @@
+"""Faults during a study: real processes, real PostgreSQL and Redis; nothing may be lost.
+
+Every disturbed study below is compared with one undisturbed run of the same
+spec and seed (embedded, ``packtune run``): the same trials reach the same
+rungs with the same metrics (to float rounding: packs differ between runs)
+and the same best trial.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import sqlalchemy as sa
+
+from service.db import make_engine, session_factory, session_scope
+from service.models import Measurement, Pack, PackMember, PackStatus, Profile
+from tests.e2e import free_port, packtune_env
+from tests.faults import (
+    Outcome,
+    PostgresCluster,
+    RedisServer,
+    Services,
+    assert_same_outcome,
+    create_database,
+    drop_database,
+    outcome,
+    submit,
+    wait_for,
+    wait_study,
+)
+
+pytestmark = pytest.mark.slow
+
+# 17 trials; synthetic-mlp at width 256 makes a 6-epoch unit last about a second on one
+# core, long enough to be caught half way.
+SPEC: dict[str, Any] = {
+    "name": "faults",
+    "workload": "synthetic-mlp",
+    "objective": {"metric": "val_loss", "mode": "min"},
+    "space": {
+        "lr": {"type": "loguniform", "low": 0.01, "high": 0.3},
+        "momentum": {"type": "uniform", "low": 0.0, "high": 0.9},
+        "hidden": {"type": "choice", "values": [256]},
+    },
+    "hyperband": {"max_resource": 9, "min_resource": 1, "eta": 3},
+    "packing": {"enabled": True, "max_pack_size": None},
+    "seed": 3,
+}
+STUDY_TIMEOUT = 150
+COMMON = {
+    "scheduler_interval": 0.2,
+    "heartbeat_interval": 0.5,
+    "heartbeat_timeout": 3,
+    "torch_threads": 1,
+    "cpu_memory_budget": 2**30,
+    "log_level": "INFO",
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Outcome:
+    """The undisturbed study: ``packtune run`` (SQLite, packs in a child process)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    (tmp / "spec.json").write_text(json.dumps(SPEC))
+    url = f"sqlite:///{tmp / 'packtune.db'}"
+    services = Services(packtune_env(database_url=url, checkpoint_dir=tmp / "ckpt", **COMMON),
+                        tmp / "run.log")  # fmt: skip
+    started = time.monotonic()
+    services.run("run", str(tmp / "spec.json"))
+    print(f"reference study: {time.monotonic() - started:.1f} s")
+    return outcome(url, 1)
+
+
+@pytest.fixture
+def database(postgres_url: str) -> Iterator[str]:
+    """A fresh database on the shared PostgreSQL server, dropped afterwards."""
+    name = f"packtune_faults_{uuid.uuid4().hex[:8]}"
+    url = create_database(postgres_url, name)
+    try:
+        yield url
+    finally:
+        drop_database(postgres_url, name)
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path, redis_url: str) -> Iterator[RedisServer]:
+    """A private redis-server (``redis_url`` only makes CI fail where Redis is missing)."""
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def cluster(database: str, redis_server: RedisServer, tmp_path: Path) -> Iterator[Services]:
+    """Schema upgraded; nothing started yet."""
+    env = packtune_env(
+        database_url=database,
+        redis_url=redis_server.url,
+        checkpoint_dir=tmp_path / "ckpt",
+        **COMMON,
+    )
+    services = Services(env, tmp_path / "services.log")
+    services.run("db", "upgrade")
+    try:
+        yield services
+    finally:
+        services.stop_all()
+
+
+def start_all(services: Services, workers: int = 2) -> None:
+    services.start("scheduler", "scheduler")
+    for i in range(1, workers + 1):
+        services.start(f"w{i}", "worker", "--name", f"w{i}")
+
+
+def running_mid_unit(engine: sa.Engine, resumed: bool) -> tuple[int, str] | None:
+    """A running pack that has recorded an epoch strictly inside its units: (id, worker).
+
+    With ``resumed``, only packs whose units start after 0, so that their trials
+    must resume from checkpoints.
+    """
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.select(Pack.id, Pack.worker_name)
+            .join(PackMember, PackMember.pack_id == Pack.id)
+            .join(Measurement, Measurement.trial_id == PackMember.trial_id)
+            .where(
+                Pack.status == PackStatus.running,
+                Measurement.resource > PackMember.from_resource,
+                Measurement.resource < PackMember.to_resource,
+                PackMember.from_resource > 0 if resumed else sa.true(),
+            )
+            .limit(1)
+        ).first()
+    return (int(rows[0]), str(rows[1])) if rows else None
+
+
+def test_a_worker_killed_mid_pack(cluster: Services, database: str, reference: Outcome) -> None:
+    """kill -9 of the worker training a pack of resumed trials: after the heartbeat timeout
+    the scheduler re-queues the pack, the other worker resumes it from the checkpoints,
+    and the study ends exactly as the undisturbed one."""
+    t0 = time.monotonic()
+    start_all(cluster)
+    engine = make_engine(database)
+    try:
+        study_id = submit(engine, SPEC)
+        pack_id, victim = wait_for(
+            lambda: running_mid_unit(engine, resumed=True), 90, "a resumed pack half way",
+            every=0.05,
+        )  # fmt: skip
+        killed_at = time.monotonic()
+        print(f"killing {victim} running pack {pack_id} at {killed_at - t0:.1f} s")
+        cluster.kill(victim)
+        assert wait_study(engine, study_id, STUDY_TIMEOUT, cluster) == "completed"
+        print(f"study finished {time.monotonic() - killed_at:.1f} s after the kill")
+    finally:
+        engine.dispose()
+    got = outcome(database, study_id)
+    print(f"largest difference: {assert_same_outcome(got, reference):.3g}")
+    pack = next(p for p in got.packs if p.id == pack_id)
+    survivor = "w2" if victim == "w1" else "w1"
+    assert (pack.status, pack.attempts, pack.worker) == ("completed", 2, survivor), pack
+    assert pack.job_id == f"pack-{pack_id}-2"
+    assert pack.error is not None and f"worker {victim} stopped sending heartbeats" in pack.error
+    assert all(p.attempts == 1 for p in got.packs if p.id != pack_id)
+
+
+def pack_counts(engine: sa.Engine) -> dict[str, int]:
+    with engine.connect() as conn:
+        rows = conn.execute(sa.select(Pack.status, sa.func.count()).group_by(Pack.status))
+        return {str(getattr(status, "value", status)): int(n) for status, n in rows}
+
+
+def pack_statuses(engine: sa.Engine) -> dict[int, str]:
+    with engine.connect() as conn:
+        rows = conn.execute(sa.select(Pack.id, Pack.status))
+        return {int(i): str(getattr(status, "value", status)) for i, status in rows}
+
+
+def busy(engine: sa.Engine) -> bool:
+    """A pack is being trained and another waits in the queue."""
+    counts = pack_counts(engine)
+    return counts.get("running", 0) >= 1 and counts.get("queued", 0) >= 1
+
+
+def in_redis(engine: sa.Engine, workers: int = 2) -> bool:
+    """A pack is running and more are queued than there are other workers, so at least one
+    job waits in Redis (a queued pack may be in a worker's hands, not yet claimed)."""
+    counts = pack_counts(engine)
+    return (
+        counts.get("running", 0) >= 1
+        and sum(counts.get(s, 0) for s in ("running", "queued")) > workers
+    )
+
+
+def test_the_scheduler_killed_and_restarted(
+    cluster: Services, database: str, redis_server: RedisServer, reference: Outcome
+) -> None:
+    """kill -9 of the scheduler while packs are queued and running, then a new one: the new
+    scheduler waits out the old one's lease, takes over, and dispatches nothing twice."""
+    start_all(cluster)
+    engine = make_engine(database)
+    try:
+        study_id = submit(engine, SPEC)
+        wait_for(lambda: busy(engine), 90, "a running and a queued pack", every=0.05)
+        cluster.kill("scheduler")
+        before = pack_counts(engine)
+        cluster.start("scheduler", "scheduler")
+        assert wait_study(engine, study_id, STUDY_TIMEOUT, cluster) == "completed"
+    finally:
+        engine.dispose()
+    print(f"packs when the scheduler was killed: {before}")
+    got = outcome(database, study_id)
+    print(f"largest difference: {assert_same_outcome(got, reference):.3g}")
+    assert all(p.status == "completed" and p.attempts == 1 for p in got.packs), got.packs
+    # one RQ job per pack, ever: none was enqueued twice
+    assert redis_server.job_ids() == sorted(f"pack-{p.id}-1" for p in got.packs)
+
+
+def test_redis_restarted(
+    cluster: Services, database: str, redis_server: RedisServer, reference: Outcome
+) -> None:
+    """Redis killed and started again empty while packs are queued and running: the
+    scheduler sees the queued jobs gone and dispatches those packs again; the running ones
+    go on on their workers (not dispatched twice); the workers survive; same outcome."""
+    start_all(cluster)
+    engine = make_engine(database)
+    try:
+        study_id = submit(engine, SPEC)
+        wait_for(lambda: in_redis(engine), 90, "a job waiting in Redis", every=0.05)
+        redis_server.stop()
+        # nothing can leave "queued" while Redis is down: workers cannot take jobs and the
+        # scheduler's ticks fail; a running pack may finish
+        at_restart = pack_statuses(engine)
+        time.sleep(1)
+        redis_server.start()
+        assert wait_study(engine, study_id, STUDY_TIMEOUT, cluster) == "completed"
+        alive = {name: proc.poll() is None for name, proc in cluster.procs.items()}
+    finally:
+        engine.dispose()
+    print(f"packs when Redis was restarted: {at_restart}")
+    got = outcome(database, study_id)
+    print(f"largest difference: {assert_same_outcome(got, reference):.3g}")
+    assert all(alive.values()), alive
+    assert all(p.status == "completed" for p in got.packs), got.packs
+    again = [p for p in got.packs if p.attempts > 1]
+    assert again, "no pack was dispatched again"
+    for p in again:  # a job still in the queue vanished: dispatched once more
+        assert at_restart.get(p.id) == "queued", (p, at_restart)
+        assert (p.attempts, p.job_id, p.error) == (
+            2,
+            f"pack-{p.id}-2",
+            "job vanished from the queue",
+        )
+    for pack_id, status in at_restart.items():
+        if status == "running":  # left to its worker, which was still training it
+            assert next(p for p in got.packs if p.id == pack_id).attempts == 1
+
+
+@pytest.fixture
+def private_postgres() -> Iterator[PostgresCluster]:
+    """A PostgreSQL cluster of this test's own, so restarting it disturbs nobody else."""
+    cluster = PostgresCluster()
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.remove()
+
+
+def test_postgres_restarted(
+    private_postgres: PostgresCluster,
+    redis_server: RedisServer,
+    tmp_path: Path,
+    reference: Outcome,
+) -> None:
+    """PostgreSQL stopped for longer than the heartbeat timeout in the middle of a pack,
+    then started again: meanwhile the API answers 503 with a detail; the workers hold
+    their writes and retry them, so the pack finishes on its first attempt and nothing is
+    lost; no worker is taken for dead; the study ends as the undisturbed one."""
+    db = private_postgres.url
+    env = packtune_env(
+        database_url=db, redis_url=redis_server.url, checkpoint_dir=tmp_path / "ckpt", **COMMON
+    )
+    services = Services(env, tmp_path / "services.log")
+    services.run("db", "upgrade")
+    port = free_port()
+    api = f"http://127.0.0.1:{port}"
+    engine = make_engine(db)
+    try:
+        start_all(services)
+        services.start("api", "serve", "--no-scheduler", "--port", str(port))
+        wait_for(lambda: _answers(f"{api}/healthz") == 200, 60, "the API")
+        created = httpx.post(f"{api}/api/studies", json=SPEC, timeout=30)
+        assert created.status_code == 201, created.text
+        study_id = created.json()["id"]
+        pack_id, _ = wait_for(
+            lambda: running_mid_unit(engine, resumed=False), 90, "a pack half way", every=0.05
+        )
+        engine.dispose()
+        private_postgres.stop()
+        down = time.monotonic()
+        for path in ("/healthz", f"/api/studies/{study_id}", f"/api/studies/{study_id}/trials"):
+            response = httpx.get(f"{api}{path}", timeout=30)
+            assert response.status_code == 503, (path, response.text)
+            assert response.json()["detail"], path
+        posted = httpx.post(f"{api}/api/studies", json=SPEC, timeout=30)
+        assert posted.status_code == 503 and posted.json()["detail"]
+        time.sleep(max(0.0, COMMON["heartbeat_timeout"] + 1.5 - (time.monotonic() - down)))
+        outage = time.monotonic() - down
+        private_postgres.start()
+        assert _answers(f"{api}/healthz") == 200
+        wait_for(
+            lambda: (
+                httpx.get(f"{api}/api/studies/{study_id}", timeout=30).json()["status"]
+                in ("completed", "failed")
+            ),
+            STUDY_TIMEOUT,
+            "the study to finish",
+            every=0.25,
+        )
+        alive = {name: proc.poll() is None for name, proc in services.procs.items()}
+    finally:
+        services.stop_all()
+        engine.dispose()
+    print(f"database down for {outage:.1f} s while pack {pack_id} was half way")
+    got = outcome(db, study_id)
+    print(f"largest difference: {assert_same_outcome(got, reference):.3g}")
+    assert all(alive.values()), alive
+    assert all(p.status == "completed" and p.attempts == 1 for p in got.packs), got.packs
+    log = services.tail(200_000)
+    assert "trying again in" in log  # the workers did wait for the database
+
+
+def _answers(url: str) -> int:
+    try:
+        return httpx.get(url, timeout=5).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+def test_out_of_memory_splits_packs_and_raises_the_memory_model(
+    cluster: Services, database: str, reference: Outcome
+) -> None:
+    """Workers whose packs of more than 2 trials run out of memory (PACKTUNE_OOM_ABOVE=2):
+    such packs are split in halves until they fit, no trial fails for it, the fusion key's
+    memory model is raised so that no split size fits any more, and the study ends as the
+    undisturbed one."""
+    services = cluster
+    services.start("scheduler", "scheduler")
+    for name in ("w1", "w2"):
+        services.start(name, "worker", "--name", name, env={"PACKTUNE_OOM_ABOVE": "2"})
+    engine = make_engine(database)
+    try:
+        study_id = submit(engine, SPEC)
+        assert wait_study(engine, study_id, STUDY_TIMEOUT, services) == "completed"
+        with engine.connect() as conn:
+            profiles = conn.execute(sa.select(Profile.base_bytes, Profile.per_trial_bytes)).all()
+    finally:
+        engine.dispose()
+    got = outcome(database, study_id)
+    print(f"largest difference: {assert_same_outcome(got, reference):.3g}")
+    split = [p for p in got.packs if p.status == "split"]
+    assert split, "no pack was split"
+    for pack in split:
+        n = len(pack.members)
+        assert n > 2 and "OutOfMemory" in (pack.error or ""), pack
+        halves = [p for p in got.packs if p.parent_id == pack.id]
+        assert sorted(m for h in halves for m in h.members) == pack.members
+        assert sorted(len(h.members) for h in halves) == sorted([n // 2, n - n // 2])
+    assert all(len(p.members) <= 2 for p in got.packs if p.status == "completed")
+    assert {p.status for p in got.packs} == {"split", "completed"}
+    assert not any(t["status"] == "failed" for t in got.trials.values())
+    # one fusion key in this study: its model now says no split size fits the budget
+    ((base, per_trial),) = profiles
+    smallest = min(len(p.members) for p in split)
+    assert base + smallest * per_trial > COMMON["cpu_memory_budget"], (base, per_trial)
+    print(f"{len(split)} packs split; memory model {base} + k * {per_trial} bytes")
+
+
+FAULTY_PLUGIN = '''
+from worker.workloads.digits import DigitsMLP
+
+
+class FaultyMLP(DigitsMLP):
+    """digits-mlp whose model cannot be built for a ``fault`` above 0.8 (a test plugin)."""
+
+    name = "faulty-mlp"
+    params = {**DigitsMLP.params, "fault": 0.0}
+
+    def build_model(self, config):
+        fault = self.resolve(config)["fault"]
+        if fault > 0.8:
+            raise RuntimeError(f"this workload raises for fault={fault:.3f}")
+        return super().build_model(config)
+'''
+
+TRIAL_FAULTS_SPEC: dict[str, Any] = {
+    "name": "trial-faults",
+    "workload": "faulty-mlp",
+    "objective": {"metric": "val_loss", "mode": "min"},
+    "space": {
+        "lr": {"type": "choice", "values": [0.02, 0.05, 0.1, 1e6]},  # 1e6 diverges at once
+        "fault": {"type": "uniform", "low": 0.0, "high": 1.0},  # above 0.8 raises
+    },
+    "hyperband": {"max_resource": 9, "min_resource": 1, "eta": 3},
+    "packing": {"enabled": True, "max_pack_size": None},
+    "seed": 0,
+}
+
+
+@pytest.fixture
+def faulty_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A throwaway installed distribution registering ``faulty-mlp`` as a workload, on the
+    path of this process (``monkeypatch``) and of the processes it starts (``PYTHONPATH``)."""
+    import worker.workloads as workloads
+
+    root = tmp_path / "plugin"
+    root.mkdir()
+    (root / "faulty_packtune_plugin.py").write_text(FAULTY_PLUGIN)
+    dist = root / "faulty_packtune_plugin-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: faulty-packtune-plugin\nVersion: 0.1\n"
+    )
+    (dist / "entry_points.txt").write_text(
+        "[packtune.workloads]\nfaulty = faulty_packtune_plugin:FaultyMLP\n"
+    )
+    monkeypatch.syspath_prepend(str(root))
+    workloads.registry.cache_clear()
+    yield root
+    workloads.registry.cache_clear()
+    sys.modules.pop("faulty_packtune_plugin", None)
+
+
+def solo_curve(config: dict[str, Any], sample_index: int, to_resource: float) -> dict[float, float]:
+    """The trial trained alone in this process, as if it had never met its pack-mates."""
+    from service.space import trial_seed
+    from worker.fused import FusedArray, train
+    from worker.workloads import get_workload
+
+    workload = get_workload(TRIAL_FAULTS_SPEC["workload"])
+    seed = TRIAL_FAULTS_SPEC["seed"]
+    cfg = {**config, "seed": trial_seed(seed, sample_index), "data_seed": seed}
+    array = FusedArray(workload, [(sample_index, cfg)], device="cpu", data=workload.data(cfg))
+    reports = train(array, round(to_resource * workload.steps_per_epoch(cfg)))
+    return {r.resource: r.metrics[sample_index]["val_loss"] for r in reports}
+
+
+def test_a_diverging_trial_and_a_raising_one_are_isolated(
+    cluster: Services, database: str, faulty_plugin: Path
+) -> None:
+    """lr=1e6 makes some trials diverge and a registered workload raises for others: the
+    former are marked ``diverged`` and rank last, the latter ``failed`` with the error kept;
+    neither is promoted; their pack-mates train on exactly as they would alone; the study
+    completes."""
+    from service import queries
+
+    path = os.pathsep.join(filter(None, [str(faulty_plugin), os.environ.get("PYTHONPATH")]))
+    cluster.env["PYTHONPATH"] = path
+    start_all(cluster)
+    engine = make_engine(database)
+    try:
+        study_id = submit(engine, TRIAL_FAULTS_SPEC)
+        assert wait_study(engine, study_id, STUDY_TIMEOUT, cluster) == "completed"
+        with session_scope(session_factory(engine)) as s:
+            board, _ = queries.leaderboard(s, study_id)
+    finally:
+        engine.dispose()
+    got = outcome(database, study_id)
+    trials = got.trials
+    diverged = {i for i, t in trials.items() if t["status"] == "diverged"}
+    failed = {i for i, t in trials.items() if t["status"] == "failed"}
+    print(f"diverged: {sorted(diverged)}, failed: {sorted(failed)}")
+    assert diverged == {i for i, t in trials.items() if t["config"]["lr"] == 1e6} - failed
+    assert failed == {i for i, t in trials.items() if t["config"]["fault"] > 0.8}
+    for i in diverged:
+        assert "non-finite" in trials[i]["error"] and trials[i]["rung"] == 0
+    for i in failed:
+        assert "RuntimeError: this workload raises for fault=" in trials[i]["error"]
+        assert trials[i]["rung"] == 0 and got.curves[i] == {}
+    healthy = set(trials) - diverged - failed
+    assert {trials[i]["status"] for i in healthy} <= {"completed", "stopped"}
+    # ranks last: after every trial with a finite objective
+    values = [(row["id"], row["value"]) for row in board]
+    ids = {t["id"]: i for i, t in trials.items()}
+    first_bad = next(n for n, (tid, _) in enumerate(values) if ids[tid] in diverged | failed)
+    assert all(v is not None for _, v in values[:first_bad])
+    assert all(ids[tid] in diverged | failed for tid, _ in values[first_bad:])
+    # pack-mates of a faulty trial: the same curve as alone
+    mates = {
+        i
+        for p in got.packs
+        if {m[0] for m in p.members} & (diverged | failed)
+        for i, *_ in p.members
+        if i in healthy
+    }
+    shared_array_with = {
+        kind: any(
+            {m[0] for m in p.members} & bad and {m[0] for m in p.members} & healthy
+            for p in got.packs
+        )
+        for kind, bad in (("diverged", diverged), ("failed", failed))
+    }
+    assert all(shared_array_with.values()), shared_array_with
+    for i in sorted(mates):
+        alone = solo_curve(trials[i]["config"], i, trials[i]["resource"])
+        assert sorted(alone) == sorted(got.curves[i])
+        for r, v in alone.items():
+            assert got.curves[i][r] == pytest.approx(v, rel=1e-4, abs=1e-6), (i, r)
+    print(f"{len(mates)} pack-mates of faulty trials match their solo runs")
