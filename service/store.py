@@ -23,7 +23,7 @@ from sqlalchemy import Select, case, delete, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from service.errors import NotFound
+from service.errors import NotFound, SpecError
 from service.models import (
     Base,
     Lease,
@@ -79,6 +79,8 @@ def _fresh(stmt: Select[Any]) -> Select[Any]:
 
 
 def create_study(s: Session, *, name: str, workload: str, spec: dict[str, Any], seed: int) -> Study:
+    if "\x00" in name:  # PostgreSQL text cannot hold it (a 500 there); refused on every backend
+        raise SpecError("name", "must not contain the NUL character")
     study = Study(name=name, workload=workload, spec=spec, seed=seed, status=StudyStatus.pending)
     s.add(study)
     s.flush()
