@@ -25,7 +25,8 @@ from service.spec import StudySpec
 MAX_ID = 2**31 - 1
 StudyId = Annotated[int, Path(ge=1, le=MAX_ID, description="Study id.")]
 Limit = Annotated[int, Query(ge=1, le=500)]
-Offset = Annotated[int, Query(ge=0)]
+# Unbounded, a huge offset overflowed the database's 64-bit integer: a 500, not a 422.
+Offset = Annotated[int, Query(ge=0, le=MAX_ID)]
 
 router = APIRouter(prefix="/api/studies", tags=["studies"])
 writes = APIRouter(prefix="/api/studies", tags=["studies"], dependencies=[Depends(require_token)])
@@ -120,7 +121,7 @@ def list_curves(
 
 @router.get("/{study_id}/leaderboard", response_model=ListOf[LeaderboardEntry])
 def leaderboard(
-    study_id: StudyId, s: SessionDep, limit: Annotated[int | None, Query(ge=1)] = None
+    study_id: StudyId, s: SessionDep, limit: Annotated[int | None, Query(ge=1, le=MAX_ID)] = None
 ) -> dict[str, Any]:
     """Measured trials, best first: higher resource first, then the objective; ``count`` is all."""
     rows, count = queries.leaderboard(s, study_id, limit)
