@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -36,6 +38,30 @@ def postgres_url() -> str:
     return POSTGRES_URL
 
 
+@pytest.fixture
+def fresh_postgres(postgres_url: str) -> Iterator[str]:
+    """The URL of a database of its own on the PostgreSQL server, dropped afterwards."""
+    import sqlalchemy as sa
+
+    from service.db import dispose_engines
+
+    name = f"packtune_test_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(postgres_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield (
+            sa.engine.make_url(postgres_url)
+            .set(database=name)
+            .render_as_string(hide_password=False)
+        )
+    finally:
+        dispose_engines()
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
 @pytest.fixture(scope="session")
 def redis_url() -> str:
     import redis
@@ -63,3 +89,21 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
     get_settings.cache_clear()
     yield monkeypatch
     get_settings.cache_clear()
+
+
+@pytest.fixture
+def embedded_db(
+    clean_env: pytest.MonkeyPatch, sqlite_url: str, tmp_path: Path
+) -> Iterator[pytest.MonkeyPatch]:
+    """Settings for in-process jobs: a migrated SQLite file, checkpoints in tmp, the CPU."""
+    from service.db import dispose_engines, upgrade
+    from service.settings import get_settings
+
+    clean_env.setenv("PACKTUNE_DATABASE_URL", sqlite_url)
+    clean_env.setenv("PACKTUNE_CHECKPOINT_DIR", str(tmp_path / "ckpt"))
+    clean_env.setenv("PACKTUNE_DEVICE", "cpu")
+    get_settings.cache_clear()
+    dispose_engines()
+    upgrade(sqlite_url)
+    yield clean_env
+    dispose_engines()

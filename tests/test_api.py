@@ -6,7 +6,6 @@ import copy
 import math
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,6 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
-from sqlalchemy.engine import make_url
 
 from service import store
 from service.api.app import MAX_BODY_BYTES, create_app
@@ -33,22 +31,6 @@ SPEC: dict[str, Any] = {
     "hyperband": {"max_resource": 9, "eta": 3},
     "seed": 7,
 }
-
-
-@pytest.fixture
-def fresh_postgres(postgres_url: str) -> Iterator[str]:
-    """A database of its own on the PostgreSQL server, so the schema starts empty."""
-    name = f"packtune_api_{uuid.uuid4().hex[:12]}"
-    admin = sa.create_engine(postgres_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield make_url(postgres_url).set(database=name).render_as_string(hide_password=False)
-    finally:
-        dispose_engines()
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 def make_client(monkeypatch: pytest.MonkeyPatch, url: str, **env: str) -> TestClient:

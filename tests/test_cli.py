@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -100,23 +99,12 @@ def test_db_upgrade_creates_a_fresh_sqlite_file(env: dict[str, str], tmp_path: P
     assert {"studies", "trials", "packs", "measurements", "profiles"} <= set(tables)
 
 
-def test_db_upgrade_on_postgres(postgres_url: str, tmp_path: Path) -> None:
-    name = f"packtune_cli_{uuid.uuid4().hex[:8]}"
-    admin = sa.create_engine(postgres_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    url = sa.engine.make_url(postgres_url).set(database=name)
-    try:
-        env = packtune_env(database_url=url.render_as_string(hide_password=False))
-        result = packtune("db", "upgrade", env=env, cwd=tmp_path)
-        assert result.returncode == 0, result.stderr
-        engine = sa.create_engine(url)
-        assert "trials" in sa.inspect(engine).get_table_names()
-        engine.dispose()
-    finally:
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+def test_db_upgrade_on_postgres(fresh_postgres: str, tmp_path: Path) -> None:
+    result = packtune("db", "upgrade", env=packtune_env(database_url=fresh_postgres), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    engine = sa.create_engine(fresh_postgres)
+    assert "trials" in sa.inspect(engine).get_table_names()
+    engine.dispose()
 
 
 def test_run_trains_a_study_and_prints_the_leaderboard(env: dict[str, str], tmp_path: Path) -> None:

@@ -14,7 +14,6 @@ from typing import Any
 
 import httpx
 import pytest
-import sqlalchemy as sa
 
 from tests.e2e import (
     check_hyperband,
@@ -129,22 +128,6 @@ def test_unpacked_study_gives_the_same_results_in_more_jobs(
     assert all(len(p["members"]) == 1 for p in unpacked["packs"])
     assert len(unpacked["packs"]) > len(embedded_packed["packs"])
     same_metrics(embedded_packed, unpacked)
-
-
-@pytest.fixture
-def fresh_postgres(postgres_url: str) -> Any:
-    """A database of its own on the PostgreSQL server, dropped afterwards."""
-    name = f"packtune_e2e_{uuid.uuid4().hex[:8]}"
-    admin = sa.create_engine(postgres_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    url = sa.engine.make_url(postgres_url).set(database=name)
-    try:
-        yield url.render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 def test_postgres_redis_scheduler_and_two_workers(

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from service import store
-from service.db import dispose_engines, get_sessionmaker, session_scope, upgrade
+from service.db import get_sessionmaker, session_scope
 from service.models import PackStatus, TrialStatus
 from service.settings import get_settings
 from service.space import fusion_key
@@ -30,16 +28,8 @@ SPEC: dict[str, Any] = {
 
 
 @pytest.fixture
-def db(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[pytest.MonkeyPatch]:
-    url = f"sqlite:///{tmp_path / 'packtune.db'}"
-    clean_env.setenv("PACKTUNE_DATABASE_URL", url)
-    clean_env.setenv("PACKTUNE_CHECKPOINT_DIR", str(tmp_path / "ckpt"))
-    clean_env.setenv("PACKTUNE_DEVICE", "cpu")
-    get_settings.cache_clear()
-    dispose_engines()
-    upgrade(url)
-    yield clean_env
-    dispose_engines()
+def db(embedded_db: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    return embedded_db
 
 
 def make_pack(lrs: list[float], start: float = 0.0, end: float = 1.0) -> tuple[int, list[int]]:

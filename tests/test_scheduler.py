@@ -7,8 +7,6 @@ lose jobs or fail them to exercise re-dispatch.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +14,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import selectinload
 
 from service import store
-from service.db import dispose_engines, get_sessionmaker, session_scope, upgrade
+from service.db import get_sessionmaker, session_scope
 from service.dispatch import JobState
 from service.hyperband import plan_brackets
 from service.models import Pack, PackStatus, StudyStatus, Trial, TrialStatus
@@ -68,17 +66,8 @@ class SyncDispatcher:
 
 
 @pytest.fixture
-def db(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[str]:
-    url = f"sqlite:///{tmp_path / 'packtune.db'}"
-    clean_env.setenv("PACKTUNE_DATABASE_URL", url)
-    clean_env.setenv("PACKTUNE_CHECKPOINT_DIR", str(tmp_path / "ckpt"))
-    clean_env.setenv("PACKTUNE_WORKER_NAME", "sync@test")
-    clean_env.setenv("PACKTUNE_DEVICE", "cpu")
-    get_settings.cache_clear()
-    dispose_engines()
-    upgrade(url)
-    yield url
-    dispose_engines()
+def db(embedded_db: pytest.MonkeyPatch) -> None:
+    embedded_db.setenv("PACKTUNE_WORKER_NAME", "sync@test")  # the name SyncDispatcher reports
 
 
 def new_study(spec: dict[str, Any] = SPEC) -> int:
@@ -118,7 +107,7 @@ def trials(study_id: int) -> list[Trial]:
         return store.trials_of(s, study_id)
 
 
-def test_first_tick_samples_every_bracket_and_dispatches_packs(db: str) -> None:
+def test_first_tick_samples_every_bracket_and_dispatches_packs(db: None) -> None:
     study_id = new_study()
     dispatcher = SyncDispatcher(run=False)
     report = scheduler(dispatcher).tick()
@@ -132,7 +121,7 @@ def test_first_tick_samples_every_bracket_and_dispatches_packs(db: str) -> None:
     assert all(t.status == TrialStatus.queued for t in trials(study_id) if t.id in queued)
 
 
-def test_study_runs_to_completion_with_its_best_trial(db: str) -> None:
+def test_study_runs_to_completion_with_its_best_trial(db: None) -> None:
     study_id = new_study()
     assert run_to_end(scheduler(SyncDispatcher()), study_id) == StudyStatus.completed
     with session_scope(get_sessionmaker()) as s:
@@ -147,7 +136,7 @@ def test_study_runs_to_completion_with_its_best_trial(db: str) -> None:
     assert all(p.status == PackStatus.completed for p in packs(study_id))
 
 
-def test_two_schedulers_do_not_both_dispatch(db: str) -> None:
+def test_two_schedulers_do_not_both_dispatch(db: None) -> None:
     study_id = new_study()
     one, two = SyncDispatcher(run=False), SyncDispatcher(run=False)
     reports = [scheduler(one, "a").tick(), scheduler(two, "b").tick()]
@@ -156,7 +145,7 @@ def test_two_schedulers_do_not_both_dispatch(db: str) -> None:
     assert len(one.enqueued) == len(packs(study_id))
 
 
-def test_a_restarted_scheduler_dispatches_nothing_twice(db: str) -> None:
+def test_a_restarted_scheduler_dispatches_nothing_twice(db: None) -> None:
     study_id = new_study()
     first = SyncDispatcher(run=False)
     scheduler(first, "same-host").tick()
@@ -170,7 +159,7 @@ def test_a_restarted_scheduler_dispatches_nothing_twice(db: str) -> None:
     assert len(packs(study_id)) == dispatched
 
 
-def test_vanished_jobs_are_dispatched_again_as_a_new_attempt(db: str) -> None:
+def test_vanished_jobs_are_dispatched_again_as_a_new_attempt(db: None) -> None:
     study_id = new_study()
     dispatcher = SyncDispatcher(run=False)
     sched = scheduler(dispatcher)
@@ -186,7 +175,7 @@ def test_vanished_jobs_are_dispatched_again_as_a_new_attempt(db: str) -> None:
     assert all(p.attempts <= 3 for p in packs(study_id))
 
 
-def test_a_pack_out_of_attempts_fails_its_trials_with_the_error(db: str) -> None:
+def test_a_pack_out_of_attempts_fails_its_trials_with_the_error(db: None) -> None:
     study_id = new_study()
     dispatcher = SyncDispatcher()
     dispatcher.fail = True
@@ -197,7 +186,7 @@ def test_a_pack_out_of_attempts_fails_its_trials_with_the_error(db: str) -> None
     assert all(p.attempts == get_settings().max_attempts for p in packs(study_id))
 
 
-def test_cancel_stops_dispatch_and_cancels_the_rest(db: str) -> None:
+def test_cancel_stops_dispatch_and_cancels_the_rest(db: None) -> None:
     study_id = new_study()
     dispatcher = SyncDispatcher(run=False)
     sched = scheduler(dispatcher)
