@@ -20,7 +20,7 @@ into the momentum buffer, as torch.optim does, for members whose step is 0.
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +36,22 @@ MemberState = dict[str, Any]
 def _per_member(values: Tensor, like: Tensor) -> Tensor:
     """``[k]`` values as ``[k, 1, ...]`` in ``like``'s dtype, to broadcast over ``like``."""
     return values.to(like.dtype).view(-1, *([1] * (like.dim() - 1)))
+
+
+Views = dict[tuple[str, int, torch.dtype], Tensor]
+
+
+def _view(cache: Views, name: str, make: Callable[[], Tensor], like: Tensor) -> Tensor:
+    """``_per_member(make(), like)``, computed once per (name, dim, dtype) in ``cache``.
+
+    A step casts each per-member value once per parameter shape class instead of
+    once per parameter: on a GPU every cast is a kernel launch.
+    """
+    key = (name, like.dim(), like.dtype)
+    view = cache.get(key)
+    if view is None:
+        view = cache[key] = _per_member(make(), like)
+    return view
 
 
 class StackedOptimizer(abc.ABC):
@@ -66,6 +82,9 @@ class StackedOptimizer(abc.ABC):
         self.step_count = torch.tensor(
             [float(s["step"]) if s else 0.0 for s in states], dtype=torch.float64, device=device
         )
+        self.constants: Views = {}  # casts of the hyperparameters, until select()
+        wd = self.hyper.get("weight_decay")
+        self.decay = wd is not None and bool((wd != 0).any())  # else decay steps are skipped
         self.state: dict[str, dict[str, Tensor]] = {}
         for name, p in self.params.items():
             slots = {}
@@ -110,6 +129,7 @@ class StackedOptimizer(abc.ABC):
         index = torch.as_tensor(list(keep), dtype=torch.long, device=self.step_count.device)
         self.params = dict(params)
         self.hyper = {key: v[index] for key, v in self.hyper.items()}
+        self.constants = {}
         self.step_count = self.step_count[index]
         self.state = {
             name: {key: t[index] for key, t in slots.items()} for name, slots in self.state.items()
@@ -131,17 +151,20 @@ class StackedSGD(StackedOptimizer):
         # torch.optim starts the buffer as a copy of the first gradient: with the
         # buffer at zero, scaling it by 0 on a member's first step gives exactly that.
         started = momentum * (self.step_count > 1)
+        const, step = self.constants, Views()
         for name, p in self.params.items():
             if p.grad is None:
                 continue
-            grad = p.grad.addcmul(p, _per_member(wd, p))
+            grad = p.grad
+            if self.decay:  # adding 0 * p would change nothing: skip it when every wd is 0
+                grad = grad.addcmul(p, _view(const, "wd", lambda: wd, p))
             buf = self.state[name]["momentum_buffer"]
-            buf.mul_(_per_member(started, p)).add_(grad)
+            buf.mul_(_view(step, "started", lambda: started, p)).add_(grad)
             if self.nesterov:
-                grad = grad.addcmul(buf, _per_member(momentum, p))
+                grad = grad.addcmul(buf, _view(const, "momentum", lambda: momentum, p))
             else:
                 grad = buf
-            p.addcmul_(grad, _per_member(-lr, p))
+            p.addcmul_(grad, _view(const, "-lr", lambda: -lr, p))
 
 
 class StackedAdam(StackedOptimizer):
@@ -157,23 +180,27 @@ class StackedAdam(StackedOptimizer):
     def _update(self) -> None:
         h = self.hyper
         lr, beta1, beta2, eps, wd = h["lr"], h["beta1"], h["beta2"], h["eps"], h["weight_decay"]
-        step_size = lr / (1 - beta1**self.step_count)
+        neg_step_size = -(lr / (1 - beta1**self.step_count))
         bias_correction2_sqrt = (1 - beta2**self.step_count).sqrt()
+        const, step = self.constants, Views()
         for name, p in self.params.items():
             if p.grad is None:
                 continue
             grad = p.grad
             if self.decoupled:
-                p.mul_(_per_member(1 - lr * wd, p))
-            else:
-                grad = grad.addcmul(p, _per_member(wd, p))
+                if self.decay:  # multiplying by 1 - lr * 0 would change nothing
+                    p.mul_(_view(const, "1-lr*wd", lambda: 1 - lr * wd, p))
+            elif self.decay:
+                grad = grad.addcmul(p, _view(const, "wd", lambda: wd, p))
             exp_avg, exp_avg_sq = self.state[name]["exp_avg"], self.state[name]["exp_avg_sq"]
-            exp_avg.lerp_(grad, _per_member(1 - beta1, p))
-            exp_avg_sq.mul_(_per_member(beta2, p)).addcmul_(grad, grad * _per_member(1 - beta2, p))
-            denom = (exp_avg_sq.sqrt() / _per_member(bias_correction2_sqrt, p)).add_(
-                _per_member(eps, p)
+            exp_avg.lerp_(grad, _view(const, "1-beta1", lambda: 1 - beta1, p))
+            exp_avg_sq.mul_(_view(const, "beta2", lambda: beta2, p)).addcmul_(
+                grad, grad * _view(const, "1-beta2", lambda: 1 - beta2, p)
             )
-            p.addcmul_(exp_avg / denom, _per_member(-step_size, p))
+            denom = (exp_avg_sq.sqrt() / _view(step, "bc2", lambda: bias_correction2_sqrt, p)).add_(
+                _view(const, "eps", lambda: eps, p)
+            )
+            p.addcmul_(exp_avg / denom, _view(step, "-step_size", lambda: neg_step_size, p))
 
 
 def build_optimizer(
