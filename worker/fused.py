@@ -63,6 +63,14 @@ _POINTWISE = (
     nn.Dropout, nn.AlphaDropout,
 )  # fmt: skip
 _RNG_MIX = 6364136223846793005  # Knuth's MMIX multiplier, to fold member draws into one seed
+#: On a CPU, arrays up to this size compute their members' losses one call each: vmap's fixed
+#: cost per call exceeded a loop of k plain calls there (k=8: 236 vs 275 us with backward).
+LOOP_LOSS_MAX = 8
+#: Steps between divergence checks on a GPU. A check reads the device (a synchronisation that
+#: stops the host from queueing the next steps); the first non-finite step of each member is
+#: recorded on the device meanwhile, so the recorded step is exact either way. On a CPU every
+#: step is checked: there the read costs nothing.
+CUDA_CHECK_EVERY = 16
 
 
 def bmm_plan(model: nn.Module) -> list[tuple[str, nn.Module, str]] | None:
@@ -111,6 +119,31 @@ def _stacked_batch_norm(
     return out.reshape(batch, k, channels, *h.shape[3:]).movedim(1, 0)
 
 
+class _StackedLinear(torch.autograd.Function):
+    """``h @ w.mT + b`` over stacks (``h [k, B, in]``, ``w [k, out, in]``, ``b [k, out]``).
+
+    Autograd's own backward of ``baddbmm(b, h, w.mT)`` computes the weight
+    gradient as ``h.mT @ g`` and transposes it, and accumulating that transposed
+    ``[k, in, out]`` into ``w.grad`` copies it: on a CPU the strided copy cost
+    more than the matrix product. Here it is ``g.mT @ h``, already in ``w``'s
+    layout (the same sums; equal to the bit on the CPUs tested).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, h: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+        ctx.save_for_backward(h, w)
+        ctx.has_bias = b is not None
+        return torch.bmm(h, w.mT) if b is None else torch.baddbmm(b.unsqueeze(1), h, w.mT)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        h, w = ctx.saved_tensors
+        grad_h = torch.bmm(g, w) if ctx.needs_input_grad[0] else None
+        grad_w = torch.bmm(g.mT, h) if ctx.needs_input_grad[1] else None
+        grad_b = g.sum(1) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_h, grad_w, grad_b
+
+
 def bmm_forward(plan: list[tuple[str, nn.Module, str]]) -> Forward:
     """Forward of a stack following ``plan``: shared ``[B, ...]`` in, ``[k, B, ...]`` out."""
 
@@ -124,8 +157,7 @@ def bmm_forward(plan: list[tuple[str, nn.Module, str]]) -> Forward:
             if shared:
                 h, shared = h.expand(k, *h.shape), False
             if kind == "linear":
-                w, b = params[pre + "weight"].transpose(1, 2), params.get(pre + "bias")
-                h = torch.bmm(h, w) if b is None else torch.baddbmm(b.unsqueeze(1), h, w)
+                h = _StackedLinear.apply(h, params[pre + "weight"], params.get(pre + "bias"))
             elif kind == "batch_norm":
                 assert isinstance(module, nn.BatchNorm1d)
                 h = _stacked_batch_norm(h, module, params, buffers, pre)
@@ -169,13 +201,24 @@ class Group:
         self.keys, self.params, self.buffers = keys, params, buffers
         self.optimizer, self.forward = optimizer, forward
         self.loss_sum = torch.zeros(len(keys), dtype=torch.float64, device=_device_of(params))
+        # per member: 0 while every loss was finite, else the first step whose loss was not
+        self.bad_step = torch.zeros(len(keys), dtype=torch.long, device=self.loss_sum.device)
+
+    def note_finite(self, losses: Tensor, step: int) -> None:
+        """Record ``step`` for members whose loss is not finite for the first time (no sync)."""
+        first = ~torch.isfinite(losses) & (self.bad_step == 0)
+        self.bad_step = torch.where(first, step, self.bad_step)
 
     def step(self, x: Tensor, y: Tensor, loss: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
         """One optimizer step on the batch; the members' ``[k]`` losses, detached."""
         out = self.forward(self.params, self.buffers, x)
-        losses = loss(out[0], y).unsqueeze(0) if len(self.keys) == 1 else vmap(
-            loss, in_dims=(0, None)
-        )(out, y)
+        k = len(self.keys)
+        if k == 1:
+            losses = loss(out[0], y).unsqueeze(0)
+        elif k <= LOOP_LOSS_MAX and out.device.type == "cpu":
+            losses = torch.stack([loss(out[i], y) for i in range(k)])
+        else:
+            losses = vmap(loss, in_dims=(0, None))(out, y)
         losses.sum().backward()
         self.optimizer.step()
         self.optimizer.zero_grad()
@@ -192,6 +235,7 @@ class Group:
         self.buffers = {n: b[idx] for n, b in self.buffers.items()}
         self.optimizer.select(index, self.params)
         self.loss_sum = self.loss_sum[idx]
+        self.bad_step = self.bad_step[idx]
 
 
 def _device_of(tensors: Mapping[str, Tensor]) -> torch.device:
@@ -283,6 +327,7 @@ class FusedArray:
         self.step = done.pop()
         self.steps_per_epoch = workload.steps_per_epoch(self.config)
         self.diverged: dict[Hashable, int] = {}
+        self.check_every = CUDA_CHECK_EVERY if self.device.type == "cuda" else 1
         models = [_build_model(workload, c, s) for c, s in zip(configs, states, strict=True)]
         self.template = copy.deepcopy(models[0]).to("meta")
         self.stochastic = _is_stochastic(workload, self.template)
@@ -350,27 +395,40 @@ class FusedArray:
     def train_step(self, batch: Tensor) -> None:
         """One step of every member on the train examples ``batch`` (indices).
 
-        A member whose loss is not finite leaves the array. The check costs one
-        device synchronisation per step, for all groups together.
+        A member whose loss is not finite leaves the array, at the next
+        divergence check: every step on a CPU, every :data:`CUDA_CHECK_EVERY`
+        steps (and at each :func:`train` report) on a GPU. Until then it trains on
+        alone in its slice: members share no arithmetic, so the others are unchanged.
         """
         index = batch.to(self.device)
         x, y = self.train_split.x[index], self.train_split.y[index]
-        losses = []
         for group in self.groups:
             if self.stochastic:
                 self._reseed(group)
-            losses.append(group.step(x, y, self.workload.loss))
-        if not bool(torch.isfinite(torch.cat(losses)).all()):
-            for group, group_losses in zip(list(self.groups), losses, strict=True):
-                self._drop_diverged(group, torch.isfinite(group_losses).tolist())
+            group.note_finite(group.step(x, y, self.workload.loss), self.step + 1)
         self.step += 1
+        if self.step % self.check_every == 0:
+            self.check_divergence()
 
-    def _drop_diverged(self, group: Group, finite: list[bool]) -> None:
-        for key, ok in zip(group.keys, finite, strict=True):
-            if not ok:
-                self.diverged[key] = self.step + 1
-        keep = [i for i, ok in enumerate(finite) if ok]
-        if len(keep) == len(finite):
+    def check_divergence(self) -> None:
+        """Drop the members whose loss was not finite at some step (one device read)."""
+        if not self.groups:
+            return
+        bad = torch.cat([group.bad_step for group in self.groups]).tolist()
+        if not any(bad):
+            return
+        start = 0
+        for group in list(self.groups):
+            size = len(group.keys)
+            self._drop_diverged(group, bad[start : start + size])
+            start += size
+
+    def _drop_diverged(self, group: Group, bad_steps: list[int]) -> None:
+        for key, bad in zip(group.keys, bad_steps, strict=True):
+            if bad:
+                self.diverged[key] = bad
+        keep = [i for i, bad in enumerate(bad_steps) if not bad]
+        if len(keep) == len(bad_steps):
             return
         if keep:
             group.keep(keep)
@@ -451,6 +509,7 @@ def train(
         array.reset_train_loss()
         while array.step < end and array.groups:
             array.train_step(batches[array.step - epoch * spe])
+        array.check_divergence()
         train_loss, evaluated = array.train_loss(array.step - start), array.evaluate()
         report = Report(
             step=array.step,
