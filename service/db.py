@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
@@ -165,7 +166,8 @@ def session_scope(factory: sessionmaker[Session] | None = None) -> Iterator[Sess
     """A session that commits when the block ends and rolls back if it raises.
 
     Lost or unusable connections (``OperationalError``, ``InterfaceError``),
-    raised in the block or at commit, become :class:`StoreUnavailable`.
+    raised in the block or at commit, become :class:`StoreUnavailable`; so
+    does waiting in vain for a pooled connection (an overloaded process).
     """
     session = (factory or get_sessionmaker())()
     try:
@@ -174,6 +176,9 @@ def session_scope(factory: sessionmaker[Session] | None = None) -> Iterator[Sess
     except (OperationalError, InterfaceError) as exc:
         _rollback_quietly(session)
         raise StoreUnavailable(f"database unavailable: {exc.orig or exc}") from exc
+    except PoolTimeout as exc:
+        _rollback_quietly(session)
+        raise StoreUnavailable(f"database busy: no connection free: {exc}") from exc
     except BaseException:
         _rollback_quietly(session)
         raise
