@@ -1,0 +1,340 @@
+"""Load on the read endpoints: many dashboard clients while a study trains.
+
+    python -m bench.load [--clients 100] [--requests 50] [--think 1.0] [--duration 120]
+                         [--database-url URL] [--trials 10000] [--results]
+
+What it does, all on this machine (loopback only):
+
+1. makes a database (a fresh SQLite file, or the empty PostgreSQL database
+   given) and writes a finished Hyperband study of about ``--trials`` trials
+   straight through :mod:`service.store` (trials, a measurement per rung
+   reached, promotions, packs), in seconds rather than by training;
+2. starts ``packtune serve`` on a free loopback port and submits a small real
+   study (digits-mlp, 17 trials), which trains while the load runs;
+3. runs ``--clients`` concurrent clients (asyncio + httpx, one connection
+   each). Each sends ``--requests`` GETs drawn from a dashboard-like mix of
+   read endpoints on both studies, waiting a random ``0..2 x --think`` seconds
+   between two (``--think 0``: back to back, to find saturation). The run is
+   bounded by the request count and by ``--duration`` seconds;
+4. prints p50/p90/p99/max latency overall and per endpoint and the errors
+   (any status other than 200, or a transport error); with ``--results``
+   appends them to ``bench/RESULTS.md`` with the machine, command and date.
+
+Exit status 1 if any request failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import random
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"
+SMALL_STUDY: dict[str, Any] = {
+    "name": "load-small",
+    "workload": "digits-mlp",
+    "space": {"lr": {"type": "loguniform", "low": 0.005, "high": 0.5}},
+    "hyperband": {"max_resource": 9, "eta": 3},
+    "seed": 0,
+}
+
+
+# -- the big study ------------------------------------------------------------------------
+
+
+def big_spec(trials: int) -> dict[str, Any]:
+    """A digits-mlp spec whose Hyperband plan samples at least ``trials`` trials (eta 3)."""
+    from service.hyperband import plan_brackets, total_trials
+
+    resource = 1
+    while total_trials(plan_brackets(resource, 3)) < trials and resource < 6561:
+        resource *= 3
+    return {
+        "name": "load-big",
+        "workload": "digits-mlp",
+        "objective": {"metric": "val_loss", "mode": "min"},
+        "space": {"lr": {"type": "loguniform", "low": 1e-4, "high": 0.3}},
+        "hyperband": {"max_resource": resource, "min_resource": 1, "eta": 3},
+        "packing": {"enabled": True, "max_pack_size": 16},
+        "seed": 0,
+    }
+
+
+def seed_big_study(url: str, trials: int) -> tuple[int, int]:
+    """Write a finished study as Hyperband would have left it; returns (id, trials)."""
+    from sqlalchemy import insert
+
+    from service import store
+    from service.db import make_engine, session_factory, session_scope
+    from service.hyperband import plan_brackets
+    from service.models import Measurement, PackStatus, StudyStatus, TrialStatus, utcnow
+
+    spec = big_spec(trials)
+    rng = random.Random(0)
+    hb = spec["hyperband"]
+    plan = plan_brackets(hb["max_resource"], hb["eta"])
+    key = 'digits-mlp|{"hidden":64}'
+    engine = make_engine(url)
+    try:
+        with session_scope(session_factory(engine)) as s:
+            study = store.create_study(s, name="load-big", workload="digits-mlp", spec=spec, seed=0)
+            rows, index = [], 0
+            for j, rungs in enumerate(plan):
+                for _ in range(rungs[0].n):
+                    lr = 10 ** rng.uniform(-4, -0.5)
+                    rows.append({"sample_index": index, "bracket": len(plan) - 1 - j, "rung": 0,
+                                 "config": {"lr": lr}, "fusion_key": key})  # fmt: skip
+                    index += 1
+            store.add_trials(s, study.id, rows)
+            by_bracket: dict[int, list[Any]] = defaultdict(list)
+            for t in store.trials_of(s, study.id):
+                by_bracket[t.bracket].append(t)
+            measurements = []
+            for j, rungs in enumerate(plan):
+                alive = by_bracket[len(plan) - 1 - j]
+                for i, rung in enumerate(rungs):
+                    alive = sorted(alive, key=lambda t: t.config["lr"])[: rung.n]
+                    if i > 0:
+                        store.record_promotions(
+                            s, study.id, alive[0].bracket, i - 1, [(t.id, None) for t in alive]
+                        )
+                    for t in alive:
+                        loss = 2.0 / (1 + rung.resource) + rng.random() * 0.1
+                        t.rung, t.resource_done = i, rung.resource
+                        measurements.append({"trial_id": t.id, "resource": rung.resource,
+                                             "metrics": {"val_loss": loss, "train_loss": loss},
+                                             "created_at": utcnow()})  # fmt: skip
+                        pack_members = [(t.id, key, 0.0, rung.resource)]
+                        if rng.random() < 0.1:  # some packs, with timing, for /packs
+                            pack = store.create_pack(s, study_id=study.id, members=pack_members)
+                            store.finish_pack(s, pack, PackStatus.completed, train_seconds=1.0)
+                for t in by_bracket[len(plan) - 1 - j]:
+                    last = t.rung == len(rungs) - 1
+                    t.status = TrialStatus.completed if last else TrialStatus.stopped
+            s.execute(insert(Measurement), measurements)
+            store.set_study_status(s, study, StudyStatus.completed)
+            return study.id, index
+    finally:
+        engine.dispose()
+
+
+# -- the load ------------------------------------------------------------------------------
+
+
+@dataclass
+class Load:
+    latencies: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    errors: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def requests_for(big: int, small: int, trials: int, rng: random.Random) -> tuple[str, str]:
+    """One GET a dashboard might send: (endpoint name, path with query)."""
+    study = big if rng.random() < 0.7 else small
+    which = rng.choices(
+        ["summary", "leaderboard", "trials page", "packs", "curves", "studies", "workers",
+         "health", "brackets"],
+        weights=[20, 20, 15, 10, 15, 8, 6, 3, 3],
+    )[0]  # fmt: skip
+    if which == "brackets":
+        study = small  # the big study's brackets list all 10,000 trials: not a poll
+    paths = {
+        "summary": f"/api/studies/{study}",
+        "leaderboard": f"/api/studies/{study}/leaderboard?limit=20",
+        "trials page": f"/api/studies/{study}/trials?limit=100&offset={rng.randrange(trials)}",
+        "packs": f"/api/studies/{study}/packs?limit=50",
+        "curves": f"/api/studies/{study}/curves?"
+        + "&".join(f"trial_id={rng.randrange(1, trials)}" for _ in range(5)),
+        "studies": "/api/studies",
+        "workers": "/api/workers",
+        "health": "/healthz",
+        "brackets": f"/api/studies/{study}/brackets",
+    }
+    return which, paths[which]
+
+
+async def client(
+    base: str, ids: tuple[int, int, int], count: int, think: float, deadline: float,
+    load: Load, seed: int,
+) -> None:  # fmt: skip
+    rng = random.Random(seed)
+    big, small, trials = ids
+    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+        await asyncio.sleep(rng.random() * think)  # clients do not all start at once
+        for _ in range(count):
+            if time.monotonic() > deadline:
+                return
+            name, path = requests_for(big, small, trials, rng)
+            started = time.perf_counter()
+            try:
+                response = await http.get(path)
+                if response.status_code != 200:
+                    load.errors.append(f"{path}: {response.status_code} {response.text[:200]}")
+            except httpx.HTTPError as exc:
+                load.errors.append(f"{path}: {type(exc).__name__}: {exc}")
+            load.latencies[name].append(time.perf_counter() - started)
+            await asyncio.sleep(rng.uniform(0, 2 * think))
+
+
+async def run_load(
+    base: str, ids: tuple[int, int, int], clients: int, requests: int, think: float,
+    duration: float,
+) -> Load:  # fmt: skip
+    """``clients`` concurrent clients of ``requests`` GETs each, for ``duration`` s at most."""
+    if not base.startswith(("http://127.", "http://localhost", "http://[::1]")):
+        raise ValueError(f"loopback addresses only, not {base}")
+    load = Load()
+    started = time.monotonic()
+    deadline = started + duration
+    await asyncio.gather(
+        *(client(base, ids, requests, think, deadline, load, seed) for seed in range(clients))
+    )
+    load.seconds = time.monotonic() - started
+    return load
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def summary(load: Load) -> list[tuple[str, int, float, float, float, float]]:
+    """(endpoint, requests, p50, p90, p99, max) in milliseconds, overall first."""
+    every = [v for values in load.latencies.values() for v in values]
+    rows = [("all", every), *sorted(load.latencies.items())]
+    out = []
+    for name, v in rows:
+        if v:
+            p50, p90, p99 = (1000 * percentile(v, q) for q in (0.5, 0.9, 0.99))
+            out.append((name, len(v), p50, p90, p99, 1000 * max(v)))
+    return out
+
+
+# -- the server ----------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def serve(env: dict[str, str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    out = log.open("ab")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "serve", "--port", str(port)],
+        env=env, stdout=out, stderr=out,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"packtune serve did not come up: {log.read_text()[-2000:]}")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def append_results(args: argparse.Namespace, load: Load, ids: tuple[int, int, int]) -> None:
+    total = sum(len(v) for v in load.latencies.values())
+    lines = [
+        "",
+        f"## Read endpoints under load ({args.clients} clients, think {args.think} s)",
+        "",
+        f"- machine: {platform.node()}, {os.cpu_count()} cores, Python "
+        f"{platform.python_version()}; database {args.database_url or 'SQLite file'}",
+        f"- command: `python -m bench.load {shlex.join(sys.argv[1:])}`",
+        f"- date: {datetime.now(UTC):%Y-%m-%d %H:%M UTC}; load average after: "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        f"- database: a finished study of {ids[2]} trials (written by the store, not trained) "
+        "and a digits-mlp study of 17 trials training in `packtune serve` meanwhile",
+        f"- {total} requests in {load.seconds:.1f} s ({total / load.seconds:.0f}/s), "
+        f"errors: {len(load.errors)}",
+        "",
+        "| endpoint | requests | p50 ms | p90 ms | p99 ms | max ms |",
+        "|---|---|---|---|---|---|",
+        *(f"| {n} | {c} | {a:.1f} | {b:.1f} | {d:.1f} | {m:.1f} |" for n, c, a, b, d, m in
+          summary(load)),
+    ]  # fmt: skip
+    if not RESULTS_MD.exists():
+        RESULTS_MD.write_text("# Benchmark results\n")
+    with RESULTS_MD.open("a", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.load", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--clients", type=int, default=100)
+    parser.add_argument("--requests", type=int, default=50, help="GETs per client")
+    parser.add_argument("--think", type=float, default=1.0, help="mean seconds between GETs")
+    parser.add_argument("--duration", type=float, default=180.0, help="seconds at most")
+    parser.add_argument("--trials", type=int, default=10_000)
+    parser.add_argument("--database-url", help="an empty PostgreSQL database (default: SQLite)")
+    parser.add_argument("--results", action="store_true", help="append to bench/RESULTS.md")
+    args = parser.parse_args(argv)
+
+    from service.db import upgrade
+
+    tmp = Path(tempfile.mkdtemp(prefix="packtune-load-"))
+    url = args.database_url or f"sqlite:///{tmp / 'packtune.db'}"
+    upgrade(url)
+    started = time.monotonic()
+    big, trials = seed_big_study(url, args.trials)
+    print(f"study {big}: {trials} trials written in {time.monotonic() - started:.1f} s")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PACKTUNE_")}
+    env.update(PACKTUNE_DATABASE_URL=url, PACKTUNE_CHECKPOINT_DIR=str(tmp / "ckpt"),
+               PACKTUNE_LOG_LEVEL="WARNING")  # fmt: skip
+    proc, base = serve(env, tmp / "serve.log")
+    try:
+        small = httpx.post(f"{base}/api/studies", json=SMALL_STUDY, timeout=30).json()["id"]
+        ids = (big, small, trials)
+        load = asyncio.run(
+            run_load(base, ids, args.clients, args.requests, args.think, args.duration)
+        )
+        state = httpx.get(f"{base}/api/studies/{small}", timeout=60).json()["status"]
+    finally:
+        stop(proc)
+    print(f"{sum(len(v) for v in load.latencies.values())} requests in {load.seconds:.1f} s; "
+          f"errors: {len(load.errors)}; the small study was {state} at the end")  # fmt: skip
+    print(f"{'endpoint':<12} {'n':>6} {'p50':>8} {'p90':>8} {'p99':>8} {'max':>8}  (ms)")
+    for name, n, p50, p90, p99, top in summary(load):
+        print(f"{name:<12} {n:>6} {p50:>8.1f} {p90:>8.1f} {p99:>8.1f} {top:>8.1f}")
+    for error in load.errors[:10]:
+        print("error:", error)
+    if args.results:
+        append_results(args, load, ids)
+    return 1 if load.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
