@@ -32,6 +32,8 @@ QUEUE_DEPTH = 2
 #: memory model for a fusion key never probed on this device kind: small, so that the first
 #: pack (k <= 2 by the throughput rule) runs and its probe measures the truth
 DEFAULT_MEMORY = MemoryModel(base=256 * 2**20, per_trial=64 * 2**20)
+#: units planned for a fusion key not yet run on the device kind (see ``_probe_first``)
+PROBE_UNITS = 2
 
 
 def devices_of(workers: list[Worker], settings: Settings) -> dict[str, tuple[Device, str]]:
@@ -66,6 +68,21 @@ def _profiles(s: Session, workload: str, kind: str) -> dict[str, Profile]:
     return {p.fusion_key: p for p in rows}
 
 
+def _probe_first(units: list[Unit], profiles: dict[str, Profile]) -> list[Unit]:
+    """Of a fusion key never run on this device kind, plan only its :data:`PROBE_UNITS`
+    shortest units: their job probes the key's memory and throughput, and the rest waits
+    one job to be planned with the measured array sizes (arrays of the unmeasured default,
+    2, would otherwise take a whole rung, long units included)."""
+    measured = {key for key, p in profiles.items() if p.throughput}
+    out, kept = [], Counter[str]()
+    ordered = sorted(units, key=lambda u: (u.to_resource - u.from_resource, u.trial_id))
+    for u in ordered:
+        if u.fusion_key in measured or kept[u.fusion_key] < PROBE_UNITS:
+            kept[u.fusion_key] += 1
+            out.append(u)
+    return out
+
+
 def plan_study(
     s: Session, study: Study, workers: list[Worker], settings: Settings
 ) -> PackPlan | None:
@@ -88,6 +105,7 @@ def plan_study(
         Unit(t.id, t.fusion_key, t.resource_done, rung_resource(study.spec, t.bracket, t.rung))
         for t in pending
     ]
+    units = _probe_first(units, profiles)
     memory: dict[str, MemoryModel] = {}
     sizes: dict[str, int] = {}
     for key in {u.fusion_key for u in units}:

@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from service import store
 from service.db import retrying
 from service.errors import StoreUnavailable
 from service.models import TrialStatus
+from service.settings import get_settings
 from service.space import trial_seed
 from worker.checkpoints import load_checkpoint, save_checkpoint
 from worker.fused import FusedArray, Report, train
@@ -102,10 +103,25 @@ def _mark_done(job: ArrayJob, done: dict[int, str]) -> None:
     retrying(write)
 
 
+#: Array sizes the first probe of a fusion key also times (beyond k=1, 2), where half the
+#: device's free memory holds them by the fitted line: the planner's throughput table then
+#: starts with them, instead of growing from 2 one doubling per finished pack.
+LARGER_PROBE_SIZES = (4, 8, 16)
+
+
+def _larger_probe_sizes(bytes_for: Callable[[int], int], device: torch.device) -> tuple[int, ...]:
+    if device.type == "cuda":
+        free = int(torch.cuda.mem_get_info(device)[0])
+    else:
+        free = get_settings().cpu_memory_budget
+    return tuple(k for k in LARGER_PROBE_SIZES if bytes_for(k) <= free // 2)
+
+
 def _ensure_profile(
     job: ArrayJob, config: dict[str, Any], device: torch.device, kind: str, data: Any
 ) -> None:
-    """Probe memory (k=1, k=2) the first time this fusion key runs on this device kind."""
+    """Probe memory (k=1, k=2) and throughput (k=1, 2 and :data:`LARGER_PROBE_SIZES`) the
+    first time this fusion key runs on this device kind."""
     workload = get_workload(job.workload)
 
     def probed(s: Session) -> bool:
@@ -115,6 +131,11 @@ def _ensure_profile(
     if retrying(probed):
         return
     result = probe(workload, config, device, ks=(1, 2), steps=2, data=data)
+    throughput = dict(result.throughput_by_k)
+    larger = _larger_probe_sizes(result.bytes_for, device)
+    if len(larger) >= 2:
+        throughput.update(probe(workload, config, device, ks=larger, steps=2, data=data)
+                          .throughput_by_k)  # fmt: skip
 
     def write(s: Session) -> None:
         store.set_memory_model(
@@ -122,7 +143,7 @@ def _ensure_profile(
         )
         profile = store.get_profile(s, job.workload, job.fusion_key, kind)
         measured = set(profile.throughput) if profile is not None else set()
-        for k, value in result.throughput_by_k.items():
+        for k, value in throughput.items():
             if str(k) not in measured:
                 store.record_throughput(s, job.workload, job.fusion_key, kind, k, value)
 
