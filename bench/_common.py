@@ -1,0 +1,121 @@
+"""What every benchmark shares: the machine's description, medians, and RESULTS.md.
+
+Each benchmark appends one section to ``bench/RESULTS.md`` (never rewriting
+what is there) with the machine, the exact command, the date and the load
+average, and writes its raw figures to ``bench/results/<name>.json`` for the
+plots.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+RESULTS_MD = BENCH_DIR / "RESULTS.md"
+RESULTS_DIR = BENCH_DIR / "results"
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def load_average() -> str:
+    try:
+        one, five, fifteen = os.getloadavg()
+    except OSError:
+        return "n/a"
+    return f"{one:.2f} {five:.2f} {fifteen:.2f}"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def machine(device: str = "cpu") -> dict[str, Any]:
+    """The machine a benchmark ran on, as plain values."""
+    import torch
+
+    info: dict[str, Any] = {
+        "host": platform.node(),
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": "cpu",
+    }
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def describe(info: dict[str, Any]) -> str:
+    device = "" if info["device"] == "cpu" else f", GPU {info['device']}"
+    return (
+        f"{info['cpu']} ({info['cores']} cores){device}; Python {info['python']}, "
+        f"torch {info['torch']}"
+    )
+
+
+def command_line() -> str:
+    """The command that is running, as a user would type it (``python -m bench.x ...``)."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    head = f"python -m {spec.name}" if spec is not None else f"python {sys.argv[0]}"
+    return " ".join([head, *map(shlex.quote, sys.argv[1:])])
+
+
+def now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def append_section(title: str, info: dict[str, Any], body: Sequence[str], load: str) -> None:
+    """Append ``## title`` with machine, command, date and load average, then ``body``."""
+    lines = [
+        "",
+        f"## {title}",
+        "",
+        f"- machine: {describe(info)}",
+        f"- command: `{command_line()}`",
+        f"- date: {now()}; load average (1/5/15 min) before: {load}, after: {load_average()}",
+        "",
+        *body,
+    ]
+    if not RESULTS_MD.exists():
+        RESULTS_MD.write_text("# Benchmark results\n\nEach section was appended by the "
+                              "command it names; see bench/README.md.\n")
+    with RESULTS_MD.open("a", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def save_json(name: str, data: Any, out_dir: Path | None = None) -> Path:
+    """Write ``data`` as ``<out_dir or bench/results>/<name>.json``; returns the path."""
+    folder = out_dir or RESULTS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(data, indent=1, sort_keys=True, default=str) + "\n")
+    return path
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    """A Markdown table."""
+    def cell(v: Any) -> str:
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return out

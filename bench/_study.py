@@ -1,0 +1,255 @@
+"""Run one study through the real service and read its timings back from the database.
+
+Two ways, both real processes:
+
+- ``embedded``: ``packtune run SPEC`` (SQLite, the scheduler in the process,
+  packs in its spawned child) — the default a user gets;
+- ``rq``: a fresh PostgreSQL database and a private Redis queue, one
+  ``packtune scheduler`` and N ``packtune worker`` processes, started and
+  heartbeating before the study is created (a running service), the study
+  inserted as the API would insert it.
+
+The database holds what the analysis needs: the study's ``created_at`` and
+``finished_at``, and per pack ``created_at``, ``enqueued_at``,
+``started_at``, ``finished_at`` and ``train_seconds`` (the time the job spent
+in its arrays: data, memory probe, steps, per-epoch evaluation and
+measurement writes, checkpoint saves).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+ROOT = Path(__file__).resolve().parent.parent
+POSTGRES_URL = os.environ.get("PACKTUNE_BENCH_POSTGRES_URL",
+                              "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("PACKTUNE_BENCH_REDIS_URL", "redis://127.0.0.1:6379/14")
+
+
+def load_spec(path: Path) -> dict[str, Any]:
+    """The spec file as written (``packtune run`` validates it)."""
+    import yaml
+
+    spec = yaml.safe_load(path.read_text())
+    assert isinstance(spec, dict)
+    return spec
+
+
+def stored_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """The spec as the API and ``packtune run`` store it: validated, defaults filled."""
+    from service.spec import validate_spec
+
+    return validate_spec(spec).model_dump(mode="json")
+
+
+def variant(spec: dict[str, Any], packed: bool) -> dict[str, Any]:
+    """The spec packed as written, or unpacked (``packing.max_pack_size: 1``)."""
+    out = json.loads(json.dumps(spec))
+    if not packed:
+        out["packing"] = {**out.get("packing", {}), "max_pack_size": 1}
+        out["name"] = f"{out['name']}-unpacked"
+    return out
+
+
+def service_env(**settings: Any) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PACKTUNE_")}
+    env.update({f"PACKTUNE_{k.upper()}": str(v) for k, v in settings.items() if v is not None})
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "service.cli", *args]
+
+
+@dataclass
+class StudyRun:
+    """One finished study: what the bench measured and what the database says."""
+
+    mode: str
+    packed: bool
+    process_seconds: float  # around the whole command (embedded) or study creation..finish (rq)
+    study: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"mode": self.mode, "packed": self.packed,
+                "process_seconds": self.process_seconds, **self.study}
+
+
+def _seconds(a: datetime | None, b: datetime | None) -> float | None:
+    return None if a is None or b is None else (b - a).total_seconds()
+
+
+def read_study(database_url: str, study_id: int) -> dict[str, Any]:
+    """The study's wall time, packs with timings, best trial and trained units."""
+    from service.db import make_engine
+    from service.models import Pack, Study, Trial
+    from service.queries import value_of
+
+    engine = make_engine(database_url)
+    try:
+        with Session(engine) as s:
+            study = s.get(Study, study_id)
+            assert study is not None
+            t0 = study.created_at
+            packs = []
+            for p in s.scalars(sa.select(Pack).where(Pack.study_id == study_id).order_by(Pack.id)):
+                packs.append({
+                    "id": p.id, "status": str(p.status), "size": len(p.members),
+                    "created": _seconds(t0, p.created_at), "enqueued": _seconds(t0, p.enqueued_at),
+                    "started": _seconds(t0, p.started_at), "finished": _seconds(t0, p.finished_at),
+                    "train_seconds": p.train_seconds, "worker": p.worker_name,
+                })  # fmt: skip
+            best: dict[str, Any] | None = None
+            if study.best_trial_id is not None:
+                trial = s.get(Trial, study.best_trial_id)
+                assert trial is not None
+                max_r = float(study.spec["hyperband"]["max_resource"])
+                metric = study.spec["objective"]["metric"]
+                values = [value_of(m.metrics, metric) for m in trial.measurements
+                          if abs(m.resource - max_r) < 1e-9]
+                best = {"sample_index": trial.sample_index, "config": trial.config,
+                        "value": values[-1] if values else None}
+            return {
+                "study_id": study_id, "status": str(study.status),
+                "wall_seconds": _seconds(study.created_at, study.finished_at),
+                "packs": packs, "best": best,
+            }
+    finally:
+        engine.dispose()
+
+
+def breakdown(study: dict[str, Any], workers: int) -> dict[str, float]:
+    """Where the study's wall time went, from the packs' timestamps.
+
+    - ``train``: the jobs' ``train_seconds`` summed;
+    - ``in_job_other``: the rest of the jobs' started..finished (claim, load, finish);
+    - ``outside_jobs``: ``workers * wall`` minus the jobs' started..finished —
+      scheduling, dispatch, queueing, process start, idle runners;
+    - ``outside_training_share``: ``1 - train / (workers * wall)``.
+    """
+    wall = float(study["wall_seconds"] or 0.0)
+    done = [p for p in study["packs"] if p["started"] is not None and p["finished"] is not None]
+    in_jobs = sum(p["finished"] - p["started"] for p in done)
+    train = sum(p["train_seconds"] or 0.0 for p in done)
+    capacity = workers * wall
+    waits = [p["started"] - p["enqueued"] for p in done if p["enqueued"] is not None]
+    return {
+        "wall": wall, "jobs": len(study["packs"]), "train": train,
+        "in_job_other": in_jobs - train, "outside_jobs": capacity - in_jobs,
+        "outside_training_share": 1 - train / capacity if capacity else float("nan"),
+        "mean_queue_wait": sum(waits) / len(waits) if waits else 0.0,
+    }  # fmt: skip
+
+
+def run_embedded(spec: dict[str, Any], workdir: Path, device: str = "auto") -> StudyRun:
+    """``packtune run`` on a fresh SQLite file; wall time around the whole command."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    import yaml
+
+    spec_path = workdir / "spec.yaml"  # YAML: PyYAML reads JSON's 1e-06 as a string
+    spec_path.write_text(yaml.safe_dump(spec))
+    url = f"sqlite:///{workdir / 'packtune.db'}"
+    env = service_env(database_url=url, checkpoint_dir=workdir / "ckpt", device=device)
+    start = time.perf_counter()
+    proc = subprocess.run(cli("run", str(spec_path), "--top", "1"), env=env, cwd=workdir,
+                          capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"packtune run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return StudyRun("embedded", _packed(spec), seconds, read_study(url, 1))
+
+
+def _packed(spec: dict[str, Any]) -> bool:
+    return spec.get("packing", {}).get("max_pack_size") != 1
+
+
+@contextmanager
+def fresh_postgres(server_url: str = POSTGRES_URL) -> Any:
+    """A database of its own on the PostgreSQL server, dropped afterwards."""
+    name = f"packtune_bench_{uuid.uuid4().hex[:8]}"
+    admin = sa.create_engine(server_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield sa.engine.make_url(server_url).set(database=name).render_as_string(False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_rq(spec: dict[str, Any], workdir: Path, workers: int, device: str = "cpu",
+           timeout: float = 900) -> StudyRun:
+    """A study through PostgreSQL + Redis + ``packtune scheduler`` + ``workers`` workers."""
+    from service import store
+    from service.db import make_engine, session_factory, session_scope
+    from service.models import Study, StudyStatus, Worker
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    with fresh_postgres() as url:
+        env = service_env(database_url=url, redis_url=REDIS_URL, device=device,
+                          checkpoint_dir=workdir / "ckpt", queue_name=f"bench-{uuid.uuid4().hex}",
+                          heartbeat_interval=1, log_level="WARNING")  # fmt: skip
+        subprocess.run(cli("db", "upgrade"), env=env, check=True, capture_output=True)
+        log = (workdir / "service.log").open("ab")
+        procs = [subprocess.Popen(cli("scheduler"), env=env, stdout=log, stderr=log)]
+        procs += [subprocess.Popen(cli("worker", "--name", f"bench-{i}"), env=env,
+                                   stdout=log, stderr=log) for i in range(workers)]
+        engine = make_engine(url)
+        factory = session_factory(engine)
+        try:
+            deadline = time.monotonic() + 120
+            while True:  # the service is up: every worker has sent a heartbeat
+                with session_scope(factory) as s:
+                    if (s.scalar(sa.select(sa.func.count()).select_from(Worker)) or 0) >= workers:
+                        break
+                if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                    raise RuntimeError("the service did not come up; see service.log")
+                time.sleep(0.2)
+            start = time.perf_counter()
+            body = stored_spec(spec)
+            with session_scope(factory) as s:
+                study_id = store.create_study(s, name=body["name"], workload=body["workload"],
+                                              spec=body, seed=body["seed"]).id
+            final = (StudyStatus.completed, StudyStatus.failed, StudyStatus.cancelled)
+            while True:
+                with session_scope(factory) as s:
+                    study = s.get(Study, study_id)
+                    if study is not None and study.status in final:
+                        break
+                if time.monotonic() - start > timeout:
+                    raise TimeoutError(f"study {study_id} did not finish in {timeout} s")
+                time.sleep(0.1)
+            seconds = time.perf_counter() - start
+        finally:
+            _stop(procs)
+            engine.dispose()
+            log.close()
+        return StudyRun(f"rq:{workers}", _packed(spec), seconds, read_study(url, study_id))

@@ -1,0 +1,230 @@
+"""Benchmark a: trial-steps per second of k trials sharing one device, three ways.
+
+- ``fused``: packtune's fused array (``FusedArray``, mode ``auto``: hand-fused
+  ``baddbmm`` for MLPs, ``vmap`` for CNNs) — what a packed job runs;
+- ``serial``: k plain runs (``torch.optim``) one after another — what one
+  trial per job, or Optuna in one process, gives;
+- ``concurrent``: k plain runs in k processes at once on the same device —
+  what Ray Tune's fractional GPUs (``num_gpus=1/k``) give.
+
+Every variant trains the same models on the same batches, timing only the
+optimizer steps (after one warm-up step). The variants are interleaved
+(rotated per repeat) and the median of the repeats is reported.
+
+    python -m bench.fused_throughput                 # this CPU, all three workloads
+    python -m bench.fused_throughput --device cuda   # a GPU
+    python -m bench.fused_throughput --quick         # seconds: a smoke run, writes nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench import _common
+from bench._plain import PlainRun, serve, sync, timed_steps
+from worker.fused import FusedArray
+from worker.workloads import get_workload
+
+VARIANTS = ("fused", "serial", "concurrent")
+
+#: workload -> structural config used for the benchmark, per device type
+CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
+    "synthetic-mlp": {"cpu": {}, "cuda": {}},
+    "digits-cnn": {"cpu": {"channels": 16}, "cuda": {"channels": 16}},
+    "resnet-cifar": {
+        "cpu": {"width": 16, "blocks": 1, "n_train": 1024, "n_val": 256, "batch_size": 32},
+        "cuda": {"width": 16, "blocks": 1, "n_train": 5000, "n_val": 1000},
+    },
+}
+QUICK_CONFIGS: dict[str, dict[str, Any]] = {
+    "synthetic-mlp": {"n_train": 512, "n_val": 64},
+    "digits-cnn": {"channels": 4},
+    "resnet-cifar": {"width": 4, "blocks": 1, "n_train": 128, "n_val": 32, "batch_size": 32},
+}
+
+
+def member_config(base: dict[str, Any], j: int, k: int) -> dict[str, Any]:
+    """Member j of k: its own seed and learning rate (fusible), the shared structure."""
+    return {**base, "lr": 0.01 * (1 + j / k), "momentum": 0.9, "seed": 1000 + j, "data_seed": 0}
+
+
+def fused_seconds(name: str, base: dict[str, Any], k: int, steps: int, device: torch.device
+                  ) -> float:
+    workload = get_workload(name)
+    members = [(j, member_config(base, j, k)) for j in range(k)]
+    array = FusedArray(workload, members, device=device)
+    batches = [b.to(device) for b in workload.batch_indices(array.config, 0)]
+    array.train_step(batches[0])
+    sync(device)
+    start = time.perf_counter()
+    for s in range(steps):
+        array.train_step(batches[(s + 1) % len(batches)])
+    sync(device)
+    return time.perf_counter() - start
+
+
+def serial_seconds(name: str, base: dict[str, Any], k: int, steps: int, device: torch.device
+                   ) -> float:
+    total = 0.0
+    for j in range(k):
+        run = PlainRun.build(name, member_config(base, j, k), device)
+        total += timed_steps(run, steps)
+        del run
+    return total
+
+
+class Pool:
+    """Long-lived processes for the concurrent variant (started once: start-up not timed)."""
+
+    def __init__(self, size: int, threads: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conns: list[Connection] = []
+        self.procs = []
+        for _ in range(size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=serve, args=(child, threads), daemon=True)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    def seconds(self, name: str, base: dict[str, Any], k: int, steps: int, device: str) -> float:
+        """Wall time from "go" to the last process done (all k built and warmed up first)."""
+        conns = self.conns[:k]
+        for j, conn in enumerate(conns):
+            conn.send(("run", name, member_config(base, j, k), device, steps))
+        for conn in conns:
+            if conn.recv() != "ready":
+                raise RuntimeError("a concurrent process failed to start its run")
+        start = time.perf_counter()
+        for conn in conns:
+            conn.send("go")
+        for conn in conns:
+            conn.recv()
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        for conn in self.conns:
+            conn.send("exit")
+        for proc in self.procs:
+            proc.join(timeout=30)
+
+
+def calibrate(name: str, base: dict[str, Any], device: torch.device, target: float) -> int:
+    """Steps per trial so that one plain trial takes about ``target`` seconds."""
+    run = PlainRun.build(name, member_config(base, 0, 1), device)
+    per_step = timed_steps(run, 3) / 3
+    return max(3, min(300, round(target / max(per_step, 1e-6))))
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device(args.device)
+    kind = device.type
+    torch.set_num_threads(args.threads)
+    concurrent_ks = [k for k in args.ks if k <= args.max_concurrent]
+    pool = None
+    if "concurrent" in args.variants and concurrent_ks:
+        pool = Pool(max(concurrent_ks), args.threads)
+    results: dict[str, Any] = {}
+    try:
+        for name in args.workloads:
+            base = QUICK_CONFIGS[name] if args.quick else CONFIGS[name][kind]
+            steps = args.steps or calibrate(name, base, device, args.target)
+            load = _common.load_average()
+            rows: dict[str, dict[str, list[float]]] = {}
+            for ki, k in enumerate(args.ks):
+                rows[str(k)] = {v: [] for v in args.variants}
+                for rep in range(args.repeats):
+                    shift = (rep + ki) % len(args.variants)
+                    for variant in args.variants[shift:] + args.variants[:shift]:
+                        if variant == "concurrent" and k > args.max_concurrent:
+                            continue
+                        if variant == "fused":
+                            seconds = fused_seconds(name, base, k, steps, device)
+                        elif variant == "serial":
+                            seconds = serial_seconds(name, base, k, steps, device)
+                        else:
+                            assert pool is not None
+                            seconds = pool.seconds(name, base, k, steps, str(device))
+                        rows[str(k)][variant].append(k * steps / seconds)
+                medians = {v: _common.median(x) for v, x in rows[str(k)].items()}
+                print(f"{name} k={k}: " + ", ".join(f"{v} {m:.0f}" for v, m in medians.items())
+                      + " trial-steps/s", flush=True)
+            results[name] = {"config": base, "steps": steps, "load_before": load, "ks": rows}
+    finally:
+        if pool is not None:
+            pool.close()
+    return results
+
+
+def report(results: dict[str, Any], variants: list[str]) -> list[str]:
+    header = ["workload", "k", *[f"{v} (trial-steps/s)" for v in variants]]
+    ratios = [v for v in ("serial", "concurrent") if v in variants and "fused" in variants]
+    header += [f"fused / {v}" for v in ratios]
+    rows = []
+    for name, data in results.items():
+        for k, samples in data["ks"].items():
+            m = {v: _common.median(samples[v]) for v in variants}
+            rows.append([name, k, *[round(m[v]) if samples[v] else "n/a" for v in variants],
+                         *[f"{m['fused'] / m[v]:.2f}x" if samples[v] else "n/a" for v in ratios]])
+    configs = "; ".join(f"{n}: {d['config'] or 'defaults'}, {d['steps']} timed steps per trial"
+                        for n, d in results.items())
+    return [*_common.table(header, rows), "", f"Configs: {configs}."]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--workloads", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--ks", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per trial")
+    parser.add_argument("--target", type=float, default=None,
+                        help="seconds one plain trial should train (sets --steps)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per process (default: cores - 1, as workers)")
+    parser.add_argument("--max-concurrent", type=int, default=None,
+                        help="most processes for the concurrent variant (default: 32 on a GPU, "
+                             "16 on a CPU, where each process holds ~0.4 GB)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes; appends nothing")
+    parser.add_argument("--out-dir", type=Path, default=None,
+                        help="JSON here (default bench/results)")
+    parser.add_argument("--no-append", action="store_true", help="leave RESULTS.md alone")
+    args = parser.parse_args(argv)
+    args.threads = args.threads or max(1, (os.cpu_count() or 2) - 1)
+    if args.max_concurrent is None:
+        args.max_concurrent = 32 if args.device.startswith("cuda") else 16
+    if args.target is None:
+        args.target = 0.3 if args.device.startswith("cuda") else 0.4
+    if args.quick:
+        args.ks = [k for k in args.ks if k <= 2] or [1, 2]
+        args.repeats, args.steps = 1, args.steps or 2
+    load = _common.load_average()
+    info = _common.machine(args.device)
+    results = measure(args)
+    body = report(results, args.variants)
+    print("\n".join(body))
+    if args.quick and args.out_dir is None:
+        return
+    kind = "cpu" if info["device"] == "cpu" else info["device"].replace(" ", "-")
+    _common.save_json(f"fused_throughput_{kind}",
+                      {"machine": info, "date": _common.now(), "command": _common.command_line(),
+                       "threads": args.threads, "results": results}, args.out_dir)
+    if not (args.quick or args.no_append):
+        _common.append_section(
+            f"a. Fused throughput — {info['device']}", info,
+            [f"torch threads per process: {args.threads}; medians of {args.repeats} repeats, "
+             f"variants interleaved; concurrent processes up to k={args.max_concurrent}.",
+             "", *body], load)
+
+
+if __name__ == "__main__":
+    main()
