@@ -34,7 +34,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from service import lifecycle, planning, store
-from service.db import get_sessionmaker, session_scope
+from service.db import get_sessionmaker, make_engine, session_factory, session_scope
 from service.dispatch import Dispatcher, JobState, job_id_for, make_dispatcher
 from service.errors import StoreUnavailable
 from service.models import (
@@ -303,9 +303,14 @@ class Scheduler:
 
 
 def run_scheduler(stop: threading.Event | None = None) -> None:
-    """``packtune scheduler``: tick until stopped."""
-    scheduler = Scheduler()
+    """``packtune scheduler`` (and the scheduler thread of ``packtune serve``): tick until
+    stopped, on an engine of its own, so that API requests holding every pooled connection
+    of the process cannot stall it (it waited 30 s per tick under 100 clients)."""
+    settings = get_settings()
+    engine = make_engine(settings.database_url)
+    scheduler = Scheduler(settings, session_factory(engine))
     try:
         scheduler.run(stop)
     finally:
         scheduler.close()
+        engine.dispose()
