@@ -9,7 +9,9 @@ that this module (and the API process) never imports torch.
   ``packtune worker`` takes the next pack.
 - :class:`EmbeddedDispatcher` (no Redis): a single child process runs packs
   one after another. It is started with ``spawn`` so the parent (API +
-  scheduler) never loads torch or CUDA; a crashed child is replaced.
+  scheduler) never loads torch or CUDA; a crashed child is replaced, and a
+  child whose parent is gone (killed, or ended by a signal that skips its
+  clean-up) exits instead of lingering as an orphan.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from __future__ import annotations
 import enum
 import logging
 import multiprocessing
+import os
 import socket
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -102,6 +107,21 @@ class RQDispatcher:
         self.redis.close()
 
 
+def _exit_with_parent(parent: int) -> None:
+    """In the child, first thing: exit once ``parent`` is gone (the child is re-parented).
+
+    Without it, ``packtune serve`` ended by SIGTERM (uvicorn re-raises the signal, so
+    no clean-up runs) or SIGKILL left its runner idle for ever, holding ~400 MB.
+    """
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)  # a pack cut short is re-queued: its job is missing to the next scheduler
+
+    threading.Thread(target=watch, name="packtune-parent-watch", daemon=True).start()
+
+
 def _run_in_child(pack_id: int) -> str:
     from worker.jobs import run_pack  # imported in the child only
 
@@ -125,7 +145,12 @@ class EmbeddedDispatcher:
 
     def _executor(self) -> ProcessPoolExecutor:
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=self._ctx)
+            self._pool = ProcessPoolExecutor(
+                max_workers=1,
+                mp_context=self._ctx,
+                initializer=_exit_with_parent,
+                initargs=(os.getpid(),),
+            )
         return self._pool
 
     def enqueue(self, pack_id: int, job_id: str) -> None:
