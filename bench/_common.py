@@ -83,15 +83,29 @@ def now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
-def append_section(title: str, info: dict[str, Any], body: Sequence[str], load: str) -> None:
-    """Append ``## title`` with machine, command, date and load average, then ``body``."""
+def append_section(
+    title: str,
+    info: dict[str, Any],
+    body: Sequence[str],
+    load: str,
+    *,
+    command: str | None = None,
+    date: str | None = None,
+    load_after: str | None = None,
+) -> None:
+    """Append ``## title`` with machine, command, date and load average, then ``body``.
+
+    ``command``, ``date`` and ``load_after`` default to this process's (for figures
+    measured elsewhere and recorded here, they come from that run's JSON).
+    """
+    after = load_average() if load_after is None else load_after
     lines = [
         "",
         f"## {title}",
         "",
         f"- machine: {describe(info)}",
-        f"- command: `{command_line()}`",
-        f"- date: {now()}; load average (1/5/15 min) before: {load}, after: {load_average()}",
+        f"- command: `{command or command_line()}`",
+        f"- date: {date or now()}; load average (1/5/15 min) before: {load}, after: {after}",
         "",
         *body,
     ]

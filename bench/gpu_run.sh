@@ -22,7 +22,7 @@ timeout 150 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider \
 
 # 2. benchmark a: fused vs serial vs concurrent processes
 timeout "${A_TIMEOUT:-270}" python3 -m bench.fused_throughput --device cuda --repeats 2 \
-    --target 0.15 --out-dir "$OUT" --no-append 2>&1 | tee "$OUT/a_gpu.log" | tail -22
+    --target "${A_TARGET:-0.15}" --out-dir "$OUT" --no-append 2>&1 | tee "$OUT/a_gpu.log" | tail -22
 
 # 3. benchmark b: the digits-mlp study packed vs unpacked, embedded (SQLite), on the GPU
 timeout "${B_TIMEOUT:-170}" python3 -m bench.study_walltime --modes embedded --device cuda \

@@ -13,8 +13,12 @@ loop (:mod:`bench._plain`), one epoch per reported step:
   epoch so that paused trials resume (what HyperBand needs). ``ray.init`` is
   inside the timed wall: a user pays it.
 
-The runs alternate (rotated per repeat); wall time is the median. Best
-validation loss is taken over trials trained to ``max_resource``.
+Each system runs as a fresh process, as a user would run it: ``wall`` counts
+Python's start and the imports too (``packtune run``; ``python -m bench.peers
+--child optuna|ray``), and "tuning alone" is the study's own time (packtune:
+study created to finished; Optuna: ``optimize``; Ray Tune: ``ray.init`` + ``fit``).
+The runs alternate (rotated per repeat); times are medians. Best validation
+loss is taken over trials trained to ``max_resource``.
 
     python -m bench.peers
     python -m bench.peers --quick    # a tiny study; writes nothing
@@ -23,7 +27,10 @@ validation loss is taken over trials trained to ``max_resource``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -60,8 +67,9 @@ def run_packtune(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     run = run_embedded(spec, workdir)
     best = run.study["best"]
     _, epochs = hyperband_trials(spec)
-    return {"wall": run.process_seconds, "best": best["value"], "trial_epochs": epochs,
-            "best_config": best["config"], "jobs": len(run.study["packs"])}
+    return {"wall": run.process_seconds, "inner": run.study["wall_seconds"],
+            "best": best["value"], "trial_epochs": epochs, "best_config": best["config"],
+            "jobs": len(run.study["packs"])}
 
 
 def run_optuna(spec: dict[str, Any], threads: int) -> dict[str, Any]:
@@ -111,7 +119,7 @@ def run_optuna(spec: dict[str, Any], threads: int) -> dict[str, Any]:
     wall = time.perf_counter() - start
     completed = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     best = min(completed, key=lambda t: t.value if t.value is not None else float("inf"))
-    return {"wall": wall, "best": best.value, "trial_epochs": epochs,
+    return {"inner": wall, "best": best.value, "trial_epochs": epochs,
             "best_config": best.params, "completed": len(completed)}
 
 
@@ -195,8 +203,26 @@ def run_ray(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     row = finals.loc[finals["val_loss"].idxmin()]
     config = {k.split("/", 1)[1]: row[k] for k in frame.columns
               if k.startswith("config/") and not k.startswith("config/__")}
-    return {"wall": wall, "best": float(row["val_loss"]), "trial_epochs": epochs,
+    return {"inner": wall, "best": float(row["val_loss"]), "trial_epochs": epochs,
             "best_config": config, "completed": len(finals)}
+
+
+def run_child(name: str, spec: dict[str, Any], workdir: Path, threads: int) -> dict[str, Any]:
+    """Optuna or Ray Tune in a fresh Python process, as a user runs it: ``wall`` counts the
+    imports and start-up too, like ``packtune run``'s; ``inner`` is the tuning alone."""
+    spec_path = workdir / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    command = [sys.executable, "-m", "bench.peers", "--child", name, "--spec", str(spec_path),
+               "--workdir", str(workdir), "--threads", str(threads)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT"
+           "_SYNC_THRESHOLD_S": "0"}  # fmt: skip
+    start = time.perf_counter()
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, cwd=workdir)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    row: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"wall": wall, **row}
 
 
 def measure(args: argparse.Namespace, spec: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -207,12 +233,8 @@ def measure(args: argparse.Namespace, spec: dict[str, Any]) -> dict[str, list[di
             for name in args.systems[shift:] + args.systems[:shift]:
                 workdir = Path(tmp) / f"{name}{rep}"
                 workdir.mkdir()
-                if name == "packtune":
-                    row = run_packtune(spec, workdir)
-                elif name == "optuna":
-                    row = run_optuna(spec, args.threads)
-                else:
-                    row = run_ray(spec, workdir)
+                row = (run_packtune(spec, workdir) if name == "packtune"
+                       else run_child(name, spec, workdir, args.threads))
                 row["load"] = _common.load_average()
                 runs[name].append(row)
                 print(f"{name}: {row['wall']:.1f} s, best {row['best']:.4f}, "
@@ -230,9 +252,11 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> list[str]:
             ", ".join(f"{r['best']:.4f}" for r in items),
             f"{_common.median([r['trial_epochs'] for r in items]):.0f}",
             f"{walls[name] / walls['packtune']:.2f}x" if "packtune" in walls else "",
+            f"{_common.median([r['inner'] for r in items]):.1f}",
         ])  # fmt: skip
     header = ["system", "wall (s, median)", "wall per run", "best val_loss (median)",
-              "best per run", "trial-epochs trained", "wall / packtune's"]
+              "best per run", "trial-epochs trained", "wall / packtune's",
+              "tuning alone (s, median)"]
     return _common.table(header, rows)
 
 
@@ -246,7 +270,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="a tiny study; appends nothing")
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--no-append", action="store_true")
+    parser.add_argument("--child", choices=["optuna", "ray"], help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.child:  # one system's run in this fresh process; one JSON line out
+        spec = json.loads(args.spec.read_text())
+        result = (run_optuna(spec, args.threads) if args.child == "optuna"
+                  else run_ray(spec, args.workdir))
+        print(json.dumps(result, default=str))
+        return
     spec = load_spec(args.spec)
     if args.quick:
         spec["hyperband"] = {"max_resource": 3, "min_resource": 1, "eta": 3}

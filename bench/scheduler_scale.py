@@ -55,7 +55,7 @@ from service.space import fusion_key
 from worker.workloads import get_workload
 
 DEVICE_KIND = "NVIDIA H100 80GB HBM3"
-SPACE = {
+SPACE: dict[str, dict[str, Any]] = {
     "lr": {"type": "loguniform", "low": 0.001, "high": 0.5},
     "momentum": {"type": "uniform", "low": 0.0, "high": 0.95},
     "hidden": {"type": "choice", "values": [64, 128]},
@@ -150,18 +150,26 @@ def one_pass(backend: str, max_resource: int, trace: bool, max_ticks: int) -> di
                                           spec=body, seed=0).id
         scheduler = Scheduler(settings, factory=factory, dispatcher=RecordingDispatcher(),
                               holder="bench")  # fmt: skip
+        statements = [0]
+
+        def count(*_: Any) -> None:
+            statements[0] += 1
+
+        sa.event.listen(engine, "before_cursor_execute", count)
         rng = random.Random(0)
         ticks: list[dict[str, Any]] = []
         try:
             for n in range(max_ticks):
                 if trace:
                     tracemalloc.reset_peak()
+                statements[0] = 0
                 start = time.perf_counter()
                 report = scheduler.tick()
                 seconds = time.perf_counter() - start
+                issued = statements[0]
                 peak = tracemalloc.get_traced_memory()[1] if trace else None
                 finished = complete_dispatched(factory, rng)
-                ticks.append({"tick": n, "seconds": seconds, "peak_bytes": peak,
+                ticks.append({"tick": n, "seconds": seconds, "peak_bytes": peak, "sql": issued,
                               "planned": report.planned, "dispatched": report.dispatched,
                               "finished_after": finished})  # fmt: skip
                 if report.finished_studies:
@@ -183,9 +191,11 @@ def summarise(backend: str, timed: dict[str, Any], traced: dict[str, Any]) -> li
     seconds = [t["seconds"] for t in timed["ticks"]]
     busy = [t["seconds"] for t in timed["ticks"][1:] if t["dispatched"] or t["planned"]]
     peak = max((t["peak_bytes"] or 0) for t in traced["ticks"])
+    sql = [t["sql"] for t in timed["ticks"][1:]]
     return [backend, timed["trials"], timed["packs"], len(seconds), f"{seconds[0]:.2f}",
             f"{_common.median(seconds[1:]):.3f}", f"{_common.median(busy):.3f}",
-            f"{max(seconds[1:]):.3f}", f"{peak / 2**20:.0f}", timed["status"]]
+            f"{max(seconds[1:]):.3f}", f"{_common.median(sql):.0f} / {max(sql)}",
+            f"{peak / 2**20:.0f}", timed["status"]]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -216,7 +226,8 @@ def main(argv: list[str] | None = None) -> None:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     header = ["database", "trials", "packs", "ticks", "first tick (s: sampling + plan)",
               "median tick (s)", "median busy tick (s)", "max tick after the first (s)",
-              "tracemalloc peak in a tick (MiB)", "study"]
+              "SQL statements per tick (median / max)", "tracemalloc peak in a tick (MiB)",
+              "study"]
     body = [*_common.table(header, rows), "",
             f"Peak RSS of the bench process: {rss:.0f} MiB (both databases, both passes). "
             "A busy tick planned or dispatched packs; the others only reconciled and "

@@ -1,0 +1,61 @@
+"""Each benchmark's ``--quick`` mode runs to the end (tiny sizes; nothing is written).
+
+These check that the benchmark scripts still work against the code they
+measure; they time nothing. The peers and plots parts need the ``bench``
+extra and skip without it. (``study_walltime --quick`` runs two real
+studies, ~10-20 s: it is left to ``python -m bench.study_walltime --quick``;
+tests/test_e2e.py covers the same path.)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bench import _common
+
+
+@pytest.fixture(autouse=True)
+def results_untouched(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """Quick runs must not append to bench/RESULTS.md: point it at a file that must stay absent."""
+    monkeypatch.setattr(_common, "RESULTS_MD", tmp_path / "RESULTS.md")
+    yield
+    assert not (tmp_path / "RESULTS.md").exists()
+
+
+def test_fused_throughput_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import fused_throughput
+
+    fused_throughput.main(["--quick", "--workloads", "synthetic-mlp", "--max-concurrent", "1"])
+    out = capsys.readouterr().out
+    assert "| synthetic-mlp | 1 |" in out and "| synthetic-mlp | 2 |" in out
+
+
+def test_scheduler_scale_quick(tmp_path: Path) -> None:
+    from bench import scheduler_scale
+
+    scheduler_scale.main(["--quick", "--backends", "sqlite", "--out-dir", str(tmp_path)])
+    raw = json.loads((tmp_path / "scheduler_scale.json").read_text())["raw"]["sqlite"]
+    assert raw["timed"]["status"] == "completed" and raw["timed"]["trials"] == 49
+
+
+def test_peers_quick_optuna(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("optuna")
+    from bench import peers
+
+    peers.main(["--quick", "--systems", "optuna"])
+    assert "| optuna |" in capsys.readouterr().out
+
+
+def test_plots_from_quick_results(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from bench import fused_throughput, plots
+
+    fused_throughput.main(["--quick", "--workloads", "synthetic-mlp", "--variants", "fused",
+                           "serial", "--out-dir", str(tmp_path)])  # fmt: skip
+    plots.main(["--results", str(tmp_path), "--out", str(tmp_path / "png")])
+    png = tmp_path / "png" / "throughput_cpu.png"
+    assert png.read_bytes()[:4] == b"\x89PNG"
