@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Annotated
 
+import anyio
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session, sessionmaker
@@ -19,7 +20,31 @@ def get_settings_dep(request: Request) -> Settings:
     return settings
 
 
-def get_session(request: Request) -> Iterator[Session]:
+#: Requests that may hold a database session at once; below the pool's 15 connections
+#: (SQLAlchemy's 5 + 10 overflow), leaving some for /healthz and /metrics.
+DB_SLOTS = 10
+
+
+async def db_slot(request: Request) -> AsyncIterator[None]:
+    """Wait, in the event loop and holding no thread, for one of :data:`DB_SLOTS`.
+
+    Without it, 100 concurrent clients deadlocked the API until the pool's 30 s
+    timeout: every threadpool thread waited for a pooled connection, while the
+    requests holding the connections waited for a thread to validate their
+    response (FastAPI does that for sync routes in the threadpool, inside the
+    session's scope). With at most ``DB_SLOTS`` sessions open, a thread always
+    finds a connection.
+    """
+    slots: anyio.Semaphore | None = getattr(request.app.state, "db_slots", None)
+    if slots is None:
+        slots = request.app.state.db_slots = anyio.Semaphore(DB_SLOTS)
+    async with slots:
+        yield
+
+
+def get_session(
+    request: Request, _slot: Annotated[None, Depends(db_slot, scope="function")]
+) -> Iterator[Session]:
     """One session per request, committed when the route returns, rolled back if it raises.
 
     Used with ``scope="function"`` so the commit happens before the response
