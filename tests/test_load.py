@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
-from pathlib import Path
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -19,22 +19,41 @@ from service.errors import StoreUnavailable
 pytestmark = pytest.mark.slow
 
 
-def test_twenty_clients_get_no_error(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'packtune.db'}"
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, tuple[int, int, int]]]:
+    """``packtune serve`` over a 1,000-trial study, with a small study training."""
+    tmp = tmp_path_factory.mktemp("load")
+    url = f"sqlite:///{tmp / 'packtune.db'}"
     upgrade(url)
     big, trials = seed_big_study(url, 1000)
     assert trials >= 1000
     env = {k: v for k, v in os.environ.items() if not k.startswith("PACKTUNE_")}
-    env.update(PACKTUNE_DATABASE_URL=url, PACKTUNE_CHECKPOINT_DIR=str(tmp_path / "ckpt"))
-    proc, base = serve(env, tmp_path / "serve.log")
+    env.update(PACKTUNE_DATABASE_URL=url, PACKTUNE_CHECKPOINT_DIR=str(tmp / "ckpt"))
+    proc, base = serve(env, tmp / "serve.log")
     try:
         small = httpx.post(f"{base}/api/studies", json=SMALL_STUDY, timeout=30).json()["id"]
-        load = asyncio.run(run_load(base, (big, small, trials), 20, 20, 0.05, 120))
+        yield base, (big, small, trials)
     finally:
         stop(proc)
+
+
+def test_twenty_clients_get_no_error(live: tuple[str, tuple[int, int, int]]) -> None:
+    base, ids = live
+    load = asyncio.run(run_load(base, ids, 20, 20, 0.05, 120))
     assert load.errors == []
     assert sum(len(v) for v in load.latencies.values()) == 400
     assert {"summary", "leaderboard", "trials page", "curves"} <= set(load.latencies)
+
+
+def test_a_burst_of_eighty_clients_does_not_deadlock(
+    live: tuple[str, tuple[int, int, int]],
+) -> None:
+    """More requests at once than the API has threads (40) and pooled connections (15):
+    each is answered (it once waited for the 30 s pool timeout, then failed)."""
+    base, ids = live
+    load = asyncio.run(run_load(base, ids, 80, 3, 0.0, 120))
+    assert load.errors == []
+    assert sum(len(v) for v in load.latencies.values()) == 240
 
 
 def test_only_loopback_is_loaded() -> None:
