@@ -270,13 +270,24 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def append_results(args: argparse.Namespace, load: Load, ids: tuple[int, int, int]) -> None:
     total = sum(len(v) for v in load.latencies.values())
     lines = [
         "",
-        f"## Read endpoints under load ({args.clients} clients, think {args.think} s)",
+        f"## Read endpoints under load ({args.clients} client{'s' * (args.clients != 1)}, "
+        f"think {args.think} s)",
         "",
-        f"- machine: {platform.node()}, {os.cpu_count()} cores, Python "
+        f"- machine: {platform.node()}, {cpu_model()} ({os.cpu_count()} cores), Python "
         f"{platform.python_version()}; database {args.database_url or 'SQLite file'}",
         f"- command: `python -m bench.load {shlex.join(sys.argv[1:])}`",
         f"- date: {datetime.now(UTC):%Y-%m-%d %H:%M UTC}; load average after: "
