@@ -241,10 +241,10 @@ def test_redis_restarted(
         study_id = submit(engine, SPEC)
         wait_for(lambda: in_redis(engine), 90, "a job waiting in Redis", every=0.05)
         redis_server.stop()
-        # nothing can leave "queued" while Redis is down: workers cannot take jobs and the
-        # scheduler's ticks fail; a running pack may finish
+        time.sleep(1)  # a tick under way when Redis went may still commit (its enqueue fails)
+        # nothing can leave "queued" now: workers cannot take jobs and the scheduler's ticks
+        # fail before they change anything; a running pack may finish
         at_restart = pack_statuses(engine)
-        time.sleep(1)
         redis_server.start()
         assert wait_study(engine, study_id, STUDY_TIMEOUT, cluster) == "completed"
         alive = {name: proc.poll() is None for name, proc in cluster.procs.items()}
