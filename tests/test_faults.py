@@ -332,9 +332,13 @@ def test_postgres_restarted(
             every=0.25,
         )
         alive = {name: proc.poll() is None for name, proc in services.procs.items()}
+        # the heartbeat threads outlived the outage: both workers beat since it ended
+        time.sleep(2 * COMMON["heartbeat_interval"])
+        workers = httpx.get(f"{api}/api/workers", timeout=30).json()["data"]
     finally:
         services.stop_all()
         engine.dispose()
+    assert {w["name"] for w in workers if w["alive"]} == {"w1", "w2"}, workers
     print(f"database down for {outage:.1f} s while pack {pack_id} was half way")
     got = outcome(db, study_id)
     print(f"largest difference: {assert_same_outcome(got, reference):.3g}")

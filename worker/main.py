@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -77,6 +78,8 @@ class Heartbeat(threading.Thread):
 
 def run_worker(gpu: int | None = None, name: str | None = None, burst: bool = False) -> None:
     from redis import Redis
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
     from rq import Queue, SimpleWorker
 
     settings = get_settings()
@@ -86,6 +89,7 @@ def run_worker(gpu: int | None = None, name: str | None = None, burst: bool = Fa
     # while the first job imports torch it would find the module half initialised and fail
     # for seconds (longer than a short heartbeat timeout).
     import torch  # noqa: F401
+
     host = socket.gethostname()
     name = name or (f"{host}-gpu{gpu}" if gpu is not None else f"{host}-{os.getpid()}")
     os.environ[WORKER_NAME_ENV] = name
@@ -95,10 +99,23 @@ def run_worker(gpu: int | None = None, name: str | None = None, burst: bool = Fa
     send_heartbeat(name, gpu, busy=False)  # fail fast on a bad database URL
     beat = Heartbeat(name, gpu, settings.heartbeat_interval)
     beat.start()
-    rq_worker = SimpleWorker([queue], connection=redis, name=f"{name}-{uuid.uuid4().hex[:8]}")
     log.info("worker %s listening on %s", name, settings.queue_name)
+    delay = 1.0
     try:
-        rq_worker.work(burst=burst, with_scheduler=False)
+        while True:
+            # a new RQ name each time: Redis may still hold the last one's registration
+            rq_worker = SimpleWorker(
+                [queue], connection=redis, name=f"{name}-{uuid.uuid4().hex[:8]}"
+            )
+            try:
+                rq_worker.work(burst=burst, with_scheduler=False)
+                return
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                # RQ gives up on a Redis error outside its dequeue wait (e.g. in its own
+                # heartbeat); a restarting Redis must not end the worker
+                log.warning("lost Redis (%s); listening again in %.0f s", exc, delay)
+                time.sleep(delay)
+                delay = min(2 * delay, 10.0)
     finally:
         beat.stop.set()
 
