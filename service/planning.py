@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from service import store
 from service.lifecycle import rung_resource
-from service.models import Pack, PackStatus, Profile, Study, TrialStatus, Worker
+from service.models import Pack, PackMember, PackStatus, Profile, Study, TrialStatus, Worker
 from service.packing import (
     Device,
     MemoryModel,
@@ -32,6 +32,7 @@ QUEUE_DEPTH = 2
 #: memory model for a fusion key never probed on this device kind: small, so that the first
 #: pack (k <= 2 by the throughput rule) runs and its probe measures the truth
 DEFAULT_MEMORY = MemoryModel(base=256 * 2**20, per_trial=64 * 2**20)
+UNFINISHED = (PackStatus.pending, PackStatus.queued, PackStatus.running)
 #: units planned for a fusion key not yet run on the device kind (see ``_probe_first``)
 PROBE_UNITS = 2
 
@@ -55,7 +56,7 @@ def outstanding(s: Session) -> Counter[str]:
     """Packs queued or running per target device, across studies."""
     rows = s.execute(
         select(Pack.device, func.count())
-        .where(Pack.status.in_([PackStatus.pending, PackStatus.queued, PackStatus.running]))
+        .where(Pack.status.in_(UNFINISHED))
         .group_by(Pack.device)
     )
     return Counter({str(d): int(n) for d, n in rows if d is not None})
@@ -68,15 +69,31 @@ def _profiles(s: Session, workload: str, kind: str) -> dict[str, Profile]:
     return {p.fusion_key: p for p in rows}
 
 
-def _probe_first(units: list[Unit], profiles: dict[str, Profile]) -> list[Unit]:
+def _in_flight_keys(s: Session, study_id: int) -> set[str]:
+    """Fusion keys of the study's packs not yet finished."""
+    rows = s.scalars(
+        select(PackMember.fusion_key)
+        .join(Pack, Pack.id == PackMember.pack_id)
+        .where(Pack.study_id == study_id, Pack.status.in_(UNFINISHED))
+        .distinct()
+    )
+    return set(rows)
+
+
+def _probe_first(
+    units: list[Unit], profiles: dict[str, Profile], in_flight: set[str]
+) -> list[Unit]:
     """Of a fusion key never run on this device kind, plan only its :data:`PROBE_UNITS`
-    shortest units: their job probes the key's memory and throughput, and the rest waits
-    one job to be planned with the measured array sizes (arrays of the unmeasured default,
-    2, would otherwise take a whole rung, long units included)."""
+    shortest units, and none while a pack of that key is still out: that pack's job probes
+    the key's memory and throughput, and the rest waits to be planned with the measured
+    array sizes (arrays of the unmeasured default, 2, would otherwise take a whole rung,
+    long units included)."""
     measured = {key for key, p in profiles.items() if p.throughput}
     out, kept = [], Counter[str]()
     ordered = sorted(units, key=lambda u: (u.to_resource - u.from_resource, u.trial_id))
     for u in ordered:
+        if u.fusion_key not in measured and u.fusion_key in in_flight:
+            continue
         if u.fusion_key in measured or kept[u.fusion_key] < PROBE_UNITS:
             kept[u.fusion_key] += 1
             out.append(u)
@@ -105,7 +122,7 @@ def plan_study(
         Unit(t.id, t.fusion_key, t.resource_done, rung_resource(study.spec, t.bracket, t.rung))
         for t in pending
     ]
-    units = _probe_first(units, profiles)
+    units = _probe_first(units, profiles, _in_flight_keys(s, study.id))
     memory: dict[str, MemoryModel] = {}
     sizes: dict[str, int] = {}
     for key in {u.fusion_key for u in units}:
