@@ -17,6 +17,7 @@ from typing import Any
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.attributes import set_committed_value
 
 from service import store
 from service.hyperband import Rung, plan_brackets, promote, rank
@@ -148,16 +149,38 @@ def advance_brackets(s: Session, study: Study) -> Advance:
         store.record_promotions(
             s, study.id, bracket, rung, [(tid, values[tid]) for tid in sorted(chosen)]
         )
-        for t in paused:
-            if t.id in chosen:
-                t.rung = rung + 1
-                t.status = TrialStatus.pending
-                out.promoted += 1
-            else:
-                t.status = TrialStatus.stopped
-                out.stopped += 1
+        promoted = [t for t in paused if t.id in chosen]
+        stopped = [t for t in paused if t.id not in chosen]
+        _set_trials(s, promoted, rung=rung + 1, status=TrialStatus.pending)
+        _set_trials(s, stopped, status=TrialStatus.stopped)
+        out.promoted += len(promoted)
+        out.stopped += len(stopped)
     s.flush()
     return out
+
+
+#: trial ids per bulk UPDATE (SQLite's bound-parameter limit is 32,766)
+UPDATE_CHUNK = 10_000
+
+
+def _set_trials(s: Session, trials: list[Trial], **values: Any) -> None:
+    """One UPDATE per chunk of trials; the objects get the values as their loaded state.
+
+    Setting attributes on each ORM object made the flush interleave two UPDATE
+    shapes (promoted and stopped trials alternate by id), so it could not batch
+    them: at 6,561 trials one rung decision issued ~4,500 statements and took ~2 s.
+    (The ORM's own "evaluate" synchronisation of a bulk UPDATE walked every trial
+    in the session per statement: slower still.)
+    """
+    for start in range(0, len(trials), UPDATE_CHUNK):
+        chunk = [t.id for t in trials[start : start + UPDATE_CHUNK]]
+        s.execute(
+            update(Trial).where(Trial.id.in_(chunk)).values(**values),
+            execution_options={"synchronize_session": False},
+        )
+    for t in trials:
+        for key, value in values.items():
+            set_committed_value(t, key, value)
 
 
 def best_trial(s: Session, study: Study) -> tuple[int, float] | None:
