@@ -36,7 +36,13 @@ MAX_RESOURCE_LIMIT = 10_000
 MAX_TRIALS = 100_000
 RESERVED_PARAMS = frozenset({"seed", "data_seed"})
 
-Name = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=200)]
+# No control characters (a NUL cannot even be stored in PostgreSQL text).
+Name = Annotated[
+    str,
+    StringConstraints(
+        strip_whitespace=True, min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]*$"
+    ),
+]
 Resource = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
