@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -36,12 +37,17 @@ MAX_RESOURCE_LIMIT = 10_000
 MAX_TRIALS = 100_000
 RESERVED_PARAMS = frozenset({"seed", "data_seed"})
 
+def _printable(value: str) -> str:
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise ValueError("must not contain control characters")
+    return value
+
+
 # No control characters (a NUL cannot even be stored in PostgreSQL text).
 Name = Annotated[
     str,
-    StringConstraints(
-        strip_whitespace=True, min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]*$"
-    ),
+    StringConstraints(strip_whitespace=True, min_length=1, max_length=200),
+    AfterValidator(_printable),
 ]
 Resource = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
