@@ -215,6 +215,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick and args.out_dir is None:
         return
     kind = "cpu" if info["device"] == "cpu" else info["device"].replace(" ", "-")
+    if args.workloads != list(CONFIGS):  # a subset: do not overwrite the full run's figures
+        kind += "_" + "_".join(args.workloads)
     _common.save_json(f"fused_throughput_{kind}",
                       {"machine": info, "date": _common.now(), "command": _common.command_line(),
                        "threads": args.threads, "results": results}, args.out_dir)

@@ -99,7 +99,9 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     for folder in args.results:
         for path in sorted(folder.glob("fused_throughput_*.json")):
-            print(throughput_plot(json.loads(path.read_text()), args.out))
+            data = json.loads(path.read_text())
+            if len(data["results"]) > 1 or len(list(folder.glob("fused_throughput_*"))) == 1:
+                print(throughput_plot(data, args.out))  # subset reruns: not plotted over
         for path in sorted(folder.glob("study_walltime_*.json")):
             print(timeline_plot(json.loads(path.read_text()), args.out))
 
