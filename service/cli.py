@@ -6,7 +6,9 @@ line and exit non-zero; no stack traces.
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import sys
 import threading
 import time
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
+import yaml
 
 from service.errors import PacktuneError, SpecError
 from service.settings import SettingsError, get_settings
@@ -47,14 +50,26 @@ def _masked(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
 
+class _SpecLoader(yaml.SafeLoader):
+    """YAML 1.1 reads ``1e-6`` (no dot) as a string; a spec means the number."""
+
+
+_SpecLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
 def load_spec_file(path: Path) -> dict[str, Any]:
     """Read and validate a YAML/JSON spec; one-line error and exit 2 when it is wrong."""
-    import yaml
-
     from service.spec import validate_spec
 
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        raw = json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=_SpecLoader)
+    except json.JSONDecodeError as exc:
+        fail(f"{path}: not valid JSON: {exc}")
     except FileNotFoundError:
         fail(f"{path}: no such file")
     except (OSError, UnicodeDecodeError) as exc:
