@@ -53,8 +53,10 @@ LIVE_SPEC: dict[str, Any] = {
         "momentum": {"type": "uniform", "low": 0.0, "high": 0.95},
         "hidden": {"type": "choice", "values": [64, 128]},
     },
-    "hyperband": {"max_resource": 9, "min_resource": 1, "eta": 3},
-    "packing": {"enabled": True, "max_pack_size": None},
+    "hyperband": {"max_resource": 27, "min_resource": 1, "eta": 3},
+    # small packs: the study then runs as a dozen packs that the page can watch arrive
+    # (with arrays as large as the planner likes, it finished before the first poll showed it)
+    "packing": {"enabled": True, "max_pack_size": 2},
     "seed": 0,
 }
 BIG_SPEC: dict[str, Any] = {
@@ -306,8 +308,8 @@ def test_a_running_study_is_shown_live(service: dict[str, Any], page: Any) -> No
     # finally they match the API
     packs = httpx.get(f"{url}/api/studies/{study_id}/packs?limit=500", timeout=10).json()
     assert final["packs"] == packs["count"]
-    assert final["cells"] == summary["progress"]["total"] == 22  # R=9, eta=3: 9+3+1, 5+1, 3
-    assert final["curves"] == final["params"] == 17
+    assert final["cells"] == summary["progress"]["total"] == 69  # R=27, eta=3
+    assert final["curves"] == final["params"] == 49
 
 
 def test_hover_links_a_pack_to_its_trials(service: dict[str, Any], page: Any) -> None:
