@@ -44,6 +44,8 @@ from typing import Any
 
 import httpx
 
+from bench._common import cpu_model
+
 RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"
 SMALL_STUDY: dict[str, Any] = {
     "name": "load-small",
@@ -268,16 +270,6 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def append_results(args: argparse.Namespace, load: Load, ids: tuple[int, int, int]) -> None:

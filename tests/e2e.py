@@ -134,3 +134,19 @@ def check_hyperband(
             target = rungs[t["rung"]].resource
             assert math.isclose(max(curves[t["id"]]), target), (t["id"], curves[t["id"]], target)
             assert math.isclose(t["resource"], target)
+
+
+def imports_torch(code: str, database_url: str) -> bool:
+    """Run ``code`` in a fresh interpreter on ``database_url``; did it import torch?"""
+    script = f"{code}\nimport sys\nprint('torch' in sys.modules)\n"
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "PACKTUNE_DATABASE_URL": database_url},
+        cwd=Path(__file__).resolve().parents[1],
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().splitlines()[-1] == "True"
