@@ -98,7 +98,7 @@ def read_study(database_url: str, study_id: int) -> dict[str, Any]:
     """The study's wall time, packs with timings, best trial and trained units."""
     from service.db import make_engine
     from service.models import Pack, Study, Trial
-    from service.queries import value_of
+    from service.objective import value_of
 
     engine = make_engine(database_url)
     try:

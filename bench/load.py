@@ -118,6 +118,7 @@ def seed_big_study(url: str, trials: int) -> tuple[int, int]:
                     for t in alive:
                         loss = 2.0 / (1 + rung.resource) + rng.random() * 0.1
                         t.rung, t.resource_done = i, rung.resource
+                        t.measured_resource, t.objective = rung.resource, loss
                         measurements.append({"trial_id": t.id, "resource": rung.resource,
                                              "metrics": {"val_loss": loss, "train_loss": loss},
                                              "created_at": utcnow()})  # fmt: skip

@@ -117,9 +117,11 @@ def complete_dispatched(factory: sessionmaker[Session], rng: random.Random) -> i
                  "metrics": {"val_loss": 2.0 / (1 + math.log1p(r)) + rng.random()}}
                 for tid, r in to.items()]  # fmt: skip
         s.execute(sa.insert(Measurement), rows)
-        for tid, r in to.items():
-            s.execute(sa.update(Trial).where(Trial.id == tid)
-                      .values(status=TrialStatus.paused, resource_done=r))
+        for row in rows:  # what store.record_measurement keeps on the trial, for ranking
+            s.execute(sa.update(Trial).where(Trial.id == row["trial_id"])
+                      .values(status=TrialStatus.paused, resource_done=row["resource"],
+                              measured_resource=row["resource"],
+                              objective=row["metrics"]["val_loss"]))
         s.execute(sa.update(Pack).where(Pack.id.in_(ids))
                   .values(status=PackStatus.completed, started_at=store.utcnow(),
                           finished_at=store.utcnow(), train_seconds=1.0))

@@ -150,6 +150,7 @@ class Trial(Base):
         UniqueConstraint("study_id", "sample_index", name="uq_trials_study_sample"),
         Index("ix_trials_study_status", "study_id", "status"),
         Index("ix_trials_study_bracket_rung", "study_id", "bracket", "rung"),
+        Index("ix_trials_study_measured", "study_id", "measured_resource", "objective"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -163,6 +164,10 @@ class Trial(Base):
     resource_done: Mapped[float] = mapped_column(Float, default=0.0)  # cumulative resource trained
     checkpoint_path: Mapped[str | None] = mapped_column(Text, nullable=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # Copied from the measurement at the largest resource (store.record_measurement) so that
+    # the leaderboard ranks in SQL: that resource, and the objective there if finite.
+    measured_resource: Mapped[float | None] = mapped_column(Float, nullable=True)
+    objective: Mapped[float | None] = mapped_column(Float, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
 

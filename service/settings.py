@@ -73,6 +73,11 @@ class Settings(BaseSettings):
         ge=1,
         description="Fault injection: packs with more trials than this raise CUDA out-of-memory.",
     )
+    read_cache_seconds: float = Field(
+        default=1.0,
+        ge=0,
+        description="Seconds the API may serve a study GET from its micro-cache; 0 turns it off.",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         default="INFO", description="Log level."
     )

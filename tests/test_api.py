@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -418,6 +419,8 @@ def test_study_summary_progress_and_best(populated: tuple[TestClient, int, dict[
         best = store.get_study(s, study_id)
         best.best_trial_id = ids[3]
         store.set_study_status(s, best, StudyStatus.completed)
+    # Written as the scheduler would, not through the API: seen once the read cache expires.
+    time.sleep(get_settings().read_cache_seconds)
     study = client.get(f"/api/studies/{study_id}").json()
     assert study["best_trial"] == {
         "id": ids[3],

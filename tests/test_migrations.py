@@ -21,6 +21,7 @@ from service.models import Base
 
 PG_SCHEMA = "packtune_test_migrations"
 REPO = Path(__file__).resolve().parents[1]
+HEAD = "0002"
 TABLES = {table.name for table in Base.metadata.sorted_tables}
 
 
@@ -61,7 +62,7 @@ def test_upgrade_builds_the_models_schema(empty_url: str | URL) -> None:
     tables, diff, revision = inspect_db(empty_url)
     assert tables == TABLES | {"alembic_version"}
     assert diff == []
-    assert revision == "0001"
+    assert revision == HEAD
 
 
 def test_upgrade_twice_is_a_no_op(empty_url: str | URL) -> None:
@@ -74,7 +75,7 @@ def test_upgrade_twice_is_a_no_op(empty_url: str | URL) -> None:
         assert conn.execute(sa.text("SELECT holder FROM leases")).scalars().all() == ["me"]
     engine.dispose()
     tables, diff, revision = inspect_db(empty_url)
-    assert (tables, diff, revision) == (TABLES | {"alembic_version"}, [], "0001")
+    assert (tables, diff, revision) == (TABLES | {"alembic_version"}, [], HEAD)
 
 
 def test_downgrade_removes_everything(empty_url: str | URL) -> None:
@@ -122,9 +123,43 @@ def test_alembic_command_line(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> 
         check=True,
         capture_output=True,
     )
-    assert inspect_db(f"sqlite:///{db}")[1:] == ([], "0001")
+    assert inspect_db(f"sqlite:///{db}")[1:] == ([], HEAD)
 
 
 def test_upgrade_of_unreachable_database_is_store_unavailable() -> None:
     with pytest.raises(StoreUnavailable):
         upgrade("postgresql://postgres@127.0.0.1:1/test?connect_timeout=2")
+
+
+def test_0002_fills_each_trials_latest_objective(empty_url: str | URL) -> None:
+    """Trials measured before 0002 get the resource and objective of their latest measurement."""
+    command.upgrade(alembic_config(empty_url), "0001")
+    engine = make_engine(empty_url)
+    spec = '{"objective": {"metric": "acc", "mode": "max"}, "hyperband": {"max_resource": 9}}'
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "INSERT INTO studies (id, name, workload, spec, seed, status, created_at)"
+            f" VALUES (1, 's', 'digits-mlp', '{spec}', 0, 'running', '2026-11-22 00:00:00')"
+        )
+        for trial_id in (1, 2, 3):
+            conn.exec_driver_sql(
+                "INSERT INTO trials (id, study_id, sample_index, bracket, rung, config, fusion_key,"
+                " status, resource_done, created_at, updated_at) VALUES"
+                f" ({trial_id}, 1, {trial_id}, 0, 0, '{{}}', 'k', 'paused', 3,"
+                " '2026-11-22 00:00:00', '2026-11-22 00:00:00')"
+            )
+        points = [(1, 1.0, '{"acc": 0.5}'), (1, 3.0, '{"acc": 0.75}'), (2, 1.0, '{"acc": null}')]
+        for trial_id, resource, metrics in points:
+            conn.exec_driver_sql(
+                "INSERT INTO measurements (trial_id, resource, metrics, created_at)"
+                f" VALUES ({trial_id}, {resource}, '{metrics}', '2026-11-22 00:00:00')"
+            )
+    engine.dispose()
+    upgrade(empty_url)
+    engine = make_engine(empty_url)
+    with engine.connect() as conn:
+        rows = conn.exec_driver_sql(
+            "SELECT id, measured_resource, objective FROM trials ORDER BY id"
+        ).all()
+    engine.dispose()
+    assert [tuple(row) for row in rows] == [(1, 3.0, 0.75), (2, 1.0, None), (3, None, None)]

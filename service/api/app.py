@@ -30,6 +30,7 @@ from sqlalchemy import Engine
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api import dashboard, metrics, routes, system
+from service.api.cache import ReadCache
 from service.db import get_sessionmaker, make_engine, session_factory
 from service.errors import PacktuneError, SpecError
 from service.settings import Settings, get_settings
@@ -73,6 +74,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(PacktuneError, _packtune_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+    app.add_middleware(ReadCache, ttl=settings.read_cache_seconds)
     return app
 
 

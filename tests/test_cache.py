@@ -1,0 +1,149 @@
+"""The API's read micro-cache: shared answers within the ttl, single flight, reads own writes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI, HTTPException
+from fastapi.testclient import TestClient
+
+from service import store
+from service.api.app import create_app
+from service.api.cache import ReadCache
+from service.db import session_scope, upgrade
+from service.models import StudyStatus
+from service.settings import get_settings
+
+
+def counting_app(ttl: float) -> tuple[ReadCache, dict[str, int]]:
+    """A small app whose endpoints count their calls, behind the cache."""
+    app = FastAPI()
+    calls: dict[str, int] = {"item": 0, "slow": 0, "missing": 0, "write": 0}
+
+    @app.get("/api/studies/item")
+    async def item(q: str = "") -> dict[str, Any]:
+        calls["item"] += 1
+        return {"n": calls["item"], "q": q}
+
+    @app.get("/api/studies/slow")
+    async def slow() -> dict[str, Any]:
+        calls["slow"] += 1
+        await asyncio.sleep(0.2)
+        return {"n": calls["slow"]}
+
+    @app.get("/api/studies/missing")
+    async def missing() -> None:
+        calls["missing"] += 1
+        raise HTTPException(404, "no such thing")
+
+    @app.post("/api/studies/item")
+    async def write() -> dict[str, Any]:
+        calls["write"] += 1
+        return {}
+
+    @app.get("/other")
+    async def other() -> dict[str, Any]:
+        calls["item"] += 1
+        return {"n": calls["item"]}
+
+    return ReadCache(app, ttl=ttl), calls
+
+
+async def get(cache: ReadCache, path: str, method: str = "GET") -> httpx.Response:
+    transport = httpx.ASGITransport(app=cache)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        return await client.request(method, path)
+
+
+def test_identical_gets_within_the_ttl_share_one_answer() -> None:
+    cache, calls = counting_app(ttl=0.3)
+
+    async def scenario() -> None:
+        first = await get(cache, "/api/studies/item?q=a")
+        again = await get(cache, "/api/studies/item?q=a")
+        assert first.json() == again.json() == {"n": 1, "q": "a"}
+        assert again.headers["content-type"] == "application/json"
+        other_query = await get(cache, "/api/studies/item?q=b")
+        assert other_query.json() == {"n": 2, "q": "b"}
+        await asyncio.sleep(0.35)
+        assert (await get(cache, "/api/studies/item?q=a")).json() == {"n": 3, "q": "a"}
+
+    asyncio.run(scenario())
+    assert calls["item"] == 3
+
+
+def test_concurrent_identical_gets_compute_once() -> None:
+    cache, calls = counting_app(ttl=5)
+
+    async def scenario() -> list[httpx.Response]:
+        return await asyncio.gather(*(get(cache, "/api/studies/slow") for _ in range(20)))
+
+    responses = asyncio.run(scenario())
+    assert [r.json() for r in responses] == [{"n": 1}] * 20
+    assert calls["slow"] == 1
+
+
+def test_errors_other_paths_and_zero_ttl_are_not_cached() -> None:
+    cache, calls = counting_app(ttl=5)
+
+    async def scenario() -> None:
+        for _ in range(2):
+            assert (await get(cache, "/api/studies/missing")).status_code == 404
+            await get(cache, "/other")
+
+    asyncio.run(scenario())
+    assert calls["missing"] == 2 and calls["item"] == 2
+
+    off, calls = counting_app(ttl=0)
+    asyncio.run(get(off, "/api/studies/item"))
+    asyncio.run(get(off, "/api/studies/item"))
+    assert calls["item"] == 2
+
+
+def test_a_write_empties_the_cache() -> None:
+    cache, calls = counting_app(ttl=5)
+
+    async def scenario() -> None:
+        assert (await get(cache, "/api/studies/item")).json()["n"] == 1
+        await get(cache, "/api/studies/item", method="POST")
+        assert (await get(cache, "/api/studies/item")).json()["n"] == 2
+
+    asyncio.run(scenario())
+    assert calls == {"item": 2, "slow": 0, "missing": 0, "write": 1}
+
+
+@pytest.fixture
+def client(clean_env: pytest.MonkeyPatch, sqlite_url: str) -> Iterator[TestClient]:
+    clean_env.setenv("PACKTUNE_DATABASE_URL", sqlite_url)
+    clean_env.setenv("PACKTUNE_READ_CACHE_SECONDS", "30")
+    get_settings.cache_clear()
+    upgrade(sqlite_url)
+    with TestClient(create_app()) as c:
+        yield c
+    get_settings.cache_clear()
+
+
+SPEC = {
+    "name": "cached",
+    "workload": "digits-mlp",
+    "space": {"lr": {"type": "loguniform", "low": 0.001, "high": 0.1}},
+    "hyperband": {"max_resource": 9, "eta": 3},
+}
+
+
+def test_the_api_reads_its_own_writes_and_caches_other_writers(client: TestClient) -> None:
+    created = client.post("/api/studies", json=SPEC).json()
+    path = f"/api/studies/{created['id']}"
+    assert client.get(path).json()["status"] == "pending"
+    # Through the API: the next read sees it at once.
+    assert client.post(f"{path}/cancel").json()["status"] == "cancelled"
+    assert client.get(path).json()["status"] == "cancelled"
+    # Another writer (the scheduler, a worker) is seen once the entry expires (30 s here).
+    with session_scope(client.app.state.sessionmaker) as s:  # type: ignore[attr-defined]
+        store.set_study_status(s, store.get_study(s, created["id"]), StudyStatus.failed)
+    assert client.get(path).json()["status"] == "cancelled"
+    assert client.get(f"{path}?fresh=1").json()["status"] == "failed"
