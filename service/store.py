@@ -41,6 +41,7 @@ from service.models import (
     WorkerStatus,
     utcnow,
 )
+from service.objective import objective_of, value_of
 
 StatusT = TypeVar("StatusT", TrialStatus, PackStatus)
 
@@ -185,14 +186,42 @@ def count_trials_by_status(s: Session, study_id: int | None = None) -> dict[Tria
 def record_measurement(
     s: Session, trial_id: int, resource: float, metrics: dict[str, Any]
 ) -> None:
-    """Store a trial's metrics at cumulative ``resource``; a repeated report replaces them."""
+    """Store a trial's metrics at cumulative ``resource``; a repeated report replaces them.
+
+    The trial's ``measured_resource`` and ``objective`` follow its measurement
+    at the largest resource, so that the read side can rank trials in SQL.
+    """
+    resource = float(resource)
     stmt = _insert(s, Measurement).values(
-        trial_id=trial_id, resource=float(resource), metrics=metrics, created_at=utcnow()
+        trial_id=trial_id, resource=resource, metrics=metrics, created_at=utcnow()
     )
     stmt = stmt.on_conflict_do_update(
         index_elements=["trial_id", "resource"], set_={"metrics": stmt.excluded.metrics}
     )
     s.execute(stmt)
+    latest = (
+        update(Trial)
+        .where(
+            Trial.id == trial_id,
+            or_(Trial.measured_resource.is_(None), Trial.measured_resource <= resource),
+        )
+        .values(measured_resource=resource, objective=value_of(metrics, _metric_of(s, trial_id)))
+        .execution_options(synchronize_session=False)
+    )
+    s.execute(latest)
+
+
+def _metric_of(s: Session, trial_id: int) -> str:
+    """The objective metric of the trial's study (remembered for the session's lifetime)."""
+    known: dict[int, str] = s.info.setdefault("objective_metric", {})
+    if trial_id not in known:
+        spec = s.scalar(
+            select(Study.spec).join(Trial, Trial.study_id == Study.id).where(Trial.id == trial_id)
+        )
+        if spec is None:
+            raise NotFound(f"trial {trial_id} not found")
+        known[trial_id] = objective_of(spec)[0]
+    return known[trial_id]
 
 
 def measurements_of(s: Session, trial_id: int) -> list[Measurement]:
