@@ -135,3 +135,57 @@ def test_unknown_optimizer_and_missing_hyper_are_rejected():
         build_optimizer("rmsprop", params, hyper)
     with pytest.raises(ValueError, match="beta2"):
         build_optimizer("adam", params, {k: v for k, v in hyper.items() if k != "beta2"})
+
+
+def test_parameters_move_into_one_buffer_and_stay_the_callers_tensors():
+    gen = torch.Generator().manual_seed(2)
+    stacked = {n: torch.randn(K, *s, generator=gen).requires_grad_() for n, s in SHAPES.items()}
+    before = {n: p.detach().clone() for n, p in stacked.items()}
+    hyper = {key: torch.tensor(values, dtype=torch.float64) for key, values in HYPER.items()}
+    opt = build_optimizer("adam", stacked, hyper)
+    assert all(opt.params[n] is p for n, p in stacked.items())
+    assert len({p.untyped_storage().data_ptr() for p in stacked.values()}) == 1
+    assert len({t.untyped_storage().data_ptr() for slots in opt.state.values()
+                for t in slots.values()}) == 2  # exp_avg, exp_avg_sq: one buffer each
+    for n, p in stacked.items():
+        assert p.is_leaf and p.requires_grad and torch.equal(p, before[n])
+        assert p[1].is_contiguous()  # one member's slice stays contiguous
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+def test_a_parameter_without_a_gradient_is_left_alone_as_in_torch_optim(name):
+    """Steps where a parameter has no gradient leave it and its state alone; the others
+    update as torch.optim's do. (Adam's step count is per member here, per parameter
+    in torch.optim: a parameter that skipped steps gets other bias corrections later.)"""
+    gen = torch.Generator().manual_seed(3)
+    init = {n: torch.randn(K, *s, generator=gen, dtype=torch.float64) for n, s in SHAPES.items()}
+    stacked = {n: t.clone().requires_grad_() for n, t in init.items()}
+    hyper = {key: torch.tensor(values, dtype=torch.float64) for key, values in HYPER.items()}
+    opt = build_optimizer(name, stacked, hyper)
+    refs = []
+    for i in range(K):
+        params = [init[n][i].clone().requires_grad_() for n in SHAPES]
+        refs.append((params, torch_optimizer(name, params, i, False)))
+    for step in range(5):
+        skipped = {1: "b", 2: "conv", 4: "b"}.get(step)
+        grads = {n: torch.randn(K, *s, generator=gen, dtype=torch.float64)
+                 for n, s in SHAPES.items()}
+        for n, p in stacked.items():
+            p.grad = None if n == skipped else grads[n].clone()
+        if skipped is not None:
+            frozen = stacked[skipped].detach().clone(), opt.member_state(0)["state"][skipped]
+        opt.step()
+        opt.zero_grad()
+        if skipped is not None:
+            assert torch.equal(stacked[skipped], frozen[0])
+            after = opt.member_state(0)["state"][skipped]
+            assert all(torch.equal(after[key], t) for key, t in frozen[1].items())
+        for i, (params, ref) in enumerate(refs):
+            for n, p in zip(SHAPES, params, strict=True):
+                p.grad = None if n == skipped else grads[n][i].clone()
+            ref.step()
+    compared = list(SHAPES) if name == "sgd" else ["w"]  # "w" has a gradient at every step
+    for i, (params, _) in enumerate(refs):
+        for n, p in zip(SHAPES, params, strict=True):
+            if n in compared:
+                assert torch.allclose(stacked[n][i], p, rtol=1e-14, atol=1e-14), (name, n, i)

@@ -4,23 +4,8 @@ Each member's model is built exactly as a plain run would build it
 (``torch.manual_seed(config["seed"])`` then ``workload.build_model``), and the
 members' parameters and buffers are stacked with
 ``torch.func.stack_module_state``: every tensor becomes ``[k, ...]``, the
-BatchNorm running statistics included. Three ways to run the stack:
-
-- ``vmap``: ``torch.func.vmap(functional_call)`` over the stacked tensors with
-  the shared batch (``in_dims=None``). BatchNorm in train mode updates its
-  running statistics in place; because the statistics are themselves stacked
-  (batched, not a plain tensor receiving a batched update, which vmap
-  refuses), each member's slice gets its own update, exactly as in a plain
-  run. ``torch.func.replace_all_batch_norm_modules_`` is *not* used: it stops
-  tracking the statistics, and eval-mode results would then differ.
-- ``bmm``: hand-fused for ``nn.Sequential`` stacks of Linear, BatchNorm1d,
-  element-wise activations, Dropout and Flatten. Linear layers are
-  ``torch.baddbmm`` over ``[k, B, in]`` activations (the shared input is
-  expanded, not copied); BatchNorm runs as one ``F.batch_norm`` over ``k*C``
-  channels. (One ``[B, in] @ [in, k*out]`` matmul for the first layer measured
-  no faster, and its rounding would depend on the companions.)
-- ``serial``: k separate models, one after another (the baseline, and what
-  the planner picks where fusion measured slower, e.g. CNNs on a CPU).
+BatchNorm running statistics included, and run by one of the forward passes
+of :mod:`worker.fused_forward` (``bmm``, ``vmap`` or ``serial``).
 
 ``mode="auto"`` takes ``bmm`` where the model allows it, else ``vmap`` (or
 ``serial`` for a single member). Train/eval mode is set on one shared
@@ -47,199 +32,21 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, stack_module_state, vmap
-from torch.nn import functional as F
+from torch.func import stack_module_state
 
-from worker.optim import OPTIMIZER_HYPER, StackedOptimizer, build_optimizer
+from worker.fused_forward import Forward, bmm_forward, bmm_plan, single_forward, vmap_forward
+from worker.fused_group import Group
+from worker.optim import OPTIMIZER_HYPER, build_optimizer
 from worker.workloads.base import OPTIMIZER_PARAMS, OPTIMIZER_STRUCTURAL, Split, Workload
 
 Mode = Literal["auto", "vmap", "bmm", "serial"]
-Forward = Callable[[dict[str, Tensor], dict[str, Tensor], Tensor], Tensor]
 
-# Modules that act element-wise, so they apply unchanged to ``[k, B, F]``.
-_POINTWISE = (
-    nn.Identity, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
-    nn.Mish, nn.Tanh, nn.Sigmoid, nn.Softplus, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid,
-    nn.Dropout, nn.AlphaDropout,
-)  # fmt: skip
 _RNG_MIX = 6364136223846793005  # Knuth's MMIX multiplier, to fold member draws into one seed
-#: On a CPU, arrays up to this size compute their members' losses one call each: vmap's fixed
-#: cost per call exceeded a loop of k plain calls there (k=8: 236 vs 275 us with backward).
-LOOP_LOSS_MAX = 8
 #: Steps between divergence checks on a GPU. A check reads the device (a synchronisation that
 #: stops the host from queueing the next steps); the first non-finite step of each member is
 #: recorded on the device meanwhile, so the recorded step is exact either way. On a CPU every
 #: step is checked: there the read costs nothing.
 CUDA_CHECK_EVERY = 16
-
-
-def bmm_plan(model: nn.Module) -> list[tuple[str, nn.Module, str]] | None:
-    """``(kind, module, name prefix)`` steps of a hand-fusable model, or ``None``.
-
-    Fusable: an ``nn.Sequential`` (nested ones too) of Linear, BatchNorm1d
-    with a momentum, element-wise activations, Dropout and ``Flatten()``.
-    """
-    steps: list[tuple[str, nn.Module, str]] = []
-
-    def walk(module: nn.Module, prefix: str) -> bool:
-        if isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward:
-            return all(walk(child, f"{prefix}{name}.") for name, child in module.named_children())
-        if isinstance(module, nn.Linear):
-            steps.append(("linear", module, prefix))
-        elif isinstance(module, nn.BatchNorm1d) and module.momentum is not None:
-            steps.append(("batch_norm", module, prefix))
-        elif isinstance(module, nn.Flatten) and (module.start_dim, module.end_dim) == (1, -1):
-            steps.append(("flatten", module, prefix))
-        elif type(module) in _POINTWISE:
-            steps.append(("pointwise", module, prefix))
-        else:
-            return False
-        return True
-
-    return steps if walk(model, "") else None
-
-
-def _stacked_batch_norm(
-    h: Tensor, bn: nn.BatchNorm1d, params: dict[str, Tensor], buffers: dict[str, Tensor], pre: str
-) -> Tensor:
-    """BatchNorm1d of ``[k, B, C, ...]`` as one ``F.batch_norm`` over ``k*C`` channels."""
-    k, batch, channels = h.shape[:3]
-    track = bn.track_running_stats
-    if bn.training and track:
-        buffers[pre + "num_batches_tracked"].add_(1)
-    running_mean = buffers[pre + "running_mean"].view(-1) if track else None
-    running_var = buffers[pre + "running_var"].view(-1) if track else None
-    weight = params[pre + "weight"].reshape(-1) if bn.affine else None
-    bias = params[pre + "bias"].reshape(-1) if bn.affine else None
-    flat = h.movedim(0, 1).reshape(batch, k * channels, *h.shape[3:])
-    out = F.batch_norm(
-        flat, running_mean, running_var, weight, bias,
-        bn.training or not track, bn.momentum or 0.0, bn.eps,
-    )  # fmt: skip
-    return out.reshape(batch, k, channels, *h.shape[3:]).movedim(1, 0)
-
-
-class _StackedLinear(torch.autograd.Function):
-    """``h @ w.mT + b`` over stacks (``h [k, B, in]``, ``w [k, out, in]``, ``b [k, out]``).
-
-    Autograd's own backward of ``baddbmm(b, h, w.mT)`` computes the weight
-    gradient as ``h.mT @ g`` and transposes it, and accumulating that transposed
-    ``[k, in, out]`` into ``w.grad`` copies it: on a CPU the strided copy cost
-    more than the matrix product. Here it is ``g.mT @ h``, already in ``w``'s
-    layout (the same sums; equal to the bit on the CPUs tested).
-    """
-
-    @staticmethod
-    def forward(ctx: Any, h: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-        ctx.save_for_backward(h, w)
-        ctx.has_bias = b is not None
-        return torch.bmm(h, w.mT) if b is None else torch.baddbmm(b.unsqueeze(1), h, w.mT)
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
-        h, w = ctx.saved_tensors
-        grad_h = torch.bmm(g, w) if ctx.needs_input_grad[0] else None
-        grad_w = torch.bmm(g.mT, h) if ctx.needs_input_grad[1] else None
-        grad_b = g.sum(1) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_h, grad_w, grad_b
-
-
-def bmm_forward(plan: list[tuple[str, nn.Module, str]]) -> Forward:
-    """Forward of a stack following ``plan``: shared ``[B, ...]`` in, ``[k, B, ...]`` out."""
-
-    def forward(params: dict[str, Tensor], buffers: dict[str, Tensor], x: Tensor) -> Tensor:
-        k = next(iter(params.values())).shape[0]
-        h, shared = x, True  # shared: still the one input every member sees
-        for kind, module, pre in plan:
-            if kind == "flatten":
-                h = h.flatten(1 if shared else 2)
-                continue
-            if shared:
-                h, shared = h.expand(k, *h.shape), False
-            if kind == "linear":
-                h = _StackedLinear.apply(h, params[pre + "weight"], params.get(pre + "bias"))
-            elif kind == "batch_norm":
-                assert isinstance(module, nn.BatchNorm1d)
-                h = _stacked_batch_norm(h, module, params, buffers, pre)
-            else:
-                h = module(h)
-        return h.expand(k, *h.shape) if shared else h
-
-    return forward
-
-
-def vmap_forward(template: nn.Module) -> Forward:
-    """``vmap`` of ``functional_call`` over stacked params and buffers, input shared."""
-
-    def one(params: dict[str, Tensor], buffers: dict[str, Tensor], x: Tensor) -> Tensor:
-        return functional_call(template, (params, buffers), (x,))
-
-    return vmap(one, in_dims=(0, 0, None), randomness="different")  # type: ignore[no-any-return]
-
-
-def single_forward(template: nn.Module) -> Forward:
-    """A plain call of one member (stack of 1), for serial mode: no vmap overhead."""
-
-    def forward(params: dict[str, Tensor], buffers: dict[str, Tensor], x: Tensor) -> Tensor:
-        sliced = ({n: p[0] for n, p in params.items()}, {n: b[0] for n, b in buffers.items()})
-        return functional_call(template, sliced, (x,)).unsqueeze(0)
-
-    return forward
-
-
-class Group:
-    """Members trained as one stack: all of an array's (fused) or one (serial)."""
-
-    def __init__(
-        self,
-        keys: list[Hashable],
-        params: dict[str, Tensor],
-        buffers: dict[str, Tensor],
-        optimizer: StackedOptimizer,
-        forward: Forward,
-    ) -> None:
-        self.keys, self.params, self.buffers = keys, params, buffers
-        self.optimizer, self.forward = optimizer, forward
-        self.loss_sum = torch.zeros(len(keys), dtype=torch.float64, device=_device_of(params))
-        # per member: 0 while every loss was finite, else the first step whose loss was not
-        self.bad_step = torch.zeros(len(keys), dtype=torch.long, device=self.loss_sum.device)
-
-    def note_finite(self, losses: Tensor, step: int) -> None:
-        """Record ``step`` for members whose loss is not finite for the first time (no sync)."""
-        first = ~torch.isfinite(losses) & (self.bad_step == 0)
-        self.bad_step = torch.where(first, step, self.bad_step)
-
-    def step(self, x: Tensor, y: Tensor, loss: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
-        """One optimizer step on the batch; the members' ``[k]`` losses, detached."""
-        out = self.forward(self.params, self.buffers, x)
-        k = len(self.keys)
-        if k == 1:
-            losses = loss(out[0], y).unsqueeze(0)
-        elif k <= LOOP_LOSS_MAX and out.device.type == "cpu":
-            losses = torch.stack([loss(out[i], y) for i in range(k)])
-        else:
-            losses = vmap(loss, in_dims=(0, None))(out, y)
-        losses.sum().backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-        losses = losses.detach()
-        self.loss_sum += losses
-        return losses
-
-    def keep(self, index: list[int]) -> None:
-        """Keep members ``index`` (dropping the others' slices everywhere)."""
-        idx = torch.tensor(index, dtype=torch.long, device=self.loss_sum.device)
-        self.keys = [self.keys[i] for i in index]
-        self.params = {n: p.detach()[idx].requires_grad_(p.requires_grad) for n, p in
-                       self.params.items()}
-        self.buffers = {n: b[idx] for n, b in self.buffers.items()}
-        self.optimizer.select(index, self.params)
-        self.loss_sum = self.loss_sum[idx]
-        self.bad_step = self.bad_step[idx]
-
-
-def _device_of(tensors: Mapping[str, Tensor]) -> torch.device:
-    return next(iter(tensors.values())).device
 
 
 def hyper_tensors(configs: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
@@ -405,7 +212,7 @@ class FusedArray:
         for group in self.groups:
             if self.stochastic:
                 self._reseed(group)
-            group.note_finite(group.step(x, y, self.workload.loss), self.step + 1)
+            group.step(x, y, self.workload.loss, self.step + 1)
         self.step += 1
         if self.step % self.check_every == 0:
             self.check_divergence()
@@ -414,7 +221,7 @@ class FusedArray:
         """Drop the members whose loss was not finite at some step (one device read)."""
         if not self.groups:
             return
-        bad = torch.cat([group.bad_step for group in self.groups]).tolist()
+        bad = [step for group in self.groups for step in group.losses.bad_steps()]
         if not any(bad):
             return
         start = 0
@@ -437,12 +244,12 @@ class FusedArray:
 
     def reset_train_loss(self) -> None:
         for group in self.groups:
-            group.loss_sum.zero_()
+            group.losses.reset()
 
     def train_loss(self, steps: int) -> dict[Hashable, float]:
         """Each member's summed step losses since :meth:`reset_train_loss`, over ``steps``."""
         return {key: float(total) / max(steps, 1) for group in self.groups
-                for key, total in zip(group.keys, group.loss_sum.tolist(), strict=True)}
+                for key, total in zip(group.keys, group.losses.totals(), strict=True)}
 
     @torch.no_grad()
     def evaluate(self) -> dict[Hashable, dict[str, float]]:

@@ -3,17 +3,27 @@
 ``torch.optim`` takes one learning rate per parameter group and rejects the
 per-trial ``[k]`` tensors a fused array needs, so SGD, Adam and AdamW are
 written here for stacked parameters. Each hyperparameter is a ``[k]`` float64
-tensor; per-member scalars (bias corrections, step sizes) are computed in
-float64, like torch.optim's Python floats, then cast to the parameter's dtype
-and viewed as ``[k, 1, ...]`` so they broadcast over one member's slice.
+tensor; per-member scalars (bias corrections, step sizes) are computed from
+Python floats, like torch.optim's, then cast to the parameter's dtype as
+``[k, 1]`` tensors that broadcast over one member's row.
+
+The optimizer moves its parameters into one ``[k, N]`` buffer per dtype
+(:mod:`worker.flat`; the tensors stay the caller's objects) and keeps its
+state in buffers of the same layout. When every parameter has a gradient, a
+step copies the gradients into one such buffer and updates the whole array
+with a handful of ops (SGD: 2-4, Adam: 8-9), instead of that many per
+parameter; otherwise each parameter with a gradient is updated on its own
+columns, and those without one are left alone, as torch.optim does.
 
 The update rules follow torch.optim's single-tensor implementations step for
 step (SGD with dampening 0; Adam's L2 weight decay added to the gradient;
 AdamW's decoupled decay), so each member matches its own ``torch.optim`` run
-to float rounding. Nothing here calls ``.item()``: a step is pure tensor work.
+to float rounding. Nothing here reads a device tensor: a step is pure tensor work.
 
 Every member carries its own ``step`` count, so a resumed trial (step 30) and
-a fresh one (step 0) can share an array. SGD's first step copies the gradient
+a fresh one (step 0) can share an array. (One count per member: torch.optim's
+Adam counts per parameter, which differs only where a parameter skips steps
+without a gradient.) SGD's first step copies the gradient
 into the momentum buffer, as torch.optim does, for members whose step is 0.
 """
 
@@ -26,32 +36,32 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from worker.flat import flatten_
+
 OPTIMIZER_HYPER = ("lr", "momentum", "weight_decay", "beta1", "beta2", "eps")
 """The fusible optimizer hyperparameters: per-trial ``[k]`` tensors in an array."""
 
 MemberState = dict[str, Any]
 """One member's optimizer state: ``{"step": float, "state": {param: {key: Tensor}}}``."""
 
-
-def _per_member(values: Tensor, like: Tensor) -> Tensor:
-    """``[k]`` values as ``[k, 1, ...]`` in ``like``'s dtype, to broadcast over ``like``."""
-    return values.to(like.dtype).view(-1, *([1] * (like.dim() - 1)))
+Slots = dict[str, Tensor]
+"""State buffers by key (``exp_avg``...), ``[k, n]`` columns of the flat state."""
 
 
-Views = dict[tuple[str, int, torch.dtype], Tensor]
+class Columns:
+    """Per-member ``[k, 1]`` values in one dtype and device, computed once per step or array."""
 
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        self.cache: dict[str, Tensor] = {}
 
-def _view(cache: Views, name: str, make: Callable[[], Tensor], like: Tensor) -> Tensor:
-    """``_per_member(make(), like)``, computed once per (name, dim, dtype) in ``cache``.
-
-    A step casts each per-member value once per parameter shape class instead of
-    once per parameter: on a GPU every cast is a kernel launch.
-    """
-    key = (name, like.dim(), like.dtype)
-    view = cache.get(key)
-    if view is None:
-        view = cache[key] = _per_member(make(), like)
-    return view
+    def get(self, name: str, values: Callable[[], Sequence[float] | Tensor]) -> Tensor:
+        column = self.cache.get(name)
+        if column is None:
+            made = values()
+            column = torch.as_tensor(made, dtype=torch.float64, device=self.device)
+            column = self.cache[name] = column.to(self.dtype).view(-1, 1)
+        return column
 
 
 class StackedOptimizer(abc.ABC):
@@ -66,8 +76,7 @@ class StackedOptimizer(abc.ABC):
         hyper: Mapping[str, Tensor],
         states: Sequence[MemberState | None] | None = None,
     ) -> None:
-        self.params = dict(params)
-        first = next(iter(self.params.values()))
+        first = next(iter(params.values()))
         k, device = first.shape[0], first.device
         missing = set(self.hyper_keys) - set(hyper)
         if missing:
@@ -79,26 +88,43 @@ class StackedOptimizer(abc.ABC):
         states = list(states) if states is not None else [None] * k
         if len(states) != k:
             raise ValueError(f"{len(states)} member states for an array of {k}")
-        self.step_count = torch.tensor(
-            [float(s["step"]) if s else 0.0 for s in states], dtype=torch.float64, device=device
-        )
-        self.constants: Views = {}  # casts of the hyperparameters, until select()
+        self.steps = [float(s["step"]) if s else 0.0 for s in states]
+        self._count_on(device)
+        self._place(params)
+        with torch.no_grad():
+            for i, s in enumerate(states):
+                if s is None:
+                    continue
+                for name, slots in self.state.items():
+                    for key, t in slots.items():
+                        t[i].copy_(s["state"][name][key])
+
+    def _count_on(self, device: torch.device) -> None:
+        """Python copies of the hyperparameters; the steps also on ``device`` if not a CPU."""
+        self.values = {key: v.tolist() for key, v in self.hyper.items()}
+        self.step_tensor = None if device.type == "cpu" else torch.tensor(
+            self.steps, dtype=torch.float64, device=device)
+
+    def _place(self, params: Mapping[str, Tensor], flat_state: list[Slots] | None = None) -> None:
+        """Flatten ``params`` and view ``flat_state`` (zeros if ``None``) per parameter."""
+        self.params = dict(params)
+        self.stacks = flatten_(self.params)
+        self.flat_state = flat_state or [
+            {key: stack.zeros() for key in self.state_keys} for stack, _ in self.stacks
+        ]
+        self.grads = [stack.empty() for stack, _ in self.stacks]
+        self.state: dict[str, Slots] = {}
+        for (stack, _), slots in zip(self.stacks, self.flat_state, strict=True):
+            for j, name in enumerate(stack.names):
+                self.state[name] = {key: stack.view(t, j) for key, t in slots.items()}
+        self.constants = {(stack.dtype, stack.device): Columns(stack.dtype, stack.device)
+                          for stack, _ in self.stacks}  # casts of the hyperparameters
         wd = self.hyper.get("weight_decay")
         self.decay = wd is not None and bool((wd != 0).any())  # else decay steps are skipped
-        self.state: dict[str, dict[str, Tensor]] = {}
-        for name, p in self.params.items():
-            slots = {}
-            for key in self.state_keys:
-                slices = [
-                    s["state"][name][key].to(p.device, p.dtype) if s else torch.zeros_like(p[0])
-                    for s in states
-                ]
-                slots[key] = torch.stack(slices).detach()
-            self.state[name] = slots
 
     @property
     def size(self) -> int:
-        return int(self.step_count.shape[0])
+        return len(self.steps)
 
     def zero_grad(self) -> None:
         for p in self.params.values():
@@ -107,17 +133,35 @@ class StackedOptimizer(abc.ABC):
     @torch.no_grad()
     def step(self) -> None:
         """One update of every member that has a gradient."""
-        self.step_count += 1
-        self._update()
+        self.steps = [s + 1 for s in self.steps]
+        if self.step_tensor is not None:
+            self.step_tensor += 1
+        for (stack, buffer), grads, slots in zip(self.stacks, self.grads, self.flat_state,
+                                                 strict=True):
+            const = self.constants[stack.dtype, stack.device]
+            per_step = Columns(stack.dtype, stack.device)
+            given = [self.params[name].grad for name in stack.names]
+            present = [g for g in given if g is not None]
+            if len(present) == len(given):
+                self._update(buffer, stack.pack(present, grads), slots, const, per_step)
+                continue
+            for cols, g in zip(stack.spans, given, strict=True):
+                if g is not None:  # torch.optim skips parameters without a gradient
+                    self._update(buffer[:, cols], g.reshape(stack.k, -1).clone(),
+                                 {key: t[:, cols] for key, t in slots.items()}, const, per_step)
 
     @abc.abstractmethod
-    def _update(self) -> None:
-        """Apply one step; ``self.step_count`` already counts it."""
+    def _update(self, p: Tensor, grad: Tensor, state: Slots, const: Columns,
+                per_step: Columns) -> None:
+        """Update ``p`` (``[k, n]`` columns, in place) from ``grad`` (the same shape, scratch:
+        it may be overwritten) and its ``state`` columns; ``self.steps`` counts this step.
+        ``const`` caches hyperparameter columns for the array's life, ``per_step`` for this step.
+        """
 
     def member_state(self, i: int) -> MemberState:
         """Member ``i``'s state, detached and copied to the CPU (for checkpoints)."""
         return {
-            "step": float(self.step_count[i]),
+            "step": self.steps[i],
             "state": {
                 name: {key: t[i].detach().to("cpu", copy=True) for key, t in slots.items()}
                 for name, slots in self.state.items()
@@ -126,14 +170,12 @@ class StackedOptimizer(abc.ABC):
 
     def select(self, keep: Sequence[int], params: Mapping[str, Tensor]) -> None:
         """Keep members ``keep`` (in that order); ``params`` are the array's new leaves."""
-        index = torch.as_tensor(list(keep), dtype=torch.long, device=self.step_count.device)
-        self.params = dict(params)
+        index = torch.as_tensor(list(keep), dtype=torch.long, device=self.hyper["lr"].device)
         self.hyper = {key: v[index] for key, v in self.hyper.items()}
-        self.constants = {}
-        self.step_count = self.step_count[index]
-        self.state = {
-            name: {key: t[index] for key, t in slots.items()} for name, slots in self.state.items()
-        }
+        self.steps = [self.steps[i] for i in keep]
+        self._count_on(index.device)
+        flat_state = [{key: t[index] for key, t in slots.items()} for slots in self.flat_state]
+        self._place(params, flat_state)
 
 
 class StackedSGD(StackedOptimizer):
@@ -146,25 +188,27 @@ class StackedSGD(StackedOptimizer):
         super().__init__(*args, **kwargs)
         self.nesterov = nesterov
 
-    def _update(self) -> None:
-        lr, momentum, wd = self.hyper["lr"], self.hyper["momentum"], self.hyper["weight_decay"]
-        # torch.optim starts the buffer as a copy of the first gradient: with the
-        # buffer at zero, scaling it by 0 on a member's first step gives exactly that.
-        started = momentum * (self.step_count > 1)
-        const, step = self.constants, Views()
-        for name, p in self.params.items():
-            if p.grad is None:
-                continue
-            grad = p.grad
-            if self.decay:  # adding 0 * p would change nothing: skip it when every wd is 0
-                grad = grad.addcmul(p, _view(const, "wd", lambda: wd, p))
-            buf = self.state[name]["momentum_buffer"]
-            buf.mul_(_view(step, "started", lambda: started, p)).add_(grad)
-            if self.nesterov:
-                grad = grad.addcmul(buf, _view(const, "momentum", lambda: momentum, p))
-            else:
-                grad = buf
-            p.addcmul_(grad, _view(const, "-lr", lambda: -lr, p))
+    def _update(self, p: Tensor, grad: Tensor, state: Slots, const: Columns,
+                per_step: Columns) -> None:
+        h = self.hyper
+        momentum = const.get("momentum", lambda: h["momentum"])
+        if min(self.steps) <= 1:
+            # torch.optim starts the buffer as a copy of the first gradient: with the
+            # buffer at zero, scaling it by 0 on a member's first step gives exactly that.
+            started = [m if s > 1 else 0.0 for m, s in zip(self.values["momentum"], self.steps,
+                                                             strict=True)]
+            momentum_now = per_step.get("started", lambda: started)
+        else:
+            momentum_now = momentum
+        if self.decay:  # adding 0 * p would change nothing: skip it when every wd is 0
+            grad.addcmul_(p, const.get("wd", lambda: h["weight_decay"]))
+        buf = state["momentum_buffer"]
+        torch.addcmul(grad, buf, momentum_now, out=buf)  # buf * momentum + grad
+        if self.nesterov:
+            update = grad.addcmul_(buf, momentum)
+        else:
+            update = buf
+        p.addcmul_(update, const.get("-lr", lambda: -h["lr"]))
 
 
 class StackedAdam(StackedOptimizer):
@@ -177,30 +221,37 @@ class StackedAdam(StackedOptimizer):
         super().__init__(*args, **kwargs)
         self.decoupled = decoupled
 
-    def _update(self) -> None:
+    def _update(self, p: Tensor, grad: Tensor, state: Slots, const: Columns,
+                per_step: Columns) -> None:
         h = self.hyper
-        lr, beta1, beta2, eps, wd = h["lr"], h["beta1"], h["beta2"], h["eps"], h["weight_decay"]
-        neg_step_size = -(lr / (1 - beta1**self.step_count))
-        bias_correction2_sqrt = (1 - beta2**self.step_count).sqrt()
-        const, step = self.constants, Views()
-        for name, p in self.params.items():
-            if p.grad is None:
-                continue
-            grad = p.grad
-            if self.decoupled:
-                if self.decay:  # multiplying by 1 - lr * 0 would change nothing
-                    p.mul_(_view(const, "1-lr*wd", lambda: 1 - lr * wd, p))
-            elif self.decay:
-                grad = grad.addcmul(p, _view(const, "wd", lambda: wd, p))
-            exp_avg, exp_avg_sq = self.state[name]["exp_avg"], self.state[name]["exp_avg_sq"]
-            exp_avg.lerp_(grad, _view(const, "1-beta1", lambda: 1 - beta1, p))
-            exp_avg_sq.mul_(_view(const, "beta2", lambda: beta2, p)).addcmul_(
-                grad, grad * _view(const, "1-beta2", lambda: 1 - beta2, p)
-            )
-            denom = (exp_avg_sq.sqrt() / _view(step, "bc2", lambda: bias_correction2_sqrt, p)).add_(
-                _view(const, "eps", lambda: eps, p)
-            )
-            p.addcmul_(exp_avg / denom, _view(step, "-step_size", lambda: neg_step_size, p))
+        if self.decoupled:
+            if self.decay:  # multiplying by 1 - lr * 0 would change nothing
+                p.mul_(const.get("1-lr*wd", lambda: 1 - h["lr"] * h["weight_decay"]))
+        elif self.decay:
+            grad.addcmul_(p, const.get("wd", lambda: h["weight_decay"]))
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg.lerp_(grad, const.get("1-beta1", lambda: 1 - h["beta1"]))
+        # exp_avg_sq * beta2 + (1 - beta2) * grad * grad, as torch.optim rounds it
+        square = grad.mul_(grad * const.get("1-beta2", lambda: 1 - h["beta2"]))
+        torch.addcmul(square, exp_avg_sq, const.get("beta2", lambda: h["beta2"]), out=exp_avg_sq)
+        bc2_sqrt, neg_step_size = self._bias_corrections(per_step)
+        denom = exp_avg_sq.sqrt().div_(bc2_sqrt).add_(const.get("eps", lambda: h["eps"]))
+        p.addcmul_(torch.div(exp_avg, denom, out=denom), neg_step_size)
+
+    def _bias_corrections(self, per_step: Columns) -> tuple[Tensor, Tensor]:
+        """Per member: ``sqrt(1 - beta2**step)`` and ``-lr / (1 - beta1**step)``.
+
+        On a CPU in Python floats, as torch.optim computes them; elsewhere as
+        float64 ops on the device (a Python value would be copied to it each step).
+        """
+        if self.step_tensor is None:
+            lr, beta1, beta2 = (self.values[key] for key in ("lr", "beta1", "beta2"))
+            bc2 = [(1 - b**s) ** 0.5 for b, s in zip(beta2, self.steps, strict=True)]
+            nss = [-(a / (1 - b**s)) for a, b, s in zip(lr, beta1, self.steps, strict=True)]
+            return per_step.get("bc2", lambda: bc2), per_step.get("-step_size", lambda: nss)
+        h, steps = self.hyper, self.step_tensor
+        return (per_step.get("bc2", lambda: (1 - h["beta2"] ** steps).sqrt()),
+                per_step.get("-step_size", lambda: -(h["lr"] / (1 - h["beta1"] ** steps))))
 
 
 def build_optimizer(
@@ -217,6 +268,7 @@ def build_optimizer(
     has already rounded ``lr=0.1`` to 0.10000000149.
     ``states`` optionally gives each member's exported state (``None`` for a
     fresh member), so an array can resume trials that trained elsewhere.
+    ``params`` are moved into the optimizer's flat buffers (:mod:`worker.flat`).
     """
     if name == "sgd":
         return StackedSGD(params, hyper, states, nesterov=nesterov)

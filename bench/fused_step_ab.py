@@ -1,0 +1,95 @@
+"""A/B of one fused step against k plain steps, interleaved in one process.
+
+``fused_throughput`` times whole variants one after another, so on a shared
+machine a burst of other work lands on one variant and not the other. Here
+one fused array of k and k plain runs (``torch.optim``, the same workload
+code) are built once, then timed in short alternating blocks: each pair is
+a fused block of ``--steps`` steps and the k plain runs' ``--steps`` steps
+each, back to back. Reported: the per-pair ratio (plain time / fused time,
+i.e. fused trial-steps/s over serial trial-steps/s) and its median.
+
+    python -m bench.fused_step_ab --workload synthetic-mlp --k 8 --pairs 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from bench._plain import PlainRun, cycle
+from bench.fused_throughput import CONFIGS, member_config
+from worker.fused import FusedArray
+from worker.workloads import get_workload
+
+#: CPU time of this thread (torch runs one thread here): another process's burst on the
+#: shared cores adds wall time but little of it; ``--clock wall`` for wall time.
+CLOCK = time.thread_time
+
+
+def measure(name: str, k: int, steps: int, pairs: int) -> list[tuple[float, float]]:
+    """``pairs`` (fused seconds per step, plain seconds per trial-step) samples."""
+    base: dict[str, Any] = CONFIGS.get(name, {}).get("cpu", {})
+    workload = get_workload(name)
+    array = FusedArray(workload, [(j, member_config(base, j, k)) for j in range(k)])
+    batches = list(workload.batch_indices(array.config, 0))
+    runs = [PlainRun.build(name, member_config(base, j, k), torch.device("cpu"))
+            for j in range(k)]
+    sources = [cycle(run.batches(0)) for run in runs]
+    position = 0
+
+    def fused_block() -> float:
+        nonlocal position
+        start = CLOCK()
+        for _ in range(steps):
+            array.train_step(batches[position % len(batches)])
+            position += 1
+        return (CLOCK() - start) / steps
+
+    def plain_block() -> float:
+        start = CLOCK()
+        for run, source in zip(runs, sources, strict=True):
+            for _ in range(steps):
+                run.step(next(source))
+        return (CLOCK() - start) / (steps * k)
+
+    fused_block(), plain_block()  # warm-up
+    samples = []
+    for i in range(pairs):
+        if i % 2:
+            plain, fused = plain_block(), fused_block()
+        else:
+            fused, plain = fused_block(), plain_block()
+        samples.append((fused, plain))
+    return samples
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="synthetic-mlp")
+    parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20, help="steps per block")
+    parser.add_argument("--pairs", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: cores - 1, as workers)")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
+    args = parser.parse_args(argv)
+    global CLOCK
+    CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
+    samples = measure(args.workload, args.k, args.steps, args.pairs)
+    ratios = [k * plain / fused for fused, plain in samples for k in [args.k]]
+    fused_ms = statistics.median(f for f, _ in samples) * 1e3
+    plain_ms = statistics.median(p for _, p in samples) * 1e3
+    print(f"{args.workload} k={args.k}: fused step {fused_ms:.3f} ms, plain step "
+          f"{plain_ms:.3f} ms; fused/serial median {statistics.median(ratios):.2f}x "
+          f"(per pair {min(ratios):.2f}-{max(ratios):.2f}x: "
+          + " ".join(f"{r:.2f}" for r in ratios) + ")")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Forward passes over a stack of k members' parameters (``[k, ...]`` each).
+
+Three ways to run the stack (:mod:`worker.fused` picks one per array):
+
+- ``vmap``: ``torch.func.vmap(functional_call)`` over the stacked tensors with
+  the shared batch (``in_dims=None``). BatchNorm in train mode updates its
+  running statistics in place; because the statistics are themselves stacked
+  (batched, not a plain tensor receiving a batched update, which vmap
+  refuses), each member's slice gets its own update, exactly as in a plain
+  run. ``torch.func.replace_all_batch_norm_modules_`` is *not* used: it stops
+  tracking the statistics, and eval-mode results would then differ.
+- ``bmm``: hand-fused for ``nn.Sequential`` stacks of Linear, BatchNorm1d,
+  element-wise activations, Dropout and Flatten. Linear layers are
+  ``torch.baddbmm`` over ``[k, B, in]`` activations (the shared input is
+  expanded, not copied); BatchNorm runs as one ``F.batch_norm`` over ``k*C``
+  channels. (One ``[B, in] @ [in, k*out]`` matmul for the first layer measured
+  no faster, and its rounding would depend on the companions.)
+- ``serial``: k separate models, one after another (the baseline, and what
+  the planner picks where fusion measured slower, e.g. CNNs on a CPU).
+
+Every forward takes ``(params, buffers, x)`` with ``x`` the shared ``[B, ...]``
+batch and returns ``[k, B, ...]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, vmap
+from torch.nn import functional as F
+
+Forward = Callable[[dict[str, Tensor], dict[str, Tensor], Tensor], Tensor]
+
+# Modules that act element-wise, so they apply unchanged to ``[k, B, F]``.
+_POINTWISE = (
+    nn.Identity, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
+    nn.Mish, nn.Tanh, nn.Sigmoid, nn.Softplus, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid,
+    nn.Dropout, nn.AlphaDropout,
+)  # fmt: skip
+
+
+def bmm_plan(model: nn.Module) -> list[tuple[str, nn.Module, str]] | None:
+    """``(kind, module, name prefix)`` steps of a hand-fusable model, or ``None``.
+
+    Fusable: an ``nn.Sequential`` (nested ones too) of Linear, BatchNorm1d
+    with a momentum, element-wise activations, Dropout and ``Flatten()``.
+    """
+    steps: list[tuple[str, nn.Module, str]] = []
+
+    def walk(module: nn.Module, prefix: str) -> bool:
+        if isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward:
+            return all(walk(child, f"{prefix}{name}.") for name, child in module.named_children())
+        if isinstance(module, nn.Linear):
+            steps.append(("linear", module, prefix))
+        elif isinstance(module, nn.BatchNorm1d) and module.momentum is not None:
+            steps.append(("batch_norm", module, prefix))
+        elif isinstance(module, nn.Flatten) and (module.start_dim, module.end_dim) == (1, -1):
+            steps.append(("flatten", module, prefix))
+        elif type(module) in _POINTWISE:
+            steps.append(("pointwise", module, prefix))
+        else:
+            return False
+        return True
+
+    return steps if walk(model, "") else None
+
+
+def _stacked_batch_norm(
+    h: Tensor, bn: nn.BatchNorm1d, params: dict[str, Tensor], buffers: dict[str, Tensor], pre: str
+) -> Tensor:
+    """BatchNorm1d of ``[k, B, C, ...]`` as one ``F.batch_norm`` over ``k*C`` channels."""
+    k, batch, channels = h.shape[:3]
+    track = bn.track_running_stats
+    if bn.training and track:
+        buffers[pre + "num_batches_tracked"].add_(1)
+    running_mean = buffers[pre + "running_mean"].view(-1) if track else None
+    running_var = buffers[pre + "running_var"].view(-1) if track else None
+    weight = params[pre + "weight"].reshape(-1) if bn.affine else None
+    bias = params[pre + "bias"].reshape(-1) if bn.affine else None
+    flat = h.movedim(0, 1).reshape(batch, k * channels, *h.shape[3:])
+    out = F.batch_norm(
+        flat, running_mean, running_var, weight, bias,
+        bn.training or not track, bn.momentum or 0.0, bn.eps,
+    )  # fmt: skip
+    return out.reshape(batch, k, channels, *h.shape[3:]).movedim(1, 0)
+
+
+class _StackedLinear(torch.autograd.Function):
+    """``h @ w.mT + b`` over stacks (``h [k, B, in]``, ``w [k, out, in]``, ``b [k, out]``).
+
+    Autograd's own backward of ``baddbmm(b, h, w.mT)`` computes the weight
+    gradient as ``h.mT @ g`` and transposes it, and accumulating that transposed
+    ``[k, in, out]`` into ``w.grad`` copies it: on a CPU the strided copy cost
+    more than the matrix product. Here it is ``g.mT @ h``, already in ``w``'s
+    layout (the same sums; equal to the bit on the CPUs tested).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, h: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+        ctx.save_for_backward(h, w)
+        ctx.has_bias = b is not None
+        return torch.bmm(h, w.mT) if b is None else torch.baddbmm(b.unsqueeze(1), h, w.mT)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        h, w = ctx.saved_tensors
+        grad_h = torch.bmm(g, w) if ctx.needs_input_grad[0] else None
+        grad_w = torch.bmm(g.mT, h) if ctx.needs_input_grad[1] else None
+        grad_b = g.sum(1) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_h, grad_w, grad_b
+
+
+def bmm_forward(plan: list[tuple[str, nn.Module, str]]) -> Forward:
+    """Forward of a stack following ``plan``: shared ``[B, ...]`` in, ``[k, B, ...]`` out."""
+
+    def forward(params: dict[str, Tensor], buffers: dict[str, Tensor], x: Tensor) -> Tensor:
+        k = next(iter(params.values())).shape[0]
+        h, shared = x, True  # shared: still the one input every member sees
+        for kind, module, pre in plan:
+            if kind == "flatten":
+                h = h.flatten(1 if shared else 2)
+                continue
+            if shared:
+                h, shared = h.expand(k, *h.shape), False
+            if kind == "linear":
+                h = _StackedLinear.apply(h, params[pre + "weight"], params.get(pre + "bias"))
+            elif kind == "batch_norm":
+                assert isinstance(module, nn.BatchNorm1d)
+                h = _stacked_batch_norm(h, module, params, buffers, pre)
+            else:
+                h = module(h)
+        return h.expand(k, *h.shape) if shared else h
+
+    return forward
+
+
+def vmap_forward(template: nn.Module) -> Forward:
+    """``vmap`` of ``functional_call`` over stacked params and buffers, input shared."""
+
+    def one(params: dict[str, Tensor], buffers: dict[str, Tensor], x: Tensor) -> Tensor:
+        return functional_call(template, (params, buffers), (x,))
+
+    return vmap(one, in_dims=(0, 0, None), randomness="different")  # type: ignore[no-any-return]
+
+
+def single_forward(template: nn.Module) -> Forward:
+    """A plain call of one member (stack of 1), for serial mode: no vmap overhead."""
+
+    def forward(params: dict[str, Tensor], buffers: dict[str, Tensor], x: Tensor) -> Tensor:
+        sliced = ({n: p[0] for n, p in params.items()}, {n: b[0] for n, b in buffers.items()})
+        return functional_call(template, sliced, (x,)).unsqueeze(0)
+
+    return forward
