@@ -244,6 +244,22 @@ def test_without_a_token_posts_are_open_and_every_post_is_guarded(client: TestCl
     assert all("security" not in op for _, method, op in operations if method == "get")
 
 
+def test_openapi_lists_each_routes_error_statuses(client: TestClient) -> None:
+    paths = client.get("/openapi.json").json()["paths"]
+
+    def codes(path: str, method: str) -> set[str]:
+        return set(paths[path][method]["responses"])
+
+    assert codes("/api/studies", "post") == {"201", "401", "413", "422", "503"}
+    assert codes("/api/studies/{study_id}/cancel", "post") >= {"401", "404", "409", "503"}
+    assert codes("/api/studies", "get") == {"200", "422", "503"}
+    for path in [p for p in paths if p.startswith("/api/studies/{study_id}")]:
+        if "get" in paths[path]:
+            assert {"404", "503"} <= codes(path, "get"), path
+    problem = paths["/api/studies/{study_id}"]["get"]["responses"]["404"]["content"]
+    assert problem["application/json"]["schema"] == {"$ref": "#/components/schemas/Problem"}
+
+
 # -- health ---------------------------------------------------------------------------------
 
 

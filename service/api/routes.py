@@ -16,6 +16,7 @@ from service.api.schemas import (
     PackPublic,
     StudyPublic,
     TrialPublic,
+    problems,
 )
 from service.errors import Conflict
 from service.models import PackStatus, StudyStatus, TrialStatus
@@ -28,8 +29,14 @@ Limit = Annotated[int, Query(ge=1, le=500)]
 # Unbounded, a huge offset overflowed the database's 64-bit integer: a 500, not a 422.
 Offset = Annotated[int, Query(ge=0, le=MAX_ID)]
 
-router = APIRouter(prefix="/api/studies", tags=["studies"])
-writes = APIRouter(prefix="/api/studies", tags=["studies"], dependencies=[Depends(require_token)])
+router = APIRouter(prefix="/api/studies", tags=["studies"], responses=problems(503))
+writes = APIRouter(
+    prefix="/api/studies",
+    tags=["studies"],
+    dependencies=[Depends(require_token)],
+    responses=problems(401, 413, 503),
+)
+ONE_STUDY = problems(404)
 
 CANCELLABLE = (StudyStatus.pending, StudyStatus.running)
 
@@ -48,7 +55,7 @@ def create_study(spec: StudySpec, s: SessionDep, response: Response) -> dict[str
     return queries.study_summary(s, study.id)
 
 
-@writes.post("/{study_id}/cancel", response_model=StudyPublic)
+@writes.post("/{study_id}/cancel", response_model=StudyPublic, responses=problems(404, 409))
 def cancel_study(study_id: StudyId, s: SessionDep) -> dict[str, Any]:
     """Cancel a pending or running study; the scheduler cancels its trials on its next tick."""
     study = store.get_study(s, study_id)
@@ -66,13 +73,13 @@ def list_studies(s: SessionDep, limit: Limit = 50, offset: Offset = 0) -> dict[s
     return {"data": rows, "count": count}
 
 
-@router.get("/{study_id}", response_model=StudyPublic)
+@router.get("/{study_id}", response_model=StudyPublic, responses=ONE_STUDY)
 def get_study(study_id: StudyId, s: SessionDep) -> dict[str, Any]:
     """One study: status, progress in rung-units, best trial (and best so far while running)."""
     return queries.study_summary(s, study_id)
 
 
-@router.get("/{study_id}/trials", response_model=ListOf[TrialPublic])
+@router.get("/{study_id}/trials", response_model=ListOf[TrialPublic], responses=ONE_STUDY)
 def list_trials(
     study_id: StudyId,
     s: SessionDep,
@@ -88,14 +95,14 @@ def list_trials(
     return {"data": rows, "count": count}
 
 
-@router.get("/{study_id}/brackets", response_model=ListOf[BracketPublic])
+@router.get("/{study_id}/brackets", response_model=ListOf[BracketPublic], responses=ONE_STUDY)
 def list_brackets(study_id: StudyId, s: SessionDep) -> dict[str, Any]:
     """Hyperband's brackets, highest ``s`` first: planned rungs and the trials that reached them."""
     rows = queries.brackets(s, study_id)
     return {"data": rows, "count": len(rows)}
 
 
-@router.get("/{study_id}/packs", response_model=ListOf[PackPublic])
+@router.get("/{study_id}/packs", response_model=ListOf[PackPublic], responses=ONE_STUDY)
 def list_packs(
     study_id: StudyId,
     s: SessionDep,
@@ -108,7 +115,7 @@ def list_packs(
     return {"data": rows, "count": count}
 
 
-@router.get("/{study_id}/curves", response_model=ListOf[CurvePublic])
+@router.get("/{study_id}/curves", response_model=ListOf[CurvePublic], responses=ONE_STUDY)
 def list_curves(
     study_id: StudyId,
     s: SessionDep,
@@ -119,7 +126,7 @@ def list_curves(
     return {"data": rows, "count": len(rows)}
 
 
-@router.get("/{study_id}/leaderboard", response_model=ListOf[LeaderboardEntry])
+@router.get("/{study_id}/leaderboard", response_model=ListOf[LeaderboardEntry], responses=ONE_STUDY)
 def leaderboard(
     study_id: StudyId, s: SessionDep, limit: Annotated[int | None, Query(ge=1, le=MAX_ID)] = None
 ) -> dict[str, Any]:

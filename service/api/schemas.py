@@ -17,6 +17,24 @@ from service.models import PackStatus, StudyStatus, TrialStatus, WorkerStatus
 T = TypeVar("T")
 
 
+class Problem(BaseModel):
+    """Every error but 422 (whose ``detail`` lists the fields at fault)."""
+
+    detail: str
+
+
+def problems(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for the error statuses a route can answer."""
+    said = {
+        401: "POST without the right bearer token (when PACKTUNE_API_TOKEN is set).",
+        404: "No study with that id.",
+        409: "The study can no longer change that way.",
+        413: "Request body over the size limit.",
+        503: "The database is unreachable; try again.",
+    }
+    return {code: {"model": Problem, "description": said[code]} for code in codes}
+
+
 class ListOf(BaseModel, Generic[T]):
     data: list[T]
     count: int
