@@ -92,6 +92,7 @@ def run(
 
     from service import store
     from service.db import get_sessionmaker, session_scope, upgrade
+    from service.dispatch import make_dispatcher
     from service.progress import leaderboard_table, watch
     from service.queries import leaderboard, packs, study_summary
     from service.scheduler import Scheduler
@@ -100,13 +101,21 @@ def run(
     settings = get_settings()
     _setup_logging()
     logging.getLogger().setLevel(logging.WARNING)
-    upgrade(settings.database_url)
-    factory = get_sessionmaker()
-    with session_scope(factory) as s:
-        study = store.create_study(
-            s, name=body["name"], workload=body["workload"], spec=body, seed=body["seed"]
-        )
-        study_id = study.id
+    # the runner's start (spawn, torch, the workload's data) overlaps what follows
+    dispatcher = make_dispatcher(settings)
+    dispatcher.start(body["workload"])
+    try:
+        upgrade(settings.database_url)
+        factory = get_sessionmaker()
+        with session_scope(factory) as s:
+            study = store.create_study(
+                s, name=body["name"], workload=body["workload"], spec=body, seed=body["seed"]
+            )
+            study_id = study.id
+        scheduler = Scheduler(settings, dispatcher=dispatcher)
+    except BaseException:
+        dispatcher.close()
+        raise
     console = Console()
     console.print(
         f"study {study_id} [bold]{body['name']}[/]: {body['workload']}, "
@@ -120,7 +129,6 @@ def run(
         summary["best_so_far"] = top_rows[0] if top_rows else None
         return summary
 
-    scheduler = Scheduler(settings)
     started = time.monotonic()
     stop = threading.Event()
     thread = threading.Thread(

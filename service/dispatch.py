@@ -6,12 +6,16 @@ of a job. The job itself is ``worker.jobs.run_pack``, named by dotted path so
 that this module (and the API process) never imports torch.
 
 - :class:`RQDispatcher` (``PACKTUNE_REDIS_URL`` set): one RQ queue; any
-  ``packtune worker`` takes the next pack.
+  ``packtune worker`` takes the next pack, and announces each job's end on a
+  Redis channel (:func:`announce_done`) that wakes the scheduler at once. A
+  lost announcement costs a tick, nothing else: the database is the truth.
 - :class:`EmbeddedDispatcher` (no Redis): a single child process runs packs
   one after another. It is started with ``spawn`` so the parent (API +
   scheduler) never loads torch or CUDA; a crashed child is replaced, and a
   child whose parent is gone (killed, or ended by a signal that skips its
-  clean-up) exits instead of lingering as an orphan.
+  clean-up) exits instead of lingering as an orphan. :meth:`~Dispatcher.start`
+  starts it ahead of the first pack, so that its imports (torch: ~1.5 s on a
+  CPU, CUDA start-up several more on a GPU) overlap the parent's own start.
 """
 
 from __future__ import annotations
@@ -26,9 +30,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from service.settings import Settings
+
+if TYPE_CHECKING:
+    from redis import Redis
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +59,11 @@ class Dispatcher(Protocol):
     #: report themselves through heartbeats)
     embedded_worker: str | None
 
+    def start(self, workload: str | None = None) -> None:
+        """Get ready for packs, without waiting (the embedded runner starts its process and
+        loads ``workload``'s module and data); optional, the first enqueue does it anyway."""
+        ...
+
     def enqueue(self, pack_id: int, job_id: str) -> None: ...
 
     def state(self, job_id: str) -> tuple[JobState, str | None]:
@@ -59,6 +71,46 @@ class Dispatcher(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def done_channel(queue_name: str) -> str:
+    """The Redis channel on which workers of queue ``queue_name`` announce a job's end."""
+    return f"packtune:{queue_name}:job-done"
+
+
+def announce_done(redis: Redis, queue_name: str, job_id: str) -> None:
+    """Tell the scheduler (if one listens) that ``job_id`` ended; never raises."""
+    try:
+        redis.publish(done_channel(queue_name), job_id)
+    except Exception as exc:  # Redis down: the scheduler finds out at its next tick
+        log.debug("could not announce the end of job %s: %s", job_id, exc)
+
+
+class _DoneListener(threading.Thread):
+    """Calls ``on_done`` for each job end announced on ``channel``; survives Redis restarts."""
+
+    def __init__(self, redis_url: str, channel: str, on_done: Callable[[], None]) -> None:
+        super().__init__(name="packtune-job-done", daemon=True)
+        self.redis_url, self.channel, self.on_done = redis_url, channel, on_done
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        from redis import Redis
+
+        while not self.stop.is_set():
+            redis = Redis.from_url(self.redis_url, socket_timeout=10)
+            pubsub = redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                pubsub.subscribe(self.channel)
+                while not self.stop.is_set():
+                    if pubsub.get_message(timeout=1.0) is not None:
+                        self.on_done()
+            except Exception as exc:  # e.g. Redis restarting: the ticks go on meanwhile
+                log.debug("job-end listener: %s; subscribing again", exc)
+                self.stop.wait(1.0)
+            finally:
+                pubsub.close()
+                redis.close()
 
 
 class RQDispatcher:
@@ -69,11 +121,26 @@ class RQDispatcher:
         from rq import Queue
 
         assert settings.redis_url is not None
+        self.redis_url = settings.redis_url
         self.redis = Redis.from_url(settings.redis_url)
         self.queue = Queue(settings.queue_name, connection=self.redis)
         self.job_timeout = settings.job_timeout
+        self.notify: Callable[[], None] | None = None  # called when a worker announces a job end
+        self._listener: _DoneListener | None = None
+
+    def start(self, workload: str | None = None) -> None:
+        """Listen for workers' job-end announcements (workers are started on their own)."""
+        if self._listener is None:
+            channel = done_channel(self.queue.name)
+            self._listener = _DoneListener(self.redis_url, channel, self._done)
+            self._listener.start()
+
+    def _done(self) -> None:
+        if self.notify is not None:
+            self.notify()
 
     def enqueue(self, pack_id: int, job_id: str) -> None:
+        self.start()
         self.queue.enqueue_call(
             JOB_FUNC,
             args=(pack_id,),
@@ -104,6 +171,10 @@ class RQDispatcher:
         return JobState.queued, None
 
     def close(self) -> None:
+        if self._listener is not None:
+            self._listener.stop.set()
+            self._listener.join(timeout=5)
+            self._listener = None
         self.redis.close()
 
 
@@ -122,6 +193,27 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="packtune-parent-watch", daemon=True).start()
 
 
+def _warm_up(workload: str | None) -> str:
+    """In the child, ahead of its first pack: import what packs need, start the device and
+    load ``workload``'s data (with its defaults: the built-ins' data do not depend on the
+    searched parameters). A failure is only logged: the pack that needs it will raise it."""
+    started = time.perf_counter()
+    try:
+        import torch
+
+        from worker.jobs import pick_device
+        from worker.workloads import get_workload
+
+        device = pick_device()
+        torch.zeros(1, device=device)  # on a GPU: the CUDA context, seconds
+        if workload is not None:
+            get_workload(workload).data({}, device)
+    except Exception as exc:
+        log.warning("embedded runner: warm-up failed (%s: %s)", type(exc).__name__, exc)
+        return f"failed: {exc}"
+    return f"warm in {time.perf_counter() - started:.2f} s"
+
+
 def _run_in_child(pack_id: int) -> str:
     from worker.jobs import run_pack  # imported in the child only
 
@@ -136,7 +228,14 @@ class EmbeddedDispatcher:
         self._ctx = multiprocessing.get_context("spawn")
         self._pool: ProcessPoolExecutor | None = None
         self._jobs: dict[str, Future[str]] = {}
+        self.warm_up: Future[str] | None = None
         self.notify: Callable[[], None] | None = None  # called when a job ends
+
+    def start(self, workload: str | None = None) -> None:
+        """Start the child now (spawn and imports take ~1.5 s on a CPU) and warm it up; packs
+        enqueued meanwhile run after the warm-up, in order."""
+        if self._pool is None:
+            self.warm_up = self._executor().submit(_warm_up, workload)
 
     def _submit(self, pack_id: int) -> Future[str]:
         fut = self._executor().submit(_run_in_child, pack_id)
@@ -182,9 +281,15 @@ class EmbeddedDispatcher:
         return sum(not f.done() for f in self._jobs.values())
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        if self._pool is None:
+            return
+        if not self._jobs and self.warm_up is not None and not self.warm_up.done():
+            # closed during its start-up (e.g. the database could not be migrated): nothing
+            # to finish, so do not wait seconds for its imports
+            for proc in list(getattr(self._pool, "_processes", {}).values()):
+                proc.terminate()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool = None
 
 
 def make_dispatcher(settings: Settings) -> Dispatcher:

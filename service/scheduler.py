@@ -85,7 +85,7 @@ class Scheduler:
         # since when (monotonic) every tick has reached the database; None after a failure
         self.connected_since: float | None = None
         if hasattr(self.dispatcher, "notify"):
-            self.dispatcher.notify = self.wake.set  # a finished pack wakes the loop at once
+            self.dispatcher.notify = self.wake.set  # a job's end wakes the loop at once
 
     # -- one tick ---------------------------------------------------------------------------
 
@@ -269,6 +269,8 @@ class Scheduler:
         interval = self.settings.scheduler_interval
         while not stop.is_set():
             started = time.monotonic()
+            # a job that ends from here on wakes the wait below, even if it ends mid-tick
+            self.wake.clear()
             try:
                 report = self.tick()
             except StoreUnavailable as exc:
@@ -284,8 +286,7 @@ class Scheduler:
                 return
             busy = report.dispatched or report.planned or report.requeued
             wait = 0.0 if busy else max(0.0, interval - (time.monotonic() - started))
-            self.wake.wait(wait)
-            self.wake.clear()
+            self.wake.wait(wait)  # a finished pack (embedded runner, or RQ workers' notice)
 
     def _finished(self, study_id: int) -> bool:
         with session_scope(self.factory) as s:
@@ -310,6 +311,7 @@ def run_scheduler(stop: threading.Event | None = None) -> None:
     engine = make_engine(settings.database_url)
     scheduler = Scheduler(settings, session_factory(engine))
     try:
+        scheduler.dispatcher.start()  # embedded: the runner starts; RQ: hear workers finish
         scheduler.run(stop)
     finally:
         scheduler.close()

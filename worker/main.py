@@ -3,7 +3,9 @@
 It is a ``SimpleWorker`` (jobs run in the worker process, not a forked child):
 the CUDA context, imported torch and loaded datasets survive from one pack to
 the next. A crash kills the worker; its heartbeat stops and the scheduler
-re-queues its pack.
+re-queues its pack. Each job's end is announced on a Redis channel
+(``service.dispatch.announce_done``), so that the scheduler plans the next
+packs at once instead of at its next tick.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ import time
 import uuid
 from typing import Any
 
+from rq import SimpleWorker
+
+from service.dispatch import announce_done
 from service.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -60,6 +65,16 @@ def send_heartbeat(name: str, index: int | None, busy: bool) -> None:
         )
 
 
+class PackWorker(SimpleWorker):
+    """A ``SimpleWorker`` that announces each job's end once RQ has recorded it."""
+
+    def perform_job(self, job: Any, queue: Any, *args: Any, **kwargs: Any) -> bool:
+        try:
+            return bool(super().perform_job(job, queue, *args, **kwargs))
+        finally:
+            announce_done(self.connection, queue.name, job.id)
+
+
 class Heartbeat(threading.Thread):
     def __init__(self, name: str, index: int | None, interval: float) -> None:
         super().__init__(name="packtune-heartbeat", daemon=True)
@@ -80,7 +95,7 @@ def run_worker(gpu: int | None = None, name: str | None = None, burst: bool = Fa
     from redis import Redis
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import TimeoutError as RedisTimeoutError
-    from rq import Queue, SimpleWorker
+    from rq import Queue
 
     settings = get_settings()
     if gpu is not None:
@@ -104,7 +119,7 @@ def run_worker(gpu: int | None = None, name: str | None = None, burst: bool = Fa
     try:
         while True:
             # a new RQ name each time: Redis may still hold the last one's registration
-            rq_worker = SimpleWorker(
+            rq_worker = PackWorker(
                 [queue], connection=redis, name=f"{name}-{uuid.uuid4().hex[:8]}"
             )
             try:

@@ -1,0 +1,120 @@
+"""The embedded runner is started ahead of the first pack, and never outlives its parent."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from service.dispatch import EmbeddedDispatcher
+from service.settings import get_settings
+from tests.e2e import packtune_env
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")
+
+SMALL = {
+    "name": "prestart",
+    "workload": "digits-mlp",
+    "space": {"lr": {"type": "loguniform", "low": 0.01, "high": 0.3}},
+    "hyperband": {"max_resource": 3, "eta": 3},
+}
+
+
+def runners(pid: int) -> list[int]:
+    """``pid``'s spawned multiprocessing children (not its resource tracker)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            kids = [int(p) for p in task.read_text().split()]
+        except FileNotFoundError:
+            continue  # the thread ended meanwhile
+        for kid in kids:
+            try:
+                if b"spawn_main" in Path(f"/proc/{kid}/cmdline").read_bytes():
+                    out.append(kid)
+            except FileNotFoundError:
+                pass
+    return out
+
+
+def gone(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "\nState:\tZ" in status
+
+
+def test_start_spawns_and_warms_the_runner_before_any_pack(clean_env: pytest.MonkeyPatch) -> None:
+    dispatcher = EmbeddedDispatcher(get_settings())
+    began = time.monotonic()
+    dispatcher.start("digits-mlp")
+    assert time.monotonic() - began < 1.0  # returns at once; the child does the work
+    try:
+        assert dispatcher.warm_up is not None
+        assert dispatcher.warm_up.result(timeout=120).startswith("warm in")
+        kids = runners(os.getpid())
+        assert kids, "no runner process after start()"
+        assert dispatcher.busy() == 0  # the warm-up is not a pack
+    finally:
+        dispatcher.close()
+    assert all(gone(k) for k in kids)
+
+
+def test_closed_while_warming_up_the_runner_is_stopped_at_once(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    dispatcher = EmbeddedDispatcher(get_settings())
+    dispatcher.start("digits-mlp")
+    time.sleep(0.2)
+    kids = runners(os.getpid())
+    began = time.monotonic()
+    dispatcher.close()
+    assert time.monotonic() - began < 5.0
+    assert all(gone(k) for k in kids)
+
+
+def _marked(marker: str) -> list[int]:
+    """Processes whose environment carries ``marker`` (a runner left behind would)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker.encode() in environ.read_bytes():
+                found.append(int(environ.parent.name))
+        except OSError:
+            pass  # gone meanwhile, or not ours to read
+    return [pid for pid in found if not gone(pid)]
+
+
+@pytest.mark.parametrize("database", ["ok", "unusable"])
+def test_run_leaves_no_runner_behind(tmp_path: Path, database: str) -> None:
+    """``packtune run`` starts its runner before migrating; it is gone after the command,
+    whether the study ran or the database could not even be opened."""
+    marker = f"PACKTUNE_TEST_MARK=run-{uuid.uuid4().hex}"
+    db = tmp_path / "packtune.db" if database == "ok" else tmp_path / "missing" / "x.db"
+    env = packtune_env(
+        database_url=f"sqlite:///{db}", checkpoint_dir=tmp_path / "ckpt", scheduler_interval=0.1
+    )
+    key, value = marker.split("=", 1)
+    env[key] = value
+    spec = tmp_path / "small.yaml"
+    spec.write_text(yaml.safe_dump(SMALL))
+    result = subprocess.run(
+        [sys.executable, "-m", "service.cli", "run", str(spec)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    if database == "ok":
+        assert result.returncode == 0, result.stderr
+        assert "completed" in result.stdout
+    else:
+        assert result.returncode != 0 and "database unavailable" in result.stderr
+    deadline = time.monotonic() + 5  # a runner cut off from its parent exits within ~1 s
+    while _marked(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _marked(marker) == []

@@ -1,0 +1,101 @@
+"""RQ workers announce each job's end; the scheduler wakes on it instead of its next tick."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from redis import Redis
+from rq import Queue
+
+from service.dispatch import RQDispatcher, announce_done, done_channel
+from service.scheduler import Scheduler, TickReport
+from service.settings import get_settings
+from worker.main import PackWorker
+
+
+@pytest.fixture
+def rq_env(embedded_db: pytest.MonkeyPatch, redis_url: str) -> Iterator[str]:
+    """SQLite for the scheduler, Redis for the queue, a queue name of this test's own."""
+    queue = f"test-wakeup-{uuid.uuid4().hex[:8]}"
+    embedded_db.setenv("PACKTUNE_REDIS_URL", redis_url)
+    embedded_db.setenv("PACKTUNE_QUEUE_NAME", queue)
+    embedded_db.setenv("PACKTUNE_SCHEDULER_INTERVAL", "30")  # an idle loop ticks every 30 s
+    get_settings.cache_clear()
+    yield queue
+    get_settings.cache_clear()
+
+
+def _listening(redis: Redis, channel: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while dict(redis.pubsub_numsub(channel)).get(channel.encode(), 0) < 1:
+        assert time.monotonic() < deadline, f"nobody subscribed to {channel}"
+        time.sleep(0.02)
+
+
+def test_a_workers_job_end_notifies_the_dispatcher(rq_env: str, redis_url: str) -> None:
+    dispatcher = RQDispatcher(get_settings())
+    ended = threading.Event()
+    dispatcher.notify = ended.set
+    dispatcher.start()
+    redis = Redis.from_url(redis_url)
+    try:
+        _listening(redis, done_channel(rq_env))
+        queue = Queue(rq_env, connection=redis)
+        ok = queue.enqueue_call("operator.add", args=(1, 2), job_id=f"ok-{uuid.uuid4().hex}")
+        assert not ended.wait(0.3)  # queued, not ended
+        PackWorker([queue], connection=redis).work(burst=True, with_scheduler=False)
+        assert ok.get_status(refresh=True) == "finished"
+        assert ended.wait(5), "the worker's job end did not reach the dispatcher"
+
+        ended.clear()  # a failing job is announced too, once RQ has recorded the failure
+        bad = queue.enqueue_call("operator.truediv", args=(1, 0), job_id=f"bad-{uuid.uuid4().hex}")
+        PackWorker([queue], connection=redis).work(burst=True, with_scheduler=False)
+        assert ended.wait(5)
+        assert dispatcher.state(bad.id)[0] == "failed"
+    finally:
+        dispatcher.close()
+        redis.close()
+
+
+def test_an_announcement_wakes_the_scheduler_before_its_tick(rq_env: str, redis_url: str) -> None:
+    """With a 30 s tick, the loop ticks again within seconds of a job-end announcement."""
+    scheduler = Scheduler(get_settings(), holder="wakeup-test")
+    scheduler.dispatcher.start()
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def on_tick(_: TickReport) -> None:
+        ticks.append(time.monotonic())
+
+    thread = threading.Thread(
+        target=scheduler.run, kwargs={"stop": stop, "on_tick": on_tick}, daemon=True
+    )
+    redis = Redis.from_url(redis_url)
+    try:
+        thread.start()
+        _listening(redis, done_channel(rq_env))
+        deadline = time.monotonic() + 10
+        while not ticks:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert len(ticks) == 1  # idle: the next tick would be 30 s away
+        announce_done(redis, rq_env, "pack-1-1")
+        deadline = time.monotonic() + 5
+        while len(ticks) < 2:
+            assert time.monotonic() < deadline, "the announcement did not wake the scheduler"
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        scheduler.wake.set()
+        thread.join(10)
+        scheduler.close()
+        redis.close()
+
+
+def test_announcing_without_redis_does_not_raise() -> None:
+    announce_done(Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.5), "q", "j")
