@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import functools
 import math
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
-from sqlalchemy.orm.attributes import set_committed_value
 
 from service import store
 from service.hyperband import Rung, plan_brackets, promote, rank
@@ -92,19 +90,25 @@ def start_study(s: Session, study: Study) -> int:
 
 
 def _values_at(
-    s: Session, trials: Sequence[Trial], resource: float, metric: str
+    s: Session, ids: Sequence[int], where: Sequence[Any], resource: float, metric: str
 ) -> dict[int, float | None]:
-    """Each trial's objective value measured at ``resource`` (None when missing)."""
-    values: dict[int, float | None] = {t.id: None for t in trials}
+    """Each trial's objective value measured at ``resource`` (None when missing).
+
+    ``where`` selects (a superset of) the trials ``ids`` by their columns, so that no
+    list of thousands of ids goes into the statement; only measurements near
+    ``resource`` are read, and ``math.isclose`` decides.
+    """
+    values: dict[int, float | None] = dict.fromkeys(ids)
     if not values:
         return values
+    near = 2e-9 * (abs(resource) + 1)  # wider than isclose's tolerances
     rows = s.execute(
-        select(Measurement.trial_id, Measurement.resource, Measurement.metrics).where(
-            Measurement.trial_id.in_(list(values))
-        )
+        select(Measurement.trial_id, Measurement.resource, Measurement.metrics)
+        .join(Trial, Trial.id == Measurement.trial_id)
+        .where(*where, Measurement.resource.between(resource - near, resource + near))
     )
     for trial_id, res, metrics in rows:
-        if math.isclose(res, resource, rel_tol=1e-9, abs_tol=1e-9):
+        if trial_id in values and math.isclose(res, resource, rel_tol=1e-9, abs_tol=1e-9):
             v = metrics.get(metric)
             values[trial_id] = float(v) if isinstance(v, int | float) else None
     return values
@@ -118,29 +122,34 @@ class Advance:
 
 
 def advance_brackets(s: Session, study: Study) -> Advance:
-    """Decide every bracket whose current rung is finished."""
+    """Decide every bracket whose current rung is finished.
+
+    Only the brackets that can be decided are read, as :class:`~service.store.TrialBrief`
+    rows (no configs), and written back with bulk UPDATEs.
+    """
     spec = study.spec
     eta = int(spec["hyperband"].get("eta", 3))
     metric = spec.get("objective", {}).get("metric", "val_loss")
     mode = spec.get("objective", {}).get("mode", "min")
-    by_bracket: dict[int, list[Trial]] = defaultdict(list)
-    for t in store.trials_of(s, study.id):
-        by_bracket[t.bracket].append(t)
     out = Advance()
-    for bracket, trials in by_bracket.items():
-        if any(t.status in ACTIVE for t in trials):
+    for bracket, counts in store.brackets_summary(s, study.id).items():
+        if any(counts[st] for st in ACTIVE) or not counts[TrialStatus.paused]:
             continue
+        trials = store.trial_briefs(s, study.id, bracket=bracket)
         paused = [t for t in trials if t.status == TrialStatus.paused]
-        if not paused:
-            continue
         rung = paused[0].rung
         if rung >= bracket:  # last rung of this bracket: done
-            for t in paused:
-                t.status = TrialStatus.completed
+            store.set_trials(s, [t.id for t in paused], status=TrialStatus.completed)
             out.completed += len(paused)
             continue
         contenders = [t for t in trials if t.rung == rung and t.status in RUNG_DONE]
-        values = _values_at(s, contenders, rung_resource(spec, bracket, rung), metric)
+        values = _values_at(
+            s,
+            [t.id for t in contenders],
+            [Trial.study_id == study.id, Trial.bracket == bracket, Trial.rung == rung],
+            rung_resource(spec, bracket, rung),
+            metric,
+        )
         for t in contenders:  # diverged and failed trials rank last
             if t.status != TrialStatus.paused:
                 values[t.id] = None
@@ -149,38 +158,14 @@ def advance_brackets(s: Session, study: Study) -> Advance:
         store.record_promotions(
             s, study.id, bracket, rung, [(tid, values[tid]) for tid in sorted(chosen)]
         )
-        promoted = [t for t in paused if t.id in chosen]
-        stopped = [t for t in paused if t.id not in chosen]
-        _set_trials(s, promoted, rung=rung + 1, status=TrialStatus.pending)
-        _set_trials(s, stopped, status=TrialStatus.stopped)
+        promoted = [t.id for t in paused if t.id in chosen]
+        stopped = [t.id for t in paused if t.id not in chosen]
+        store.set_trials(s, promoted, rung=rung + 1, status=TrialStatus.pending)
+        store.set_trials(s, stopped, status=TrialStatus.stopped)
         out.promoted += len(promoted)
         out.stopped += len(stopped)
     s.flush()
     return out
-
-
-#: trial ids per bulk UPDATE (SQLite's bound-parameter limit is 32,766)
-UPDATE_CHUNK = 10_000
-
-
-def _set_trials(s: Session, trials: list[Trial], **values: Any) -> None:
-    """One UPDATE per chunk of trials; the objects get the values as their loaded state.
-
-    Setting attributes on each ORM object made the flush interleave two UPDATE
-    shapes (promoted and stopped trials alternate by id), so it could not batch
-    them: at 6,561 trials one rung decision issued ~4,500 statements and took ~2 s.
-    (The ORM's own "evaluate" synchronisation of a bulk UPDATE walked every trial
-    in the session per statement: slower still.)
-    """
-    for start in range(0, len(trials), UPDATE_CHUNK):
-        chunk = [t.id for t in trials[start : start + UPDATE_CHUNK]]
-        s.execute(
-            update(Trial).where(Trial.id.in_(chunk)).values(**values),
-            execution_options={"synchronize_session": False},
-        )
-    for t in trials:
-        for key, value in values.items():
-            set_committed_value(t, key, value)
 
 
 def best_trial(s: Session, study: Study) -> tuple[int, float] | None:
@@ -189,8 +174,9 @@ def best_trial(s: Session, study: Study) -> tuple[int, float] | None:
     max_resource = float(spec["hyperband"]["max_resource"])
     metric = spec.get("objective", {}).get("metric", "val_loss")
     mode = spec.get("objective", {}).get("mode", "min")
-    finals = store.trials_of(s, study.id, status=TrialStatus.completed)
-    values = _values_at(s, finals, max_resource, metric)
+    finals = store.trial_briefs(s, study.id, status=TrialStatus.completed)
+    where = [Trial.study_id == study.id, Trial.status == TrialStatus.completed]
+    values = _values_at(s, [t.id for t in finals], where, max_resource, metric)
     ranked = rank([(tid, v) for tid, v in values.items()], mode)
     for tid in ranked:
         v = values[tid]

@@ -104,7 +104,7 @@ def plan_study(
     s: Session, study: Study, workers: list[Worker], settings: Settings
 ) -> PackPlan | None:
     """Plan and record packs for the study's pending trials; None when nothing could run."""
-    pending = store.trials_of(s, study.id, status=TrialStatus.pending)
+    pending = store.trial_briefs(s, study.id, status=TrialStatus.pending)
     if not pending:
         return None
     devices = devices_of(workers, settings)
@@ -140,7 +140,7 @@ def plan_study(
         max_pack_size=cap,
         max_packs_per_device=1,
     )
-    by_id = {t.id: t for t in pending}
+    queued: list[int] = []
     for planned in plan.packs:
         members = [
             (u.trial_id, u.fusion_key, u.from_resource, u.to_resource) for u in planned.units
@@ -152,11 +152,13 @@ def plan_study(
             device=planned.device,
             estimated_bytes=planned.estimated_bytes,
         )
-        for u in planned.units:
-            by_id[u.trial_id].status = TrialStatus.queued
-    for u in plan.unplaceable:
-        t = by_id[u.trial_id]
-        t.status = TrialStatus.failed
-        t.error = "fits no device: its estimated memory exceeds every live device's free memory"
+        queued += [u.trial_id for u in planned.units]
+    store.set_trials(s, queued, status=TrialStatus.queued)
+    store.set_trials(
+        s,
+        [u.trial_id for u in plan.unplaceable],
+        status=TrialStatus.failed,
+        error="fits no device: its estimated memory exceeds every live device's free memory",
+    )
     s.flush()
     return plan

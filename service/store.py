@@ -14,15 +14,34 @@ thing everywhere.
 
 from __future__ import annotations
 
+import json
 import math
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
-from sqlalchemy import Select, case, delete, func, insert, or_, select, update
+from sqlalchemy import (
+    JSON,
+    ColumnElement,
+    Integer,
+    Select,
+    Text,
+    any_,
+    case,
+    cast,
+    column,
+    delete,
+    func,
+    literal,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import InstrumentedAttribute, Session
 
+from service.db import json_dumps
 from service.errors import NotFound, SpecError
 from service.models import (
     Base,
@@ -134,13 +153,9 @@ def add_trials(s: Session, study_id: int, rows: Sequence[dict[str, Any]]) -> int
     """
     if not rows:
         return 0
-    values = [{**row, "study_id": study_id} for row in rows]
-    stmt = (
-        _insert(s, Trial)
-        .on_conflict_do_nothing(index_elements=["study_id", "sample_index"])
-        .returning(Trial.id)
-    )
-    return len(s.execute(stmt, values).all())
+    stmt, params = _insert_rows(s, Trial, [{**row, "study_id": study_id} for row in rows])
+    stmt = stmt.on_conflict_do_nothing(index_elements=["study_id", "sample_index"])
+    return len(s.execute(stmt.returning(Trial.id), params).all())
 
 
 def get_trial(s: Session, trial_id: int) -> Trial:
@@ -178,6 +193,129 @@ def count_trials_by_status(s: Session, study_id: int | None = None) -> dict[Tria
     for status, n in s.execute(stmt):
         counts[TrialStatus(status)] = n
     return counts
+
+
+class TrialBrief(NamedTuple):
+    """A trial's scheduling state, without its config: what rung decisions and planning read."""
+
+    id: int
+    bracket: int
+    rung: int
+    status: TrialStatus
+    fusion_key: str
+    resource_done: float
+
+
+def trial_briefs(
+    s: Session,
+    study_id: int,
+    *,
+    status: TrialStatus | Iterable[TrialStatus] | None = None,
+    bracket: int | None = None,
+) -> list[TrialBrief]:
+    """:func:`trials_of` as plain rows of :class:`TrialBrief` columns, in id order.
+
+    Loading 10,582 trials as ORM objects with their JSON configs took ~0.3 s on PostgreSQL,
+    and a tick did it twice; these rows take ~0.04 s.
+    """
+    stmt = select(*(getattr(Trial, name) for name in TrialBrief._fields))
+    stmt = stmt.where(Trial.study_id == study_id)
+    if status is not None:
+        stmt = stmt.where(Trial.status.in_(_statuses(status)))
+    if bracket is not None:
+        stmt = stmt.where(Trial.bracket == bracket)
+    return [TrialBrief(*row) for row in s.execute(stmt.order_by(Trial.id))]
+
+
+def brackets_summary(s: Session, study_id: int) -> dict[int, Counter[TrialStatus]]:
+    """Trials per status in each bracket of the study, brackets in order of their first trial."""
+    stmt = (
+        select(Trial.bracket, Trial.status, func.count(), func.min(Trial.id))
+        .where(Trial.study_id == study_id)
+        .group_by(Trial.bracket, Trial.status)
+    )
+    first: dict[int, int] = {}
+    counts: dict[int, Counter[TrialStatus]] = {}
+    for bracket, status, n, lowest in s.execute(stmt):
+        first[bracket] = min(lowest, first.get(bracket, lowest))
+        counts.setdefault(bracket, Counter())[TrialStatus(status)] = n
+    return {b: counts[b] for b in sorted(counts, key=first.__getitem__)}
+
+
+#: trial ids per UPDATE on SQLite (its bound-parameter limit is 32,766)
+UPDATE_CHUNK = 10_000
+
+
+def set_trials(s: Session, ids: Sequence[int], **values: Any) -> None:
+    """Set ``values`` on the trials ``ids`` in bulk, below the ORM.
+
+    Trial objects already loaded in the session are not updated: callers work on
+    :class:`TrialBrief` rows. One UPDATE on PostgreSQL, one per :data:`UPDATE_CHUNK`
+    ids on SQLite. (Attribute changes on ORM objects flushed one UPDATE per trial:
+    ~4,500 statements and ~2 s for a rung decision over 6,561 trials.)
+    """
+    chunk = max(len(ids), 1) if _is_postgres(s) else UPDATE_CHUNK
+    for start in range(0, len(ids), chunk):
+        s.execute(
+            update(Trial)
+            .where(id_in(s, Trial.id, ids[start : start + chunk]))
+            .values(**values),
+            execution_options={"synchronize_session": False},
+        )
+
+
+def id_in(
+    s: Session, column: ColumnElement[int] | InstrumentedAttribute[int], ids: Sequence[int]
+) -> ColumnElement[bool]:
+    """``column IN (ids)``; on PostgreSQL ``column = ANY(:ids)``, one array parameter: psycopg
+    spent ~0.1 s converting a statement with an expanded list of thousands of ids."""
+    if _is_postgres(s):
+        return column == any_(literal(list(ids), postgresql.ARRAY(Integer)))
+    return column.in_(list(ids))
+
+
+def _is_postgres(s: Session) -> bool:
+    return s.get_bind().dialect.name == "postgresql"
+
+
+def _insert_rows(
+    s: Session, model: type[Base], rows: Sequence[dict[str, Any]]
+) -> tuple[postgresql.Insert | sqlite.Insert, list[dict[str, Any]] | None]:
+    """An INSERT of ``rows`` (dicts with the same keys, JSON-able values) and the parameters to
+    execute it with; the caller adds ``ON CONFLICT`` and ``RETURNING``.
+
+    On PostgreSQL a single statement selecting from ``json_to_recordset()`` of one JSON
+    text parameter. A multi-row VALUES list (insertmanyvalues, as RETURNING needs) or an
+    executemany of thousands of rows took psycopg 0.5-0.8 s to convert and send, and
+    arrays per column ~0.15 s (it escapes each string of an array with a regex).
+    """
+    stmt = _insert(s, model)
+    if not _is_postgres(s):
+        return stmt, list(rows)
+    table = model.__table__
+    names = list(rows[0])
+    as_json = {name for name in names if isinstance(table.c[name].type, JSON)}
+    payload = json.dumps(
+        [{name: _recordset_value(row[name], name in as_json) for name in names} for row in rows],
+        allow_nan=False,
+    )
+    source = (
+        func.json_to_recordset(cast(literal(payload, Text), JSON))
+        .table_valued(*(column(n, Text if n in as_json else table.c[n].type) for n in names))
+        .render_derived(with_types=True)
+    )
+    picked = [cast(source.c[n], JSON) if n in as_json else source.c[n] for n in names]
+    return stmt.from_select(names, select(*picked)), None
+
+
+def _recordset_value(value: Any, as_json: bool) -> Any:
+    """``value`` as ``json_to_recordset`` reads it back: JSON columns as their text (written
+    as every JSON column is), non-finite floats as the words PostgreSQL's float input takes."""
+    if as_json:
+        return json_dumps(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    return value
 
 
 # -- measurements -------------------------------------------------------------
@@ -258,12 +396,9 @@ def record_promotions(
         {"study_id": study_id, "trial_id": trial_id, "bracket": bracket, "rung": rung, "value": v}
         for trial_id, v in items
     ]
-    stmt = (
-        _insert(s, RungPromotion)
-        .on_conflict_do_nothing(index_elements=["trial_id", "rung"])
-        .returning(RungPromotion.id)
-    )
-    return len(s.execute(stmt, rows).all())
+    stmt, params = _insert_rows(s, RungPromotion, rows)
+    stmt = stmt.on_conflict_do_nothing(index_elements=["trial_id", "rung"])
+    return len(s.execute(stmt.returning(RungPromotion.id), params).all())
 
 
 def promotions_of(s: Session, study_id: int) -> list[RungPromotion]:
@@ -300,16 +435,14 @@ def create_pack(
     )
     s.add(pack)
     s.flush()
-    # one executemany, not an ORM object per member: packs of hundreds of trials are planned
+    # one statement, not an ORM object per member: packs of hundreds of trials are planned
     # inside a scheduler tick (256 members: ~0.15 s as objects)
-    s.execute(
-        insert(PackMember),
-        [
-            {"pack_id": pack.id, "trial_id": t, "fusion_key": k, "from_resource": a,
-             "to_resource": b}
-            for t, k, a, b in members
-        ],
-    )  # fmt: skip
+    rows = [
+        {"pack_id": pack.id, "trial_id": t, "fusion_key": k, "from_resource": a, "to_resource": b}
+        for t, k, a, b in members
+    ]
+    stmt, params = _insert_rows(s, PackMember, rows)
+    s.execute(stmt, params)
     s.expire(pack, ["members"])
     return pack
 
