@@ -200,3 +200,32 @@ def test_digits_mlp_fuses_by_hand_and_matches_plain_runs():
     # stay at a few float32 ulps of the loss after one epoch (~20 steps).
     worst = max(compare(array, reports, key, cfg, 2e-4) for key, cfg in members)
     print(f"digits-mlp float32 bmm: largest loss difference {worst:.2e}")
+
+
+@pytest.mark.parametrize("name,extra", [("synthetic-mlp", {}),
+                                        ("synthetic-mlp", {"task": "regression"}),
+                                        ("digits-mlp", {})])
+def test_built_in_stacked_losses_match_their_per_member_losses(name, extra):
+    """The batched losses a fused array uses equal the workload's loss per member, values
+    and gradients, in float64 (to rounding) and float32 (to a few ulps)."""
+    from worker.workloads import get_workload
+
+    workload = get_workload(name)
+    cfg = workload.resolve(extra)
+    train_split, _ = workload.data(cfg)
+    x, y = train_split.x[:16], train_split.y[:16]
+    k = 3
+    for dtype, tol in ((torch.float64, 1e-13), (torch.float32, 1e-6)):
+        models = []
+        for seed in range(k):
+            torch.manual_seed(seed)
+            models.append(workload.build_model(cfg).to(dtype))
+        target = y.to(dtype) if y.is_floating_point() else y
+        out = torch.stack([m(x.to(dtype)) for m in models]).detach().requires_grad_()
+        stacked = workload.stacked_loss(out, target)
+        assert stacked is not None and stacked.shape == (k,)
+        (grad,) = torch.autograd.grad(stacked.sum(), out)
+        loop = torch.stack([workload.loss(o, target) for o in out.unbind(0)])
+        (ref,) = torch.autograd.grad(loop.sum(), out)
+        assert torch.allclose(stacked, loop, rtol=tol, atol=tol), (dtype, stacked, loop)
+        assert torch.allclose(grad, ref, rtol=tol, atol=tol), dtype

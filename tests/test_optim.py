@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import worker.optim
 from worker.optim import OPTIMIZER_HYPER, build_optimizer
 
 K = 4
@@ -57,8 +58,13 @@ def run_both(name: str, nesterov: bool, dtype: torch.dtype, steps: int = 6):
 @pytest.mark.parametrize("name,nesterov", [("sgd", False), ("sgd", True), ("adam", False),
                                            ("adamw", False)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-14), (torch.float32, 2e-6)])
-def test_matches_torch_optim_per_member(name, nesterov, dtype, tol):
-    stacked, refs, _ = run_both(name, nesterov, dtype)
+@pytest.mark.parametrize("kernels", [True, False], ids=["fused-kernels", "element-wise"])
+def test_matches_torch_optim_per_member(name, nesterov, dtype, tol, kernels, monkeypatch):
+    """On a CPU each member's row goes through torch's fused kernel; element-wise ops over
+    the whole buffer are the path elsewhere (a GPU) and where torch lacks the kernels."""
+    monkeypatch.setattr(worker.optim, "FUSED_KERNELS", kernels and worker.optim.FUSED_KERNELS)
+    stacked, refs, opt = run_both(name, nesterov, dtype)
+    assert opt.by_member == (kernels and worker.optim.FUSED_KERNELS)
     worst = 0.0
     for i, (params, _) in enumerate(refs):
         for n, p in zip(SHAPES, params, strict=True):
@@ -68,8 +74,10 @@ def test_matches_torch_optim_per_member(name, nesterov, dtype, tol):
 
 
 @pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
-def test_member_state_moves_to_another_array(name):
+@pytest.mark.parametrize("kernels", [True, False], ids=["fused-kernels", "element-wise"])
+def test_member_state_moves_to_another_array(name, kernels, monkeypatch):
     """Members exported from an array of 4 and resumed in an array of 2 (new companion)."""
+    monkeypatch.setattr(worker.optim, "FUSED_KERNELS", kernels and worker.optim.FUSED_KERNELS)
     stacked, _, opt = run_both(name, False, torch.float64, steps=3)
     exported = [opt.member_state(i) for i in (2, 0)]
     assert exported[0]["step"] == 3.0
@@ -109,8 +117,11 @@ def test_select_drops_a_members_state():
     assert torch.equal(opt.hyper["lr"], torch.tensor(HYPER["lr"], dtype=torch.float64)[keep])
 
 
-def test_fresh_member_beside_resumed_one_starts_its_momentum_from_its_gradient():
+@pytest.mark.parametrize("kernels", [True, False], ids=["fused-kernels", "element-wise"])
+def test_fresh_member_beside_resumed_one_starts_its_momentum_from_its_gradient(kernels,
+                                                                               monkeypatch):
     """SGD's first step copies the gradient into the buffer, per member, as torch.optim does."""
+    monkeypatch.setattr(worker.optim, "FUSED_KERNELS", kernels and worker.optim.FUSED_KERNELS)
     stacked, _, opt = run_both("sgd", False, torch.float64, steps=2)
     params = {n: stacked[n].detach()[:2].clone().requires_grad_() for n in SHAPES}
     hyper = {key: torch.tensor(values, dtype=torch.float64)[:2] for key, values in HYPER.items()}

@@ -212,7 +212,7 @@ class FusedArray:
         for group in self.groups:
             if self.stochastic:
                 self._reseed(group)
-            group.step(x, y, self.workload.loss, self.step + 1)
+            group.step(x, y, self.workload, self.step + 1)
         self.step += 1
         if self.step % self.check_every == 0:
             self.check_divergence()

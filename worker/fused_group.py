@@ -10,7 +10,7 @@ can queue the next steps while the device works.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import cast
 
 import torch
@@ -19,12 +19,11 @@ from torch.func import vmap
 
 from worker.fused_forward import Forward
 from worker.optim import StackedOptimizer
+from worker.workloads.base import Workload
 
 #: On a CPU, arrays up to this size compute their members' losses one call each: vmap's fixed
 #: cost per call exceeded a loop of k plain calls there (k=8: 236 vs 275 us with backward).
 LOOP_LOSS_MAX = 8
-
-Loss = Callable[[Tensor, Tensor], Tensor]
 
 
 class HostLosses:
@@ -100,19 +99,23 @@ class Group:
         self.on_host = device.type == "cpu"
         self.losses = HostLosses(len(keys)) if self.on_host else DeviceLosses(len(keys), device)
 
-    def step(self, x: Tensor, y: Tensor, loss: Loss, number: int) -> None:
+    def step(self, x: Tensor, y: Tensor, workload: Workload, number: int) -> None:
         """Optimizer step ``number`` on the batch, recording the members' losses."""
         out = self.forward(self.params, self.buffers, x)
-        losses = self._losses(out, y, loss)
+        losses = self._losses(out, y, workload)
         losses.sum().backward()
         self.optimizer.step()
         self.optimizer.zero_grad()
         self.losses.record(losses.detach(), number)
 
-    def _losses(self, out: Tensor, y: Tensor, loss: Loss) -> Tensor:
-        k = len(self.keys)
+    def _losses(self, out: Tensor, y: Tensor, workload: Workload) -> Tensor:
+        """The members' ``[k]`` losses: the workload's batched form where it has one."""
+        k, loss = len(self.keys), workload.loss
         if k == 1:
             return loss(out[0], y).unsqueeze(0)
+        stacked = workload.stacked_loss(out, y)
+        if stacked is not None:
+            return stacked
         if k <= LOOP_LOSS_MAX and self.on_host:
             # unbind: one autograd node whose backward stacks the k gradients, where
             # k selections would each scatter into a zero [k, B, ...] tensor to be summed

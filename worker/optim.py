@@ -44,6 +44,10 @@ OPTIMIZER_HYPER = ("lr", "momentum", "weight_decay", "beta1", "beta2", "eps")
 MemberState = dict[str, Any]
 """One member's optimizer state: ``{"step": float, "state": {param: {key: Tensor}}}``."""
 
+#: torch's fused optimizer kernels (what ``torch.optim.SGD(fused=True)`` and Adam's call), on
+#: a CPU since torch 2.4; without them every step takes the element-wise ops.
+FUSED_KERNELS = all(hasattr(torch, op) for op in ("_fused_sgd_", "_fused_adam_", "_fused_adamw_"))
+
 Slots = dict[str, Tensor]
 """State buffers by key (``exp_avg``...), ``[k, n]`` columns of the flat state."""
 
@@ -100,10 +104,14 @@ class StackedOptimizer(abc.ABC):
                         t[i].copy_(s["state"][name][key])
 
     def _count_on(self, device: torch.device) -> None:
-        """Python copies of the hyperparameters; the steps also on ``device`` if not a CPU."""
+        """Python copies of the hyperparameters, and the steps as a tensor on ``device``
+        (float64 for the bias corrections on a GPU; float32, torch.optim's, for the fused
+        kernels on a CPU)."""
         self.values = {key: v.tolist() for key, v in self.hyper.items()}
-        self.step_tensor = None if device.type == "cpu" else torch.tensor(
-            self.steps, dtype=torch.float64, device=device)
+        self.by_member = device.type == "cpu" and FUSED_KERNELS
+        dtype = torch.float32 if self.by_member else torch.float64
+        self.step_tensor = torch.tensor(self.steps, dtype=dtype, device=device)
+        self.step_rows = list(self.step_tensor.unbind(0))
 
     def _place(self, params: Mapping[str, Tensor], flat_state: list[Slots] | None = None) -> None:
         """Flatten ``params`` and view ``flat_state`` (zeros if ``None``) per parameter."""
@@ -113,6 +121,12 @@ class StackedOptimizer(abc.ABC):
             {key: stack.zeros() for key in self.state_keys} for stack, _ in self.stacks
         ]
         self.grads = [stack.empty() for stack, _ in self.stacks]
+        self.rows = [  # member i's row of every buffer, for the fused kernels
+            [(buffer[i], grads[i], {key: t[i] for key, t in slots.items()})
+             for i in range(stack.k)]
+            for (stack, buffer), grads, slots in zip(self.stacks, self.grads, self.flat_state,
+                                                     strict=True)
+        ]
         self.state: dict[str, Slots] = {}
         for (stack, _), slots in zip(self.stacks, self.flat_state, strict=True):
             for j, name in enumerate(stack.names):
@@ -134,21 +148,29 @@ class StackedOptimizer(abc.ABC):
     def step(self) -> None:
         """One update of every member that has a gradient."""
         self.steps = [s + 1 for s in self.steps]
-        if self.step_tensor is not None:
-            self.step_tensor += 1
-        for (stack, buffer), grads, slots in zip(self.stacks, self.grads, self.flat_state,
-                                                 strict=True):
+        self.step_tensor += 1
+        for (stack, buffer), grads, slots, rows in zip(self.stacks, self.grads, self.flat_state,
+                                                       self.rows, strict=True):
             const = self.constants[stack.dtype, stack.device]
             per_step = Columns(stack.dtype, stack.device)
             given = [self.params[name].grad for name in stack.names]
             present = [g for g in given if g is not None]
             if len(present) == len(given):
-                self._update(buffer, stack.pack(present, grads), slots, const, per_step)
+                grad = stack.pack(present, grads)
+                if self.by_member:
+                    self._update_members(rows)
+                else:
+                    self._update(buffer, grad, slots, const, per_step)
                 continue
             for cols, g in zip(stack.spans, given, strict=True):
                 if g is not None:  # torch.optim skips parameters without a gradient
                     self._update(buffer[:, cols], g.reshape(stack.k, -1).clone(),
                                  {key: t[:, cols] for key, t in slots.items()}, const, per_step)
+
+    @abc.abstractmethod
+    def _update_members(self, rows: list[tuple[Tensor, Tensor, Slots]]) -> None:
+        """Update each member's row ``(param, grad, state)`` with torch's fused CPU kernel:
+        one pass over the row's memory where the ops of :meth:`_update` make several."""
 
     @abc.abstractmethod
     def _update(self, p: Tensor, grad: Tensor, state: Slots, const: Columns,
@@ -210,6 +232,18 @@ class StackedSGD(StackedOptimizer):
             update = buf
         p.addcmul_(update, const.get("-lr", lambda: -h["lr"]))
 
+    def _update_members(self, rows: list[tuple[Tensor, Tensor, Slots]]) -> None:
+        lr, momentum, wd = (self.values[key] for key in ("lr", "momentum", "weight_decay"))
+        for i, (p, grad, state) in enumerate(rows):
+            # a zero buffer scaled by the momentum plus the gradient is the gradient: no
+            # first-step case needed (torch.optim's copy); without momentum, no buffer
+            buffers = [state["momentum_buffer"]] if momentum[i] else []
+            torch._fused_sgd_(
+                [p], [grad], buffers, weight_decay=wd[i],
+                momentum=momentum[i], lr=lr[i], dampening=0.0, nesterov=self.nesterov,
+                maximize=False, is_first_step=False,
+            )  # fmt: skip
+
 
 class StackedAdam(StackedOptimizer):
     """``torch.optim.Adam`` (L2 weight decay) or, with ``decoupled``, ``torch.optim.AdamW``."""
@@ -238,13 +272,24 @@ class StackedAdam(StackedOptimizer):
         denom = exp_avg_sq.sqrt().div_(bc2_sqrt).add_(const.get("eps", lambda: h["eps"]))
         p.addcmul_(torch.div(exp_avg, denom, out=denom), neg_step_size)
 
+    def _update_members(self, rows: list[tuple[Tensor, Tensor, Slots]]) -> None:
+        kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
+        v = self.values
+        for i, (p, grad, state) in enumerate(rows):
+            kernel(
+                [p], [grad], [state["exp_avg"]], [state["exp_avg_sq"]], [], [self.step_rows[i]],
+                lr=v["lr"][i], beta1=v["beta1"][i], beta2=v["beta2"][i],
+                weight_decay=v["weight_decay"][i], eps=v["eps"][i], amsgrad=False,
+                maximize=False,
+            )  # fmt: skip
+
     def _bias_corrections(self, per_step: Columns) -> tuple[Tensor, Tensor]:
         """Per member: ``sqrt(1 - beta2**step)`` and ``-lr / (1 - beta1**step)``.
 
         On a CPU in Python floats, as torch.optim computes them; elsewhere as
         float64 ops on the device (a Python value would be copied to it each step).
         """
-        if self.step_tensor is None:
+        if self.step_tensor.device.type == "cpu":
             lr, beta1, beta2 = (self.values[key] for key in ("lr", "beta1", "beta2"))
             bc2 = [(1 - b**s) ** 0.5 for b, s in zip(beta2, self.steps, strict=True)]
             nss = [-(a / (1 - b**s)) for a, b, s in zip(lr, beta1, self.steps, strict=True)]

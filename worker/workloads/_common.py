@@ -53,8 +53,20 @@ class ClassificationWorkload(Workload):
 
         return F.cross_entropy(outputs, targets)
 
+    def stacked_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return stacked_cross_entropy(outputs, targets)
+
     def metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
         return classification_metrics(outputs, targets)
+
+
+def stacked_cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``F.cross_entropy(outputs[i], targets)`` for every i of ``[k, B, C]`` logits, in one call."""
+    import torch.nn.functional as F
+
+    k, batch = outputs.shape[:2]
+    per_example = F.cross_entropy(outputs.flatten(0, 1), targets.repeat(k), reduction="none")
+    return per_example.view(k, batch).mean(1)
 
 
 def classification_metrics(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:

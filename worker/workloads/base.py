@@ -88,6 +88,16 @@ class Workload(abc.ABC):
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean loss of one model's ``outputs``; must work under ``torch.func.vmap``."""
 
+    def stacked_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """Optional: the ``[k]`` losses of k models' stacked ``outputs`` (``[k, B, ...]``).
+
+        Each must equal ``loss(outputs[i], targets)`` to float rounding. A fused
+        array calls this every step; ``None`` (the default) makes it call
+        :meth:`loss` per member (or under ``vmap``), which costs a few ops per
+        member where one batched call would do.
+        """
+        return None
+
     @abc.abstractmethod
     def metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
         """Extra validation metrics (e.g. ``{"val_accuracy": 0.93}``) for one model."""

@@ -17,7 +17,13 @@ import functools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from worker.workloads._common import activation, classification_metrics, device_name, positive_int
+from worker.workloads._common import (
+    activation,
+    classification_metrics,
+    device_name,
+    positive_int,
+    stacked_cross_entropy,
+)
 from worker.workloads.base import OPTIMIZER_PARAMS, OPTIMIZER_STRUCTURAL, Split, Workload
 
 if TYPE_CHECKING:
@@ -127,6 +133,14 @@ class SyntheticMLP(Workload):
         if targets.is_floating_point():
             return F.mse_loss(outputs, targets)
         return F.cross_entropy(outputs, targets)
+
+    def stacked_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        if targets.is_floating_point():
+            errors = F.mse_loss(outputs, targets.expand_as(outputs), reduction="none")
+            return errors.flatten(1).mean(1)
+        return stacked_cross_entropy(outputs, targets)
 
     def metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
         import torch
