@@ -38,6 +38,7 @@ VARIANTS = ("fused", "serial", "concurrent")
 #: workload -> structural config used for the benchmark, per device type
 CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
     "synthetic-mlp": {"cpu": {}, "cuda": {}},
+    "digits-mlp": {"cpu": {}, "cuda": {}},
     "digits-cnn": {"cpu": {"channels": 16}, "cuda": {"channels": 16}},
     "resnet-cifar": {
         "cpu": {"width": 16, "blocks": 1, "n_train": 1024, "n_val": 256, "batch_size": 32},
@@ -46,6 +47,7 @@ CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
 }
 QUICK_CONFIGS: dict[str, dict[str, Any]] = {
     "synthetic-mlp": {"n_train": 512, "n_val": 64},
+    "digits-mlp": {},
     "digits-cnn": {"channels": 4},
     "resnet-cifar": {"width": 4, "blocks": 1, "n_train": 128, "n_val": 32, "batch_size": 32},
 }
