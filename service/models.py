@@ -150,7 +150,6 @@ class Trial(Base):
         UniqueConstraint("study_id", "sample_index", name="uq_trials_study_sample"),
         Index("ix_trials_study_status", "study_id", "status"),
         Index("ix_trials_study_bracket_rung", "study_id", "bracket", "rung"),
-        Index("ix_trials_study_measured", "study_id", "measured_resource", "objective"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)

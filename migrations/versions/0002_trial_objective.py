@@ -5,7 +5,10 @@ Revises: 0001
 Create Date: 2026-11-22
 
 Existing trials are filled in from their measurement at the largest resource
-and their study's objective metric (a finite number, else NULL).
+and their study's objective metric (a finite number, else NULL). No index:
+ranking a study's 10,000 trials is a top-N sort of one scan of its rows either
+way, and every index on trials is one more to update when a rung decision
+changes thousands of statuses at once.
 """
 
 from __future__ import annotations
@@ -41,9 +44,6 @@ def _json(value: Any) -> Any:
 def upgrade() -> None:
     op.add_column("trials", sa.Column("measured_resource", sa.Float(), nullable=True))
     op.add_column("trials", sa.Column("objective", sa.Float(), nullable=True))
-    op.create_index(
-        "ix_trials_study_measured", "trials", ["study_id", "measured_resource", "objective"]
-    )
     conn = op.get_bind()
     rows = [
         {
@@ -64,7 +64,6 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    op.drop_index("ix_trials_study_measured", table_name="trials")
     with op.batch_alter_table("trials") as batch:
         batch.drop_column("objective")
         batch.drop_column("measured_resource")
