@@ -145,6 +145,10 @@ class Load:
     errors: list[str] = field(default_factory=list)
     retried: int = 0  # GETs sent again on a fresh connection (see ``client``)
     seconds: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+    timeline: list[tuple[float, float]] = field(default_factory=list)  # (sent at, latency) s
+    wall: float = field(default_factory=time.time)  # when the load started, epoch seconds
+    small_done: float | None = None  # when the small study finished, s after the start
 
 
 def requests_for(big: int, small: int, trials: int, rng: random.Random) -> tuple[str, str]:
@@ -198,6 +202,7 @@ async def client(
             except httpx.HTTPError as exc:
                 load.errors.append(f"{path}: {type(exc).__name__}: {exc}")
             load.latencies[name].append(time.perf_counter() - started)
+            load.timeline.append((started - load.started, time.perf_counter() - started))
             await asyncio.sleep(rng.uniform(0, 2 * think))
 
 
@@ -233,6 +238,17 @@ def summary(load: Load) -> list[tuple[str, int, float, float, float, float]]:
             p50, p90, p99 = (1000 * percentile(v, q) for q in (0.5, 0.9, 0.99))
             out.append((name, len(v), p50, p90, p99, 1000 * max(v)))
     return out
+
+
+def windows(load: Load, width: float = 20.0) -> list[tuple[float, int, float, float, float]]:
+    """(window start s, requests, p50, p99, max) in milliseconds per ``width`` s of the run."""
+    buckets: dict[int, list[float]] = defaultdict(list)
+    for sent, latency in load.timeline:
+        buckets[int(sent // width)].append(latency)
+    return [
+        (i * width, len(v), 1000 * percentile(v, 0.5), 1000 * percentile(v, 0.99), 1000 * max(v))
+        for i, v in sorted(buckets.items())
+    ]
 
 
 # -- the server ----------------------------------------------------------------------------
@@ -295,6 +311,13 @@ def append_results(args: argparse.Namespace, load: Load, ids: tuple[int, int, in
         "|---|---|---|---|---|---|",
         *(f"| {n} | {c} | {a:.1f} | {b:.1f} | {d:.1f} | {m:.1f} |" for n, c, a, b, d, m in
           summary(load)),
+        "",
+        "Over time, by when the GET was sent (the small study trained from the start until "
+        f"{load.small_done or 0:.0f} s in):",
+        "",
+        "| from s | requests | p50 ms | p99 ms | max ms |",
+        "|---|---|---|---|---|",
+        *(f"| {t:.0f} | {c} | {a:.1f} | {d:.1f} | {m:.1f} |" for t, c, a, d, m in windows(load)),
     ]  # fmt: skip
     if not RESULTS_MD.exists():
         RESULTS_MD.write_text("# Benchmark results\n")
@@ -333,15 +356,20 @@ def main(argv: list[str] | None = None) -> int:
         load = asyncio.run(
             run_load(base, ids, args.clients, args.requests, args.think, args.duration)
         )
-        state = httpx.get(f"{base}/api/studies/{small}", timeout=60).json()["status"]
+        doc = httpx.get(f"{base}/api/studies/{small}", timeout=60).json()
     finally:
         stop(proc)
+    if doc.get("finished_at"):
+        load.small_done = datetime.fromisoformat(doc["finished_at"]).timestamp() - load.wall
     print(f"{sum(len(v) for v in load.latencies.values())} requests in {load.seconds:.1f} s; "
-          f"errors: {len(load.errors)}; sent again: {load.retried}; "
-          f"the small study was {state} at the end")  # fmt: skip
+          f"errors: {len(load.errors)}; sent again: {load.retried}; the small study was "
+          f"{doc['status']} at the end (finished {load.small_done or 0:.0f} s in)")  # fmt: skip
     print(f"{'endpoint':<12} {'n':>6} {'p50':>8} {'p90':>8} {'p99':>8} {'max':>8}  (ms)")
     for name, n, p50, p90, p99, top in summary(load):
         print(f"{name:<12} {n:>6} {p50:>8.1f} {p90:>8.1f} {p99:>8.1f} {top:>8.1f}")
+    print(f"{'from s':>8} {'n':>6} {'p50':>8} {'p99':>8} {'max':>8}  (ms, by when sent)")
+    for t, c, a, d, m in windows(load):
+        print(f"{t:>8.0f} {c:>6} {a:>8.1f} {d:>8.1f} {m:>8.1f}")
     for error in load.errors[:10]:
         print("error:", error)
     if args.results:
