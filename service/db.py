@@ -9,7 +9,9 @@ Two backends are supported:
   with ``BEGIN IMMEDIATE``: it takes the write lock up front, so a transaction
   that reads and then writes waits for a busy writer (up to the timeout)
   instead of failing at once with "database is locked" when its read snapshot
-  went stale.
+  went stale. Sessions from :func:`read_only` (the API's GET requests) begin
+  a plain deferred transaction instead: a snapshot that neither waits for the
+  writer nor holds it up.
 * **PostgreSQL** (scale-out). ``postgresql://`` URLs are served by the psycopg 3
   driver; pooled connections are pinged before use so a restarted server does
   not hand out dead ones.
@@ -98,7 +100,8 @@ def _configure_sqlite(engine: Engine) -> None:
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Any) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        reads_only = conn.get_execution_options().get(READ_ONLY, False)
+        conn.exec_driver_sql("BEGIN" if reads_only else "BEGIN IMMEDIATE")
 
 
 def make_engine(url: str | URL) -> Engine:
@@ -121,6 +124,21 @@ def make_engine(url: str | URL) -> Engine:
 def session_factory(engine: Engine) -> sessionmaker[Session]:
     """Sessions whose objects stay readable after commit (they are handed to callers)."""
     return sessionmaker(bind=engine, expire_on_commit=False)
+
+
+READ_ONLY = "packtune_read_only"
+"""Execution option of :func:`read_only` engines: SQLite begins deferred, not IMMEDIATE."""
+
+
+def read_only(factory: sessionmaker[Session]) -> sessionmaker[Session]:
+    """Sessions like ``factory``'s, over the same pool, for transactions that only read.
+
+    On SQLite they do not take the write lock (see the module docstring); a write in
+    one may fail with "database is locked" rather than wait. On PostgreSQL they are
+    the same as ``factory``'s.
+    """
+    engine = factory.kw["bind"]
+    return sessionmaker(bind=engine.execution_options(**{READ_ONLY: True}), expire_on_commit=False)
 
 
 _engines: dict[str, tuple[Engine, sessionmaker[Session]]] = {}

@@ -31,7 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api import dashboard, metrics, routes, system
 from service.api.cache import ReadCache
-from service.db import get_sessionmaker, make_engine, session_factory
+from service.db import get_sessionmaker, make_engine, read_only, session_factory
 from service.errors import PacktuneError, SpecError
 from service.settings import Settings, get_settings
 
@@ -66,6 +66,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.sessionmaker = factory
+    app.state.read_sessionmaker = read_only(factory)
     app.include_router(routes.writes)
     app.include_router(routes.router)
     app.include_router(system.router)

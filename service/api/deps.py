@@ -48,9 +48,12 @@ def get_session(
     """One session per request, committed when the route returns, rolled back if it raises.
 
     Used with ``scope="function"`` so the commit happens before the response
-    is sent: a client that sees 201 can read what it created.
+    is sent: a client that sees 201 can read what it created. GET and HEAD
+    requests only read: their sessions come from :func:`service.db.read_only`.
     """
     factory: sessionmaker[Session] = request.app.state.sessionmaker
+    if request.method in ("GET", "HEAD"):
+        factory = request.app.state.read_sessionmaker
     with session_scope(factory) as session:
         yield session
 

@@ -20,5 +20,7 @@ def metrics(request: Request) -> Response:
     """
     settings: Settings = request.app.state.settings
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(DatabaseCollector(request.app.state.sessionmaker, settings.heartbeat_timeout))
+    registry.register(
+        DatabaseCollector(request.app.state.read_sessionmaker, settings.heartbeat_timeout)
+    )
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

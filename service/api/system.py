@@ -28,7 +28,7 @@ router = APIRouter()
 def healthz(request: Request) -> Any:
     """200 when the database answers ``select 1``; 503 otherwise."""
     try:
-        with session_scope(request.app.state.sessionmaker) as s:
+        with session_scope(request.app.state.read_sessionmaker) as s:
             s.execute(text("select 1"))
     except (PacktuneError, SQLAlchemyError) as exc:
         return JSONResponse(status_code=503, content={"status": "unavailable", "detail": str(exc)})

@@ -1,0 +1,160 @@
+"""Brackets and their rungs, packs, workers and workloads."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import UTC, datetime
+
+from sqlalchemy import String, func, select, type_coerce
+from sqlalchemy.orm import Session, selectinload
+
+from service import store
+from service.models import (
+    Pack,
+    PackStatus,
+    Trial,
+    Worker,
+    WorkerStatus,
+)
+from service.queries._common import Row, plan_of
+
+# -- brackets -----------------------------------------------------------------------------
+
+
+def brackets(s: Session, study_id: int) -> list[Row]:
+    """Each bracket ``s`` (highest first) with its planned rungs and the trials in each.
+
+    A trial is in rung ``i`` if it reached it (its current rung is ``i`` or
+    later). At its current rung it shows its status; rungs it has left show
+    ``paused`` (where it stood when promoted) with ``promoted`` true: a trial's
+    rung only ever advances by a promotion (:func:`service.lifecycle.advance_brackets`
+    records both in one transaction), so the rungs below its current one are
+    exactly those it was promoted from. One row per trial is read, as plain
+    strings (a study of 10,000 trials answers in tens of milliseconds).
+    """
+    study = store.get_study(s, study_id)
+    plan = plan_of(study.spec)
+    members: dict[tuple[int, int], list[Row]] = defaultdict(list)
+    stmt = (
+        select(Trial.id, Trial.bracket, Trial.rung, type_coerce(Trial.status, String))
+        .where(Trial.study_id == study_id)
+        .order_by(Trial.id)
+    )
+    for trial_id, bracket_s, current, status in s.execute(stmt).tuples():
+        for i in range(current):
+            members[(bracket_s, i)].append(
+                {"trial_id": trial_id, "status": "paused", "promoted": True}
+            )
+        members[(bracket_s, current)].append(
+            {"trial_id": trial_id, "status": status, "promoted": False}
+        )
+    out = []
+    for index, rungs in enumerate(plan):
+        bracket_s = len(plan) - 1 - index
+        out.append(
+            {
+                "s": bracket_s,
+                "rungs": [
+                    {
+                        "rung": i,
+                        "n": rung.n,
+                        "resource": rung.resource,
+                        "trials": members[(bracket_s, i)],
+                    }
+                    for i, rung in enumerate(rungs)
+                ],
+            }
+        )
+    return out
+
+
+# -- packs, workers, workloads ------------------------------------------------------------
+
+
+def packs(
+    s: Session,
+    study_id: int,
+    *,
+    status: PackStatus | None = None,
+    limit: int = 100,
+    offset: int = 0,
+) -> tuple[list[Row], int]:
+    """The study's packs, newest first, with their members."""
+    store.get_study(s, study_id)
+    where = [Pack.study_id == study_id]
+    if status is not None:
+        where.append(Pack.status == status)
+    count = s.scalar(select(func.count()).select_from(Pack).where(*where)) or 0
+    stmt = (
+        select(Pack)
+        .where(*where)
+        .options(selectinload(Pack.members))
+        .order_by(Pack.id.desc())
+        .limit(limit)
+        .offset(offset)
+    )
+    return [_pack_row(pack) for pack in s.scalars(stmt)], count
+
+
+def _pack_row(pack: Pack) -> Row:
+    duration = None
+    if pack.started_at is not None and pack.finished_at is not None:
+        duration = (pack.finished_at - pack.started_at).total_seconds()
+    return {
+        "id": pack.id,
+        "status": pack.status.value,
+        "members": [
+            {
+                "trial_id": m.trial_id,
+                "fusion_key": m.fusion_key,
+                "from_resource": m.from_resource,
+                "to_resource": m.to_resource,
+            }
+            for m in pack.members
+        ],
+        "device": pack.device,
+        "worker": pack.worker_name,
+        "estimated_bytes": pack.estimated_bytes,
+        "peak_bytes": pack.peak_bytes,
+        "train_seconds": pack.train_seconds,
+        "created_at": pack.created_at,
+        "enqueued_at": pack.enqueued_at,
+        "started_at": pack.started_at,
+        "finished_at": pack.finished_at,
+        "duration": duration,
+        "attempts": pack.attempts,
+        "error": pack.error,
+        "parent_id": pack.parent_id,
+    }
+
+
+def workers(s: Session, timeout_seconds: float, now: datetime | None = None) -> list[Row]:
+    """Every worker known; ``alive`` when not dead and heard from within the timeout."""
+    now = now or datetime.now(UTC)
+    out = []
+    for worker in s.scalars(select(Worker).order_by(Worker.name)):
+        beat = worker.last_heartbeat
+        if beat.tzinfo is None:
+            beat = beat.replace(tzinfo=UTC)
+        out.append(
+            {
+                "name": worker.name,
+                "host": worker.host,
+                "device_kind": worker.device_kind,
+                "gpus": worker.gpus,
+                "memory_budget": worker.memory_budget,
+                "status": worker.status.value,
+                "started_at": worker.started_at,
+                "last_heartbeat": beat,
+                "alive": worker.status != WorkerStatus.dead
+                and (now - beat).total_seconds() <= timeout_seconds,
+            }
+        )
+    return out
+
+
+def workloads() -> list[Row]:
+    """``describe()`` of every registered workload, by name."""
+    from worker.workloads import registry  # imports no torch
+
+    return [registry()[name].describe() for name in sorted(registry())]

@@ -1,0 +1,97 @@
+"""Studies with progress, trial counts, the best trial and the best so far."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from service import store
+from service.hyperband import total_units
+from service.models import (
+    Pack,
+    PackStatus,
+    Study,
+    StudyStatus,
+    Trial,
+    TrialStatus,
+)
+from service.objective import objective_of
+from service.queries._common import UNIT_FINISHED, Row, plan_of
+from service.queries.trials import leaderboard, trials_by_id
+
+# -- studies ------------------------------------------------------------------------------
+
+
+def study_summary(s: Session, study_id: int) -> Row:
+    """One study with progress, trial counts, its best trial and the best so far."""
+    study = store.get_study(s, study_id)
+    summary = _summaries(s, [study])[0]
+    board = leaderboard(s, study_id, limit=1)[0]
+    summary["best_so_far"] = board[0] if board else None
+    return summary
+
+
+def list_studies(s: Session, limit: int, offset: int) -> tuple[list[Row], int]:
+    """A page of studies, newest first, and how many there are."""
+    rows, count = store.list_studies(s, limit=limit, offset=offset)
+    return _summaries(s, list(rows)), count
+
+
+def _summaries(s: Session, studies: list[Study]) -> list[Row]:
+    ids = [study.id for study in studies]
+    counts: dict[int, dict[str, int]] = defaultdict(dict)
+    done: dict[int, int] = defaultdict(int)
+    stmt = (
+        select(
+            Trial.study_id,
+            Trial.status,
+            func.count(),
+            func.coalesce(func.sum(Trial.rung), 0),
+        )
+        .where(Trial.study_id.in_(ids))
+        .group_by(Trial.study_id, Trial.status)
+    )
+    for study_id, status, n, rungs in s.execute(stmt):
+        counts[study_id][TrialStatus(status).value] = n
+        done[study_id] += int(rungs) + (n if status in UNIT_FINISHED else 0)
+    running: dict[int, int] = defaultdict(int)
+    packs_stmt = (
+        select(Pack.study_id, func.count())
+        .where(Pack.study_id.in_(ids), Pack.status == PackStatus.running)
+        .group_by(Pack.study_id)
+    )
+    for study_id, n in s.execute(packs_stmt):
+        running[study_id] = n
+    best = trials_by_id(s, [st.best_trial_id for st in studies if st.best_trial_id is not None])
+    out = []
+    for study in studies:
+        metric, mode = objective_of(study.spec)
+        total = total_units(plan_of(study.spec))
+        finished = total if study.status == StudyStatus.completed else min(done[study.id], total)
+        best_row = best.get(study.best_trial_id) if study.best_trial_id is not None else None
+        out.append(
+            {
+                "id": study.id,
+                "name": study.name,
+                "workload": study.workload,
+                "status": study.status.value,
+                "seed": study.seed,
+                "objective": {"metric": metric, "mode": mode},
+                "spec": study.spec,
+                "error": study.error,
+                "created_at": study.created_at,
+                "started_at": study.started_at,
+                "finished_at": study.finished_at,
+                "progress": {"done": finished, "total": total},
+                "trial_counts": counts[study.id],
+                "packs_running": running[study.id],
+                "best_trial": _brief(best_row) if best_row else None,
+            }
+        )
+    return out
+
+
+def _brief(trial: Row) -> Row:
+    return {"id": trial["id"], "config": trial["config"], "metrics": trial["metrics"]}

@@ -1,0 +1,106 @@
+"""Repository functions: every read and write the services make.
+
+Callers use ``from service import store`` and ``store.<function>``; the functions
+live in :mod:`.studies`, :mod:`.trials` (with measurements and promotions),
+:mod:`.packs` and :mod:`.fleet` (workers, profiles, leases), and
+:mod:`._sql` holds what the two backends write differently.
+
+Each function takes a :class:`~sqlalchemy.orm.Session` first, flushes but
+never commits; the caller's :func:`service.db.session_scope` commits. Writes
+that two processes may race on (adding trials, measurements, promotions,
+claiming a pack, heartbeats, profiles, leases) are single conditional
+statements -- ``INSERT ... ON CONFLICT`` or ``UPDATE ... WHERE <state>`` --
+so they are idempotent and safe on SQLite and PostgreSQL alike.
+
+Times are timezone-aware UTC from the application clock; hosts are expected to
+keep their clocks in sync (NTP) for heartbeats and leases to mean the same
+thing everywhere.
+"""
+
+from service.store._sql import id_in
+from service.store.fleet import (
+    THROUGHPUT_SMOOTHING,
+    acquire_lease,
+    get_profile,
+    heartbeat,
+    live_workers,
+    mark_dead_workers,
+    record_throughput,
+    release_lease,
+    set_memory_model,
+)
+from service.store.packs import (
+    CLAIMABLE_PACK,
+    FINISHED_PACK,
+    claim_pack,
+    create_pack,
+    finish_pack,
+    get_pack,
+    packs_of,
+    queue_pack,
+)
+from service.store.studies import (
+    FINISHED_STUDY,
+    create_study,
+    delete_study,
+    get_study,
+    list_studies,
+    set_study_status,
+)
+from service.store.trials import (
+    UPDATE_CHUNK,
+    TrialBrief,
+    add_trials,
+    brackets_summary,
+    count_trials_by_status,
+    get_trial,
+    latest_measurement,
+    measurements_of,
+    promotions_of,
+    record_measurement,
+    record_promotions,
+    set_trials,
+    trial_briefs,
+    trials_of,
+)
+
+__all__ = [
+    "acquire_lease",
+    "add_trials",
+    "brackets_summary",
+    "claim_pack",
+    "CLAIMABLE_PACK",
+    "count_trials_by_status",
+    "create_pack",
+    "create_study",
+    "delete_study",
+    "finish_pack",
+    "FINISHED_PACK",
+    "FINISHED_STUDY",
+    "get_pack",
+    "get_profile",
+    "get_study",
+    "get_trial",
+    "heartbeat",
+    "id_in",
+    "latest_measurement",
+    "list_studies",
+    "live_workers",
+    "mark_dead_workers",
+    "measurements_of",
+    "packs_of",
+    "promotions_of",
+    "queue_pack",
+    "record_measurement",
+    "record_promotions",
+    "record_throughput",
+    "release_lease",
+    "set_memory_model",
+    "set_study_status",
+    "set_trials",
+    "THROUGHPUT_SMOOTHING",
+    "trial_briefs",
+    "TrialBrief",
+    "trials_of",
+    "UPDATE_CHUNK",
+]

@@ -1,0 +1,69 @@
+"""Studies: create, read, list, change status, delete."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import (
+    delete,
+    func,
+    select,
+)
+from sqlalchemy.orm import Session
+
+from service.errors import NotFound, SpecError
+from service.models import (
+    Study,
+    StudyStatus,
+    utcnow,
+)
+
+FINISHED_STUDY = frozenset({StudyStatus.completed, StudyStatus.failed, StudyStatus.cancelled})
+
+
+# -- studies ------------------------------------------------------------------
+
+
+def create_study(s: Session, *, name: str, workload: str, spec: dict[str, Any], seed: int) -> Study:
+    if "\x00" in name:  # PostgreSQL text cannot hold it (a 500 there); refused on every backend
+        raise SpecError("name", "must not contain the NUL character")
+    study = Study(name=name, workload=workload, spec=spec, seed=seed, status=StudyStatus.pending)
+    s.add(study)
+    s.flush()
+    return study
+
+
+def get_study(s: Session, study_id: int) -> Study:
+    study = s.get(Study, study_id)
+    if study is None:
+        raise NotFound(f"study {study_id} not found")
+    return study
+
+
+def list_studies(s: Session, *, limit: int = 100, offset: int = 0) -> tuple[list[Study], int]:
+    """One page of studies, newest first, and the total number of studies."""
+    total = s.scalar(select(func.count()).select_from(Study)) or 0
+    page = s.scalars(select(Study).order_by(Study.id.desc()).limit(limit).offset(offset))
+    return list(page), total
+
+
+def set_study_status(
+    s: Session, study: Study, status: StudyStatus, *, error: str | None = None
+) -> None:
+    """Set ``status``: the first move to running stamps ``started_at``, a final status
+    ``finished_at``."""
+    now = utcnow()
+    study.status = status
+    if status is StudyStatus.running and study.started_at is None:
+        study.started_at = now
+    if status in FINISHED_STUDY:
+        study.finished_at = now
+    if error is not None:
+        study.error = error
+    s.flush()
+
+
+def delete_study(s: Session, study_id: int) -> None:
+    """Delete a study; the database cascades to its trials, packs, promotions, measurements."""
+    get_study(s, study_id)
+    s.execute(delete(Study).where(Study.id == study_id))

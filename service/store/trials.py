@@ -1,0 +1,240 @@
+"""Trials: add, read, count, and change many at once; their measurements and promotions."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+from sqlalchemy import (
+    func,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.orm import Session
+
+from service.errors import NotFound
+from service.models import (
+    Measurement,
+    RungPromotion,
+    Study,
+    Trial,
+    TrialStatus,
+    utcnow,
+)
+from service.objective import objective_of, value_of
+from service.store._sql import fresh, id_in, insert_for, insert_rows, is_postgres, statuses
+
+# -- trials -------------------------------------------------------------------
+
+
+def add_trials(s: Session, study_id: int, rows: Sequence[dict[str, Any]]) -> int:
+    """Insert trials (dicts of :class:`Trial` columns), skipping sample indexes already there.
+
+    Returns how many rows were new. Existing rows are left exactly as they were.
+    """
+    if not rows:
+        return 0
+    stmt, params = insert_rows(s, Trial, [{**row, "study_id": study_id} for row in rows])
+    stmt = stmt.on_conflict_do_nothing(index_elements=["study_id", "sample_index"])
+    return len(s.execute(stmt.returning(Trial.id), params).all())
+
+
+def get_trial(s: Session, trial_id: int) -> Trial:
+    trial = s.get(Trial, trial_id)
+    if trial is None:
+        raise NotFound(f"trial {trial_id} not found")
+    return trial
+
+
+def trials_of(
+    s: Session,
+    study_id: int,
+    *,
+    status: TrialStatus | Iterable[TrialStatus] | None = None,
+    bracket: int | None = None,
+    rung: int | None = None,
+) -> list[Trial]:
+    """A study's trials in id order, optionally filtered by status(es), bracket and rung."""
+    stmt = select(Trial).where(Trial.study_id == study_id)
+    if status is not None:
+        stmt = stmt.where(Trial.status.in_(statuses(status)))
+    if bracket is not None:
+        stmt = stmt.where(Trial.bracket == bracket)
+    if rung is not None:
+        stmt = stmt.where(Trial.rung == rung)
+    return list(s.scalars(stmt.order_by(Trial.id)))
+
+
+def count_trials_by_status(s: Session, study_id: int | None = None) -> dict[TrialStatus, int]:
+    """Number of trials per status (every status present, zeros included)."""
+    stmt = select(Trial.status, func.count()).group_by(Trial.status)
+    if study_id is not None:
+        stmt = stmt.where(Trial.study_id == study_id)
+    counts = dict.fromkeys(TrialStatus, 0)
+    for status, n in s.execute(stmt):
+        counts[TrialStatus(status)] = n
+    return counts
+
+
+class TrialBrief(NamedTuple):
+    """A trial's scheduling state, without its config: what rung decisions and planning read."""
+
+    id: int
+    bracket: int
+    rung: int
+    status: TrialStatus
+    fusion_key: str
+    resource_done: float
+
+
+def trial_briefs(
+    s: Session,
+    study_id: int,
+    *,
+    status: TrialStatus | Iterable[TrialStatus] | None = None,
+    bracket: int | None = None,
+) -> list[TrialBrief]:
+    """:func:`trials_of` as plain rows of :class:`TrialBrief` columns, in id order.
+
+    Loading 10,582 trials as ORM objects with their JSON configs took ~0.3 s on PostgreSQL,
+    and a tick did it twice; these rows take ~0.04 s.
+    """
+    stmt = select(*(getattr(Trial, name) for name in TrialBrief._fields))
+    stmt = stmt.where(Trial.study_id == study_id)
+    if status is not None:
+        stmt = stmt.where(Trial.status.in_(statuses(status)))
+    if bracket is not None:
+        stmt = stmt.where(Trial.bracket == bracket)
+    return [TrialBrief(*row) for row in s.execute(stmt.order_by(Trial.id))]
+
+
+def brackets_summary(s: Session, study_id: int) -> dict[int, Counter[TrialStatus]]:
+    """Trials per status in each bracket of the study, brackets in order of their first trial."""
+    stmt = (
+        select(Trial.bracket, Trial.status, func.count(), func.min(Trial.id))
+        .where(Trial.study_id == study_id)
+        .group_by(Trial.bracket, Trial.status)
+    )
+    first: dict[int, int] = {}
+    counts: dict[int, Counter[TrialStatus]] = {}
+    for bracket, status, n, lowest in s.execute(stmt):
+        first[bracket] = min(lowest, first.get(bracket, lowest))
+        counts.setdefault(bracket, Counter())[TrialStatus(status)] = n
+    return {b: counts[b] for b in sorted(counts, key=first.__getitem__)}
+
+
+#: trial ids per UPDATE on SQLite (its bound-parameter limit is 32,766)
+UPDATE_CHUNK = 10_000
+
+
+def set_trials(s: Session, ids: Sequence[int], **values: Any) -> None:
+    """Set ``values`` on the trials ``ids`` in bulk, below the ORM.
+
+    Trial objects already loaded in the session are not updated: callers work on
+    :class:`TrialBrief` rows. One UPDATE on PostgreSQL, one per :data:`UPDATE_CHUNK`
+    ids on SQLite. (Attribute changes on ORM objects flushed one UPDATE per trial:
+    ~4,500 statements and ~2 s for a rung decision over 6,561 trials.)
+    """
+    chunk = max(len(ids), 1) if is_postgres(s) else UPDATE_CHUNK
+    for start in range(0, len(ids), chunk):
+        s.execute(
+            update(Trial)
+            .where(id_in(s, Trial.id, ids[start : start + chunk]))
+            .values(**values),
+            execution_options={"synchronize_session": False},
+        )
+
+
+
+# -- measurements -------------------------------------------------------------
+
+
+def record_measurement(
+    s: Session, trial_id: int, resource: float, metrics: dict[str, Any]
+) -> None:
+    """Store a trial's metrics at cumulative ``resource``; a repeated report replaces them.
+
+    The trial's ``measured_resource`` and ``objective`` follow its measurement
+    at the largest resource, so that the read side can rank trials in SQL.
+    """
+    resource = float(resource)
+    stmt = insert_for(s, Measurement).values(
+        trial_id=trial_id, resource=resource, metrics=metrics, created_at=utcnow()
+    )
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["trial_id", "resource"], set_={"metrics": stmt.excluded.metrics}
+    )
+    s.execute(stmt)
+    latest = (
+        update(Trial)
+        .where(
+            Trial.id == trial_id,
+            or_(Trial.measured_resource.is_(None), Trial.measured_resource <= resource),
+        )
+        .values(measured_resource=resource, objective=value_of(metrics, _metric_of(s, trial_id)))
+        .execution_options(synchronize_session=False)
+    )
+    s.execute(latest)
+
+
+def _metric_of(s: Session, trial_id: int) -> str:
+    """The objective metric of the trial's study (remembered for the session's lifetime)."""
+    known: dict[int, str] = s.info.setdefault("objective_metric", {})
+    if trial_id not in known:
+        spec = s.scalar(
+            select(Study.spec).join(Trial, Trial.study_id == Study.id).where(Trial.id == trial_id)
+        )
+        if spec is None:
+            raise NotFound(f"trial {trial_id} not found")
+        known[trial_id] = objective_of(spec)[0]
+    return known[trial_id]
+
+
+def measurements_of(s: Session, trial_id: int) -> list[Measurement]:
+    stmt = select(Measurement).where(Measurement.trial_id == trial_id)
+    stmt = stmt.order_by(Measurement.resource)
+    return list(s.scalars(fresh(stmt)))
+
+
+def latest_measurement(s: Session, trial_id: int) -> Measurement | None:
+    """The measurement at the largest resource reached, if any."""
+    stmt = (
+        select(Measurement)
+        .where(Measurement.trial_id == trial_id)
+        .order_by(Measurement.resource.desc())
+        .limit(1)
+    )
+    return s.scalars(fresh(stmt)).first()
+
+
+# -- promotions ---------------------------------------------------------------
+
+
+def record_promotions(
+    s: Session,
+    study_id: int,
+    bracket: int,
+    rung: int,
+    items: Sequence[tuple[int, float | None]],
+) -> int:
+    """Record (trial id, objective value) pairs promoted out of ``rung``; returns the new ones."""
+    if not items:
+        return 0
+    rows = [
+        {"study_id": study_id, "trial_id": trial_id, "bracket": bracket, "rung": rung, "value": v}
+        for trial_id, v in items
+    ]
+    stmt, params = insert_rows(s, RungPromotion, rows)
+    stmt = stmt.on_conflict_do_nothing(index_elements=["trial_id", "rung"])
+    return len(s.execute(stmt.returning(RungPromotion.id), params).all())
+
+
+def promotions_of(s: Session, study_id: int) -> list[RungPromotion]:
+    stmt = (
+        select(RungPromotion)
+        .where(RungPromotion.study_id == study_id)
+        .order_by(RungPromotion.bracket, RungPromotion.rung, RungPromotion.id)
+    )
+    return list(s.scalars(stmt))
