@@ -146,10 +146,11 @@ class Study(Base):
 
 class Trial(Base):
     __tablename__ = "trials"
-    # One index besides the key: the unique (study_id, sample_index) also finds a study's
-    # trials. Every read is per study, and an index on status or rung would be rewritten for
-    # each of the thousands of trials a rung decision changes at once (migration 0003).
-    __table_args__ = (UniqueConstraint("study_id", "sample_index", name="uq_trials_study_sample"),)
+    __table_args__ = (
+        UniqueConstraint("study_id", "sample_index", name="uq_trials_study_sample"),
+        Index("ix_trials_study_status", "study_id", "status"),
+        Index("ix_trials_study_bracket_rung", "study_id", "bracket", "rung"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     study_id: Mapped[int] = mapped_column(ForeignKey("studies.id", ondelete="CASCADE"))
