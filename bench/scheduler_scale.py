@@ -48,6 +48,7 @@ from service.models import (
     StudyStatus,
     Trial,
     TrialStatus,
+    utcnow,
 )
 from service.scheduler import Scheduler
 from service.settings import Settings
@@ -123,8 +124,8 @@ def complete_dispatched(factory: sessionmaker[Session], rng: random.Random) -> i
                               measured_resource=row["resource"],
                               objective=row["metrics"]["val_loss"]))
         s.execute(sa.update(Pack).where(Pack.id.in_(ids))
-                  .values(status=PackStatus.completed, started_at=store.utcnow(),
-                          finished_at=store.utcnow(), train_seconds=1.0))
+                  .values(status=PackStatus.completed, started_at=utcnow(),
+                          finished_at=utcnow(), train_seconds=1.0))
         return len(packs)
 
 
