@@ -150,3 +150,12 @@ def imports_torch(code: str, database_url: str) -> bool:
     )
     assert done.returncode == 0, done.stderr
     return done.stdout.strip().splitlines()[-1] == "True"
+
+
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (no longer exists, or is a zombie)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "\nState:\tZ" in status

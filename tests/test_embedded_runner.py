@@ -14,7 +14,7 @@ import yaml
 
 from service.dispatch import EmbeddedDispatcher
 from service.settings import get_settings
-from tests.e2e import packtune_env
+from tests.e2e import gone, packtune_env
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")
 
@@ -41,14 +41,6 @@ def runners(pid: int) -> list[int]:
             except FileNotFoundError:
                 pass
     return out
-
-
-def gone(pid: int) -> bool:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return True
-    return "\nState:\tZ" in status
 
 
 def test_start_spawns_and_warms_the_runner_before_any_pack(clean_env: pytest.MonkeyPatch) -> None:

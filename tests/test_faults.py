@@ -23,7 +23,7 @@ import sqlalchemy as sa
 
 from service.db import make_engine, session_factory, session_scope
 from service.models import Measurement, Pack, PackMember, PackStatus, Profile
-from tests.e2e import free_port, packtune_env
+from tests.e2e import free_port, gone, packtune_env
 from tests.faults import (
     Outcome,
     PostgresCluster,
@@ -536,14 +536,6 @@ def children(pid: int) -> list[int]:
         except FileNotFoundError:
             pass  # the thread ended meanwhile
     return out
-
-
-def gone(pid: int) -> bool:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return True
-    return "\nState:\tZ" in status
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")
