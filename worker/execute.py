@@ -64,6 +64,7 @@ class ArrayJob:
     study_id: int
     study_seed: int
     workload: str
+    metric: str  # the study's objective metric
     fusion_key: str
     from_resource: float
     to_resource: float
@@ -208,12 +209,13 @@ def run_array(job: ArrayJob, device: torch.device, kind: str, checkpoint_dir: Pa
 
         def write(s: Session) -> None:
             for trial_id, metrics in report.metrics.items():
-                store.record_measurement(s, _id(trial_id), resource, metrics)
+                store.record_measurement(s, _id(trial_id), resource, metrics, metric=job.metric)
             for trial_id in report.diverged:
                 step = array.diverged[trial_id]
                 # A point where it diverged, with no objective: it then ranks last, not by an
                 # older finite value (and its curve shows where it ended).
-                store.record_measurement(s, _id(trial_id), step / spe, {"train_loss": math.nan})
+                nan = {"train_loss": math.nan}
+                store.record_measurement(s, _id(trial_id), step / spe, nan, metric=job.metric)
                 trial = store.get_trial(s, _id(trial_id))
                 trial.status = TrialStatus.diverged
                 trial.error = f"loss became non-finite at step {step}"

@@ -37,6 +37,7 @@ from service import store
 from service.db import retrying
 from service.errors import StoreUnavailable
 from service.models import PackStatus, StudyStatus, TrialStatus
+from service.objective import objective_of
 from service.packing import MemoryModel, Unit, split_in_two
 from service.settings import get_settings
 from worker.execute import ArrayJob, MemberJob, TrialError, run_array
@@ -98,6 +99,7 @@ def _claim(s: Session, pack_id: int, worker: str, device: torch.device) -> list[
             study_id=study.id,
             study_seed=study.seed,
             workload=study.workload,
+            metric=objective_of(study.spec)[0],
             fusion_key=key,
             from_resource=start,
             to_resource=end,

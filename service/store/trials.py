@@ -152,12 +152,19 @@ def set_trials(s: Session, ids: Sequence[int], **values: Any) -> None:
 
 
 def record_measurement(
-    s: Session, trial_id: int, resource: float, metrics: dict[str, Any]
+    s: Session,
+    trial_id: int,
+    resource: float,
+    metrics: dict[str, Any],
+    *,
+    metric: str | None = None,
 ) -> None:
     """Store a trial's metrics at cumulative ``resource``; a repeated report replaces them.
 
     The trial's ``measured_resource`` and ``objective`` follow its measurement
     at the largest resource, so that the read side can rank trials in SQL.
+    ``metric`` is the study's objective metric; callers that know it (a worker
+    writing every epoch) save a query per trial by passing it.
     """
     resource = float(resource)
     stmt = insert_for(s, Measurement).values(
@@ -167,13 +174,14 @@ def record_measurement(
         index_elements=["trial_id", "resource"], set_={"metrics": stmt.excluded.metrics}
     )
     s.execute(stmt)
+    objective = value_of(metrics, metric or _metric_of(s, trial_id))
     latest = (
         update(Trial)
         .where(
             Trial.id == trial_id,
             or_(Trial.measured_resource.is_(None), Trial.measured_resource <= resource),
         )
-        .values(measured_resource=resource, objective=value_of(metrics, _metric_of(s, trial_id)))
+        .values(measured_resource=resource, objective=objective)
         .execution_options(synchronize_session=False)
     )
     s.execute(latest)
