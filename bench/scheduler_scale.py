@@ -39,6 +39,7 @@ from bench._study import fresh_postgres
 from service import store
 from service.db import make_engine, session_factory, session_scope, upgrade
 from service.dispatch import JobState
+from service.lifecycle import rung_resource
 from service.models import (
     Measurement,
     Pack,
@@ -114,13 +115,19 @@ def complete_dispatched(factory: sessionmaker[Session], rng: random.Random) -> i
         ids = [p.id for p in packs]
         members = list(s.scalars(sa.select(PackMember).where(PackMember.pack_id.in_(ids))))
         to = {m.trial_id: m.to_resource for m in members}
+        study = s.get_one(Study, packs[0].study_id)
+        trials = s.execute(sa.select(Trial.id, Trial.bracket, Trial.rung)
+                           .where(Trial.id.in_(list(to))))
+        # as the worker does: paused at the trial's rung, pending after a segment short of it
+        at_rung = {tid: to[tid] >= rung_resource(study.spec, b, r) for tid, b, r in trials}
         rows = [{"trial_id": tid, "resource": r,
                  "metrics": {"val_loss": 2.0 / (1 + math.log1p(r)) + rng.random()}}
                 for tid, r in to.items()]  # fmt: skip
         s.execute(sa.insert(Measurement), rows)
         for row in rows:  # what store.record_measurement keeps on the trial, for ranking
+            status = TrialStatus.paused if at_rung[row["trial_id"]] else TrialStatus.pending
             s.execute(sa.update(Trial).where(Trial.id == row["trial_id"])
-                      .values(status=TrialStatus.paused, resource_done=row["resource"],
+                      .values(status=status, resource_done=row["resource"],
                               measured_resource=row["resource"],
                               objective=row["metrics"]["val_loss"]))
         s.execute(sa.update(Pack).where(Pack.id.in_(ids))

@@ -94,6 +94,9 @@ def _configure_sqlite(engine: Engine) -> None:
         try:
             cursor.execute("PRAGMA foreign_keys=ON")
             cursor.execute("PRAGMA journal_mode=WAL")
+            # In WAL mode NORMAL loses no committed transaction when a process dies, only
+            # (the last ones) when the machine loses power; FULL fsyncs on every commit.
+            cursor.execute("PRAGMA synchronous=NORMAL")
             cursor.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
         finally:
             cursor.close()

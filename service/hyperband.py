@@ -103,6 +103,27 @@ def total_units(brackets: Sequence[Sequence[Rung]]) -> int:
     return sum(rung.n for bracket in brackets for rung in bracket)
 
 
+def rung_resources(brackets: Sequence[Sequence[Rung]]) -> tuple[float, ...]:
+    """Every distinct rung resource of a study, ascending: where some bracket decides.
+
+    Every bracket's rungs lie on the one grid ``R / eta**k``, so a trial training toward
+    its rung passes the rungs of the other brackets on its way.
+    """
+    return tuple(sorted({rung.resource for bracket in brackets for rung in bracket}))
+
+
+def next_stop(stops: Sequence[float], done: float, target: float) -> float:
+    """The end of the next segment of a unit from ``done`` to ``target``, when units are cut
+    at ``stops`` (see :func:`rung_resources`): the first stop beyond ``done``, at most
+    ``target``. Cut so, units of different brackets share their spans and can be fused."""
+    if target <= done:
+        raise ValueError(f"nothing to train: target {target} <= done {done}")
+    for stop in stops:
+        if stop > done and not math.isclose(stop, done, rel_tol=1e-9, abs_tol=1e-12):
+            return min(stop, target)
+    return target
+
+
 def _finite(value: float | None) -> bool:
     return value is not None and math.isfinite(value)
 

@@ -18,7 +18,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from service import store
-from service.hyperband import Rung, plan_brackets, promote, rank
+from service.hyperband import Rung, next_stop, plan_brackets, promote, rank, rung_resources
 from service.models import (
     Measurement,
     Pack,
@@ -58,6 +58,31 @@ def rung_resource(spec: dict[str, Any], bracket: int, rung: int) -> float:
     brackets = brackets_of(spec)
     s_max = len(brackets) - 1
     return float(brackets[s_max - bracket][rung].resource)
+
+
+def unit_end(spec: dict[str, Any], done: float, target: float) -> float:
+    """Where the next unit of a trial from ``done`` toward its rung's ``target`` ends.
+
+    With ``packing.align_rungs`` (the default, when arrays can hold more than one
+    trial) a unit stops at every rung resource of the study on its way, so that a
+    bracket-0 trial going from 0 to R trains its first epochs together with bracket
+    s_max's first rung, and so on: fewer, larger arrays. Otherwise the whole span.
+    """
+    packing = spec.get("packing") or {}
+    if not packing.get("enabled", True) or packing.get("max_pack_size") == 1:
+        return target
+    if not packing.get("align_rungs", True):
+        return target
+    hb = spec["hyperband"]
+    stops = _stops(
+        float(hb["max_resource"]), int(hb.get("eta", 3)), float(hb.get("min_resource", 1))
+    )
+    return next_stop(stops, done, target)
+
+
+@functools.lru_cache(maxsize=256)
+def _stops(max_resource: float, eta: int, min_resource: float) -> tuple[float, ...]:
+    return rung_resources(_plan(max_resource, eta, min_resource))
 
 
 def start_study(s: Session, study: Study) -> int:

@@ -14,7 +14,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service import store
-from service.lifecycle import rung_resource
+from service.lifecycle import rung_resource, unit_end
 from service.models import Pack, PackMember, PackStatus, Profile, Study, TrialStatus, Worker
 from service.packing import (
     Device,
@@ -118,10 +118,11 @@ def plan_study(
     if not packing.get("enabled", True):
         cap = 1
     profiles = _profiles(s, study.workload, kind)
-    units = [
-        Unit(t.id, t.fusion_key, t.resource_done, rung_resource(study.spec, t.bracket, t.rung))
-        for t in pending
-    ]
+    units = []
+    for t in pending:
+        target = rung_resource(study.spec, t.bracket, t.rung)
+        end = unit_end(study.spec, t.resource_done, target)
+        units.append(Unit(t.id, t.fusion_key, t.resource_done, end))
     units = _probe_first(units, profiles, _in_flight_keys(s, study.id))
     memory: dict[str, MemoryModel] = {}
     sizes: dict[str, int] = {}

@@ -93,6 +93,8 @@ class HyperbandSettings(_Strict):
 class PackingSettings(_Strict):
     enabled: bool = True
     max_pack_size: Annotated[int, Field(ge=1)] | None = None
+    #: cut units at every rung resource of the study, so that brackets share arrays
+    align_rungs: bool = True
 
 
 class StudySpec(_Strict):

@@ -22,7 +22,7 @@ from service import store
 from service.db import make_engine, session_factory, session_scope, upgrade
 from service.dispatch import JobState
 from service.hyperband import promote
-from service.lifecycle import brackets_of
+from service.lifecycle import brackets_of, rung_resource
 from service.models import (
     Pack,
     PackMember,
@@ -169,15 +169,23 @@ def fleet(s: Session) -> None:
 
 
 def finish_queued_packs(s: Session) -> int:
-    """What the workers would do: measure each member at its to-resource, pause it (or
-    mark it diverged), complete the pack."""
+    """What the workers would do: measure each member at its to-resource, pause it at its
+    rung (pending again after a segment short of it), or mark it diverged; complete the pack."""
     packs = list(s.scalars(select(Pack.id).where(Pack.status == PackStatus.queued)))
     index = {i: j for i, j in s.execute(select(Trial.id, Trial.sample_index))}
+    place = {i: (b, r) for i, b, r in s.execute(select(Trial.id, Trial.bracket, Trial.rung))}
     for member in s.scalars(select(PackMember).where(PackMember.pack_id.in_(packs))):
         i, r = index[member.trial_id], member.to_resource
         store.record_measurement(s, member.trial_id, r, {"val_loss": math.nan if diverges(i)
                                                          else loss(i, r)})  # fmt: skip
-        status = TrialStatus.diverged if diverges(i) else TrialStatus.paused
+        at_rung = r >= rung_resource(SPEC, *place[member.trial_id])
+        status = (
+            TrialStatus.diverged
+            if diverges(i)
+            else TrialStatus.paused
+            if at_rung
+            else TrialStatus.pending
+        )
         s.execute(update(Trial).where(Trial.id == member.trial_id)
                   .values(status=status, resource_done=r))  # fmt: skip
     s.execute(update(Pack).where(Pack.id.in_(packs)).values(status=PackStatus.completed))

@@ -52,7 +52,8 @@ SPEC: dict[str, Any] = {
         "hidden": {"type": "choice", "values": [256]},
     },
     "hyperband": {"max_resource": 9, "min_resource": 1, "eta": 3},
-    "packing": {"enabled": True, "max_pack_size": None},
+    # small packs, so that several are queued and running at once (the faults need them)
+    "packing": {"enabled": True, "max_pack_size": 4},
     "seed": 3,
 }
 STUDY_TIMEOUT = 150

@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 from service.hyperband import (
     Rung,
     bracket_s,
+    next_stop,
     plan_brackets,
     promote,
     rank,
+    rung_resources,
     s_max,
     total_trials,
     total_units,
@@ -225,3 +227,28 @@ def test_max_mirrors_min_on_negated_values(results: list[tuple[int, float | None
     assert rank(results, "max") == rank(negated, "min")
     assert rank(results, "min") == rank(negated, "max")
     assert sorted(rank(results, "min")) == sorted(trial for trial, _ in results)
+
+
+def test_rung_resources_are_the_common_grid_of_every_bracket() -> None:
+    assert rung_resources(plan_brackets(27, eta=3)) == (1.0, 3.0, 9.0, 27.0)
+    assert rung_resources(plan_brackets(8, eta=2)) == (1.0, 2.0, 4.0, 8.0)
+    assert rung_resources(plan_brackets(0.9, eta=3, min_resource=0.1)) == pytest.approx(
+        (0.1, 0.3, 0.9)
+    )
+
+
+def test_next_stop_cuts_a_unit_at_every_rung_on_its_way() -> None:
+    stops = rung_resources(plan_brackets(27, eta=3))
+    # a bracket-0 trial (0 -> 27) trains in the spans of bracket 3's rungs
+    segments, done = [], 0.0
+    while done < 27:
+        end = next_stop(stops, done, 27.0)
+        segments.append((done, end))
+        done = end
+    assert segments == [(0, 1), (1, 3), (3, 9), (9, 27)]
+    assert next_stop(stops, 3.0, 9.0) == 9.0  # already one span
+    assert next_stop(stops, 1.0 + 1e-13, 9.0) == 3.0  # a resource read back with rounding
+    assert next_stop(stops, 27.0, 81.0) == 81.0  # beyond the grid: the whole span
+    assert next_stop((2.0, 4.0), 0.0, 1.5) == 1.5  # never past the target
+    with pytest.raises(ValueError, match="nothing to train"):
+        next_stop(stops, 9.0, 9.0)

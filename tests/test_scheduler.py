@@ -198,3 +198,55 @@ def test_cancel_stops_dispatch_and_cancels_the_rest(db: None) -> None:
     assert len(dispatcher.enqueued) == sent
     assert {t.status for t in trials(study_id)} == {TrialStatus.cancelled}
     assert {p.status for p in packs(study_id)} == {PackStatus.cancelled}
+
+
+ALIGNED: dict[str, Any] = {**SPEC, "name": "aligned", "hyperband": {"max_resource": 9, "eta": 3}}
+
+
+def test_units_are_cut_at_every_rung_so_brackets_share_arrays(db: None) -> None:
+    study_id = new_study(ALIGNED)
+    scheduler(SyncDispatcher(run=False)).tick()
+    spans = {(m.from_resource, m.to_resource) for p in packs(study_id) for m in p.members}
+    assert spans == {(0.0, 1.0)}  # bracket 2 (-> 1), bracket 1 (-> 3), bracket 0 (-> 9)
+    assert {t.bracket for t in trials(study_id)} == {0, 1, 2}
+
+
+def final_values(study_id: int) -> tuple[dict[int, tuple[float, str]], dict[int, float]]:
+    """Per sample: (last resource, status), and the last validation loss."""
+    with session_scope(get_sessionmaker()) as s:
+        where, values = {}, {}
+        for t in store.trials_of(s, study_id):
+            m = store.latest_measurement(s, t.id)
+            assert m is not None
+            where[t.sample_index] = (m.resource, str(t.status))
+            values[t.sample_index] = m.metrics["val_loss"]
+        return where, values
+
+
+def test_cut_units_train_exactly_as_whole_ones(db: None) -> None:
+    """Resuming at every rung resource changes no trial's result, nor the study's decisions."""
+    aligned = new_study(ALIGNED)
+    whole = new_study(
+        {**ALIGNED, "name": "whole", "packing": {"enabled": True, "align_rungs": False}}
+    )
+    for study_id in (aligned, whole):
+        assert run_to_end(scheduler(SyncDispatcher()), study_id) == StudyStatus.completed
+    where_cut, values_cut = final_values(aligned)
+    where_whole, values_whole = final_values(whole)
+    assert where_cut == where_whole
+    assert values_cut == pytest.approx(values_whole, rel=1e-5)
+    cut = [(m.from_resource, m.to_resource) for p in packs(aligned) for m in p.members]
+    uncut = [(m.from_resource, m.to_resource) for p in packs(whole) for m in p.members]
+    assert (0.0, 9.0) in uncut and (0.0, 9.0) not in cut
+    assert max(b - a for a, b in cut) == 6.0  # 3 -> 9, the longest span between two rungs
+    assert array_epochs(aligned) < array_epochs(whole)
+
+
+def array_epochs(study_id: int) -> float:
+    """Epochs of fused-array training one device runs in sequence for the study."""
+    arrays = {
+        (p.id, m.fusion_key, m.from_resource, m.to_resource)
+        for p in packs(study_id)
+        for m in p.members
+    }
+    return sum(b - a for _, _, a, b in arrays)

@@ -56,6 +56,7 @@ class MemberJob:
     config: dict[str, Any]
     resource_done: float
     checkpoint_path: str | None
+    rung_resource: float  # where the trial's current rung is decided (>= the unit's end)
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,9 @@ def _steps(job: ArrayJob, steps_per_epoch: int) -> tuple[int, int]:
 
 
 def _mark_done(job: ArrayJob, done: dict[int, str]) -> None:
-    """Trials whose unit is finished: resource, checkpoint, ``paused`` for the scheduler."""
+    """Trials whose unit is finished: resource, checkpoint, and ``paused`` for the scheduler
+    at their rung, or ``pending`` when the unit was a segment on the way to it."""
+    targets = {m.trial_id: m.rung_resource for m in job.members}
 
     def write(s: Session) -> None:
         for trial_id, path in done.items():
@@ -101,7 +104,10 @@ def _mark_done(job: ArrayJob, done: dict[int, str]) -> None:
                 continue  # cancelled meanwhile
             trial.resource_done = job.to_resource
             trial.checkpoint_path = path
-            trial.status = TrialStatus.paused
+            at_rung = job.to_resource >= targets[trial_id] or math.isclose(
+                job.to_resource, targets[trial_id], rel_tol=1e-9
+            )
+            trial.status = TrialStatus.paused if at_rung else TrialStatus.pending
 
     retrying(write)
 
@@ -208,8 +214,8 @@ def run_array(job: ArrayJob, device: torch.device, kind: str, checkpoint_dir: Pa
         resource = job.to_resource if report.step >= to_step else report.resource
 
         def write(s: Session) -> None:
-            for trial_id, metrics in report.metrics.items():
-                store.record_measurement(s, _id(trial_id), resource, metrics, metric=job.metric)
+            rows = [(_id(key), resource, metrics) for key, metrics in report.metrics.items()]
+            store.record_measurements(s, rows, metric=job.metric)
             for trial_id in report.diverged:
                 step = array.diverged[trial_id]
                 # A point where it diverged, with no objective: it then ranks last, not by an

@@ -36,6 +36,7 @@ from sqlalchemy.orm import Session
 from service import store
 from service.db import retrying
 from service.errors import StoreUnavailable
+from service.lifecycle import rung_resource
 from service.models import PackStatus, StudyStatus, TrialStatus
 from service.objective import objective_of
 from service.packing import MemoryModel, Unit, split_in_two
@@ -91,6 +92,7 @@ def _claim(s: Session, pack_id: int, worker: str, device: torch.device) -> list[
                 config=dict(trial.config),
                 resource_done=trial.resource_done,
                 checkpoint_path=trial.checkpoint_path,
+                rung_resource=rung_resource(study.spec, trial.bracket, trial.rung),
             )
         )
     return [

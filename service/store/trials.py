@@ -7,6 +7,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from sqlalchemy import (
+    Table,
+    bindparam,
     func,
     or_,
     select,
@@ -166,25 +168,48 @@ def record_measurement(
     ``metric`` is the study's objective metric; callers that know it (a worker
     writing every epoch) save a query per trial by passing it.
     """
-    resource = float(resource)
-    stmt = insert_for(s, Measurement).values(
-        trial_id=trial_id, resource=resource, metrics=metrics, created_at=utcnow()
+    record_measurements(
+        s, [(trial_id, resource, metrics)], metric=metric or _metric_of(s, trial_id)
     )
+
+
+def record_measurements(
+    s: Session, rows: Sequence[tuple[int, float, dict[str, Any]]], *, metric: str
+) -> None:
+    """:func:`record_measurement` for many trials of one study at once (an array's epoch):
+    one INSERT and one executemany UPDATE, whatever the number of trials."""
+    if not rows:
+        return
+    now = utcnow()
+    values = [
+        {"trial_id": tid, "resource": float(res), "metrics": metrics, "created_at": now}
+        for tid, res, metrics in rows
+    ]
+    stmt = insert_for(s, Measurement).values(values)
     stmt = stmt.on_conflict_do_update(
         index_elements=["trial_id", "resource"], set_={"metrics": stmt.excluded.metrics}
     )
     s.execute(stmt)
-    objective = value_of(metrics, metric or _metric_of(s, trial_id))
+    trials = Trial.__table__
+    assert isinstance(trials, Table)
     latest = (
-        update(Trial)
+        update(trials)
         .where(
-            Trial.id == trial_id,
-            or_(Trial.measured_resource.is_(None), Trial.measured_resource <= resource),
+            trials.c.id == bindparam("tid"),
+            or_(
+                trials.c.measured_resource.is_(None),
+                trials.c.measured_resource <= bindparam("res"),
+            ),
         )
-        .values(measured_resource=resource, objective=objective)
-        .execution_options(synchronize_session=False)
+        .values(measured_resource=bindparam("res"), objective=bindparam("obj"))
     )
-    s.execute(latest)
+    s.execute(
+        latest,
+        [
+            {"tid": tid, "res": float(res), "obj": value_of(metrics, metric)}
+            for tid, res, metrics in rows
+        ],
+    )
 
 
 def _metric_of(s: Session, trial_id: int) -> str:
