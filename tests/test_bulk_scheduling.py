@@ -18,7 +18,8 @@ import pytest
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from service import store
+from service import lifecycle, planning, store
+from service import scheduler as scheduler_module
 from service.db import make_engine, session_factory, session_scope, upgrade
 from service.dispatch import JobState
 from service.hyperband import promote
@@ -213,7 +214,25 @@ def expected(brackets: dict[int, list[int]]) -> tuple[list[tuple[int, int, int]]
     return out, best
 
 
-def test_study_decisions_equal_promote_over_the_measurements(url: str, factory: Factory) -> None:
+@pytest.mark.parametrize("bounded", [False, True], ids=["one-tick-each", "bounded-ticks"])
+def test_study_decisions_equal_promote_over_the_measurements(
+    url: str, factory: Factory, bounded: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With small per-tick budgets too (sampling 10 trials, planning 8 units, deciding 5
+    trials per tick), so that a study is sampled, planned and decided over many ticks."""
+    if bounded:
+        monkeypatch.setattr(lifecycle, "SAMPLE_CHUNK", 10)
+        monkeypatch.setattr(planning, "MAX_UNITS_PER_PLAN", 8)
+        monkeypatch.setattr(scheduler_module, "PLAN_NEXT_TICK", 5)
+    planned: list[int] = []
+    real_plan = planning.plan_packs
+
+    def plan_packs(units: Any, *args: Any, **kwargs: Any) -> Any:
+        units = list(units)
+        planned.append(len(units))
+        return real_plan(units, *args, **kwargs)
+
+    monkeypatch.setattr(planning, "plan_packs", plan_packs)
     with session_scope(factory) as s:
         fleet(s)
         study_id = store.create_study(
@@ -221,15 +240,22 @@ def test_study_decisions_equal_promote_over_the_measurements(url: str, factory: 
         ).id
     settings = Settings(database_url=url, heartbeat_timeout=10**6)
     scheduler = Scheduler(settings, factory=factory, dispatcher=Recording(), holder="t")  # type: ignore[arg-type]
+    sampled = []
     try:
-        for _ in range(100):
+        for _ in range(200):
             report = scheduler.tick()
             with session_scope(factory) as s:
+                sampled.append(sum(store.count_trials_by_status(s, study_id).values()))
                 finish_queued_packs(s)
             if report.finished_studies:
                 break
     finally:
         scheduler.close()
+    if bounded:
+        assert sampled[:5] == [10, 20, 30, 40, 49]
+        assert max(planned) <= 8
+    else:
+        assert sampled[0] == 49
     with session_scope(factory) as s:
         study = store.get_study(s, study_id)
         assert study.status == StudyStatus.completed

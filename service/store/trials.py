@@ -89,6 +89,8 @@ class TrialBrief(NamedTuple):
     status: TrialStatus
     fusion_key: str
     resource_done: float
+    measured_resource: float | None  # of its latest measurement
+    objective: float | None  # the objective value there (None if not finite)
 
 
 def trial_briefs(
