@@ -91,9 +91,9 @@ SAMPLE_CHUNK = 2048
 
 
 def start_study(s: Session, study: Study) -> tuple[int, bool]:
-    """Sample the study's next :data:`SAMPLE_CHUNK` trials (deterministic from the seed, in sample-index
-    order, bracket by bracket); once every trial of every bracket is there, mark the study
-    running. Returns (trials inserted, whether sampling is complete)."""
+    """Sample the study's next :data:`SAMPLE_CHUNK` trials (deterministic from the seed, in
+    sample-index order, bracket by bracket); once every trial of every bracket is there, mark
+    the study running. Returns (trials inserted, whether sampling is complete)."""
     spec = study.spec
     workload = get_workload(study.workload)
     space = parse_space(spec.get("space", {}))
