@@ -1,7 +1,7 @@
 """Load on the read endpoints: many dashboard clients while a study trains.
 
     python -m bench.load [--clients 100] [--requests 50] [--think 1.0] [--duration 120]
-                         [--database-url URL] [--trials 10000] [--results]
+                         [--database-url URL] [--trials 10000] [--train small|big] [--results]
 
 What it does, all on this machine (loopback only):
 
@@ -11,7 +11,12 @@ What it does, all on this machine (loopback only):
    reached, promotions, packs), in seconds rather than by training;
 2. starts ``packtune serve`` on a free loopback port and submits a small real
    study (digits-mlp, 17 trials); whenever one finishes, the next is submitted,
-   so that a study trains for as long as the load runs;
+   so that a study trains for as long as the load runs. With ``--train big``
+   the study that trains is a second one of ``--trials`` trials instead (it
+   does not finish in the run): the scheduler then samples, decides and plans
+   over thousands of trials while the clients read, and the clients' GETs on
+   "the small study" go to it (its brackets, all its trials, are left out of
+   the mix);
 3. runs ``--clients`` concurrent clients (asyncio + httpx, one connection
    each). Each sends ``--requests`` GETs drawn from a dashboard-like mix of
    read endpoints on both studies, waiting a random ``0..2 x --think`` seconds
@@ -148,6 +153,11 @@ def seed_big_study(url: str, trials: int) -> tuple[int, int]:
         engine.dispose()
 
 
+def training_big(trials: int) -> dict[str, Any]:
+    """``--train big``: a study like the seeded one, to train (sampled by the scheduler)."""
+    return {**big_spec(trials), "name": "load-running"}
+
+
 # -- the load ------------------------------------------------------------------------------
 
 
@@ -160,18 +170,20 @@ class Load:
     started: float = field(default_factory=time.perf_counter)
     timeline: list[tuple[float, float]] = field(default_factory=list)  # (sent at, latency) s
     wall: float = field(default_factory=time.time)  # when the load started, epoch seconds
-    small_done: float | None = None  # when the small study finished, s after the start
+    small_done: float | None = None  # when the first training study finished, s after the start
     trained: list[int] = field(default_factory=list)  # studies trained to the end meanwhile
     loop_lag: list[tuple[float, float]] = field(default_factory=list)  # (at, how late) s
 
 
-def requests_for(big: int, small: int, trials: int, rng: random.Random) -> tuple[str, str]:
+def requests_for(
+    big: int, small: int, trials: int, rng: random.Random, brackets: bool = True
+) -> tuple[str, str]:
     """One GET a dashboard might send: (endpoint name, path with query)."""
     study = big if rng.random() < 0.7 else small
     which = rng.choices(
         ["summary", "leaderboard", "trials page", "packs", "curves", "studies", "workers",
          "health", "brackets"],
-        weights=[20, 20, 15, 10, 15, 8, 6, 3, 3],
+        weights=[20, 20, 15, 10, 15, 8, 6, 3, 3 if brackets else 0],
     )[0]  # fmt: skip
     if which == "brackets":
         study = small  # the big study's brackets list all 10,000 trials: not a poll
@@ -192,7 +204,7 @@ def requests_for(big: int, small: int, trials: int, rng: random.Random) -> tuple
 
 async def client(
     base: str, ids: tuple[int, int, int], count: int, think: float, deadline: float,
-    load: Load, seed: int, tls: ssl.SSLContext,
+    load: Load, seed: int, tls: ssl.SSLContext, brackets: bool,
 ) -> None:  # fmt: skip
     rng = random.Random(seed)
     big, small, trials = ids
@@ -201,7 +213,7 @@ async def client(
         for _ in range(count):
             if time.monotonic() > deadline:
                 return
-            name, path = requests_for(big, small, trials, rng)
+            name, path = requests_for(big, small, trials, rng, brackets)
             started = time.perf_counter()
             try:
                 try:
@@ -222,9 +234,10 @@ async def client(
 
 async def run_load(
     base: str, ids: tuple[int, int, int], clients: int, requests: int, think: float,
-    duration: float,
+    duration: float, training: dict[str, Any] = SMALL_STUDY,
 ) -> Load:  # fmt: skip
-    """``clients`` concurrent clients of ``requests`` GETs each, for ``duration`` s at most."""
+    """``clients`` concurrent clients of ``requests`` GETs each, for ``duration`` s at most,
+    while study ``ids[1]`` trains, and another like ``training`` after it (``--train``)."""
     if not base.startswith(("http://127.", "http://localhost", "http://[::1]")):
         raise ValueError(f"loopback addresses only, not {base}")
     load = Load()
@@ -232,11 +245,13 @@ async def run_load(
     deadline = started + duration
     done = asyncio.Event()
     tls = ssl.create_default_context()  # unused over http://, but httpx builds one per client
-    trainer = asyncio.create_task(keep_training(base, ids[1], done, load))
+    trainer = asyncio.create_task(keep_training(base, ids[1], training, done, load))
     monitor = asyncio.create_task(watch_loop(done, load))
+    brackets = training is SMALL_STUDY  # a big study's brackets list all its trials: no poll
     await asyncio.gather(
-        *(client(base, ids, requests, think, deadline, load, seed, tls) for seed in range(clients))
-    )
+        *(client(base, ids, requests, think, deadline, load, seed, tls, brackets)
+          for seed in range(clients))
+    )  # fmt: skip
     load.seconds = time.monotonic() - started
     done.set()
     await trainer
@@ -254,7 +269,9 @@ async def watch_loop(done: asyncio.Event, load: Load, every: float = 0.005) -> N
         load.loop_lag.append((asked - load.started, max(0.0, woke - asked - every)))
 
 
-async def keep_training(base: str, first: int, done: asyncio.Event, load: Load) -> None:
+async def keep_training(
+    base: str, first: int, training: dict[str, Any], done: asyncio.Event, load: Load
+) -> None:
     """Keep a study training while the clients read: when one finishes, submit the next.
 
     Its GETs (every second) and POSTs are not counted in the latencies.
@@ -265,7 +282,7 @@ async def keep_training(base: str, first: int, done: asyncio.Event, load: Load) 
             state = (await http.get(f"/api/studies/{current}")).json()["status"]
             if state not in ("pending", "running"):
                 load.trained.append(current)
-                spec = {**SMALL_STUDY, "name": f"load-small-{len(load.trained) + 1}"}
+                spec = {**training, "name": f"{training['name']}-{len(load.trained) + 1}"}
                 current = (await http.post("/api/studies", json=spec)).json()["id"]
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(done.wait(), timeout=1.0)
@@ -351,6 +368,11 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 def append_results(args: argparse.Namespace, load: Load, ids: tuple[int, int, int]) -> None:
     total = sum(len(v) for v in load.latencies.values())
     lag_p99, lag_max = loop_lag(load)
+    trains = (
+        "digits-mlp studies of 17 trials one after the other"
+        if args.train == "small"
+        else f"a digits-mlp study of {ids[2]} trials like it (its first rungs)"
+    )
     lines = [
         "",
         f"## Read endpoints under load ({args.clients} client{'s' * (args.clients != 1)}, "
@@ -362,8 +384,8 @@ def append_results(args: argparse.Namespace, load: Load, ids: tuple[int, int, in
         f"- date: {datetime.now(UTC):%Y-%m-%d %H:%M UTC}; load average after: "
         f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}",
         f"- database: a finished study of {ids[2]} trials (written by the store, not trained); "
-        "meanwhile `packtune serve` trains digits-mlp studies of 17 trials one after the other "
-        f"({len(load.trained)} finished during the run)",
+        f"meanwhile `packtune serve` trains {trains} ({len(load.trained)} finished during the "
+        "run)",
         f"- {total} requests in {load.seconds:.1f} s ({total / load.seconds:.0f}/s), "
         f"errors: {len(load.errors)}, sent again after a closed keep-alive connection: "
         f"{load.retried}; the load generator's event loop woke late by {lag_p99:.1f} ms at p99, "
@@ -374,8 +396,7 @@ def append_results(args: argparse.Namespace, load: Load, ids: tuple[int, int, in
         *(f"| {n} | {c} | {a:.1f} | {b:.1f} | {d:.1f} | {m:.1f} |" for n, c, a, b, d, m in
           summary(load)),
         "",
-        "Over time, by when the GET was sent (a digits-mlp study of 17 trials trained all the "
-        f"while: {len(load.trained)} of them finished one after the other):",
+        f"Over time, by when the GET was sent ({trains} trained all the while):",
         "",
         "| from s | requests | p50 ms | p99 ms | max ms | client loop lag max ms |",
         "|---|---|---|---|---|---|",
@@ -398,6 +419,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=180.0, help="seconds at most")
     parser.add_argument("--trials", type=int, default=10_000)
     parser.add_argument("--database-url", help="an empty PostgreSQL database (default: SQLite)")
+    parser.add_argument(
+        "--train", choices=["small", "big"], default="small",
+        help="the study that trains meanwhile: small ones in turn, or one of --trials trials",
+    )  # fmt: skip
     parser.add_argument("--results", action="store_true", help="append to bench/RESULTS.md")
     args = parser.parse_args(argv)
 
@@ -414,10 +439,11 @@ def main(argv: list[str] | None = None) -> int:
                PACKTUNE_LOG_LEVEL="WARNING")  # fmt: skip
     proc, base = serve(env, tmp / "serve.log")
     try:
-        small = httpx.post(f"{base}/api/studies", json=SMALL_STUDY, timeout=30).json()["id"]
+        training = SMALL_STUDY if args.train == "small" else training_big(args.trials)
+        small = httpx.post(f"{base}/api/studies", json=training, timeout=30).json()["id"]
         ids = (big, small, trials)
         load = asyncio.run(
-            run_load(base, ids, args.clients, args.requests, args.think, args.duration)
+            run_load(base, ids, args.clients, args.requests, args.think, args.duration, training)
         )
         doc = httpx.get(f"{base}/api/studies/{small}", timeout=60).json()
     finally:
@@ -425,9 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     if doc.get("finished_at"):
         load.small_done = datetime.fromisoformat(doc["finished_at"]).timestamp() - load.wall
     print(f"{sum(len(v) for v in load.latencies.values())} requests in {load.seconds:.1f} s; "
-          f"errors: {len(load.errors)}; sent again: {load.retried}; the first small study was "
-          f"{doc['status']} at the end (finished {load.small_done or 0:.0f} s in); "
-          f"{len(load.trained)} small studies trained to the end meanwhile")  # fmt: skip
+          f"errors: {len(load.errors)}; sent again: {load.retried}; the first training study "
+          f"was {doc['status']} at the end (finished {load.small_done or 0:.0f} s in); "
+          f"{len(load.trained)} training studies trained to the end meanwhile")  # fmt: skip
     print(f"{'endpoint':<12} {'n':>6} {'p50':>8} {'p90':>8} {'p99':>8} {'max':>8}  (ms)")
     for name, n, p50, p90, p99, top in summary(load):
         print(f"{name:<12} {n:>6} {p50:>8.1f} {p90:>8.1f} {p99:>8.1f} {top:>8.1f}")

@@ -166,40 +166,54 @@ def serve(
         bool, typer.Option("--no-scheduler", help="API only (run `packtune scheduler` apart).")
     ] = False,
 ) -> None:
-    """Serve the API and dashboard; also the scheduler, and packs in-process without Redis."""
+    """Serve the API and dashboard; also the scheduler, and packs in-process without Redis.
+
+    The scheduler (with the embedded runner under it) is a child process, not a
+    thread, so that its ticks do not hold the API process's GIL (see
+    :mod:`service.scheduler_process`). It stops with ``serve``, whether that ends
+    by Ctrl-C, SIGTERM or an error, and on its own if ``serve`` is killed.
+    """
+    import signal
+
     import uvicorn
 
     from service.db import upgrade
+    from service.scheduler_process import SchedulerProcess
 
     settings = get_settings()
     _setup_logging()
     if settings.database_url.startswith("sqlite"):
         upgrade(settings.database_url)  # embedded: nothing else would create the file
-    stop = threading.Event()
-    thread = None
-    if not no_scheduler:
-        from service.scheduler import run_scheduler
-
-        thread = threading.Thread(target=run_scheduler, args=(stop,), daemon=True)
-        thread.start()
+    # uvicorn shuts down on SIGTERM, then puts this handler back and raises SIGTERM again:
+    # exit through the ``finally`` below instead of dying at once
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    child = None if no_scheduler else SchedulerProcess()
     try:
-        uvicorn.run("service.api.app:create_app", factory=True, host=host, port=port)
+        if child is not None:
+            child.start()
+        uvicorn.run(
+            "service.api.app:create_app", factory=True, host=host, port=port,
+            log_level=settings.log_level.lower(),  # PACKTUNE_LOG_LEVEL=WARNING: no access log
+        )  # fmt: skip
     finally:
-        stop.set()
-        if thread is not None:
-            thread.join(timeout=30)
+        if child is not None:
+            child.stop()
+
+
+def _exit_on_signal(signum: int, _: object) -> NoReturn:
+    raise SystemExit(128 + signum)
 
 
 @app.command()
 def scheduler() -> None:
     """Run the scheduler loop (one per deployment; a second one waits on the lease)."""
     from service.scheduler import run_scheduler
+    from service.scheduler_process import stop_on_signals
 
     _setup_logging()
-    try:
-        run_scheduler()
-    except KeyboardInterrupt:
-        pass
+    stop = threading.Event()
+    stop_on_signals(stop)  # SIGTERM and Ctrl-C: finish the tick, release the lease
+    run_scheduler(stop)
 
 
 @app.command()

@@ -281,11 +281,15 @@ class EmbeddedDispatcher:
         return sum(not f.done() for f in self._jobs.values())
 
     def close(self) -> None:
+        """Stop the runner at once: closed during its start-up (e.g. the database could not be
+        migrated) there is nothing to finish, so do not wait seconds for its imports; closed
+        with a pack training (the scheduler stopped), the pack is cut short as if the runner
+        had been killed, and the next scheduler finds its job missing and dispatches it again.
+        """
         if self._pool is None:
             return
-        if not self._jobs and self.warm_up is not None and not self.warm_up.done():
-            # closed during its start-up (e.g. the database could not be migrated): nothing
-            # to finish, so do not wait seconds for its imports
+        warming = not self._jobs and self.warm_up is not None and not self.warm_up.done()
+        if warming or self.busy():
             for proc in list(getattr(self._pool, "_processes", {}).values()):
                 proc.terminate()
         self._pool.shutdown(wait=True, cancel_futures=True)

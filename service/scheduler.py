@@ -315,13 +315,17 @@ class Scheduler:
         self.dispatcher.close()
 
 
-def run_scheduler(stop: threading.Event | None = None) -> None:
-    """``packtune scheduler`` (and the scheduler thread of ``packtune serve``): tick until
-    stopped, on an engine of its own, so that API requests holding every pooled connection
-    of the process cannot stall it (it waited 30 s per tick under 100 clients)."""
+def run_scheduler(
+    stop: threading.Event | None = None, dispatcher: Dispatcher | None = None
+) -> None:
+    """``packtune scheduler`` (and the scheduler process of ``packtune serve``, see
+    :mod:`service.scheduler_process`): tick until ``stop`` is set, on an engine of its own
+    (when it was a thread of the API process, API requests holding every pooled connection
+    stalled it: it waited 30 s per tick under 100 clients). ``dispatcher``: one already
+    started (default: the settings' one, started here); it is closed at the end."""
     settings = get_settings()
     engine = make_engine(settings.database_url)
-    scheduler = Scheduler(settings, session_factory(engine))
+    scheduler = Scheduler(settings, session_factory(engine), dispatcher)
     try:
         scheduler.dispatcher.start()  # embedded: the runner starts; RQ: hear workers finish
         scheduler.run(stop)

@@ -159,3 +159,14 @@ def gone(pid: int) -> bool:
     except FileNotFoundError:
         return True
     return "\nState:\tZ" in status
+
+
+def children(pid: int) -> list[int]:
+    """``pid``'s child processes, whichever of its threads started them (reads /proc)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            out += [int(p) for p in task.read_text().split()]
+        except FileNotFoundError:
+            continue  # the thread ended meanwhile
+    return out

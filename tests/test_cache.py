@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.testclient import TestClient
 
 from service import store
@@ -147,3 +147,71 @@ def test_the_api_reads_its_own_writes_and_caches_other_writers(client: TestClien
         store.set_study_status(s, store.get_study(s, created["id"]), StudyStatus.failed)
     assert client.get(path).json()["status"] == "cancelled"
     assert client.get(f"{path}?fresh=1").json()["status"] == "failed"
+
+
+def test_a_write_drops_only_what_it_may_change() -> None:
+    """A write under /api/studies/{id} drops that study's answers and the list of studies;
+    other studies' answers stay; a write elsewhere drops everything."""
+    app = FastAPI()
+    calls: dict[str, int] = {}
+
+    @app.get("/api/studies")
+    @app.get("/api/studies/{study}")
+    @app.get("/api/studies/{study}/trials")
+    async def read(request: Request) -> dict[str, int]:
+        calls[request.url.path] = calls.get(request.url.path, 0) + 1
+        return {"n": calls[request.url.path]}
+
+    @app.post("/api/studies")
+    @app.post("/api/studies/{study}/cancel")
+    @app.post("/elsewhere")
+    async def write() -> dict[str, Any]:
+        return {}
+
+    cache = ReadCache(app, ttl=30)
+    paths = ["/api/studies", "/api/studies/1", "/api/studies/1/trials", "/api/studies/12"]
+
+    async def counts() -> list[int]:
+        return [(await get(cache, path)).json()["n"] for path in paths]
+
+    async def scenario() -> None:
+        assert await counts() == [1, 1, 1, 1]
+        await get(cache, "/api/studies/1/cancel", method="POST")
+        assert await counts() == [2, 2, 2, 1]  # study 12 is not study 1
+        await get(cache, "/api/studies", method="POST")
+        assert await counts() == [3, 2, 2, 1]
+        await get(cache, "/elsewhere", method="POST")
+        assert await counts() == [4, 3, 3, 2]
+
+    asyncio.run(scenario())
+
+
+def test_gets_waiting_on_a_failed_answer_all_get_one() -> None:
+    """Two GETs that waited for an answer that failed both compute it again; a third one
+    arriving meanwhile waits for the latest of those and is answered too (it once waited for
+    ever: the first of the two to finish unregistered the other's computation)."""
+    app = FastAPI()
+    calls = {"n": 0}
+
+    @app.get("/api/studies/flaky")
+    async def flaky() -> dict[str, int]:
+        calls["n"] += 1
+        n = calls["n"]
+        await asyncio.sleep(0.1)
+        if n == 1:
+            raise HTTPException(503, "not yet")
+        return {"n": n}
+
+    cache = ReadCache(app, ttl=30)
+
+    async def late() -> httpx.Response:
+        await asyncio.sleep(0.15)
+        return await get(cache, "/api/studies/flaky")
+
+    async def scenario() -> list[httpx.Response]:
+        first = [get(cache, "/api/studies/flaky") for _ in range(3)]
+        return await asyncio.wait_for(asyncio.gather(*first, late()), timeout=5)
+
+    statuses = [r.status_code for r in asyncio.run(scenario())]
+    assert statuses == [503, 200, 200, 200]
+    assert calls["n"] == 3

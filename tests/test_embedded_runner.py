@@ -14,7 +14,7 @@ import yaml
 
 from service.dispatch import EmbeddedDispatcher
 from service.settings import get_settings
-from tests.e2e import gone, packtune_env
+from tests.e2e import children, gone, packtune_env
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")
 
@@ -29,17 +29,12 @@ SMALL = {
 def runners(pid: int) -> list[int]:
     """``pid``'s spawned multiprocessing children (not its resource tracker)."""
     out = []
-    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+    for kid in children(pid):
         try:
-            kids = [int(p) for p in task.read_text().split()]
+            if b"spawn_main" in Path(f"/proc/{kid}/cmdline").read_bytes():
+                out.append(kid)
         except FileNotFoundError:
-            continue  # the thread ended meanwhile
-        for kid in kids:
-            try:
-                if b"spawn_main" in Path(f"/proc/{kid}/cmdline").read_bytes():
-                    out.append(kid)
-            except FileNotFoundError:
-                pass
+            pass
     return out
 
 

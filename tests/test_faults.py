@@ -23,7 +23,7 @@ import sqlalchemy as sa
 
 from service.db import make_engine, session_factory, session_scope
 from service.models import Measurement, Pack, PackMember, PackStatus, Profile
-from tests.e2e import free_port, gone, packtune_env
+from tests.e2e import free_port, packtune_env
 from tests.faults import (
     Outcome,
     PostgresCluster,
@@ -526,45 +526,3 @@ def test_a_diverging_trial_and_a_raising_one_are_isolated(
         for r, v in alone.items():
             assert got.curves[i][r] == pytest.approx(v, rel=1e-4, abs=1e-6), (i, r)
     print(f"{len(mates)} pack-mates of faulty trials match their solo runs")
-
-
-def children(pid: int) -> list[int]:
-    """Child processes of ``pid``, whichever of its threads started them."""
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*/children"):
-        try:
-            out += [int(p) for p in task.read_text().split()]
-        except FileNotFoundError:
-            pass  # the thread ended meanwhile
-    return out
-
-
-@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
-def test_serve_killed_leaves_no_runner_behind(tmp_path: Path, how: str) -> None:
-    """``packtune serve`` (embedded: packs in a child process) ended by a signal mid-pack:
-    its runner exits too instead of lingering as an orphan."""
-    import signal
-
-    env = packtune_env(
-        database_url=f"sqlite:///{tmp_path / 'packtune.db'}", checkpoint_dir=tmp_path / "ckpt",
-        **COMMON,
-    )  # fmt: skip
-    services = Services(env, tmp_path / "serve.log")
-    port = free_port()
-    services.start("serve", "serve", "--port", str(port))
-    api = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: _answers(f"{api}/healthz") == 200, 60, "packtune serve")
-        assert httpx.post(f"{api}/api/studies", json=SPEC, timeout=30).status_code == 201
-        proc = services.procs["serve"]
-        kids = wait_for(lambda: children(proc.pid), 60, "the embedded runner", every=0.2)
-        wait_for(
-            lambda: httpx.get(f"{api}/api/studies/1", timeout=10).json()["packs_running"],
-            60, "a pack running",
-        )  # fmt: skip
-        proc.send_signal(getattr(signal, how))
-        proc.wait(30)
-        wait_for(lambda: all(gone(k) for k in kids), 15, f"runner {kids} to exit")
-    finally:
-        services.stop_all()

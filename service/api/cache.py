@@ -9,9 +9,13 @@ already being computed instead of all querying the database (single flight).
 
 What may be stale, and for how long: at most ``ttl`` seconds behind what the
 scheduler and workers write. A write through this API (any method other than
-GET, HEAD or OPTIONS) empties the cache, and a response computed while a write
-was in progress is not kept, so a client reads its own writes. ``ttl`` 0
-turns the cache off (``PACKTUNE_READ_CACHE_SECONDS``).
+GET, HEAD or OPTIONS) drops what it may change: for a write under
+``/api/studies/{id}``, that study's answers and the list of studies; for
+``POST /api/studies``, the list; for any other path, everything (other
+studies' answers stay: a client creating studies does not make every
+dashboard's next reads miss). A response computed while a write was in
+progress is not kept, so a client reads its own writes. ``ttl`` 0 turns the
+cache off (``PACKTUNE_READ_CACHE_SECONDS``).
 """
 
 from __future__ import annotations
@@ -78,17 +82,31 @@ class ReadCache:
     async def _write(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.writes += 1
         self.generation += 1
-        self.entries.clear()
+        self._forget(scope["path"])
         try:
             await self.app(scope, receive, send)
         finally:
             self.writes -= 1
             self.generation += 1
+            self._forget(scope["path"])
+
+    def _forget(self, path: str) -> None:
+        """Drop the answers a write to ``path`` may change (see the module docstring)."""
+        if not path.startswith(self.prefix):
             self.entries.clear()
+            return
+        study = path[len(self.prefix) :].strip("/").split("/", 1)[0]
+        one = f"{self.prefix}/{study}"
+        for key in list(self.entries):
+            path_of_key = key.split("?", 1)[0]
+            if path_of_key.rstrip("/") == self.prefix or (
+                study and (path_of_key == one or path_of_key.startswith(one + "/"))
+            ):
+                del self.entries[key]
 
     async def _compute(self, key: str, scope: Scope, receive: Receive, send: Send) -> None:
         future: asyncio.Future[Entry | None] = asyncio.get_running_loop().create_future()
-        self.pending[key] = future
+        self.pending[key] = future  # GETs of ``key`` arriving from now on wait for this one
         generation, quiet = self.generation, self.writes == 0
         start: Message | None = None
         chunks: list[bytes] = []
@@ -109,7 +127,10 @@ class ReadCache:
                 if quiet and generation == self.generation:
                     self._keep(key, entry)
         finally:
-            del self.pending[key]
+            # GETs that waited for an answer that failed each compute it again, and each
+            # claims ``key`` in turn: leave the latest claim in place for its waiters
+            if self.pending.get(key) is future:
+                del self.pending[key]
             future.set_result(entry)
 
     def _keep(self, key: str, entry: Entry) -> None:
