@@ -178,8 +178,10 @@ class RQDispatcher:
         self.redis.close()
 
 
-def _exit_with_parent(parent: int) -> None:
-    """In the child, first thing: exit once ``parent`` is gone (the child is re-parented).
+def _init_runner(parent: int, nice: int) -> None:
+    """In the child, first thing: train at a lower CPU priority (``nice``: on a laptop the
+    API, the dashboard and the scheduler share the cores with training), and exit once
+    ``parent`` is gone (the child is re-parented).
 
     Without it, ``packtune serve`` ended by SIGTERM (uvicorn re-raises the signal, so
     no clean-up runs) or SIGKILL left its runner idle for ever, holding ~400 MB.
@@ -190,6 +192,8 @@ def _exit_with_parent(parent: int) -> None:
             time.sleep(1.0)
         os._exit(0)  # a pack cut short is re-queued: its job is missing to the next scheduler
 
+    if nice and hasattr(os, "nice"):
+        os.nice(nice)
     threading.Thread(target=watch, name="packtune-parent-watch", daemon=True).start()
 
 
@@ -225,6 +229,7 @@ class EmbeddedDispatcher:
 
     def __init__(self, settings: Settings) -> None:
         self.embedded_worker: str | None = f"embedded@{socket.gethostname()}"
+        self._nice = settings.runner_nice
         self._ctx = multiprocessing.get_context("spawn")
         self._pool: ProcessPoolExecutor | None = None
         self._jobs: dict[str, Future[str]] = {}
@@ -247,8 +252,8 @@ class EmbeddedDispatcher:
             self._pool = ProcessPoolExecutor(
                 max_workers=1,
                 mp_context=self._ctx,
-                initializer=_exit_with_parent,
-                initargs=(os.getpid(),),
+                initializer=_init_runner,
+                initargs=(os.getpid(), self._nice),
             )
         return self._pool
 

@@ -148,8 +148,10 @@ class Trial(Base):
     __tablename__ = "trials"
     __table_args__ = (
         UniqueConstraint("study_id", "sample_index", name="uq_trials_study_sample"),
-        Index("ix_trials_study_status", "study_id", "status"),
+        Index("ix_trials_study_status_rung", "study_id", "status", "rung"),
         Index("ix_trials_study_bracket_rung", "study_id", "bracket", "rung"),
+        Index("ix_trials_study_measured", "study_id", "measured_resource", "objective"),
+        Index("ix_trials_study_id", "study_id", "id"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -198,7 +200,10 @@ class Pack(Base):
     """What one job runs on one device: one or more fused arrays."""
 
     __tablename__ = "packs"
-    __table_args__ = (Index("ix_packs_study_status", "study_id", "status"),)
+    __table_args__ = (
+        Index("ix_packs_study_status", "study_id", "status"),
+        Index("ix_packs_study_id", "study_id", "id"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     study_id: Mapped[int] = mapped_column(ForeignKey("studies.id", ondelete="CASCADE"))

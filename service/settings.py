@@ -68,6 +68,15 @@ class Settings(BaseSettings):
         ge=1,
         description="CPU threads torch may use in a worker; default: all cores but one.",
     )
+    runner_nice: int = Field(
+        default=10,
+        ge=0,
+        le=19,
+        description=(
+            "CPU priority the embedded runner trains at (a nice increment): the API and the "
+            "scheduler beside it stay responsive on a busy CPU; 0 = the same priority."
+        ),
+    )
     oom_above: int | None = Field(
         default=None,
         ge=1,

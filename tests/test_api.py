@@ -549,6 +549,8 @@ def test_leaderboard_ranks_by_resource_then_objective(
     assert body["data"][0]["value"] == 0.35 and body["data"][-1]["value"] is None
     top = client.get(f"/api/studies/{study_id}/leaderboard", params={"limit": 3}).json()
     assert top["count"] == 10 and [row["id"] for row in top["data"]] == [ids[14], ids[3], ids[1]]
+    both = client.get(f"/api/studies/{study_id}/leaderboard", params={"limit": 10}).json()
+    assert both["data"] == body["data"]  # a page reaching past the finite values
 
 
 def test_leaderboard_follows_the_mode(client: TestClient) -> None:
@@ -563,8 +565,10 @@ def test_leaderboard_follows_the_mode(client: TestClient) -> None:
     assert [row["id"] for row in rows] == [ids[1], ids[2], ids[0]]
 
 
-def test_reads_cost_the_same_number_of_queries_for_any_study_size(client: TestClient) -> None:
-    """No query per trial: a 3,000-trial study takes as many statements as a 3-trial one."""
+def test_reads_cost_a_bounded_number_of_queries_for_any_study_size(client: TestClient) -> None:
+    """No query per trial: a 3,000-trial study takes at most as many statements as a 3-trial
+    one (the leaderboard reads trials without a finite objective in a second statement only
+    when the finite ones do not fill its page: the small study's case)."""
     factory = client.app.state.sessionmaker  # type: ignore[attr-defined]
     studies = []
     for size in (3, 3000):
@@ -599,7 +603,7 @@ def test_reads_cost_the_same_number_of_queries_for_any_study_size(client: TestCl
                 response = client.get(f"/api/studies/{study_id}{path}")
                 assert response.status_code == 200
                 costs.append(statements)
-            assert costs[0] == costs[1] <= 8, (path, costs)
+            assert costs[1] <= costs[0] <= costs[1] + 1 <= 9, (path, costs)
         big = client.get(f"/api/studies/{studies[1]}/trials").json()
         assert big["count"] == 3000 and len(big["data"]) == 3000
     finally:

@@ -48,6 +48,8 @@ def test_start_spawns_and_warms_the_runner_before_any_pack(clean_env: pytest.Mon
         assert dispatcher.warm_up.result(timeout=120).startswith("warm in")
         kids = runners(os.getpid())
         assert kids, "no runner process after start()"
+        ours = os.getpriority(os.PRIO_PROCESS, 0)
+        assert [os.getpriority(os.PRIO_PROCESS, k) for k in kids] == [min(19, ours + 10)]
         assert dispatcher.busy() == 0  # the warm-up is not a pack
     finally:
         dispatcher.close()

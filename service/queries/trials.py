@@ -116,15 +116,18 @@ def leaderboard(s: Session, study_id: int, limit: int | None = None) -> tuple[li
     mode = objective_of(study.spec)[1]
     measured = [Trial.study_id == study_id, Trial.measured_resource.is_not(None)]
     count = s.scalar(select(func.count()).select_from(Trial).where(*measured)) or 0
-    order = [
-        Trial.objective.is_(None),
-        Trial.measured_resource.desc(),
-        Trial.objective.asc() if mode == "min" else Trial.objective.desc(),
-        Trial.id,
-    ]
-    stmt = _page(measured, order, limit)
+    # two pages, finite objectives then the rest, each in an order the index
+    # (study_id, measured_resource, objective) serves from the highest resource down
+    finite = [*measured, Trial.objective.is_not(None)]
+    by_objective = Trial.objective.asc() if mode == "min" else Trial.objective.desc()
+    order = [Trial.measured_resource.desc(), by_objective, Trial.id]
+    rows = list(s.execute(_page(finite, order, limit)))
+    if limit is None or len(rows) < limit:
+        rest = None if limit is None else limit - len(rows)
+        not_finite = [*measured, Trial.objective.is_(None)]
+        rows += s.execute(_page(not_finite, [Trial.measured_resource.desc(), Trial.id], rest))
     out = []
-    for position, row in enumerate(s.execute(stmt), start=1):
+    for position, row in enumerate(rows, start=1):
         out.append({**_trial_row(row), "rank": position, "value": row.objective})
     return out, count
 
