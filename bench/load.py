@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import os
 import platform
 import random
@@ -240,6 +241,8 @@ async def run_load(
     while study ``ids[1]`` trains, and another like ``training`` after it (``--train``)."""
     if not base.startswith(("http://127.", "http://localhost", "http://[::1]")):
         raise ValueError(f"loopback addresses only, not {base}")
+    gc.collect()
+    gc.freeze()  # its own full collections would stall the clients (see service.api.app)
     load = Load()
     started = time.monotonic()
     deadline = started + duration

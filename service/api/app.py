@@ -18,6 +18,7 @@ Errors, all as ``{"detail": ...}``:
 
 from __future__ import annotations
 
+import gc
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -54,6 +55,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # Everything imported and built so far (~110,000 objects: FastAPI, pydantic,
+        # SQLAlchemy) lives as long as the process. Left to the collector, each full
+        # collection walked all of it: 80-100 ms on a 2-core VM, during which no request
+        # moved, three times in three minutes under load, which was the p99. Frozen, a full
+        # collection walks only what requests left behind (0.5 ms measured). Collected
+        # first, so that no garbage is frozen with it.
+        gc.collect()
+        gc.freeze()
         yield
         if owned is not None:
             owned.dispose()
