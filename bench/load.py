@@ -149,7 +149,13 @@ def seed_big_study(url: str, trials: int) -> tuple[int, int]:
                     t.status = TrialStatus.completed if last else TrialStatus.stopped
             s.execute(insert(Measurement), measurements)
             store.set_study_status(s, study, StudyStatus.completed)
-            return study.id, index
+        if engine.dialect.name == "postgresql":
+            # what autovacuum does within a minute or so of such writes; without it the
+            # planner still believes the trials table is nearly empty and sorts 10,000 rows
+            # for a page of 100 (10 ms instead of 0.7 ms)
+            with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+                conn.exec_driver_sql("VACUUM ANALYZE")
+        return study.id, index
     finally:
         engine.dispose()
 
