@@ -40,7 +40,7 @@ def brackets(s: Session, study_id: int) -> list[Row]:
         .where(Trial.study_id == study_id)
         .order_by(Trial.id)
     )
-    for trial_id, bracket_s, current, status in s.execute(stmt).tuples():
+    for trial_id, bracket_s, current, status in s.execute(stmt):
         for i in range(current):
             members[(bracket_s, i)].append(
                 {"trial_id": trial_id, "status": "paused", "promoted": True}
