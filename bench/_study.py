@@ -4,6 +4,9 @@ Two ways, both real processes:
 
 - ``embedded``: ``packtune run SPEC`` (SQLite, the scheduler in the process,
   packs in its spawned child) — the default a user gets;
+- ``serve``: ``packtune serve`` on a fresh SQLite file (the embedded default
+  as a running service: the scheduler and its runner up, a small warm-up study
+  already run), the study POSTed to its API;
 - ``rq``: a fresh PostgreSQL database and a private Redis queue, one
   ``packtune scheduler`` and N ``packtune worker`` processes, started and
   heartbeating before the study is created (a running service), the study
@@ -176,6 +179,66 @@ def run_embedded(spec: dict[str, Any], workdir: Path, device: str = "auto") -> S
 
 def _packed(spec: dict[str, Any]) -> bool:
     return spec.get("packing", {}).get("max_pack_size") != 1
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _post_and_wait(client: Any, spec: dict[str, Any], timeout: float) -> tuple[int, float]:
+    """POST the study, poll it until it ends; its id and the seconds from POST to the end."""
+    start = time.perf_counter()
+    r = client.post("/api/studies", json=spec)
+    if r.status_code != 201:
+        raise RuntimeError(f"POST /api/studies: {r.status_code} {r.text[:500]}")
+    study_id = int(r.json()["id"])
+    while True:
+        status = client.get(f"/api/studies/{study_id}").json()["status"]
+        if status in ("completed", "failed", "cancelled"):
+            return study_id, time.perf_counter() - start
+        if time.perf_counter() - start > timeout:
+            raise TimeoutError(f"study {study_id} did not finish in {timeout} s")
+        time.sleep(0.1)
+
+
+def run_serve(spec: dict[str, Any], workdir: Path, device: str = "auto",
+              warm_up: dict[str, Any] | None = None, timeout: float = 900) -> StudyRun:
+    """``packtune serve`` (embedded: SQLite, scheduler and runner in its child); the
+    ``warm_up`` study first (not measured: the runner's start, the device and the
+    workload's data, as in a service that has run a study before), then ``spec``."""
+    import httpx
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    url = f"sqlite:///{workdir / 'packtune.db'}"
+    port = _free_port()
+    env = service_env(database_url=url, checkpoint_dir=workdir / "ckpt", device=device,
+                      log_level="WARNING")
+    log = (workdir / "service.log").open("ab")
+    proc = subprocess.Popen(cli("serve", "--port", str(port)), env=env, cwd=workdir,
+                            stdout=log, stderr=log)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    if client.get("/healthz").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError(f"packtune serve did not come up; see {workdir}/service.log")
+                time.sleep(0.2)
+            if warm_up is not None:
+                _post_and_wait(client, warm_up, timeout)
+            study_id, seconds = _post_and_wait(client, spec, timeout)
+    finally:
+        _stop([proc])
+        log.close()
+    return StudyRun("serve", _packed(spec), seconds, read_study(url, study_id))
 
 
 @contextmanager

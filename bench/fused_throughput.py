@@ -172,7 +172,8 @@ def report(results: dict[str, Any], variants: list[str]) -> list[str]:
     header += [f"fused / {v}" for v in ratios]
     rows = []
     for name, data in results.items():
-        for k, samples in data["ks"].items():
+        # saved JSON has its keys sorted as strings ("1", "16", "2", ...): order them by k
+        for k, samples in sorted(data["ks"].items(), key=lambda item: int(item[0])):
             m = {v: _common.median(samples[v]) for v in variants}
             rows.append([name, k, *[round(m[v]) if samples[v] else "n/a" for v in variants],
                          *[f"{m['fused'] / m[v]:.2f}x" if samples[v] else "n/a" for v in ratios]])

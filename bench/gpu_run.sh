@@ -7,11 +7,22 @@ set -u
 OUT=${OUT:-bench/results/gpu}
 mkdir -p "$OUT"
 if [ -d bench/.wheels ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade \
         --target /tmp/packtune-deps bench/.wheels/*.whl || exit 1
     export PYTHONPATH=/tmp/packtune-deps:$PWD
 fi
 export PYTHONUNBUFFERED=1
+# Byte-compile what every packtune process imports, as `pip install` and the Dockerfile's
+# image do: a box whose torch was installed without its .pyc files (and with
+# PYTHONDONTWRITEBYTECODE set) compiles torch's source in every process, ~6 s per start.
+python3 -m compileall -q -j 0 service worker migrations bench $(python3 -c '
+import importlib.util as u
+for name in ("torch", "numpy", "sqlalchemy", "pydantic", "fastapi", "starlette", "rich",
+             "typer", "click", "httpx", "httpcore", "anyio", "yaml", "alembic", "rq", "redis"):
+    spec = u.find_spec(name)
+    if spec and spec.submodule_search_locations:
+        print(*spec.submodule_search_locations)
+') >/dev/null 2>&1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))' \
     | tee -a "$OUT/gpu.txt"
@@ -20,10 +31,11 @@ python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_devic
 timeout 150 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider \
     --continue-on-collection-errors 2>&1 | tee "$OUT/pytest_gpu.log" | tail -4
 
-# 2. benchmark a: fused vs serial vs concurrent processes
-timeout "${A_TIMEOUT:-270}" python3 -m bench.fused_throughput --device cuda --repeats 2 \
+# 2. benchmark a: fused vs serial vs concurrent processes (A_TIMEOUT=0 skips it)
+[ "${A_TIMEOUT:-270}" = 0 ] || timeout "${A_TIMEOUT:-270}" python3 -m bench.fused_throughput --device cuda --repeats 2 \
     --target "${A_TARGET:-0.15}" --out-dir "$OUT" --no-append 2>&1 | tee "$OUT/a_gpu.log" | tail -22
 
-# 3. benchmark b: the digits-mlp study packed vs unpacked, embedded (SQLite), on the GPU
-timeout "${B_TIMEOUT:-170}" python3 -m bench.study_walltime --modes embedded --device cuda \
-    --repeats 2 --out-dir "$OUT" --no-append 2>&1 | tee "$OUT/b_gpu.log" | tail -12
+# 3. benchmark b: the digits-mlp study packed vs unpacked on the GPU, with SQLite:
+#    `packtune run` (embedded) and a running `packtune serve` (serve)
+timeout "${B_TIMEOUT:-170}" python3 -m bench.study_walltime --modes ${B_MODES:-embedded serve} \
+    --device cuda --repeats "${B_REPEATS:-2}" --out-dir "$OUT" --no-append 2>&1 | tee "$OUT/b_gpu.log" | tail -12

@@ -1,6 +1,8 @@
 """Benchmark b: the same Hyperband study packed vs unpacked, through the real service.
 
-For each mode (``embedded``: ``packtune run``; ``rq:N``: PostgreSQL + Redis +
+For each mode (``embedded``: ``packtune run``; ``serve``: ``packtune serve`` with SQLite,
+up and warmed by a small study before the measured one, which is POSTed to its API;
+``rq:N``: PostgreSQL + Redis +
 one ``packtune scheduler`` + N ``packtune worker``), the study of
 ``examples/digits-mlp.yaml`` runs packed (as written) and unpacked
 (``packing.max_pack_size: 1``), alternating, ``--repeats`` times each. Reported:
@@ -9,6 +11,7 @@ must agree), and where the wall time went (see ``_study.breakdown``).
 
     python -m bench.study_walltime                            # embedded, rq:1, rq:2
     python -m bench.study_walltime --modes embedded --device cuda
+    python -m bench.study_walltime --modes embedded serve --device cuda
     python -m bench.study_walltime --quick                    # a tiny study, writes nothing
 """
 
@@ -20,7 +23,16 @@ from pathlib import Path
 from typing import Any
 
 from bench import _common
-from bench._study import ROOT, StudyRun, breakdown, load_spec, run_embedded, run_rq, variant
+from bench._study import (
+    ROOT,
+    StudyRun,
+    breakdown,
+    load_spec,
+    run_embedded,
+    run_rq,
+    run_serve,
+    variant,
+)
 
 QUICK_HYPERBAND = {"max_resource": 3, "min_resource": 1, "eta": 3}
 
@@ -32,12 +44,15 @@ def _shown(path: Path) -> Path:
 def run_one(mode: str, spec: dict[str, Any], workdir: Path, device: str) -> StudyRun:
     if mode == "embedded":
         return run_embedded(spec, workdir, device)
+    if mode == "serve":
+        warm = {**spec, "name": f"{spec['name']}-warm-up", "hyperband": QUICK_HYPERBAND}
+        return run_serve(spec, workdir, device, warm_up=warm)
     workers = int(mode.split(":", 1)[1])
     return run_rq(spec, workdir, workers, device="cpu" if device == "auto" else device)
 
 
 def workers_of(mode: str) -> int:
-    return 1 if mode == "embedded" else int(mode.split(":", 1)[1])
+    return 1 if mode in ("embedded", "serve") else int(mode.split(":", 1)[1])
 
 
 def measure(args: argparse.Namespace, spec: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -102,9 +117,10 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> tuple[list[str], dict[st
     body = [
         *_common.table(header, rows), "", *notes, "",
         "wall: the study's `created_at` to `finished_at`; command: around `packtune run` "
-        "(embedded: Python start, imports, migrations included) or from study creation to "
-        "the bench seeing it finished (rq). train: Σ pack `train_seconds` (arrays: data, "
-        "memory probe, steps, per-epoch evaluation and measurement writes, checkpoint saves); "
+        "(embedded: Python start, imports, migrations included) or from study creation (rq) "
+        "or its POST (serve) to the bench seeing it finished. train: Σ pack `train_seconds` "
+        "(arrays: data, memory probe, steps, per-epoch evaluation and measurement writes, "
+        "checkpoint saves); "
         "in job, not train: Σ (`finished_at` - `started_at`) - train (claim, load, finish); "
         "outside jobs: workers x wall - Σ (`finished_at` - `started_at`) (scheduling, "
         "dispatch, queueing, process start, idle workers); outside training = 1 - train / "

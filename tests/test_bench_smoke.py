@@ -2,9 +2,10 @@
 
 These check that the benchmark scripts still work against the code they
 measure; they time nothing. The peers and plots parts need the ``bench``
-extra and skip without it. (``study_walltime --quick`` runs two real
-studies, ~10-20 s: it is left to ``python -m bench.study_walltime --quick``;
-tests/test_e2e.py covers the same path.)
+extra and skip without it. (``study_walltime --quick`` in its ``embedded``
+mode runs two ``packtune run``, ~10-20 s: it is left to
+``python -m bench.study_walltime --quick``; tests/test_e2e.py covers the same
+path. Its ``serve`` mode, which the GPU figures rest on, is run here.)
 """
 
 from __future__ import annotations
@@ -40,6 +41,22 @@ def test_scheduler_scale_quick(tmp_path: Path) -> None:
     scheduler_scale.main(["--quick", "--backends", "sqlite", "--out-dir", str(tmp_path)])
     raw = json.loads((tmp_path / "scheduler_scale.json").read_text())["raw"]["sqlite"]
     assert raw["timed"]["status"] == "completed" and raw["timed"]["trials"] == 49
+
+
+@pytest.mark.slow
+def test_study_walltime_quick_serve(tmp_path: Path) -> None:
+    """``packtune serve`` up, a warm-up study, then the measured one POSTed, packed and not."""
+    from bench import study_walltime
+
+    study_walltime.main(["--quick", "--modes", "serve", "--out-dir", str(tmp_path)])
+    data = json.loads(next(tmp_path.glob("study_walltime_*.json")).read_text())
+    runs = data["runs"]["serve"]
+    assert sorted(r["packed"] for r in runs) == [False, True]
+    assert all(r["status"] == "completed" for r in runs)
+    assert data["summary"]["serve"]["best_agree"]
+    packed, unpacked = sorted(runs, key=lambda r: not r["packed"])
+    assert len(packed["packs"]) < len(unpacked["packs"])  # the warm-up's study is not counted
+    assert max(p["size"] for p in unpacked["packs"]) == 1
 
 
 def test_peers_quick_optuna(capsys: pytest.CaptureFixture[str]) -> None:
