@@ -31,6 +31,7 @@ from service.queries.studies import (
 from service.queries.trials import (
     curves,
     leaderboard,
+    top_trials,
     trials,
 )
 
@@ -43,6 +44,7 @@ __all__ = [
     "plan_of",
     "Row",
     "study_summary",
+    "top_trials",
     "trials",
     "workers",
     "workloads",

@@ -19,7 +19,7 @@ from service.models import (
 )
 from service.objective import objective_of
 from service.queries._common import UNIT_FINISHED, Row, plan_of
-from service.queries.trials import leaderboard, trials_by_id
+from service.queries.trials import top_trials, trials_by_id
 
 # -- studies ------------------------------------------------------------------------------
 
@@ -28,7 +28,7 @@ def study_summary(s: Session, study_id: int) -> Row:
     """One study with progress, trial counts, its best trial and the best so far."""
     study = store.get_study(s, study_id)
     summary = _summaries(s, [study])[0]
-    board = leaderboard(s, study_id, limit=1)[0]
+    board = top_trials(s, study_id, limit=1)
     summary["best_so_far"] = board[0] if board else None
     return summary
 

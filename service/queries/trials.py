@@ -112,10 +112,18 @@ def leaderboard(s: Session, study_id: int, limit: int | None = None) -> tuple[li
     ``measured_resource`` and ``objective`` columns, so a page costs the rows
     it shows whatever the study's size.
     """
+    store.get_study(s, study_id)
+    measured = [Trial.study_id == study_id, Trial.measured_resource.is_not(None)]
+    count = s.scalar(select(func.count()).select_from(Trial).where(*measured)) or 0
+    return top_trials(s, study_id, limit), count
+
+
+def top_trials(s: Session, study_id: int, limit: int | None = None) -> list[Row]:
+    """The first ``limit`` rows of :func:`leaderboard`, without counting them all (one
+    statement fewer: the study summary asks for its best so far on every poll)."""
     study = store.get_study(s, study_id)
     mode = objective_of(study.spec)[1]
     measured = [Trial.study_id == study_id, Trial.measured_resource.is_not(None)]
-    count = s.scalar(select(func.count()).select_from(Trial).where(*measured)) or 0
     # two pages, finite objectives then the rest, each in an order the index
     # (study_id, measured_resource, objective) serves from the highest resource down
     finite = [*measured, Trial.objective.is_not(None)]
@@ -129,7 +137,7 @@ def leaderboard(s: Session, study_id: int, limit: int | None = None) -> tuple[li
     out = []
     for position, row in enumerate(rows, start=1):
         out.append({**_trial_row(row), "rank": position, "value": row.objective})
-    return out, count
+    return out
 
 
 def curves(s: Session, study_id: int, trial_ids: list[int] | None = None) -> list[Row]:
