@@ -68,6 +68,15 @@ class Settings(BaseSettings):
         ge=1,
         description="CPU threads torch may use in a worker; default: all cores but one.",
     )
+    array_threads: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "Arrays of one pack trained at once, each in a thread (a pack holds one array per "
+            "fusion key and resource span); default: up to 4 on a GPU, on a CPU cores // torch "
+            "threads; 1 = one after another."
+        ),
+    )
     runner_nice: int = Field(
         default=10,
         ge=0,

@@ -15,8 +15,10 @@ import functools
 import gc
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Hashable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,12 @@ from worker.memory import probe
 from worker.workloads import get_workload
 
 log = logging.getLogger(__name__)
+
+#: Held while an array draws from torch's global generator: building its members (each
+#: seeded with ``torch.manual_seed``) and, for a stochastic array, all of its training
+#: (each step reseeds it). Arrays of one pack trained at once in threads (see
+#: ``worker.jobs``) then draw exactly what they would draw one after another.
+GLOBAL_RNG = threading.RLock()
 
 NOT_A_TRIAL_FAULT = (StoreUnavailable, SQLAlchemyError, torch.cuda.OutOfMemoryError)
 
@@ -138,18 +146,23 @@ def _larger_probe_sizes(bytes_for: Callable[[int], int], device: torch.device) -
     return tuple(k for k in LARGER_PROBE_SIZES if bytes_for(k) <= free // 2)
 
 
+def is_profiled(job: ArrayJob, kind: str) -> bool:
+    """Whether ``job``'s fusion key has its memory measured on this device kind."""
+
+    def probed(s: Session) -> bool:
+        profile = store.get_profile(s, job.workload, job.fusion_key, kind)
+        return profile is not None and profile.base_bytes is not None
+
+    return bool(retrying(probed))
+
+
 def _ensure_profile(
     job: ArrayJob, config: dict[str, Any], device: torch.device, kind: str, data: Any
 ) -> None:
     """Probe memory (k=1, k=2) and throughput (k=1, 2 and :data:`LARGER_PROBE_SIZES`) the
     first time this fusion key runs on this device kind."""
     workload = get_workload(job.workload)
-
-    def probed(s: Session) -> bool:
-        profile = store.get_profile(s, job.workload, job.fusion_key, kind)
-        return profile is not None and profile.base_bytes is not None
-
-    if retrying(probed):
+    if is_profiled(job, kind):
         return
     _settle_heap()
     result = probe(workload, config, device, ks=(1, 2), steps=2, data=data)
@@ -172,8 +185,14 @@ def _ensure_profile(
     retrying(write)
 
 
-def run_array(job: ArrayJob, device: torch.device, kind: str, checkpoint_dir: Path) -> None:
-    """Train ``job``'s members from its from- to its to-resource, recording as it goes."""
+def run_array(
+    job: ArrayJob, device: torch.device, kind: str, checkpoint_dir: Path, shared: bool = False
+) -> None:
+    """Train ``job``'s members from its from- to its to-resource, recording as it goes.
+
+    ``shared``: other arrays train at the same time (threads of one job); its speed is
+    then not its own, so it records no throughput reading.
+    """
     workload = get_workload(job.workload)
     configs = {m.trial_id: job.config(m) for m in job.members}
     first = workload.resolve(next(iter(configs.values())))
@@ -201,10 +220,11 @@ def run_array(job: ArrayJob, device: torch.device, kind: str, checkpoint_dir: Pa
     try:
         data = workload.data(first, device)
         _ensure_profile(job, first, device, kind, data)
-        array = FusedArray(
-            workload, [(m.trial_id, configs[m.trial_id]) for m in todo],
-            device=device, states=states, data=data,
-        )  # fmt: skip
+        with GLOBAL_RNG:
+            array = FusedArray(
+                workload, [(m.trial_id, configs[m.trial_id]) for m in todo],
+                device=device, states=states, data=data,
+            )  # fmt: skip
     except NOT_A_TRIAL_FAULT:
         raise
     except Exception as exc:
@@ -231,7 +251,8 @@ def run_array(job: ArrayJob, device: torch.device, kind: str, checkpoint_dir: Pa
     k = len(todo)
     started = time.perf_counter()
     try:
-        train(array, to_step, on_report=record)
+        with GLOBAL_RNG if array.stochastic else nullcontext():
+            train(array, to_step, on_report=record)
     except NOT_A_TRIAL_FAULT:
         raise
     except Exception as exc:
@@ -242,6 +263,6 @@ def run_array(job: ArrayJob, device: torch.device, kind: str, checkpoint_dir: Pa
         for key in array.keys
     }
     _mark_done(job, saved)
-    if to_step > from_step and seconds > 0:
+    if to_step > from_step and seconds > 0 and not shared:
         value = k * (to_step - from_step) / seconds
         retrying(lambda s: store.record_throughput(s, job.workload, job.fusion_key, kind, k, value))

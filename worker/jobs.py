@@ -2,7 +2,8 @@
 
 It claims the pack (a pack already taken, finished or cancelled is left
 alone), trains each fused array of the pack from its from-resource to its
-to-resource, writes a measurement per epoch per trial, checkpoints every
+to-resource (several arrays at once, in threads, where :func:`array_threads`
+allows), writes a measurement per epoch per trial, checkpoints every
 surviving trial at the end of its unit, and closes the pack. Outcomes:
 
 - ``completed``: every unit done (diverged trials are marked and left out);
@@ -28,6 +29,7 @@ import socket
 import time
 import traceback
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -41,7 +43,7 @@ from service.models import PackStatus, StudyStatus, TrialStatus
 from service.objective import objective_of
 from service.packing import MemoryModel, Unit, split_in_two
 from service.settings import get_settings
-from worker.execute import ArrayJob, MemberJob, TrialError, run_array
+from worker.execute import ArrayJob, MemberJob, TrialError, is_profiled, run_array
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +129,7 @@ def run_pack(pack_id: int) -> str:
         size = sum(len(a.members) for a in arrays)
         if settings.oom_above is not None and size > settings.oom_above:
             raise InjectedOutOfMemory(f"injected: {size} trials > PACKTUNE_OOM_ABOVE")
-        for array in arrays:
-            _run_isolating(array, device, kind, settings.checkpoint_dir)
+        _run_arrays(arrays, device, kind, settings.checkpoint_dir)
     except torch.cuda.OutOfMemoryError as exc:
         _split(pack_id, arrays, kind, device, f"{type(exc).__name__}: {exc}")
         return "split"
@@ -149,10 +150,52 @@ def run_pack(pack_id: int) -> str:
     return "completed"
 
 
-def _run_isolating(array: ArrayJob, device: torch.device, kind: str, ckpt_dir: Any) -> None:
+#: arrays of one pack trained at once on a GPU by default (threads launching kernels)
+GPU_ARRAY_THREADS = 4
+
+
+def array_threads(device: torch.device, arrays: int) -> int:
+    """How many of a pack's ``arrays`` train at once (``PACKTUNE_ARRAY_THREADS``).
+
+    A pack holds one array per fusion key and resource span, trained by default one at a
+    time. Small models leave a GPU idle between the kernels one Python thread launches,
+    and on a CPU a torch op runs on its calling thread when torch has one thread: threads
+    then overlap what would wait. On a CPU with several torch threads per op, arrays go
+    one after another (threads of ops that each use every core would only contend).
+    """
+    setting = get_settings().array_threads
+    if setting is not None:
+        return max(1, min(setting, arrays))
+    if device.type == "cuda":
+        return min(GPU_ARRAY_THREADS, arrays)
+    return max(1, min(arrays, (os.cpu_count() or 1) // max(1, torch.get_num_threads())))
+
+
+def _run_arrays(arrays: list[ArrayJob], device: torch.device, kind: str, ckpt_dir: Any) -> None:
+    """Train the pack's arrays, several at once where :func:`array_threads` allows and every
+    fusion key's memory is already measured (a probe measures the device's peak memory,
+    which another array training beside it would distort; so does the pack's first run of
+    a key, planned small for that reason). Errors are raised once every array has stopped:
+    an out-of-memory first, so that the pack is split."""
+    threads = array_threads(device, len(arrays))
+    if threads <= 1 or not all(is_profiled(a, kind) for a in arrays):
+        for array in arrays:
+            _run_isolating(array, device, kind, ckpt_dir)
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="packtune-array") as pool:
+        futures = [pool.submit(_run_isolating, a, device, kind, ckpt_dir, True) for a in arrays]
+    errors = [exc for f in futures if (exc := f.exception()) is not None]
+    oom = [exc for exc in errors if isinstance(exc, torch.cuda.OutOfMemoryError)]
+    if oom or errors:
+        raise (oom or errors)[0]
+
+
+def _run_isolating(
+    array: ArrayJob, device: torch.device, kind: str, ckpt_dir: Any, shared: bool = False
+) -> None:
     """Run an array; if the workload raises, run its members one by one to find the culprit."""
     try:
-        run_array(array, device, kind, ckpt_dir)
+        run_array(array, device, kind, ckpt_dir, shared)
     except TrialError as exc:
         if len(array.members) == 1:
             _fail_trial(array.members[0].trial_id, exc.text)
@@ -160,7 +203,7 @@ def _run_isolating(array: ArrayJob, device: torch.device, kind: str, ckpt_dir: A
         log.warning("array of %d raised (%s); isolating members", len(array.members), exc.text)
         for member in array.members:
             try:
-                run_array(array.alone(member), device, kind, ckpt_dir)
+                run_array(array.alone(member), device, kind, ckpt_dir, shared)
             except TrialError as solo:
                 _fail_trial(member.trial_id, solo.text)
 

@@ -1,0 +1,184 @@
+"""A pack's arrays trained at once, each in a thread: the same results as one after another.
+
+A pack holds one fused array per fusion key and resource span. ``run_pack`` may
+train several at once (``PACKTUNE_ARRAY_THREADS``); nothing a trial records may
+depend on it: not its initial weights (members are seeded through torch's
+global generator), not a stochastic array's dropout masks (reseeded every
+step), not its metrics. Real training on the CPU, real SQLite databases.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from service import store
+from service.db import dispose_engines, get_sessionmaker, session_scope, upgrade
+from service.models import PackStatus, TrialStatus
+from service.settings import get_settings
+from service.space import fusion_key
+from worker import execute, jobs
+from worker.workloads import get_workload
+
+SPEC: dict[str, Any] = {
+    "name": "threads",
+    "workload": "digits-mlp",
+    "objective": {"metric": "val_loss", "mode": "min"},
+    "space": {},
+    "hyperband": {"max_resource": 3, "min_resource": 1, "eta": 3},
+    "packing": {"enabled": True, "max_pack_size": None},
+    "seed": 5,
+}
+# four fusion keys (hidden and dropout are structural), two with dropout: stochastic arrays
+CONFIGS = [
+    {"hidden": h, "dropout": d, "lr": lr}
+    for h, d in ((16, 0.0), (24, 0.3), (32, 0.0), (40, 0.2))
+    for lr in (0.05, 0.2)
+]
+
+
+def fresh_database(env: pytest.MonkeyPatch, folder: Path, threads: int) -> None:
+    folder.mkdir()
+    url = f"sqlite:///{folder / 'packtune.db'}"
+    env.setenv("PACKTUNE_DATABASE_URL", url)
+    env.setenv("PACKTUNE_CHECKPOINT_DIR", str(folder / "ckpt"))
+    env.setenv("PACKTUNE_ARRAY_THREADS", str(threads))
+    get_settings.cache_clear()
+    dispose_engines()
+    upgrade(url)
+
+
+def make_pack(profiled: bool = True) -> tuple[int, list[int]]:
+    """One pack of 8 trials in 4 arrays, epochs 0 to 2; every key's memory measured."""
+    workload = get_workload("digits-mlp")
+    with session_scope(get_sessionmaker()) as s:
+        study = store.create_study(s, name="threads", workload="digits-mlp", spec=SPEC, seed=5)
+        rows = [
+            {"sample_index": i, "bracket": 1, "rung": 0, "config": cfg,
+             "fusion_key": fusion_key("digits-mlp", workload.resolve(cfg), workload.structural)}
+            for i, cfg in enumerate(CONFIGS)
+        ]  # fmt: skip
+        store.add_trials(s, study.id, rows)
+        trials = store.trials_of(s, study.id)
+        assert len({t.fusion_key for t in trials}) == 4
+        for t in trials:
+            t.status = TrialStatus.queued
+        if profiled:
+            for key in {t.fusion_key for t in trials}:
+                store.set_memory_model(s, "digits-mlp", key, "cpu", 2**20, 2**20)
+        pack = store.create_pack(
+            s, study_id=study.id, members=[(t.id, t.fusion_key, 0.0, 2.0) for t in trials]
+        )
+        pack.status = PackStatus.queued
+        return pack.id, [t.id for t in trials]
+
+
+def outcome(trial_ids: list[int]) -> dict[int, Any]:
+    with session_scope(get_sessionmaker()) as s:
+        out = {}
+        for tid in trial_ids:
+            t = store.get_trial(s, tid)
+            points = [(m.resource, m.metrics) for m in store.measurements_of(s, tid)]
+            out[tid] = (t.status, t.resource_done, t.objective, points)
+        return out
+
+
+def test_arrays_at_once_record_exactly_what_one_after_another_records(
+    embedded_db: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    spans: list[tuple[str, float, float]] = []
+    real = execute.run_array
+
+    def timed(*args: Any, **kwargs: Any) -> None:
+        start = time.perf_counter()
+        real(*args, **kwargs)
+        spans.append((threading.current_thread().name, start, time.perf_counter()))
+
+    embedded_db.setattr(jobs, "run_array", timed)
+    results = {}
+    for threads in (1, 4):
+        fresh_database(embedded_db, tmp_path / f"threads{threads}", threads)
+        spans.clear()
+        pack_id, ids = make_pack()
+        assert jobs.run_pack(pack_id) == "completed"
+        results[threads] = outcome(ids)
+        with session_scope(get_sessionmaker()) as s:
+            assert store.get_pack(s, pack_id).status == PackStatus.completed
+        names = {name for name, _, _ in spans}
+        if threads == 1:
+            assert names == {threading.current_thread().name}
+        else:
+            assert len(spans) == 4 and all(n.startswith("packtune-array") for n in names)
+            first_end = min(end for _, _, end in spans)
+            assert sum(start < first_end for _, start, _ in spans) >= 2  # they overlapped
+    one, four = results[1], results[4]
+    assert all(done == 2.0 and len(points) == 2 for _, done, _, points in one.values())
+    assert four == one
+
+
+def test_a_key_not_yet_measured_keeps_its_pack_one_array_at_a_time(
+    embedded_db: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Its job probes the device's peak memory, which arrays beside it would inflate."""
+    names: set[str] = set()
+    real = execute.run_array
+
+    def spy(*args: Any, **kwargs: Any) -> None:
+        names.add(threading.current_thread().name)
+        real(*args, **kwargs)
+
+    embedded_db.setattr(jobs, "run_array", spy)
+    fresh_database(embedded_db, tmp_path / "db", 4)
+    pack_id, _ = make_pack(profiled=False)
+    assert jobs.run_pack(pack_id) == "completed"
+    assert names == {threading.current_thread().name}
+
+
+def test_out_of_memory_in_one_array_splits_the_pack_after_the_others_stop(
+    embedded_db: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    fresh_database(embedded_db, tmp_path / "db", 4)
+    pack_id, ids = make_pack()
+    real = execute.run_array
+    finished: list[str] = []
+
+    def one_fails(job: execute.ArrayJob, *args: Any, **kwargs: Any) -> None:
+        if job.members[0].config["hidden"] == 24:
+            raise torch.cuda.OutOfMemoryError("injected for one array")
+        real(job, *args, **kwargs)
+        finished.append(job.fusion_key)
+
+    embedded_db.setattr(jobs, "run_array", one_fails)
+    assert jobs.run_pack(pack_id) == "split"
+    assert len(finished) == 3  # the others ran to their end before the pack was split
+    with session_scope(get_sessionmaker()) as s:
+        assert store.get_pack(s, pack_id).status == PackStatus.split
+        statuses = {store.get_trial(s, tid).status for tid in ids}
+    assert TrialStatus.failed not in statuses
+
+
+@pytest.mark.parametrize(
+    ("device", "torch_threads", "cores", "setting", "arrays", "expected"),
+    [
+        ("cuda", 4, 16, None, 2, 2),
+        ("cuda", 4, 16, None, 9, jobs.GPU_ARRAY_THREADS),
+        ("cpu", 1, 2, None, 3, 2),  # one torch thread: a thread per core
+        ("cpu", 15, 16, None, 3, 1),  # every op already uses the cores
+        ("cpu", 1, 2, 1, 3, 1),  # PACKTUNE_ARRAY_THREADS=1: one after another
+        ("cpu", 15, 16, 3, 2, 2),
+    ],
+)
+def test_how_many_arrays_train_at_once(
+    clean_env: pytest.MonkeyPatch, device: str, torch_threads: int, cores: int,
+    setting: int | None, arrays: int, expected: int,
+) -> None:  # fmt: skip
+    if setting is not None:
+        clean_env.setenv("PACKTUNE_ARRAY_THREADS", str(setting))
+    clean_env.setattr(jobs.os, "cpu_count", lambda: cores)
+    clean_env.setattr(jobs.torch, "get_num_threads", lambda: torch_threads)
+    assert jobs.array_threads(torch.device(device), arrays) == expected
