@@ -42,18 +42,21 @@ CONFIGS = [
 ]
 
 
-def fresh_database(env: pytest.MonkeyPatch, folder: Path, threads: int) -> None:
+def fresh_database(
+    env: pytest.MonkeyPatch, folder: Path, threads: int, device: str = "cpu"
+) -> None:
     folder.mkdir()
     url = f"sqlite:///{folder / 'packtune.db'}"
     env.setenv("PACKTUNE_DATABASE_URL", url)
     env.setenv("PACKTUNE_CHECKPOINT_DIR", str(folder / "ckpt"))
     env.setenv("PACKTUNE_ARRAY_THREADS", str(threads))
+    env.setenv("PACKTUNE_DEVICE", device)
     get_settings.cache_clear()
     dispose_engines()
     upgrade(url)
 
 
-def make_pack(profiled: bool = True) -> tuple[int, list[int]]:
+def make_pack(profiled: bool = True, kind: str = "cpu") -> tuple[int, list[int]]:
     """One pack of 8 trials in 4 arrays, epochs 0 to 2; every key's memory measured."""
     workload = get_workload("digits-mlp")
     with session_scope(get_sessionmaker()) as s:
@@ -70,7 +73,7 @@ def make_pack(profiled: bool = True) -> tuple[int, list[int]]:
             t.status = TrialStatus.queued
         if profiled:
             for key in {t.fusion_key for t in trials}:
-                store.set_memory_model(s, "digits-mlp", key, "cpu", 2**20, 2**20)
+                store.set_memory_model(s, "digits-mlp", key, kind, 2**20, 2**20)
         pack = store.create_pack(
             s, study_id=study.id, members=[(t.id, t.fusion_key, 0.0, 2.0) for t in trials]
         )
@@ -88,9 +91,13 @@ def outcome(trial_ids: list[int]) -> dict[int, Any]:
         return out
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_arrays_at_once_record_exactly_what_one_after_another_records(
-    embedded_db: pytest.MonkeyPatch, tmp_path: Path
+    embedded_db: pytest.MonkeyPatch, tmp_path: Path, device: str
 ) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    kind = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
     spans: list[tuple[str, float, float]] = []
     real = execute.run_array
 
@@ -102,9 +109,9 @@ def test_arrays_at_once_record_exactly_what_one_after_another_records(
     embedded_db.setattr(jobs, "run_array", timed)
     results = {}
     for threads in (1, 4):
-        fresh_database(embedded_db, tmp_path / f"threads{threads}", threads)
+        fresh_database(embedded_db, tmp_path / f"threads{threads}", threads, device)
         spans.clear()
-        pack_id, ids = make_pack()
+        pack_id, ids = make_pack(kind=kind)
         assert jobs.run_pack(pack_id) == "completed"
         results[threads] = outcome(ids)
         with session_scope(get_sessionmaker()) as s:
