@@ -177,6 +177,7 @@ def serve(
 
     import uvicorn
 
+    from service import wake
     from service.db import upgrade
     from service.scheduler_process import SchedulerProcess
 
@@ -191,12 +192,14 @@ def serve(
     try:
         if child is not None:
             child.start()
+            wake.register(child.wake)  # a study POSTed starts now, not at the next tick
         uvicorn.run(
             "service.api.app:create_app", factory=True, host=host, port=port,
             log_level=settings.log_level.lower(),  # PACKTUNE_LOG_LEVEL=WARNING: no access log
         )  # fmt: skip
     finally:
         if child is not None:
+            wake.unregister(child.wake)
             child.stop()
 
 

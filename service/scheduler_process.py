@@ -49,18 +49,27 @@ class SchedulerProcess:
     def __init__(self) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._reader, self._writer = ctx.Pipe(duplex=False)
+        self._send_lock = threading.Lock()  # the API's threads wake it concurrently
         self.process = ctx.Process(target=_child, args=(self._reader,), name="packtune-scheduler")
 
     def start(self) -> None:
         self.process.start()
         self._reader.close()  # the child's end; the parent keeps only the writing one
 
+    def wake(self) -> None:
+        """Have the scheduler tick now (a study was created or cancelled); never blocks long:
+        a byte down the pipe, which the child reads as it comes."""
+        with self._send_lock:
+            if not self._writer.closed:
+                self._writer.send_bytes(b"w")
+
     def stop(self, timeout: float = 30.0) -> None:
         """Ask the child to stop and wait for it; killed if it has not stopped in ``timeout``
         seconds (its lease then expires on its own, and its runner exits with it)."""
         if self.process.pid is None:
             return  # never started
-        self._writer.close()  # the child sees the end of the pipe
+        with self._send_lock:
+            self._writer.close()  # the child sees the end of the pipe
         self.process.join(timeout)
         if self.process.is_alive():
             log.warning("scheduler process did not stop in %.0f s; killing it", timeout)
@@ -75,18 +84,27 @@ def _child(stop_pipe: Connection) -> None:
 
     stop = threading.Event()
     stop_on_signals(stop)
-
-    def watch_parent() -> None:
-        stop_pipe.poll(None)  # returns once the parent closes its end, or is gone
-        stop.set()
-
-    threading.Thread(target=watch_parent, name="packtune-parent-watch", daemon=True).start()
     settings = get_settings()
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     # the embedded runner's start (spawn, torch: seconds) overlaps the scheduler's imports
     dispatcher = make_dispatcher(settings)
+
+    def watch_parent() -> None:
+        """A byte from the parent: tick now (``wake``); the pipe's end (the parent closed it,
+        or is gone): stop."""
+        while True:
+            try:
+                stop_pipe.recv_bytes()
+            except (EOFError, OSError):
+                stop.set()
+                return
+            notify = getattr(dispatcher, "notify", None)  # the scheduler's, once it is built
+            if notify is not None:
+                notify()
+
+    threading.Thread(target=watch_parent, name="packtune-parent-watch", daemon=True).start()
     dispatcher.start()
     from service.scheduler import run_scheduler
 

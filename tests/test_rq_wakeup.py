@@ -99,3 +99,22 @@ def test_an_announcement_wakes_the_scheduler_before_its_tick(rq_env: str, redis_
 
 def test_announcing_without_redis_does_not_raise() -> None:
     announce_done(Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.5), "q", "j")
+
+
+def test_a_study_created_through_the_api_wakes_the_scheduler(rq_env: str, redis_url: str) -> None:
+    """The API's wake-up (after a POST or a cancel) reaches a scheduler that listens."""
+    from service import wake
+
+    dispatcher = RQDispatcher(get_settings())
+    woken = threading.Event()
+    dispatcher.notify = woken.set
+    dispatcher.start()
+    redis = Redis.from_url(redis_url)
+    try:
+        _listening(redis, done_channel(rq_env))
+        assert not woken.wait(0.3)
+        wake.study_changed(get_settings())
+        assert woken.wait(5), "the API's wake-up did not reach the scheduler"
+    finally:
+        dispatcher.close()
+        redis.close()

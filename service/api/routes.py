@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Path, Query, Response, status
+from fastapi import APIRouter, BackgroundTasks, Depends, Path, Query, Response, status
 
-from service import queries, store
-from service.api.deps import SessionDep, require_token
+from service import queries, store, wake
+from service.api.deps import SessionDep, SettingsDep, require_token
 from service.api.schemas import (
     BracketPublic,
     CurvePublic,
@@ -42,8 +42,15 @@ CANCELLABLE = (StudyStatus.pending, StudyStatus.running)
 
 
 @writes.post("", status_code=status.HTTP_201_CREATED, response_model=StudyPublic)
-def create_study(spec: StudySpec, s: SessionDep, response: Response) -> dict[str, Any]:
-    """Create a study in status ``pending``; the scheduler picks it up on its next tick.
+def create_study(
+    spec: StudySpec,
+    s: SessionDep,
+    settings: SettingsDep,
+    response: Response,
+    background: BackgroundTasks,
+) -> dict[str, Any]:
+    """Create a study in status ``pending``; the scheduler is woken to pick it up at once
+    (after the commit; see :mod:`service.wake`).
 
     The body is checked in full (workload, space, Hyperband settings) before
     anything is stored; a bad field gives 422 with its path in ``loc``.
@@ -52,17 +59,21 @@ def create_study(spec: StudySpec, s: SessionDep, response: Response) -> dict[str
         s, name=spec.name, workload=spec.workload, spec=spec.model_dump(mode="json"), seed=spec.seed
     )
     response.headers["Location"] = f"/api/studies/{study.id}"
+    background.add_task(wake.study_changed, settings)
     return queries.study_summary(s, study.id)
 
 
 @writes.post("/{study_id}/cancel", response_model=StudyPublic, responses=problems(404, 409))
-def cancel_study(study_id: StudyId, s: SessionDep) -> dict[str, Any]:
-    """Cancel a pending or running study; the scheduler cancels its trials on its next tick."""
+def cancel_study(
+    study_id: StudyId, s: SessionDep, settings: SettingsDep, background: BackgroundTasks
+) -> dict[str, Any]:
+    """Cancel a pending or running study; the scheduler, woken, cancels its trials at once."""
     study = store.get_study(s, study_id)
     s.refresh(study, with_for_update=True)  # PostgreSQL: no status change slips in between
     if study.status not in CANCELLABLE:
         raise Conflict(f"study {study_id} is {study.status.value}; it can no longer be cancelled")
     store.set_study_status(s, study, StudyStatus.cancelled)
+    background.add_task(wake.study_changed, settings)
     return queries.study_summary(s, study_id)
 
 
