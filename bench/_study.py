@@ -10,7 +10,7 @@ Two ways, both real processes:
 - ``rq``: a fresh PostgreSQL database and a private Redis queue, one
   ``packtune scheduler`` and N ``packtune worker`` processes, started and
   heartbeating before the study is created (a running service), the study
-  inserted as the API would insert it.
+  inserted and the scheduler woken as the API would do it.
 
 The database holds what the analysis needs: the study's ``created_at`` and
 ``finished_at``, and per pack ``created_at``, ``enqueued_at``,
@@ -271,14 +271,16 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
 def run_rq(spec: dict[str, Any], workdir: Path, workers: int, device: str = "cpu",
            timeout: float = 900) -> StudyRun:
     """A study through PostgreSQL + Redis + ``packtune scheduler`` + ``workers`` workers."""
-    from service import store
+    from service import store, wake
     from service.db import make_engine, session_factory, session_scope
     from service.models import Study, StudyStatus, Worker
+    from service.settings import Settings
 
     workdir.mkdir(parents=True, exist_ok=True)
     with fresh_postgres() as url:
+        queue = f"bench-{uuid.uuid4().hex}"
         env = service_env(database_url=url, redis_url=REDIS_URL, device=device,
-                          checkpoint_dir=workdir / "ckpt", queue_name=f"bench-{uuid.uuid4().hex}",
+                          checkpoint_dir=workdir / "ckpt", queue_name=queue,
                           heartbeat_interval=1, log_level="WARNING")  # fmt: skip
         subprocess.run(cli("db", "upgrade"), env=env, check=True, capture_output=True)
         log = (workdir / "service.log").open("ab")
@@ -301,6 +303,8 @@ def run_rq(spec: dict[str, Any], workdir: Path, workers: int, device: str = "cpu
             with session_scope(factory) as s:
                 study_id = store.create_study(s, name=body["name"], workload=body["workload"],
                                               spec=body, seed=body["seed"]).id
+            # and, as the API does after its commit, wake the scheduler
+            wake.study_changed(Settings(database_url=url, redis_url=REDIS_URL, queue_name=queue))
             final = (StudyStatus.completed, StudyStatus.failed, StudyStatus.cancelled)
             while True:
                 with session_scope(factory) as s:
