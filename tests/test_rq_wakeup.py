@@ -6,6 +6,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from redis import Redis
@@ -36,14 +37,26 @@ def _listening(redis: Redis, channel: str, timeout: float = 10) -> None:
         time.sleep(0.02)
 
 
-def test_a_workers_job_end_notifies_the_dispatcher(rq_env: str, redis_url: str) -> None:
+@contextmanager
+def listening_dispatcher(
+    queue: str, redis_url: str
+) -> Iterator[tuple[RQDispatcher, threading.Event, Redis]]:
+    """An RQ dispatcher subscribed to ``queue``'s job-end channel; the event is its notify."""
     dispatcher = RQDispatcher(get_settings())
-    ended = threading.Event()
-    dispatcher.notify = ended.set
+    notified = threading.Event()
+    dispatcher.notify = notified.set
     dispatcher.start()
     redis = Redis.from_url(redis_url)
     try:
-        _listening(redis, done_channel(rq_env))
+        _listening(redis, done_channel(queue))
+        yield dispatcher, notified, redis
+    finally:
+        dispatcher.close()
+        redis.close()
+
+
+def test_a_workers_job_end_notifies_the_dispatcher(rq_env: str, redis_url: str) -> None:
+    with listening_dispatcher(rq_env, redis_url) as (dispatcher, ended, redis):
         queue = Queue(rq_env, connection=redis)
         ok = queue.enqueue_call("operator.add", args=(1, 2), job_id=f"ok-{uuid.uuid4().hex}")
         assert not ended.wait(0.3)  # queued, not ended
@@ -56,9 +69,6 @@ def test_a_workers_job_end_notifies_the_dispatcher(rq_env: str, redis_url: str) 
         PackWorker([queue], connection=redis).work(burst=True, with_scheduler=False)
         assert ended.wait(5)
         assert dispatcher.state(bad.id)[0] == "failed"
-    finally:
-        dispatcher.close()
-        redis.close()
 
 
 def test_an_announcement_wakes_the_scheduler_before_its_tick(rq_env: str, redis_url: str) -> None:
@@ -105,16 +115,7 @@ def test_a_study_created_through_the_api_wakes_the_scheduler(rq_env: str, redis_
     """The API's wake-up (after a POST or a cancel) reaches a scheduler that listens."""
     from service import wake
 
-    dispatcher = RQDispatcher(get_settings())
-    woken = threading.Event()
-    dispatcher.notify = woken.set
-    dispatcher.start()
-    redis = Redis.from_url(redis_url)
-    try:
-        _listening(redis, done_channel(rq_env))
+    with listening_dispatcher(rq_env, redis_url) as (_, woken, _redis):
         assert not woken.wait(0.3)
         wake.study_changed(get_settings())
         assert woken.wait(5), "the API's wake-up did not reach the scheduler"
-    finally:
-        dispatcher.close()
-        redis.close()

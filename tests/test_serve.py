@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import sqlite3
+import subprocess
 import time
 from pathlib import Path
 
@@ -48,18 +49,28 @@ def _answers(url: str) -> bool:
         return False
 
 
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGKILL"])
-def test_serve_stops_its_scheduler_process_however_it_ends(tmp_path: Path, how: str) -> None:
+def serve(tmp_path: Path, scheduler_interval: float) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """``packtune serve`` on a fresh SQLite file, answering: (process, API base URL, db)."""
     db = tmp_path / "packtune.db"
     env = packtune_env(
         database_url=f"sqlite:///{db}", checkpoint_dir=tmp_path / "ckpt",
-        scheduler_interval=0.2, torch_threads=1,
+        scheduler_interval=scheduler_interval, torch_threads=1,
     )  # fmt: skip
     port = free_port()
     api = f"http://127.0.0.1:{port}"
     proc = start(["serve", "--port", str(port)], env, tmp_path / "serve.log")
     try:
         wait_for(lambda: _answers(f"{api}/healthz"), 60, "packtune serve")
+    except BaseException:
+        stop(proc)
+        raise
+    return proc, api, db
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGKILL"])
+def test_serve_stops_its_scheduler_process_however_it_ends(tmp_path: Path, how: str) -> None:
+    proc, api, db = serve(tmp_path, scheduler_interval=0.2)
+    try:
         assert httpx.post(f"{api}/api/studies", json=SPEC, timeout=30).status_code == 201
         wait_for(
             lambda: httpx.get(f"{api}/api/studies/1", timeout=10).json()["packs_running"],
@@ -96,16 +107,8 @@ def test_the_scheduler_releases_its_lease_on_sigterm(tmp_path: Path) -> None:
 def test_a_study_posted_to_serve_starts_without_waiting_for_a_tick(tmp_path: Path) -> None:
     """With a 30 s tick the idle scheduler would pick the study up only at its next tick;
     serve wakes its scheduler process on the POST, so the study starts within seconds."""
-    db = tmp_path / "packtune.db"
-    env = packtune_env(
-        database_url=f"sqlite:///{db}", checkpoint_dir=tmp_path / "ckpt",
-        scheduler_interval=30, torch_threads=1,
-    )  # fmt: skip
-    port = free_port()
-    api = f"http://127.0.0.1:{port}"
-    proc = start(["serve", "--port", str(port)], env, tmp_path / "serve.log")
+    proc, api, db = serve(tmp_path, scheduler_interval=30)
     try:
-        wait_for(lambda: _answers(f"{api}/healthz"), 60, "packtune serve")
         wait_for(lambda: lease_holders(db), 60, "the scheduler's first tick")
         time.sleep(1.0)  # its first tick is over: the next one is ~29 s away
         posted = time.monotonic()
