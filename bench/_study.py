@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -181,12 +182,35 @@ def _packed(spec: dict[str, Any]) -> bool:
     return spec.get("packing", {}).get("max_pack_size") != 1
 
 
-def _free_port() -> int:
-    import socket
-
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def start_serve(
+    env: dict[str, str], log: Path, timeout: float = 120
+) -> tuple[subprocess.Popen[bytes], str]:
+    """``packtune serve`` on a free port with ``env``, once it answers ``/healthz``: the
+    process and the API's base URL (output appended to ``log``)."""
+    import httpx
+
+    port = free_port()
+    with log.open("ab") as out:  # the child keeps its own descriptor
+        proc = subprocess.Popen(cli("serve", "--port", str(port)), env=env,
+                                stdout=out, stderr=out)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    proc.wait()
+    raise RuntimeError(f"packtune serve did not come up: {log.read_text()[-2000:]}")
 
 
 def _post_and_wait(client: Any, spec: dict[str, Any], timeout: float) -> tuple[int, float]:
@@ -214,30 +238,16 @@ def run_serve(spec: dict[str, Any], workdir: Path, device: str = "auto",
 
     workdir.mkdir(parents=True, exist_ok=True)
     url = f"sqlite:///{workdir / 'packtune.db'}"
-    port = _free_port()
     env = service_env(database_url=url, checkpoint_dir=workdir / "ckpt", device=device,
                       log_level="WARNING")
-    log = (workdir / "service.log").open("ab")
-    proc = subprocess.Popen(cli("serve", "--port", str(port)), env=env, cwd=workdir,
-                            stdout=log, stderr=log)
+    proc, base = start_serve(env, workdir / "service.log")
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    if client.get("/healthz").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError(f"packtune serve did not come up; see {workdir}/service.log")
-                time.sleep(0.2)
+        with httpx.Client(base_url=base, timeout=30) as client:
             if warm_up is not None:
                 _post_and_wait(client, warm_up, timeout)
             study_id, seconds = _post_and_wait(client, spec, timeout)
     finally:
         _stop([proc])
-        log.close()
     return StudyRun("serve", _packed(spec), seconds, read_study(url, study_id))
 
 

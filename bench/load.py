@@ -48,7 +48,6 @@ import os
 import platform
 import random
 import shlex
-import socket
 import ssl
 import subprocess
 import sys
@@ -63,6 +62,7 @@ from typing import Any
 import httpx
 
 from bench._common import cpu_model
+from bench._study import start_serve
 
 RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"
 SMALL_STUDY: dict[str, Any] = {
@@ -339,32 +339,6 @@ def loop_lag(load: Load) -> tuple[float, float]:
 # -- the server ----------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def serve(env: dict[str, str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    out = log.open("ab")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "serve", "--port", str(port)],
-        env=env, stdout=out, stderr=out,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"packtune serve did not come up: {log.read_text()[-2000:]}")
-
-
 def stop(proc: subprocess.Popen[bytes]) -> None:
     proc.terminate()
     try:
@@ -446,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PACKTUNE_")}
     env.update(PACKTUNE_DATABASE_URL=url, PACKTUNE_CHECKPOINT_DIR=str(tmp / "ckpt"),
                PACKTUNE_LOG_LEVEL="WARNING")  # fmt: skip
-    proc, base = serve(env, tmp / "serve.log")
+    proc, base = start_serve(env, tmp / "serve.log", timeout=60)
     try:
         training = SMALL_STUDY if args.train == "small" else training_big(args.trials)
         small = httpx.post(f"{base}/api/studies", json=training, timeout=30).json()["id"]

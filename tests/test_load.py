@@ -12,7 +12,8 @@ import httpx
 import pytest
 from sqlalchemy import create_engine, text
 
-from bench.load import SMALL_STUDY, run_load, seed_big_study, serve, stop
+from bench._study import start_serve
+from bench.load import SMALL_STUDY, run_load, seed_big_study, stop
 from service.db import session_factory, session_scope, upgrade
 from service.errors import StoreUnavailable
 
@@ -29,7 +30,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, tuple[
     assert trials >= 1000
     env = {k: v for k, v in os.environ.items() if not k.startswith("PACKTUNE_")}
     env.update(PACKTUNE_DATABASE_URL=url, PACKTUNE_CHECKPOINT_DIR=str(tmp / "ckpt"))
-    proc, base = serve(env, tmp / "serve.log")
+    proc, base = start_serve(env, tmp / "serve.log", timeout=60)
     try:
         small = httpx.post(f"{base}/api/studies", json=SMALL_STUDY, timeout=30).json()["id"]
         yield base, (big, small, trials)
