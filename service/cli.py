@@ -94,7 +94,7 @@ def run(
     from service.db import get_sessionmaker, session_scope, upgrade
     from service.dispatch import make_dispatcher
     from service.progress import leaderboard_table, watch
-    from service.queries import leaderboard, packs, study_summary, top_trials
+    from service.queries import leaderboard, packs, study_summary
     from service.scheduler import Scheduler
 
     body = load_spec_file(spec)
@@ -124,10 +124,7 @@ def run(
 
     def fetch() -> dict[str, Any]:
         with session_scope(factory) as s:
-            summary = study_summary(s, study_id)
-            top_rows = top_trials(s, study_id, limit=1)
-        summary["best_so_far"] = top_rows[0] if top_rows else None
-        return summary
+            return study_summary(s, study_id)  # with its best so far
 
     started = time.monotonic()
     stop = threading.Event()

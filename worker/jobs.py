@@ -186,7 +186,7 @@ def _run_arrays(arrays: list[ArrayJob], device: torch.device, kind: str, ckpt_di
         futures = [pool.submit(_run_isolating, a, device, kind, ckpt_dir, True) for a in arrays]
     errors = [exc for f in futures if (exc := f.exception()) is not None]
     oom = [exc for exc in errors if isinstance(exc, torch.cuda.OutOfMemoryError)]
-    if oom or errors:
+    if errors:
         raise (oom or errors)[0]
 
 

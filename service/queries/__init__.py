@@ -31,7 +31,6 @@ from service.queries.studies import (
 from service.queries.trials import (
     curves,
     leaderboard,
-    top_trials,
     trials,
 )
 
@@ -44,7 +43,6 @@ __all__ = [
     "plan_of",
     "Row",
     "study_summary",
-    "top_trials",
     "trials",
     "workers",
     "workloads",
