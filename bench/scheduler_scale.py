@@ -101,7 +101,7 @@ def fake_fleet(factory: sessionmaker[Session], workers: int, gpus: int) -> None:
             store.heartbeat(s, name=f"gpu-host-{w}", host=f"host-{w}", device_kind=DEVICE_KIND,
                             gpus=readings)
         for hidden in SPACE["hidden"]["values"]:
-            key = fusion_key(wl.name, wl.resolve({"hidden": hidden}), wl.structural)
+            key = fusion_key(wl.name, wl.resolve({"hidden": hidden}), wl.structural_params())
             store.set_memory_model(s, wl.name, key, DEVICE_KIND, 2**30, 64 * 2**20)
             for k in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):  # +50% per doubling up to 256
                 value = 1000.0 * k**0.6 if k <= 256 else 1000.0 * 256**0.6 * 1.02

@@ -101,7 +101,7 @@ def start_study(s: Session, study: Study) -> tuple[int, bool]:
     s_max = len(brackets) - 1
     slots = [s_max - j for j, rungs in enumerate(brackets) for _ in range(rungs[0].n)]
     have = sum(store.count_trials_by_status(s, study.id).values())
-    rows = []
+    rows, structural = [], workload.structural_params()
     for index in range(have, min(len(slots), have + SAMPLE_CHUNK)):
         config = sample_config(space, study.seed, index)
         resolved = workload.resolve(config)
@@ -111,7 +111,7 @@ def start_study(s: Session, study: Study) -> tuple[int, bool]:
                 "bracket": slots[index],
                 "rung": 0,
                 "config": config,
-                "fusion_key": fusion_key(workload.name, resolved, workload.structural),
+                "fusion_key": fusion_key(workload.name, resolved, structural),
             }
         )
     inserted = store.add_trials(s, study.id, rows)

@@ -63,7 +63,8 @@ def make_pack(profiled: bool = True, kind: str = "cpu") -> tuple[int, list[int]]
         study = store.create_study(s, name="threads", workload="digits-mlp", spec=SPEC, seed=5)
         rows = [
             {"sample_index": i, "bracket": 1, "rung": 0, "config": cfg,
-             "fusion_key": fusion_key("digits-mlp", workload.resolve(cfg), workload.structural)}
+             "fusion_key": fusion_key("digits-mlp", workload.resolve(cfg),
+                                      workload.structural_params())}
             for i, cfg in enumerate(CONFIGS)
         ]  # fmt: skip
         store.add_trials(s, study.id, rows)

@@ -163,7 +163,7 @@ def fleet(s: Session) -> None:
     store.heartbeat(s, name="w", host="h", device_kind=KIND, gpus=gpus)
     wl = get_workload("digits-mlp")
     for hidden in (64, 128):
-        key = fusion_key(wl.name, wl.resolve({"hidden": hidden}), wl.structural)
+        key = fusion_key(wl.name, wl.resolve({"hidden": hidden}), wl.structural_params())
         store.set_memory_model(s, wl.name, key, KIND, 2**28, 2**24)
         for k in (1, 2, 4, 8, 16):
             store.record_throughput(s, wl.name, key, KIND, k, 100.0 * k**0.7)

@@ -43,7 +43,7 @@ def make_pack(lrs: list[float], start: float = 0.0, end: float = 1.0) -> tuple[i
                 "rung": 0,
                 "config": {"lr": lr},
                 "fusion_key": fusion_key(
-                    "digits-mlp", workload.resolve({"lr": lr}), workload.structural
+                    "digits-mlp", workload.resolve({"lr": lr}), workload.structural_params()
                 ),
             }
             for i, lr in enumerate(lrs)

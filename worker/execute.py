@@ -32,7 +32,7 @@ from service.db import retrying
 from service.errors import StoreUnavailable
 from service.models import TrialStatus
 from service.settings import get_settings
-from service.space import trial_seed
+from service.space import fusion_key, trial_seed
 from worker.checkpoints import load_checkpoint, save_checkpoint
 from worker.fused import FusedArray, Report, train
 from worker.memory import probe
@@ -185,6 +185,22 @@ def _ensure_profile(
     retrying(write)
 
 
+def _structural_parts(job: ArrayJob) -> list[list[MemberJob]]:
+    """``job``'s members grouped by their structural values under the workload's definition
+    now: one group, unless the trials were sampled when it declared fewer parameters
+    structural (their stored fusion key then joins trials that must not share an array)."""
+    workload = get_workload(job.workload)
+    structural = workload.structural_params()
+    parts: dict[str, list[MemberJob]] = {}
+    for m in job.members:
+        try:
+            key = fusion_key(workload.name, workload.resolve(m.config), structural)
+        except Exception as exc:  # e.g. a parameter the workload no longer takes
+            raise TrialError(exc) from exc
+        parts.setdefault(key, []).append(m)
+    return list(parts.values())
+
+
 def run_array(
     job: ArrayJob, device: torch.device, kind: str, checkpoint_dir: Path, shared: bool = False
 ) -> None:
@@ -194,6 +210,17 @@ def run_array(
     then not its own, so it records no throughput reading.
     """
     workload = get_workload(job.workload)
+    parts = _structural_parts(job)
+    if len(parts) > 1:
+        log.warning(
+            "pack %s: trials %s share the fusion key %s but not every structural parameter "
+            "of %s (sampled under an older definition of the workload?); trained as %d arrays",
+            job.pack_id, [m.trial_id for m in job.members], job.fusion_key, job.workload,
+            len(parts),
+        )  # fmt: skip
+        for part in parts:
+            run_array(dataclasses.replace(job, members=part), device, kind, checkpoint_dir, True)
+        return
     configs = {m.trial_id: job.config(m) for m in job.members}
     first = workload.resolve(next(iter(configs.values())))
     spe = workload.steps_per_epoch(first)

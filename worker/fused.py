@@ -8,38 +8,48 @@ BatchNorm running statistics included, and run by one of the forward passes
 of :mod:`worker.fused_forward` (``bmm``, ``vmap`` or ``serial``).
 
 ``mode="auto"`` takes ``bmm`` where the model allows it, else ``vmap`` (or
-``serial`` for a single member). Train/eval mode is set on one shared
-template module, so all members switch together: train mode for steps (batch
+``serial`` for a single member, and for a model that draws random numbers).
+Members are stacked together only when their built models are equal but for
+tensor values (:mod:`worker.fusion_guard`); an array whose members are not
+(a parameter the workload wrongly declared fusible, a model that depends on
+the seed) trains each part as its own stack on the same batches, with a
+warning naming the parameter. Train/eval mode is set on each stack's
+template module, so its members switch together: train mode for steps (batch
 statistics, dropout on), eval mode for validation (running statistics,
 dropout off).
 
 Randomness (dropout): each member owns a CPU ``torch.Generator`` seeded from
 its trial seed; its state is part of the member's exported state. Before each
-step the global generator is reseeded from one draw of every member's
-generator, and the array's ops draw from it (``vmap(randomness="different")``
-gives each member different masks). A stochastic trial is therefore
-reproducible given its own stream *and its companions*: resuming the same
-array at any step is exact, but the same trial packed with other trials sees
-other masks. Models without randomness do not touch any generator.
+step of a stack the global generator is reseeded from one draw of each of its
+members' generators, and the stack's ops draw from it. In ``auto`` mode a
+stochastic model runs ``serial`` (a stack of one), so each trial's masks come
+from its own stream alone: the same as when it trains unpacked, whoever it
+is packed with. (Forced ``bmm``/``vmap`` stacks share one draw; with
+``vmap(randomness="different")`` each member still gets different masks,
+reproducible given the companions.) Models without randomness do not touch
+any generator.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
-from torch.func import stack_module_state
 
 from worker.fused_forward import Forward, bmm_forward, bmm_plan, single_forward, vmap_forward
 from worker.fused_group import Group
+from worker.fusion_guard import model_signature, partition, split_causes
 from worker.optim import OPTIMIZER_HYPER, build_optimizer
-from worker.workloads.base import OPTIMIZER_PARAMS, OPTIMIZER_STRUCTURAL, Split, Workload
+from worker.workloads.base import OPTIMIZER_PARAMS, Split, Workload
 
 Mode = Literal["auto", "vmap", "bmm", "serial"]
+
+log = logging.getLogger(__name__)
 
 _RNG_MIX = 6364136223846793005  # Knuth's MMIX multiplier, to fold member draws into one seed
 #: Steps between divergence checks on a GPU. A check reads the device (a synchronisation that
@@ -90,11 +100,61 @@ def _member_generator(
 
 
 def _check_fusible(workload: Workload, configs: Sequence[Mapping[str, Any]]) -> None:
-    shared = sorted(set(workload.structural) | OPTIMIZER_STRUCTURAL | {"batch_size", "data_seed"})
+    shared = sorted(workload.structural_params() | {"data_seed"})
     for key in shared:
         values = {repr(c.get(key)) for c in configs}
         if len(values) > 1:
             raise ValueError(f"members of one array must share {key!r}; got {sorted(values)}")
+
+
+def _stack(
+    models: Sequence[nn.Module], device: torch.device
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """The members' parameters and buffers as ``[k, ...]`` tensors on ``device`` (as
+    ``torch.func.stack_module_state``, which also insists on one class object: classes made
+    per ``build_model`` call are distinct objects of equal code, vetted by the guard)."""
+    named = [(dict(m.named_parameters()), dict(m.named_buffers())) for m in models]
+    first_params, first_buffers = named[0]
+    params = {
+        n: torch.stack([ps[n].detach() for ps, _ in named]).to(device).requires_grad_(
+            p.requires_grad)
+        for n, p in first_params.items()
+    }  # fmt: skip
+    buffers = {n: torch.stack([bs[n] for _, bs in named]).to(device) for n in first_buffers}
+    return params, buffers
+
+
+def _forwards(
+    workload: Workload, template: nn.Module, part: list[int], mode: Mode
+) -> tuple[str, list[tuple[list[int], Forward]]]:
+    """The mode a part of equal models runs in, and its stacks: ``(member indices, forward)``."""
+    plan = bmm_plan(template)
+    if mode == "auto" and (len(part) == 1 or _is_stochastic(workload, template)):
+        mode = "serial"  # a stochastic member draws from its own stream alone, as when unpacked
+    elif mode == "auto":
+        mode = "bmm" if plan is not None else "vmap"
+    if mode == "bmm" and plan is None:
+        raise ValueError(f"{workload.name}'s model is not a hand-fusable Sequential")
+    if mode == "serial":
+        return mode, [([i], single_forward(template)) for i in part]
+    forward = bmm_forward(plan) if plan and mode == "bmm" else vmap_forward(template)
+    return mode, [(list(part), forward)]
+
+
+def _split_warning(
+    workload: Workload,
+    keys: Sequence[Hashable],
+    configs: Sequence[Mapping[str, Any]],
+    parts: Sequence[Sequence[int]],
+) -> str:
+    causes = split_causes(configs, parts)
+    groups = "; ".join(", ".join(str(keys[i]) for i in part) for part in parts)
+    return (
+        f"{workload.name}: members build models that differ in more than tensor values "
+        f"(parameter {', '.join(repr(c) for c in causes)}), so they are trained as "
+        f"{len(parts)} separate stacks ({groups}), not fused. Declare the parameter "
+        "structural, or carry it in the model as a tensor if it is meant to be fusible."
+    )
 
 
 class FusedArray:
@@ -105,6 +165,11 @@ class FusedArray:
     optionally gives each member's exported :meth:`member_state` (``None`` for
     a fresh one); every member must be at the same step. ``data`` may pass
     the workload's (train, validation) splits to share them between arrays.
+
+    Members whose built models differ in anything but tensor values
+    (:func:`worker.fusion_guard.model_signature`) are stacked apart: each such
+    part has its own template and forward, on the same batches. ``warning``
+    then says why, naming the parameter; ``mode`` is the first part's.
     """
 
     def __init__(
@@ -136,29 +201,27 @@ class FusedArray:
         self.diverged: dict[Hashable, int] = {}
         self.check_every = CUDA_CHECK_EVERY if self.device.type == "cuda" else 1
         models = [_build_model(workload, c, s) for c, s in zip(configs, states, strict=True)]
-        self.template = copy.deepcopy(models[0]).to("meta")
-        self.stochastic = _is_stochastic(workload, self.template)
+        parts = partition([model_signature(m) for m in models])
+        self.warning = _split_warning(workload, keys, configs, parts) if len(parts) > 1 else None
+        if self.warning:
+            log.warning("%s", self.warning)
         self.generators = {
             key: _member_generator(config, state)
             for key, config, state in zip(keys, configs, states, strict=True)
         }
-        plan = bmm_plan(self.template)
-        if mode == "auto":
-            mode = "bmm" if plan is not None else "serial" if len(keys) == 1 else "vmap"
-        if mode == "bmm" and plan is None:
-            raise ValueError(f"{workload.name}'s model is not a hand-fusable Sequential")
-        self.mode = mode
-        if mode == "serial":
-            forward = single_forward(self.template)
-            parts = [([i], forward) for i in range(len(keys))]
-        else:
-            forward = bmm_forward(plan) if plan and mode == "bmm" else vmap_forward(self.template)
-            parts = [(list(range(len(keys))), forward)]
-        self.groups = [
-            self._group([keys[i] for i in idx], [models[i] for i in idx],
-                        [configs[i] for i in idx], [states[i] for i in idx], fwd)
-            for idx, fwd in parts
-        ]  # fmt: skip
+        self.groups: list[Group] = []
+        modes: list[str] = []
+        for part in parts:
+            template = copy.deepcopy(models[part[0]]).to("meta")
+            part_mode, pieces = _forwards(workload, template, part, mode)
+            modes.append(part_mode)
+            self.groups += [
+                self._group([keys[i] for i in idx], [models[i] for i in idx],
+                            [configs[i] for i in idx], [states[i] for i in idx], fwd, template)
+                for idx, fwd in pieces
+            ]  # fmt: skip
+        self.mode = modes[0]
+        self.stochastic = any(group.stochastic for group in self.groups)
         self.train_split, self.val_split = data or workload.data(self.config, self.device)
 
     def _group(
@@ -168,17 +231,16 @@ class FusedArray:
         configs: list[Mapping[str, Any]],
         states: list[Mapping[str, Any] | None],
         forward: Forward,
+        template: nn.Module,
     ) -> Group:
-        stacked_params, stacked_buffers = stack_module_state(models)
-        params = {n: p.detach().to(self.device).requires_grad_(p.requires_grad)
-                  for n, p in stacked_params.items()}
-        buffers = {n: b.to(self.device) for n, b in stacked_buffers.items()}
+        params, buffers = _stack(models, self.device)
         optimizer = build_optimizer(
             str(self.config["optimizer"]), params, hyper_tensors(configs),
             nesterov=bool(self.config.get("nesterov", False)),
             states=[s["optimizer"] if s else None for s in states],
         )  # fmt: skip
-        return Group(keys, params, buffers, optimizer, forward)
+        stochastic = _is_stochastic(self.workload, template)
+        return Group(keys, params, buffers, optimizer, forward, template, stochastic)
 
     @property
     def keys(self) -> list[Hashable]:
@@ -210,7 +272,7 @@ class FusedArray:
         index = batch.to(self.device)
         x, y = self.train_split.x[index], self.train_split.y[index]
         for group in self.groups:
-            if self.stochastic:
+            if group.stochastic:
                 self._reseed(group)
             group.step(x, y, self.workload, self.step + 1)
         self.step += 1
@@ -257,7 +319,9 @@ class FusedArray:
         x, y = self.val_split.x, self.val_split.y
         size = int(self.config["batch_size"])
         results: dict[Hashable, dict[str, float]] = {}
-        self.template.eval()
+        templates = {id(group.template): group.template for group in self.groups}
+        for template in templates.values():
+            template.eval()
         try:
             for group in self.groups:
                 chunks = [group.forward(group.params, group.buffers, x[start : start + size])
@@ -267,7 +331,8 @@ class FusedArray:
                     results[key] = {"val_loss": float(self.workload.loss(out[i], y)),
                                     **self.workload.metrics(out[i], y)}
         finally:
-            self.template.train()
+            for template in templates.values():
+                template.train()
         return results
 
     def member_state(self, key: Hashable) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from collections.abc import Hashable
 from typing import cast
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.func import vmap
 
 from worker.fused_forward import Forward
@@ -81,6 +81,9 @@ class DeviceLosses:
 class Group:
     """Members trained as one stack: all of an array's (fused) or one (serial).
 
+    ``template`` is the meta-device module ``forward`` runs with the stacked tensors (its
+    train/eval mode is the stack's); ``stochastic``: training draws random numbers.
+
     ``losses`` records each member's summed step losses (for the epoch's train
     loss) and the first step whose loss was not finite (for divergence).
     """
@@ -92,9 +95,12 @@ class Group:
         buffers: dict[str, Tensor],
         optimizer: StackedOptimizer,
         forward: Forward,
+        template: nn.Module,
+        stochastic: bool = False,
     ) -> None:
         self.keys, self.params, self.buffers = keys, params, buffers
         self.optimizer, self.forward = optimizer, forward
+        self.template, self.stochastic = template, stochastic
         device = next(iter(params.values())).device
         self.on_host = device.type == "cpu"
         self.losses = HostLosses(len(keys)) if self.on_host else DeviceLosses(len(keys), device)

@@ -37,9 +37,7 @@ import torch
 from torch import Tensor
 
 from worker.flat import flatten_
-
-OPTIMIZER_HYPER = ("lr", "momentum", "weight_decay", "beta1", "beta2", "eps")
-"""The fusible optimizer hyperparameters: per-trial ``[k]`` tensors in an array."""
+from worker.workloads.base import OPTIMIZER_HYPER as OPTIMIZER_HYPER
 
 MemberState = dict[str, Any]
 """One member's optimizer state: ``{"step": float, "state": {param: {key: Tensor}}}``."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from service.models import PackStatus, StudyStatus, TrialStatus, WorkerStatus
 
@@ -166,7 +166,12 @@ class WorkerPublic(BaseModel):
 class WorkloadPublic(BaseModel):
     name: str
     params: dict[str, Any]
-    structural: list[str]
+    structural: list[str] = Field(
+        description="Parameters that the members of one fused array share (all not fusible)."
+    )
+    fusible: list[str] = Field(
+        description="Parameters that may differ inside one fused array (carried per member)."
+    )
     doc: str
 
 

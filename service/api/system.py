@@ -44,6 +44,6 @@ def list_workers(s: SessionDep, settings: SettingsDep) -> dict[str, Any]:
 
 @router.get("/api/workloads", response_model=ListOf[WorkloadPublic], tags=["system"])
 def list_workloads() -> dict[str, Any]:
-    """The registered workloads with their parameters (defaults) and structural ones."""
+    """The registered workloads: parameters (defaults), structural and fusible ones."""
     rows = queries.workloads()
     return {"data": rows, "count": len(rows)}

@@ -16,6 +16,18 @@ Config keys every built-in workload shares (see :data:`OPTIMIZER_PARAMS`):
 - ``lr``, ``momentum``, ``weight_decay``, ``beta1``, ``beta2``, ``eps``:
   fusible, per-trial ``[k]`` tensors in a fused array
 
+**Structural unless declared fusible.** Trials whose configs agree on every
+structural parameter may be trained as one fused array, through one shared
+template module. So a parameter is fusible only when the fused optimizer
+carries it per member (:data:`OPTIMIZER_HYPER`) or when the workload lists it
+in :attr:`Workload.fusible`, and then carries it per member itself: as a
+tensor (parameter or buffer) of the model, never as a Python value such as a
+layer's class or a float attribute. Every other parameter is structural,
+whether or not the workload lists it in :attr:`Workload.structural`. The
+worker checks the promise when it builds an array (see
+``worker.fusion_guard``): members whose models differ in anything but tensor
+values are trained apart, with a warning naming the parameter.
+
 The worker adds ``seed`` (the trial's own initialisation seed) and
 ``data_seed`` (shared by every trial of a study, so that an array's members
 see the same batches) before calling the workload.
@@ -45,6 +57,8 @@ OPTIMIZER_PARAMS: dict[str, Any] = {
     "eps": 1e-8,
 }
 OPTIMIZER_STRUCTURAL = frozenset({"optimizer", "nesterov"})
+OPTIMIZER_HYPER = ("lr", "momentum", "weight_decay", "beta1", "beta2", "eps")
+"""The fusible optimizer hyperparameters: per-trial ``[k]`` tensors in a fused array."""
 
 # Keys the worker injects; a study's space may not set them.
 RESERVED = frozenset({"seed", "data_seed"})
@@ -61,13 +75,31 @@ class Split:
 class Workload(abc.ABC):
     """Base class of packtune workloads.
 
-    Subclasses set ``name``, ``structural`` and ``params`` as class attributes
-    and implement the abstract methods, importing torch inside them.
+    Subclasses set ``name`` and ``params`` (every parameter with its default)
+    as class attributes, optionally ``structural`` and ``fusible``, and
+    implement the abstract methods, importing torch inside them.
+
+    ``structural`` documents the parameters that shape the model or the data;
+    listing them is optional, since every parameter that is not fusible is
+    structural (:meth:`structural_params`). ``fusible`` names parameters
+    beyond the optimizer's hyperparameters that may differ inside one fused
+    array: the workload must then carry them per member as model tensors.
+    A parameter in both is structural.
     """
 
     name: str
-    structural: frozenset[str]
     params: Mapping[str, Any]
+    structural: frozenset[str] = frozenset()
+    fusible: frozenset[str] = frozenset()
+
+    def fusible_params(self) -> frozenset[str]:
+        """Parameters whose values may differ between the members of one fused array."""
+        declared = frozenset(OPTIMIZER_HYPER) | frozenset(self.fusible)
+        return (declared & frozenset(self.params)) - frozenset(self.structural)
+
+    def structural_params(self) -> frozenset[str]:
+        """Parameters that members of one fused array share: all but :meth:`fusible_params`."""
+        return frozenset(self.params) - self.fusible_params()
 
     def resolve(self, config: Mapping[str, Any]) -> dict[str, Any]:
         """``config`` on top of the defaults; unknown keys raise ``KeyError``."""
@@ -127,6 +159,7 @@ class Workload(abc.ABC):
         return {
             "name": self.name,
             "params": dict(self.params),
-            "structural": sorted(self.structural),
+            "structural": sorted(self.structural_params()),
+            "fusible": sorted(self.fusible_params()),
             "doc": (self.__doc__ or "").strip().splitlines()[0] if self.__doc__ else "",
         }

@@ -1,0 +1,100 @@
+"""Workloads that set fusion traps, as a user's plugin might (registered by the tests).
+
+- ``hidden-act-mlp`` takes an ``act`` parameter (relu or tanh) that changes the forward
+  pass but no shape, and forgets to list it in ``structural``: it must be structural
+  anyway (safe by default).
+- ``misdeclared-mlp`` declares ``act`` fusible but builds it as a Python value (a class
+  made inside ``build_model`` closing over the activation): the array-build guard must
+  train differing members apart; equal ones still fuse (same code, equal closures).
+- ``scaled-mlp`` declares ``scale`` fusible and carries it as a buffer, as the contract
+  asks: members with different scales fuse, exactly.
+
+All train on the digits (64 features, 10 classes) with a one-hidden-layer MLP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from worker.workloads._common import ClassificationWorkload, device_name
+from worker.workloads.base import OPTIMIZER_PARAMS, Split
+from worker.workloads.digits import N_CLASSES, N_TRAIN, digits_splits
+
+
+class _DigitsPlugin(ClassificationWorkload):
+    params: Mapping[str, Any] = {"hidden": 32, "act": "relu", "batch_size": 64,
+                                 **OPTIMIZER_PARAMS}
+
+    def data(self, config: Mapping[str, Any], device: Any = "cpu") -> tuple[Split, Split]:
+        self.resolve(config)
+        return digits_splits(device_name(device))
+
+    def train_size(self, config: Mapping[str, Any]) -> int:
+        return N_TRAIN
+
+
+class HiddenActMLP(_DigitsPlugin):
+    """MLP whose activation parameter is missing from ``structural``."""
+
+    name = "hidden-act-mlp"
+    structural = frozenset({"hidden", "batch_size", "optimizer", "nesterov"})  # no "act"
+
+    def build_model(self, config: Mapping[str, Any]) -> Any:
+        from torch import nn
+
+        cfg = self.resolve(config)
+        act = nn.Tanh() if cfg["act"] == "tanh" else nn.ReLU()
+        return nn.Sequential(nn.Linear(64, int(cfg["hidden"])), act,
+                             nn.Linear(int(cfg["hidden"]), N_CLASSES))
+
+
+class MisdeclaredMLP(_DigitsPlugin):
+    """MLP that declares ``act`` fusible yet closes over it in a class made per call."""
+
+    name = "misdeclared-mlp"
+    fusible = frozenset({"act"})
+
+    def build_model(self, config: Mapping[str, Any]) -> Any:
+        import torch
+        from torch import nn
+
+        cfg = self.resolve(config)
+        act = torch.tanh if cfg["act"] == "tanh" else torch.relu
+        hidden = int(cfg["hidden"])
+
+        class Net(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.fc1, self.fc2 = nn.Linear(64, hidden), nn.Linear(hidden, N_CLASSES)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.fc2(act(self.fc1(x)))
+
+        return Net()
+
+
+class ScaledMLP(_DigitsPlugin):
+    """MLP with a fusible ``scale`` of its hidden activations, carried as a buffer."""
+
+    name = "scaled-mlp"
+    params: Mapping[str, Any] = {**_DigitsPlugin.params, "scale": 1.0}
+    fusible = frozenset({"scale"})
+
+    def build_model(self, config: Mapping[str, Any]) -> Any:
+        import torch
+        from torch import nn
+
+        cfg = self.resolve(config)
+        hidden = int(cfg["hidden"])
+
+        class Scaled(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.fc1, self.fc2 = nn.Linear(64, hidden), nn.Linear(hidden, N_CLASSES)
+                self.register_buffer("scale", torch.tensor(float(cfg["scale"])))
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.fc2(torch.relu(self.fc1(x)) * self.scale)
+
+        return Scaled()

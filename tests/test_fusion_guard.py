@@ -1,0 +1,202 @@
+"""Fusion never trains the wrong model: structural unless declared fusible, and a guard at
+array build time that stacks apart members whose models differ in more than tensor values."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from service.space import fusion_key
+from tests.plugins.trap_workloads import HiddenActMLP, MisdeclaredMLP, ScaledMLP
+from tests.workloads_fixture import TinyMLP
+from worker.fused import FusedArray, train
+from worker.fusion_guard import model_signature, partition, split_causes
+from worker.workloads import get_workload
+from worker.workloads.base import OPTIMIZER_HYPER, Workload
+
+EPOCHS = 2
+
+
+def member(key: str, seed: int, **config: Any) -> tuple[Hashable, dict[str, Any]]:
+    return key, {"seed": seed, "data_seed": 4, "lr": 0.1, **config}
+
+
+def trained(workload: Workload, members: list[tuple[Hashable, dict[str, Any]]]) -> FusedArray:
+    array = FusedArray(workload, members)
+    train(array, EPOCHS * array.steps_per_epoch)
+    return array
+
+
+def assert_as_alone(workload: Workload, array: FusedArray, members: list[Any]) -> None:
+    """Every member's parameters equal those of the same trial trained in an array of one."""
+    for key, config in members:
+        alone = trained(workload, [(key, config)]).member_state(key)
+        mine = array.member_state(key)
+        for name, tensor in alone["params"].items():
+            torch.testing.assert_close(mine["params"][name], tensor, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, k=key, n=name: f"{k} {n}: {m}")
+
+
+def stacks(array: FusedArray) -> list[list[Hashable]]:
+    return [list(group.keys) for group in array.groups]
+
+
+def test_a_parameter_missing_from_structural_is_structural() -> None:
+    workload = HiddenActMLP()
+    assert "act" in workload.structural_params()
+    assert workload.fusible_params() == frozenset(OPTIMIZER_HYPER)
+    relu, tanh = ({**workload.resolve({"act": act})} for act in ("relu", "tanh"))
+    keys = {fusion_key(workload.name, c, workload.structural_params()) for c in (relu, tanh)}
+    assert len(keys) == 2  # never planned into one array
+    described = workload.describe()
+    assert "act" in described["structural"] and described["fusible"] == sorted(OPTIMIZER_HYPER)
+
+
+def test_a_structural_declaration_wins_over_a_fusible_one() -> None:
+    class Both(ScaledMLP):
+        structural = frozenset({"scale", "lr"})
+
+    assert {"scale", "lr"} <= Both().structural_params()
+    assert not {"scale", "lr"} & Both().fusible_params()
+
+
+def test_builtin_members_differing_in_fusible_values_have_equal_models() -> None:
+    """The built-ins keep fusing: seed and optimizer values leave the signature alone, a
+    structural value changes it."""
+    small = {"resnet-cifar": {"width": 4, "n_train": 64, "n_val": 32},
+             "synthetic-mlp": {"n_train": 256}}
+    changed = {"digits-mlp": {"activation": "tanh"}, "digits-cnn": {"channels": 8},
+               "synthetic-mlp": {"hidden": 64}, "resnet-cifar": {"blocks": 2}}
+    for name, change in changed.items():
+        workload = get_workload(name)
+        base = {**small.get(name, {})}
+        signatures = []
+        for seed, lr, config in ((1, 0.1, base), (2, 0.5, base), (1, 0.1, {**base, **change})):
+            torch.manual_seed(seed)
+            signatures.append(model_signature(workload.build_model({**config, "lr": lr})))
+        assert signatures[0] == signatures[1], name
+        assert signatures[0] != signatures[2], name
+
+
+def test_fusible_declared_but_built_as_a_python_value_is_stacked_apart(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    workload = MisdeclaredMLP()
+    members = [member("a", 1, act="relu"), member("b", 2, act="tanh"),
+               member("c", 3, act="relu", lr=0.3)]
+    with caplog.at_level(logging.WARNING, logger="worker.fused"):
+        array = trained(workload, members)
+    assert stacks(array) == [["a", "c"], ["b"]]
+    assert array.warning is not None and "'act'" in array.warning
+    assert "'act'" in caplog.text and "misdeclared-mlp" in caplog.text
+    assert_as_alone(workload, array, members)
+    # not vacuous: the tanh trial trained as the relu template would have ended elsewhere
+    as_relu = trained(workload, [member("b", 2, act="relu")]).member_state("b")
+    mine = array.member_state("b")
+    assert not torch.allclose(mine["params"]["fc1.weight"], as_relu["params"]["fc1.weight"])
+
+
+def test_classes_made_per_call_fuse_when_their_code_and_closures_agree() -> None:
+    workload = MisdeclaredMLP()
+    members = [member("a", 1, act="tanh"), member("b", 2, act="tanh", lr=0.02)]
+    array = trained(workload, members)
+    assert stacks(array) == [["a", "b"]] and array.warning is None and array.mode == "vmap"
+    assert_as_alone(workload, array, members)
+
+
+def test_a_fusible_parameter_carried_as_a_buffer_fuses_exactly() -> None:
+    workload = ScaledMLP()
+    members = [member(k, i, scale=s) for i, (k, s) in enumerate({"a": 0.5, "b": 1.0,
+                                                                 "c": 2.0}.items())]
+    array = trained(workload, members)
+    assert stacks(array) == [["a", "b", "c"]] and array.warning is None
+    assert_as_alone(workload, array, members)
+    evaluated = array.evaluate()
+    assert len({round(m["val_loss"], 6) for m in evaluated.values()}) == 3
+
+
+def test_dropout_trials_train_as_if_alone_in_auto_mode() -> None:
+    """A stochastic member draws from its own stream only, whoever it is packed with."""
+    workload = TinyMLP()
+    members = [member(k, i, dropout=0.5) for i, k in enumerate("abc")]
+    array = trained(workload, members)
+    assert array.mode == "serial" and array.stochastic
+    assert_as_alone(workload, array, members)
+
+
+class _Scale(nn.Module):
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
+class _Offset(nn.Module):
+    def __init__(self, offset: torch.Tensor) -> None:
+        super().__init__()
+        self.offset = offset  # a plain attribute: not stacked, so its value counts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.offset
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda v: nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1 * v)),
+        lambda v: nn.Sequential(nn.Linear(4, 4), nn.LeakyReLU(0.01 * v)),
+        lambda v: nn.Sequential(nn.Linear(4, 4), _Scale(float(v))),
+        lambda v: nn.Sequential(nn.Linear(4, 4), _Offset(torch.full((4,), float(v)))),
+        lambda v: nn.Sequential(nn.Linear(4, 4), nn.ReLU() if v == 1 else nn.Tanh()),
+        lambda v: nn.Sequential(*[nn.Linear(4, 4) for _ in range(v)]),
+        lambda v: nn.Sequential(nn.Linear(4, 4, bias=v == 1)),
+    ],
+    ids=["dropout-rate", "slope", "float-attribute", "tensor-attribute", "class", "depth",
+         "bias"],
+)
+def test_the_signature_sees_what_stacking_would_hide(make: Any) -> None:
+    assert model_signature(make(1)) == model_signature(make(1))
+    assert model_signature(make(1)) != model_signature(make(2))
+
+
+def test_the_signature_sees_hooks() -> None:
+    def hooked(scale: float) -> nn.Module:
+        model = nn.Linear(3, 3)
+        model.register_forward_hook(lambda m, i, out: out * scale)
+        return model
+
+    assert model_signature(hooked(1.0)) == model_signature(hooked(1.0))
+    assert model_signature(hooked(1.0)) != model_signature(hooked(2.0))
+
+
+def test_an_attribute_it_cannot_compare_is_taken_as_different() -> None:
+    def with_object() -> nn.Module:
+        model = nn.Linear(2, 2)
+        model.helper = object()  # identity only: cannot be shown equal
+        return model
+
+    assert model_signature(with_object()) != model_signature(with_object())
+
+
+def test_a_model_that_depends_on_the_seed_is_named_as_such() -> None:
+    class SeedWidth(ScaledMLP):
+        name = "seed-width"
+        fusible = frozenset()
+
+        def build_model(self, config: Mapping[str, Any]) -> Any:
+            return nn.Linear(64, 10 + int(config["seed"]) % 2)
+
+    configs = [{"seed": 1, "lr": 0.1}, {"seed": 2, "lr": 0.1}]
+    models = [SeedWidth().build_model(c) for c in configs]
+    parts = partition([model_signature(m) for m in models])
+    assert parts == [[0], [1]]
+    assert split_causes(configs, parts) == ["seed"]
+    configs[1]["lr"] = 0.2
+    assert split_causes(configs, parts) == ["lr"]
