@@ -33,12 +33,13 @@ RUN python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))
     && pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 
+COPY packtune ./packtune
 COPY service ./service
 COPY worker ./worker
 COPY migrations ./migrations
 # The import check runs outside the source folder, so it sees the installed package.
 RUN pip install . \
-    && cd / && python -c "import service.cli, worker.workloads"
+    && cd / && python -c "import service.cli, packtune.workloads; assert 'digits-mlp' in packtune.workloads.registry()"
 
 # Unprivileged user; it owns the checkpoint and data mount points and its state folder,
 # so a fresh named volume mounted there inherits that ownership.

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker.workloads import get_workload
-from worker.workloads.base import Split, Workload
+from packtune.workloads import get_workload
+from packtune.workloads.base import Split, Workload
 
 
 def sync(device: torch.device) -> None:

@@ -54,7 +54,7 @@ def load_spec(path: Path) -> dict[str, Any]:
 
 def stored_spec(spec: dict[str, Any]) -> dict[str, Any]:
     """The spec as the API and ``packtune run`` store it: validated, defaults filled."""
-    from service.spec import validate_spec
+    from packtune.spec import validate_spec
 
     return validate_spec(spec).model_dump(mode="json")
 
@@ -100,9 +100,9 @@ def _seconds(a: datetime | None, b: datetime | None) -> float | None:
 
 def read_study(database_url: str, study_id: int) -> dict[str, Any]:
     """The study's wall time, packs with timings, best trial and trained units."""
+    from packtune.objective import value_of
     from service.db import make_engine
     from service.models import Pack, Study, Trial
-    from service.objective import value_of
 
     engine = make_engine(database_url)
     try:
@@ -281,10 +281,10 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
 def run_rq(spec: dict[str, Any], workdir: Path, workers: int, device: str = "cpu",
            timeout: float = 900) -> StudyRun:
     """A study through PostgreSQL + Redis + ``packtune scheduler`` + ``workers`` workers."""
-    from service import store, wake
+    from packtune.settings import Settings
+    from service import bus, store
     from service.db import make_engine, session_factory, session_scope
     from service.models import Study, StudyStatus, Worker
-    from service.settings import Settings
 
     workdir.mkdir(parents=True, exist_ok=True)
     with fresh_postgres() as url:
@@ -314,7 +314,7 @@ def run_rq(spec: dict[str, Any], workdir: Path, workers: int, device: str = "cpu
                 study_id = store.create_study(s, name=body["name"], workload=body["workload"],
                                               spec=body, seed=body["seed"]).id
             # and, as the API does after its commit, wake the scheduler
-            wake.study_changed(Settings(database_url=url, redis_url=REDIS_URL, queue_name=queue))
+            bus.study_changed(Settings(database_url=url, redis_url=REDIS_URL, queue_name=queue))
             final = (StudyStatus.completed, StudyStatus.failed, StudyStatus.cancelled)
             while True:
                 with session_scope(factory) as s:

@@ -23,8 +23,8 @@ import torch
 
 from bench._plain import PlainRun, cycle
 from bench.fused_throughput import CONFIGS, member_config
+from packtune.workloads import get_workload
 from worker.fused import FusedArray
-from worker.workloads import get_workload
 
 #: CPU time of this thread (torch runs one thread here): another process's burst on the
 #: shared cores adds wall time but little of it; ``--clock wall`` for wall time.

@@ -30,8 +30,8 @@ import torch
 
 from bench import _common
 from bench._plain import PlainRun, serve, sync, timed_steps
+from packtune.workloads import get_workload
 from worker.fused import FusedArray
-from worker.workloads import get_workload
 
 VARIANTS = ("fused", "serial", "concurrent")
 

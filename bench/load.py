@@ -79,7 +79,7 @@ SMALL_STUDY: dict[str, Any] = {
 
 def big_spec(trials: int) -> dict[str, Any]:
     """A digits-mlp spec whose Hyperband plan samples at least ``trials`` trials (eta 3)."""
-    from service.hyperband import plan_brackets, total_trials
+    from packtune.hyperband import plan_brackets, total_trials
 
     resource = 1
     while total_trials(plan_brackets(resource, 3)) < trials and resource < 6561:
@@ -99,9 +99,9 @@ def seed_big_study(url: str, trials: int) -> tuple[int, int]:
     """Write a finished study as Hyperband would have left it; returns (id, trials)."""
     from sqlalchemy import insert
 
+    from packtune.hyperband import plan_brackets
     from service import store
     from service.db import make_engine, session_factory, session_scope
-    from service.hyperband import plan_brackets
     from service.models import Measurement, PackStatus, StudyStatus, TrialStatus, utcnow
 
     spec = big_spec(trials)

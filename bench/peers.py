@@ -38,7 +38,7 @@ from typing import Any
 
 from bench import _common
 from bench._study import ROOT, load_spec, run_embedded
-from service.hyperband import plan_brackets
+from packtune.hyperband import plan_brackets
 
 SYSTEMS = ("packtune", "optuna", "ray")
 

@@ -38,10 +38,13 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from bench import _common
 from bench._study import fresh_postgres
+from packtune.dispatcher import JobState
+from packtune.rungs import rung_resource
+from packtune.settings import Settings
+from packtune.space import fusion_key
+from packtune.workloads import get_workload
 from service import store
 from service.db import make_engine, session_factory, session_scope, upgrade
-from service.dispatch import JobState
-from service.lifecycle import rung_resource
 from service.models import (
     Measurement,
     Pack,
@@ -54,9 +57,6 @@ from service.models import (
     utcnow,
 )
 from service.scheduler import Scheduler
-from service.settings import Settings
-from service.space import fusion_key
-from worker.workloads import get_workload
 
 DEVICE_KIND = "NVIDIA H100 80GB HBM3"
 SPACE: dict[str, dict[str, Any]] = {
@@ -86,6 +86,14 @@ class RecordingDispatcher:
 
     def state(self, job_id: str) -> tuple[JobState, str | None]:
         return (JobState.queued if job_id in self.jobs else JobState.missing), None
+
+    notify = None
+
+    def start(self, workload: str | None = None) -> None:
+        pass
+
+    def runner_status(self) -> None:
+        return None
 
     def close(self) -> None:
         pass

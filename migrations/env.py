@@ -11,9 +11,9 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy.engine import URL
 
+from packtune.settings import get_settings
 from service.db import make_engine, normalise_url
 from service.models import Base
-from service.settings import get_settings
 
 config = context.config
 target_metadata = Base.metadata

@@ -18,8 +18,8 @@ from typing import Annotated, Any, NoReturn
 import typer
 import yaml
 
-from service.errors import PacktuneError, SpecError
-from service.settings import SettingsError, get_settings
+from packtune.errors import PacktuneError, SpecError
+from packtune.settings import SettingsError, get_settings
 
 app = typer.Typer(
     name="packtune",
@@ -63,7 +63,7 @@ _SpecLoader.add_implicit_resolver(
 
 def load_spec_file(path: Path) -> dict[str, Any]:
     """Read and validate a YAML/JSON spec; one-line error and exit 2 when it is wrong."""
-    from service.spec import validate_spec
+    from packtune.spec import validate_spec
 
     try:
         text = path.read_text(encoding="utf-8")
@@ -92,9 +92,9 @@ def run(
 
     from service import store
     from service.db import get_sessionmaker, session_scope, upgrade
-    from service.dispatch import make_dispatcher
     from service.progress import leaderboard_table, watch
     from service.queries import leaderboard, packs, study_summary
+    from service.runtime import make_dispatcher
     from service.scheduler import Scheduler
 
     body = load_spec_file(spec)
@@ -174,7 +174,7 @@ def serve(
 
     import uvicorn
 
-    from service import wake
+    from service import bus
     from service.db import upgrade
     from service.scheduler_process import SchedulerProcess
 
@@ -189,14 +189,14 @@ def serve(
     try:
         if child is not None:
             child.start()
-            wake.register(child.wake)  # a study POSTed starts now, not at the next tick
+            bus.register(child.wake)  # a study POSTed starts now, not at the next tick
         uvicorn.run(
             "service.api.app:create_app", factory=True, host=host, port=port,
             log_level=settings.log_level.lower(),  # PACKTUNE_LOG_LEVEL=WARNING: no access log
         )  # fmt: skip
     finally:
         if child is not None:
-            wake.unregister(child.wake)
+            bus.unregister(child.wake)
             child.stop()
 
 
@@ -207,7 +207,7 @@ def _exit_on_signal(signum: int, _: object) -> NoReturn:
 @app.command()
 def scheduler() -> None:
     """Run the scheduler loop (one per deployment; a second one waits on the lease)."""
-    from service.scheduler import run_scheduler
+    from service.runtime import run_scheduler
     from service.scheduler_process import stop_on_signals
 
     _setup_logging()

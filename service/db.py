@@ -17,7 +17,7 @@ Two backends are supported:
   not hand out dead ones.
 
 Database errors that mean "cannot reach or use the store" are turned into
-:class:`service.errors.StoreUnavailable` at one boundary, :func:`session_scope`.
+:class:`packtune.errors.StoreUnavailable` at one boundary, :func:`session_scope`.
 :func:`retrying` runs a transaction again while that lasts (a server restart
 takes seconds), for writes that must not be lost.
 """
@@ -41,8 +41,8 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
-from service.errors import StoreUnavailable
-from service.settings import get_settings
+from packtune.errors import StoreUnavailable
+from packtune.settings import get_settings
 
 SQLITE_BUSY_TIMEOUT_S = 30.0
 RETRY_SECONDS = 60.0

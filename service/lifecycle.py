@@ -8,7 +8,6 @@ decided only when none of the bracket's trials is pending, queued or running.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,8 +16,11 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from packtune.hyperband import promote, rank
+from packtune.rungs import brackets_of, rung_resource
+from packtune.space import fusion_key, parse_space, sample_config
+from packtune.workloads import get_workload
 from service import store
-from service.hyperband import Rung, next_stop, plan_brackets, promote, rank, rung_resources
 from service.models import (
     Measurement,
     Pack,
@@ -28,8 +30,6 @@ from service.models import (
     Trial,
     TrialStatus,
 )
-from service.space import fusion_key, parse_space, sample_config
-from worker.workloads import get_workload
 
 ACTIVE = (TrialStatus.pending, TrialStatus.queued, TrialStatus.running)
 FINAL = (
@@ -41,48 +41,6 @@ FINAL = (
 )
 # statuses that count as "finished the current rung" when deciding promotions
 RUNG_DONE = (TrialStatus.paused, TrialStatus.diverged, TrialStatus.failed)
-
-
-def brackets_of(spec: dict[str, Any]) -> list[list[Rung]]:
-    hb = spec["hyperband"]
-    return _plan(float(hb["max_resource"]), int(hb.get("eta", 3)), float(hb.get("min_resource", 1)))
-
-
-@functools.lru_cache(maxsize=256)
-def _plan(max_resource: float, eta: int, min_resource: float) -> list[list[Rung]]:
-    # planned once per spec, not once per trial: the scheduler asks for every pending trial
-    return plan_brackets(max_resource, eta=eta, min_resource=min_resource)
-
-
-def rung_resource(spec: dict[str, Any], bracket: int, rung: int) -> float:
-    brackets = brackets_of(spec)
-    s_max = len(brackets) - 1
-    return float(brackets[s_max - bracket][rung].resource)
-
-
-def unit_end(spec: dict[str, Any], done: float, target: float) -> float:
-    """Where the next unit of a trial from ``done`` toward its rung's ``target`` ends.
-
-    With ``packing.align_rungs`` (the default, when arrays can hold more than one
-    trial) a unit stops at every rung resource of the study on its way, so that a
-    bracket-0 trial going from 0 to R trains its first epochs together with bracket
-    s_max's first rung, and so on: fewer, larger arrays. Otherwise the whole span.
-    """
-    packing = spec.get("packing") or {}
-    if not packing.get("enabled", True) or packing.get("max_pack_size") == 1:
-        return target
-    if not packing.get("align_rungs", True):
-        return target
-    hb = spec["hyperband"]
-    stops = _stops(
-        float(hb["max_resource"]), int(hb.get("eta", 3)), float(hb.get("min_resource", 1))
-    )
-    return next_stop(stops, done, target)
-
-
-@functools.lru_cache(maxsize=256)
-def _stops(max_resource: float, eta: int, min_resource: float) -> tuple[float, ...]:
-    return rung_resources(_plan(max_resource, eta, min_resource))
 
 
 #: trials one call of :func:`start_study` samples at most (bounded work per scheduler tick:

@@ -44,8 +44,8 @@ from sqlalchemy import ColumnElement, Float, and_, case, cast, func, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from packtune.errors import PacktuneError
 from service.db import session_scope
-from service.errors import PacktuneError
 from service.models import (
     Pack,
     PackStatus,

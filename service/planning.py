@@ -13,10 +13,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from service import store
-from service.lifecycle import rung_resource, unit_end
-from service.models import Pack, PackMember, PackStatus, Profile, Study, TrialStatus, Worker
-from service.packing import (
+from packtune.packing import (
     Device,
     MemoryModel,
     PackPlan,
@@ -24,7 +21,10 @@ from service.packing import (
     best_array_size,
     plan_packs,
 )
-from service.settings import Settings
+from packtune.rungs import rung_resource, unit_end
+from packtune.settings import Settings
+from service import store
+from service.models import Pack, PackMember, PackStatus, Profile, Study, TrialStatus, Worker
 
 #: packs a device may have outstanding (one running, one waiting): keeps the queue short so
 #: that each plan uses the newest throughput and memory measurements

@@ -33,10 +33,11 @@ from datetime import UTC, datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from packtune.dispatcher import Dispatcher, JobState, job_id_for
+from packtune.errors import StoreUnavailable
+from packtune.settings import Settings, get_settings
 from service import lifecycle, planning, store
-from service.db import get_sessionmaker, make_engine, session_factory, session_scope
-from service.dispatch import Dispatcher, JobState, job_id_for, make_dispatcher
-from service.errors import StoreUnavailable
+from service.db import get_sessionmaker, session_scope
 from service.models import (
     Pack,
     PackStatus,
@@ -47,7 +48,6 @@ from service.models import (
     Worker,
     WorkerStatus,
 )
-from service.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
 
@@ -82,15 +82,16 @@ class Scheduler:
         dispatcher: Dispatcher | None = None,
         holder: str | None = None,
     ) -> None:
+        if dispatcher is None:
+            raise TypeError("a Scheduler needs a dispatcher (service.runtime.make_dispatcher)")
         self.settings = settings or get_settings()
         self.factory = factory or get_sessionmaker()
-        self.dispatcher = dispatcher or make_dispatcher(self.settings)
+        self.dispatcher = dispatcher
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
         self.wake = threading.Event()
         # since when (monotonic) every tick has reached the database; None after a failure
         self.connected_since: float | None = None
-        if hasattr(self.dispatcher, "notify"):
-            self.dispatcher.notify = self.wake.set  # a job's end wakes the loop at once
+        self.dispatcher.notify = self.wake.set  # a job's end wakes the loop at once
 
     # -- one tick ---------------------------------------------------------------------------
 
@@ -133,25 +134,14 @@ class Scheduler:
         return report
 
     def _embedded_heartbeat(self, s: Session) -> None:
-        name = self.dispatcher.embedded_worker
-        if name is None:
+        status = self.dispatcher.runner_status()
+        if status is None:
             return
-        from worker.gpu import gpu_readings  # pynvml only, no torch
-
-        gpus = gpu_readings() if self.settings.device != "cpu" else []
+        busy = status.pop("busy")
         store.heartbeat(
-            s,
-            name=name,
-            host=socket.gethostname(),
-            device_kind=gpus[0]["name"] if gpus else "cpu",
-            gpus=gpus[:1],
-            memory_budget=self.settings.cpu_memory_budget,
-            status=WorkerStatus.busy if self._embedded_busy() else WorkerStatus.idle,
-        )
-
-    def _embedded_busy(self) -> bool:
-        busy = getattr(self.dispatcher, "busy", None)
-        return bool(busy()) if callable(busy) else False
+            s, host=socket.gethostname(), **status,
+            status=WorkerStatus.busy if busy else WorkerStatus.idle,
+        )  # fmt: skip
 
     def _reconcile(self, s: Session, live: set[str], report: TickReport) -> None:
         packs = s.scalars(
@@ -313,22 +303,3 @@ class Scheduler:
         with session_scope(self.factory) as s:
             store.release_lease(s, LEASE, self.holder)
         self.dispatcher.close()
-
-
-def run_scheduler(
-    stop: threading.Event | None = None, dispatcher: Dispatcher | None = None
-) -> None:
-    """``packtune scheduler`` (and the scheduler process of ``packtune serve``, see
-    :mod:`service.scheduler_process`): tick until ``stop`` is set, on an engine of its own
-    (when it was a thread of the API process, API requests holding every pooled connection
-    stalled it: it waited 30 s per tick under 100 clients). ``dispatcher``: one already
-    started (default: the settings' one, started here); it is closed at the end."""
-    settings = get_settings()
-    engine = make_engine(settings.database_url)
-    scheduler = Scheduler(settings, session_factory(engine), dispatcher)
-    try:
-        scheduler.dispatcher.start()  # embedded: the runner starts; RQ: hear workers finish
-        scheduler.run(stop)
-    finally:
-        scheduler.close()
-        engine.dispose()

@@ -79,8 +79,8 @@ class SchedulerProcess:
 
 def _child(stop_pipe: Connection) -> None:
     """The child: the scheduler loop until the parent stops it, a signal, or the parent is gone."""
-    from service.dispatch import make_dispatcher
-    from service.settings import get_settings
+    from packtune.settings import get_settings
+    from service.runtime import make_dispatcher, run_scheduler
 
     stop = threading.Event()
     stop_on_signals(stop)
@@ -100,12 +100,9 @@ def _child(stop_pipe: Connection) -> None:
             except (EOFError, OSError):
                 stop.set()
                 return
-            notify = getattr(dispatcher, "notify", None)  # the scheduler's, once it is built
-            if notify is not None:
-                notify()
+            if dispatcher.notify is not None:  # the scheduler's, once it is built
+                dispatcher.notify()
 
     threading.Thread(target=watch_parent, name="packtune-parent-watch", daemon=True).start()
     dispatcher.start()
-    from service.scheduler import run_scheduler
-
     run_scheduler(stop, dispatcher)

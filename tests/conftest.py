@@ -84,7 +84,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
     for key in list(os.environ):
         if key.startswith("PACKTUNE_") and not key.startswith("PACKTUNE_TEST_"):
             monkeypatch.delenv(key)
-    from service.settings import get_settings
+    from packtune.settings import get_settings
 
     get_settings.cache_clear()
     yield monkeypatch
@@ -96,8 +96,8 @@ def embedded_db(
     clean_env: pytest.MonkeyPatch, sqlite_url: str, tmp_path: Path
 ) -> Iterator[pytest.MonkeyPatch]:
     """Settings for in-process jobs: a migrated SQLite file, checkpoints in tmp, the CPU."""
+    from packtune.settings import get_settings
     from service.db import dispose_engines, upgrade
-    from service.settings import get_settings
 
     clean_env.setenv("PACKTUNE_DATABASE_URL", sqlite_url)
     clean_env.setenv("PACKTUNE_CHECKPOINT_DIR", str(tmp_path / "ckpt"))

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from service.hyperband import plan_brackets
+from packtune.hyperband import plan_brackets
 
 
 def free_port() -> int:

@@ -28,10 +28,10 @@ from typing import Any, TypeVar
 import pytest
 import sqlalchemy as sa
 
+from packtune.spec import validate_spec
 from service import store
 from service.db import make_engine, session_factory, session_scope
 from service.models import Measurement, Pack, Study, Trial
-from service.spec import validate_spec
 from tests.conftest import unavailable
 from tests.e2e import free_port, start
 

@@ -12,11 +12,11 @@ import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
+from packtune.settings import get_settings
 from service import store
 from service.api.app import MAX_BODY_BYTES, create_app
 from service.db import dispose_engines, session_scope, upgrade
 from service.models import PackStatus, StudyStatus, TrialStatus, WorkerStatus
-from service.settings import get_settings
 from tests.e2e import imports_torch
 
 SPEC: dict[str, Any] = {
@@ -270,7 +270,7 @@ def test_healthz(client: TestClient) -> None:
 
 
 def test_an_unreachable_database_is_503(clean_env: pytest.MonkeyPatch) -> None:
-    from service.settings import load_settings
+    from packtune.settings import load_settings
 
     clean_env.setenv("PACKTUNE_DATABASE_URL", "postgresql://nobody@127.0.0.1:1/none")
     get_settings.cache_clear()

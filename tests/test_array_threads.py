@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 import torch
 
+from packtune.settings import get_settings
+from packtune.space import fusion_key
+from packtune.workloads import get_workload
 from service import store
 from service.db import dispose_engines, get_sessionmaker, session_scope, upgrade
 from service.models import PackStatus, TrialStatus
-from service.settings import get_settings
-from service.space import fusion_key
 from worker import execute, jobs
-from worker.workloads import get_workload
 
 SPEC: dict[str, Any] = {
     "name": "threads",

@@ -146,7 +146,7 @@ def test_a_workload_given_as_code_is_refused_and_never_imported(
 
 def test_the_registry_never_imports_a_name(bait: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What the scheduler and workers call with a stored study's workload name."""
-    from worker.workloads import get_workload
+    from packtune.workloads import get_workload
 
     monkeypatch.syspath_prepend(str(bait))
     for workload in WORKLOADS:

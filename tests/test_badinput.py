@@ -24,12 +24,12 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from packtune.settings import Settings
+from packtune.space import fusion_key
 from service import store
 from service.api.app import create_app
 from service.db import make_engine, session_factory, session_scope, upgrade
 from service.models import PackStatus, TrialStatus
-from service.settings import Settings
-from service.space import fusion_key
 from tests.e2e import packtune_env, serving
 from tests.faults import create_database, drop_database
 

@@ -18,12 +18,15 @@ import pytest
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from packtune.dispatcher import JobState
+from packtune.hyperband import promote
+from packtune.rungs import brackets_of, rung_resource
+from packtune.settings import Settings
+from packtune.space import fusion_key
+from packtune.workloads import get_workload
 from service import lifecycle, planning, store
 from service import scheduler as scheduler_module
 from service.db import make_engine, session_factory, session_scope, upgrade
-from service.dispatch import JobState
-from service.hyperband import promote
-from service.lifecycle import brackets_of, rung_resource
 from service.models import (
     Pack,
     PackMember,
@@ -34,9 +37,6 @@ from service.models import (
     TrialStatus,
 )
 from service.scheduler import Scheduler
-from service.settings import Settings
-from service.space import fusion_key
-from worker.workloads import get_workload
 
 Factory = sessionmaker[Session]
 
@@ -152,6 +152,14 @@ class Recording:
 
     def state(self, job_id: str) -> tuple[JobState, str | None]:
         return (JobState.queued if job_id in self.jobs else JobState.missing), None
+
+    notify = None
+
+    def start(self, workload: str | None = None) -> None:
+        pass
+
+    def runner_status(self) -> None:
+        return None
 
     def close(self) -> None:
         pass

@@ -11,12 +11,12 @@ import pytest
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.testclient import TestClient
 
+from packtune.settings import get_settings
 from service import store
 from service.api.app import create_app
 from service.api.cache import ReadCache
 from service.db import session_scope, upgrade
 from service.models import StudyStatus
-from service.settings import get_settings
 
 
 def counting_app(ttl: float) -> tuple[ReadCache, dict[str, int]]:

@@ -23,13 +23,13 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from packtune.hyperband import plan_brackets, total_units
+from packtune.settings import get_settings
 from service import lifecycle, store
 from service.api.app import create_app
 from service.api.dashboard import STATIC
 from service.db import dispose_engines, make_engine, session_factory, session_scope, upgrade
-from service.hyperband import plan_brackets, total_units
 from service.models import PackStatus, StudyStatus, TrialStatus, utcnow
-from service.settings import get_settings
 from tests.e2e import packtune_env, serving, wait_finished
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -2,7 +2,7 @@
 
 The compose files, the Dockerfile, ``.env.example`` and ``.dockerignore`` are
 parsed and checked against the CLI (``service.cli``, each command line parsed by the CLI itself),
-the settings (``service.settings.Settings``) and ``pyproject.toml``.
+the settings (``packtune.settings.Settings``) and ``pyproject.toml``.
 
 Compose interpolation (``${VAR}``, ``${VAR:-default}``, ``${VAR:?message}``,
 ``$$``) is implemented here, small, to read the files as compose would with a
@@ -27,7 +27,7 @@ import yaml
 from packaging.requirements import Requirement
 from pydantic import TypeAdapter
 
-from service.settings import ENV_PREFIX, Settings
+from packtune.settings import ENV_PREFIX, Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 MAIN, WORKER = "docker-compose.yml", "docker-compose.worker.yml"

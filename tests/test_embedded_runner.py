@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from service.dispatch import EmbeddedDispatcher
-from service.settings import get_settings
+from packtune.settings import get_settings
 from tests.e2e import children, gone, packtune_env
+from worker.embedded import EmbeddedDispatcher
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")
 

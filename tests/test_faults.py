@@ -430,7 +430,7 @@ TRIAL_FAULTS_SPEC: dict[str, Any] = {
 def faulty_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A throwaway installed distribution registering ``faulty-mlp`` as a workload, on the
     path of this process (``monkeypatch``) and of the processes it starts (``PYTHONPATH``)."""
-    import worker.workloads as workloads
+    import packtune.workloads as workloads
 
     root = tmp_path / "plugin"
     root.mkdir()
@@ -452,9 +452,9 @@ def faulty_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[P
 
 def solo_curve(config: dict[str, Any], sample_index: int, to_resource: float) -> dict[float, float]:
     """The trial trained alone in this process, as if it had never met its pack-mates."""
-    from service.space import trial_seed
+    from packtune.space import trial_seed
+    from packtune.workloads import get_workload
     from worker.fused import FusedArray, train
-    from worker.workloads import get_workload
 
     workload = get_workload(TRIAL_FAULTS_SPEC["workload"])
     seed = TRIAL_FAULTS_SPEC["seed"]

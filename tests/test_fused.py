@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 import torch
 
+from packtune.workloads.base import Workload
 from tests.workloads_fixture import TinyCNN, TinyMLP
 from worker.fused import FusedArray, Report, train
-from worker.workloads.base import Workload
 
 EPOCHS = 2
 HYPER: dict[str, list[Any]] = {
@@ -188,7 +188,7 @@ def test_report_resources_at_epoch_boundaries_and_end():
 
 def test_digits_mlp_fuses_by_hand_and_matches_plain_runs():
     """The built-in digits-mlp (float32) is hand-fusable and matches its plain runs."""
-    from worker.workloads import get_workload
+    from packtune.workloads import get_workload
 
     workload = get_workload("digits-mlp")
     members = [(f"d{i}", {"seed": i, "data_seed": 1, "hidden": 32, "batch_norm": True,
@@ -208,7 +208,7 @@ def test_digits_mlp_fuses_by_hand_and_matches_plain_runs():
 def test_built_in_stacked_losses_match_their_per_member_losses(name, extra):
     """The batched losses a fused array uses equal the workload's loss per member, values
     and gradients, in float64 (to rounding) and float32 (to a few ulps)."""
-    from worker.workloads import get_workload
+    from packtune.workloads import get_workload
 
     workload = get_workload(name)
     cfg = workload.resolve(extra)

@@ -11,13 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from service.space import fusion_key
+from packtune.space import fusion_key
+from packtune.workloads import get_workload
+from packtune.workloads.base import OPTIMIZER_HYPER, Workload
 from tests.plugins.trap_workloads import HiddenActMLP, MisdeclaredMLP, ScaledMLP
 from tests.workloads_fixture import TinyMLP
 from worker.fused import FusedArray, train
 from worker.fusion_guard import model_signature, partition, split_causes
-from worker.workloads import get_workload
-from worker.workloads.base import OPTIMIZER_HYPER, Workload
 
 EPOCHS = 2
 

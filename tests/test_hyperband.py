@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from service.hyperband import (
+from packtune.hyperband import (
     Rung,
     bracket_s,
     next_stop,

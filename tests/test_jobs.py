@@ -7,14 +7,14 @@ from typing import Any
 
 import pytest
 
+from packtune.settings import get_settings
+from packtune.space import fusion_key
+from packtune.workloads import get_workload
 from service import store
 from service.db import get_sessionmaker, session_scope
 from service.models import PackStatus, TrialStatus
-from service.settings import get_settings
-from service.space import fusion_key
 from worker.checkpoints import load_checkpoint
 from worker.jobs import run_pack
-from worker.workloads import get_workload
 
 SPEC: dict[str, Any] = {
     "name": "jobs",

@@ -14,8 +14,8 @@ from sqlalchemy import create_engine, text
 
 from bench._study import start_serve
 from bench.load import SMALL_STUDY, run_load, seed_big_study, stop
+from packtune.errors import StoreUnavailable
 from service.db import session_factory, session_scope, upgrade
-from service.errors import StoreUnavailable
 
 pytestmark = pytest.mark.slow
 

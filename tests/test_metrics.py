@@ -10,11 +10,11 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from packtune.settings import get_settings, load_settings
 from service import store
 from service.api.app import create_app
 from service.db import dispose_engines, session_scope, upgrade
 from service.models import PackStatus, StudyStatus, TrialStatus, WorkerStatus
-from service.settings import get_settings, load_settings
 from tests.e2e import imports_torch
 
 SPEC: dict[str, Any] = {

@@ -15,8 +15,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy.engine import URL, make_url
 
+from packtune.errors import StoreUnavailable
 from service.db import alembic_config, make_engine, upgrade
-from service.errors import StoreUnavailable
 from service.models import Base
 
 PG_SCHEMA = "packtune_test_migrations"

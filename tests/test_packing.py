@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from service.packing import (
+from packtune.packing import (
     HEADROOM,
     Device,
     MemoryModel,

@@ -9,9 +9,9 @@ import time
 import pytest
 from sqlalchemy import select, text
 
+from packtune.errors import StoreUnavailable
 from service import store
 from service.db import make_engine, read_only, session_factory, session_scope, upgrade
-from service.errors import StoreUnavailable
 from service.models import Study
 
 

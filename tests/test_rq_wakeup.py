@@ -12,9 +12,10 @@ import pytest
 from redis import Redis
 from rq import Queue
 
-from service.dispatch import RQDispatcher, announce_done, done_channel
+from packtune.settings import get_settings
+from service.bus import announce, wake_channel
+from service.rq_dispatcher import RQDispatcher
 from service.scheduler import Scheduler, TickReport
-from service.settings import get_settings
 from worker.main import PackWorker
 
 
@@ -48,7 +49,7 @@ def listening_dispatcher(
     dispatcher.start()
     redis = Redis.from_url(redis_url)
     try:
-        _listening(redis, done_channel(queue))
+        _listening(redis, wake_channel(queue))
         yield dispatcher, notified, redis
     finally:
         dispatcher.close()
@@ -73,7 +74,8 @@ def test_a_workers_job_end_notifies_the_dispatcher(rq_env: str, redis_url: str) 
 
 def test_an_announcement_wakes_the_scheduler_before_its_tick(rq_env: str, redis_url: str) -> None:
     """With a 30 s tick, the loop ticks again within seconds of a job-end announcement."""
-    scheduler = Scheduler(get_settings(), holder="wakeup-test")
+    scheduler = Scheduler(get_settings(), dispatcher=RQDispatcher(get_settings()),
+                          holder="wakeup-test")
     scheduler.dispatcher.start()
     ticks: list[float] = []
     stop = threading.Event()
@@ -87,14 +89,14 @@ def test_an_announcement_wakes_the_scheduler_before_its_tick(rq_env: str, redis_
     redis = Redis.from_url(redis_url)
     try:
         thread.start()
-        _listening(redis, done_channel(rq_env))
+        _listening(redis, wake_channel(rq_env))
         deadline = time.monotonic() + 10
         while not ticks:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         time.sleep(0.5)
         assert len(ticks) == 1  # idle: the next tick would be 30 s away
-        announce_done(redis, rq_env, "pack-1-1")
+        announce(redis, rq_env, "pack-1-1")
         deadline = time.monotonic() + 5
         while len(ticks) < 2:
             assert time.monotonic() < deadline, "the announcement did not wake the scheduler"
@@ -108,14 +110,14 @@ def test_an_announcement_wakes_the_scheduler_before_its_tick(rq_env: str, redis_
 
 
 def test_announcing_without_redis_does_not_raise() -> None:
-    announce_done(Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.5), "q", "j")
+    announce(Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.5), "q", "j")
 
 
 def test_a_study_created_through_the_api_wakes_the_scheduler(rq_env: str, redis_url: str) -> None:
     """The API's wake-up (after a POST or a cancel) reaches a scheduler that listens."""
-    from service import wake
+    from service import bus
 
     with listening_dispatcher(rq_env, redis_url) as (_, woken, _redis):
         assert not woken.wait(0.3)
-        wake.study_changed(get_settings())
+        bus.study_changed(get_settings())
         assert woken.wait(5), "the API's wake-up did not reach the scheduler"

@@ -13,13 +13,13 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import selectinload
 
+from packtune.dispatcher import JobState
+from packtune.hyperband import plan_brackets
+from packtune.settings import get_settings
 from service import store
 from service.db import get_sessionmaker, session_scope
-from service.dispatch import JobState
-from service.hyperband import plan_brackets
 from service.models import Pack, PackStatus, StudyStatus, Trial, TrialStatus
 from service.scheduler import Scheduler
-from service.settings import get_settings
 
 SPEC: dict[str, Any] = {
     "name": "sched",
@@ -60,6 +60,15 @@ class SyncDispatcher:
 
     def lose(self) -> None:
         self.states.clear()
+
+    notify = None
+
+    def start(self, workload: str | None = None) -> None:
+        pass
+
+    def runner_status(self) -> dict[str, Any] | None:
+        return {"name": self.embedded_worker, "device_kind": "cpu", "gpus": [],
+                "memory_budget": get_settings().cpu_memory_budget, "busy": False}
 
     def close(self) -> None:
         pass

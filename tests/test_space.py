@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from service.errors import SpecError
-from service.space import (
+from packtune.errors import SpecError
+from packtune.space import (
     Choice,
     Int,
     LogUniform,

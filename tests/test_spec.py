@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from service.errors import SpecError
-from service.spec import MAX_TRIALS, StudySpec, validate_spec
+from packtune.errors import SpecError
+from packtune.spec import MAX_TRIALS, StudySpec, validate_spec
 
 GOOD: dict[str, Any] = {
     "name": "digits-mlp-lr",

@@ -19,6 +19,7 @@ from sqlalchemy import func, select, text, update
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
+from packtune.errors import NotFound, StoreUnavailable
 from service import store
 from service.db import (
     dispose_engines,
@@ -30,7 +31,6 @@ from service.db import (
     session_scope,
     upgrade,
 )
-from service.errors import NotFound, StoreUnavailable
 from service.models import (
     Base,
     Lease,

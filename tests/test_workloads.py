@@ -18,9 +18,9 @@ import torch
 from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
 
-import worker.workloads as workloads
+import packtune.workloads as workloads
+from packtune.workloads.base import OPTIMIZER_PARAMS, OPTIMIZER_STRUCTURAL, Workload
 from worker.workloads import digits, resnet, synthetic
-from worker.workloads.base import OPTIMIZER_PARAMS, OPTIMIZER_STRUCTURAL, Workload
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -297,7 +297,7 @@ def test_resnet_reads_real_cifar_batches(tmp_path: Path, clean_env: pytest.Monke
     _write_batch(root / "data_batch_1", images[:5], labels[:5])
     _write_batch(root / "test_batch", images[10:], labels[10:])
     clean_env.setenv("PACKTUNE_DATA_DIR", str(tmp_path))
-    from service.settings import get_settings
+    from packtune.settings import get_settings
 
     get_settings.cache_clear()
     _clear_data_caches()
@@ -323,7 +323,7 @@ def test_resnet_falls_back_to_random_data_without_cifar(
     tmp_path: Path, clean_env: pytest.MonkeyPatch
 ) -> None:
     clean_env.setenv("PACKTUNE_DATA_DIR", str(tmp_path))  # exists, but holds no CIFAR
-    from service.settings import get_settings
+    from packtune.settings import get_settings
 
     get_settings.cache_clear()
     try:
@@ -335,7 +335,7 @@ def test_resnet_falls_back_to_random_data_without_cifar(
 
 def test_importing_the_registry_does_not_import_torch() -> None:
     code = (
-        "import sys, worker.workloads as w; names = sorted(w.registry()); "
+        "import sys, packtune.workloads as w; names = sorted(w.registry()); "
         "assert 'torch' not in sys.modules, 'torch imported'; "
         "assert 'digits-mlp' in names; print(w.get_workload('digits-mlp').steps_per_epoch({}))"
     )

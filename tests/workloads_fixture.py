@@ -1,6 +1,6 @@
 """Tiny test-only workloads: an MLP and a CNN on seeded random data.
 
-They are built on :class:`worker.workloads.base.Workload` like the built-ins,
+They are built on :class:`packtune.workloads.base.Workload` like the built-ins,
 small enough that a test trains a fused array in milliseconds, and default to
 float64 so fused and plain runs can be compared to tight tolerances.
 """
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from worker.workloads.base import OPTIMIZER_PARAMS, Split, Workload
+from packtune.workloads.base import OPTIMIZER_PARAMS, Split, Workload
 
 CLASSES = 3
 

@@ -27,16 +27,16 @@ import torch
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from packtune.errors import StoreUnavailable
+from packtune.settings import get_settings
+from packtune.space import fusion_key, trial_seed
+from packtune.workloads import get_workload
 from service import store
 from service.db import retrying
-from service.errors import StoreUnavailable
 from service.models import TrialStatus
-from service.settings import get_settings
-from service.space import fusion_key, trial_seed
 from worker.checkpoints import load_checkpoint, save_checkpoint
 from worker.fused import FusedArray, Report, train
 from worker.memory import probe
-from worker.workloads import get_workload
 
 log = logging.getLogger(__name__)
 

@@ -41,11 +41,11 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from packtune.workloads.base import OPTIMIZER_PARAMS, Split, Workload
 from worker.fused_forward import Forward, bmm_forward, bmm_plan, single_forward, vmap_forward
 from worker.fused_group import Group
 from worker.fusion_guard import model_signature, partition, split_causes
 from worker.optim import OPTIMIZER_HYPER, build_optimizer
-from worker.workloads.base import OPTIMIZER_PARAMS, Split, Workload
 
 Mode = Literal["auto", "vmap", "bmm", "serial"]
 

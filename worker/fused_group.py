@@ -17,9 +17,9 @@ import torch
 from torch import Tensor, nn
 from torch.func import vmap
 
+from packtune.workloads.base import Workload
 from worker.fused_forward import Forward
 from worker.optim import StackedOptimizer
-from worker.workloads.base import Workload
 
 #: On a CPU, arrays up to this size compute their members' losses one call each: vmap's fixed
 #: cost per call exceeded a loop of k plain calls there (k=8: 236 vs 275 us with backward).

@@ -35,14 +35,14 @@ from typing import Any
 import torch
 from sqlalchemy.orm import Session
 
+from packtune.errors import StoreUnavailable
+from packtune.objective import objective_of
+from packtune.packing import MemoryModel, Unit, split_in_two
+from packtune.rungs import rung_resource
+from packtune.settings import get_settings
 from service import store
 from service.db import retrying
-from service.errors import StoreUnavailable
-from service.lifecycle import rung_resource
 from service.models import PackStatus, StudyStatus, TrialStatus
-from service.objective import objective_of
-from service.packing import MemoryModel, Unit, split_in_two
-from service.settings import get_settings
 from worker.execute import ArrayJob, MemberJob, TrialError, is_profiled, run_array
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ It is a ``SimpleWorker`` (jobs run in the worker process, not a forked child):
 the CUDA context, imported torch and loaded datasets survive from one pack to
 the next. A crash kills the worker; its heartbeat stops and the scheduler
 re-queues its pack. Each job's end is announced on a Redis channel
-(``service.dispatch.announce_done``), so that the scheduler plans the next
+(``service.bus.announce``), so that the scheduler plans the next
 packs at once instead of at its next tick.
 """
 
@@ -23,8 +23,8 @@ from typing import Any
 
 from rq import SimpleWorker
 
-from service.dispatch import announce_done
-from service.settings import get_settings
+from packtune.settings import get_settings
+from service.bus import announce
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class PackWorker(SimpleWorker):
         try:
             return bool(super().perform_job(job, queue, *args, **kwargs))
         finally:
-            announce_done(self.connection, queue.name, job.id)
+            announce(self.connection, queue.name, job.id)
 
 
 class Heartbeat(threading.Thread):

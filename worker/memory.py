@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from packtune.workloads.base import Split, Workload
 from worker.fused import FusedArray, Mode
-from worker.workloads.base import Split, Workload
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from packtune.workloads.base import OPTIMIZER_HYPER as OPTIMIZER_HYPER
 from worker.flat import flatten_
-from worker.workloads.base import OPTIMIZER_HYPER as OPTIMIZER_HYPER
 
 MemberState = dict[str, Any]
 """One member's optimizer state: ``{"step": float, "state": {param: {key: Tensor}}}``."""

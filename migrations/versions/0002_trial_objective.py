@@ -20,7 +20,7 @@ from typing import Any
 import sqlalchemy as sa
 from alembic import op
 
-from service.objective import objective_of, value_of
+from packtune.objective import objective_of, value_of
 
 revision: str = "0002"
 down_revision: str | None = "0001"

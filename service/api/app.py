@@ -7,8 +7,8 @@ serve`` starts it beside uvicorn). Nothing here imports torch.
 
 Errors, all as ``{"detail": ...}``:
 
-- :class:`~service.errors.PacktuneError` subclasses -> their ``status_code``;
-  a :class:`~service.errors.SpecError` -> 422 with ``detail`` a list like
+- :class:`~packtune.errors.PacktuneError` subclasses -> their ``status_code``;
+  a :class:`~packtune.errors.SpecError` -> 422 with ``detail`` a list like
   FastAPI's own, ``[{"loc": ["body", "hyperband", "eta"], "msg": ..., "type":
   "value_error"}]``, so a client sees which field is wrong;
 - request validation -> 422 (spec errors raised inside the body's validators
@@ -30,11 +30,11 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import Engine
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from packtune.errors import PacktuneError, SpecError
+from packtune.settings import Settings, get_settings
 from service.api import dashboard, metrics, routes, system
 from service.api.cache import ReadCache
 from service.db import get_sessionmaker, make_engine, read_only, session_factory
-from service.errors import PacktuneError, SpecError
-from service.settings import Settings, get_settings
 
 MAX_BODY_BYTES = 1 << 20
 

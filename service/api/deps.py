@@ -11,8 +11,8 @@ from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session, sessionmaker
 
+from packtune.settings import Settings
 from service.db import session_scope
-from service.settings import Settings
 
 
 def get_settings_dep(request: Request) -> Settings:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from packtune.settings import Settings
 from service.metrics import DatabaseCollector
-from service.settings import Settings
 
 router = APIRouter(tags=["system"])
 

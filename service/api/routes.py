@@ -6,7 +6,9 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, BackgroundTasks, Depends, Path, Query, Response, status
 
-from service import queries, store, wake
+from packtune.errors import Conflict
+from packtune.spec import StudySpec
+from service import bus, queries, store
 from service.api.deps import SessionDep, SettingsDep, require_token
 from service.api.schemas import (
     BracketPublic,
@@ -18,9 +20,7 @@ from service.api.schemas import (
     TrialPublic,
     problems,
 )
-from service.errors import Conflict
 from service.models import PackStatus, StudyStatus, TrialStatus
-from service.spec import StudySpec
 
 # Ids are 32-bit integer columns; a bigger number is a client error, not a database one.
 MAX_ID = 2**31 - 1
@@ -50,7 +50,7 @@ def create_study(
     background: BackgroundTasks,
 ) -> dict[str, Any]:
     """Create a study in status ``pending``; the scheduler is woken to pick it up at once
-    (after the commit; see :mod:`service.wake`).
+    (after the commit; see :mod:`service.bus`).
 
     The body is checked in full (workload, space, Hyperband settings) before
     anything is stored; a bad field gives 422 with its path in ``loc``.
@@ -59,7 +59,7 @@ def create_study(
         s, name=spec.name, workload=spec.workload, spec=spec.model_dump(mode="json"), seed=spec.seed
     )
     response.headers["Location"] = f"/api/studies/{study.id}"
-    background.add_task(wake.study_changed, settings)
+    background.add_task(bus.study_changed, settings)
     return queries.study_summary(s, study.id)
 
 
@@ -73,7 +73,7 @@ def cancel_study(
     if study.status not in CANCELLABLE:
         raise Conflict(f"study {study_id} is {study.status.value}; it can no longer be cancelled")
     store.set_study_status(s, study, StudyStatus.cancelled)
-    background.add_task(wake.study_changed, settings)
+    background.add_task(bus.study_changed, settings)
     return queries.study_summary(s, study_id)
 
 

@@ -1,6 +1,6 @@
 """What the API sends back, one model per resource; lists come as ``{"data", "count"}``.
 
-The request body of ``POST /api/studies`` is :class:`service.spec.StudySpec`
+The request body of ``POST /api/studies`` is :class:`packtune.spec.StudySpec`
 itself. These models mirror the dicts :mod:`service.queries` returns; they
 exist for the OpenAPI schema and to pin the wire format.
 """

@@ -9,11 +9,11 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
+from packtune.errors import PacktuneError
 from service import queries
 from service.api.deps import SessionDep, SettingsDep
 from service.api.schemas import Health, ListOf, WorkerPublic, WorkloadPublic
 from service.db import session_scope
-from service.errors import PacktuneError
 
 router = APIRouter()
 

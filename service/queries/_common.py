@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from service.hyperband import Rung, plan_brackets
+from packtune.hyperband import Rung, plan_brackets
 from service.models import (
     TrialStatus,
 )

@@ -155,6 +155,6 @@ def workers(s: Session, timeout_seconds: float, now: datetime | None = None) -> 
 
 def workloads() -> list[Row]:
     """``describe()`` of every registered workload, by name."""
-    from worker.workloads import registry  # imports no torch
+    from packtune.workloads import registry  # imports no torch
 
     return [registry()[name].describe() for name in sorted(registry())]

@@ -7,8 +7,9 @@ from collections import defaultdict
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from packtune.hyperband import total_units
+from packtune.objective import objective_of
 from service import store
-from service.hyperband import total_units
 from service.models import (
     Pack,
     PackStatus,
@@ -17,7 +18,6 @@ from service.models import (
     Trial,
     TrialStatus,
 )
-from service.objective import objective_of
 from service.queries._common import UNIT_FINISHED, Row, plan_of
 from service.queries.trials import top_trials, trials_by_id
 

@@ -8,13 +8,13 @@ from typing import Any
 from sqlalchemy import ColumnElement, Select, and_, func, select
 from sqlalchemy.orm import Session
 
+from packtune.objective import objective_of
 from service import store
 from service.models import (
     Measurement,
     Trial,
     TrialStatus,
 )
-from service.objective import objective_of
 from service.queries._common import Row
 
 # -- trials -------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Session
 
-from service.errors import NotFound
+from packtune.errors import NotFound
 from service.models import (
     Pack,
     PackMember,

@@ -11,7 +11,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Session
 
-from service.errors import NotFound, SpecError
+from packtune.errors import NotFound, SpecError
 from service.models import (
     Study,
     StudyStatus,

@@ -16,7 +16,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Session
 
-from service.errors import NotFound
+from packtune.errors import NotFound
+from packtune.objective import objective_of, value_of
 from service.models import (
     Measurement,
     RungPromotion,
@@ -25,7 +26,6 @@ from service.models import (
     TrialStatus,
     utcnow,
 )
-from service.objective import objective_of, value_of
 from service.store._sql import fresh, id_in, insert_for, insert_rows, is_postgres, statuses
 
 # -- trials -------------------------------------------------------------------

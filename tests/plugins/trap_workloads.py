@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from packtune.workloads.base import OPTIMIZER_PARAMS, Split
 from worker.workloads._common import ClassificationWorkload, device_name
-from worker.workloads.base import OPTIMIZER_PARAMS, Split
 from worker.workloads.digits import N_CLASSES, N_TRAIN, digits_splits
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from worker.workloads.base import Workload
+from packtune.workloads.base import Workload
 
 if TYPE_CHECKING:
     import torch

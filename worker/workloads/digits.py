@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from packtune.workloads.base import OPTIMIZER_PARAMS, OPTIMIZER_STRUCTURAL, Split
 from worker.workloads._common import ClassificationWorkload, activation, device_name, positive_int
-from worker.workloads.base import OPTIMIZER_PARAMS, OPTIMIZER_STRUCTURAL, Split
 
 if TYPE_CHECKING:
     import numpy as np

@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from packtune.workloads.base import OPTIMIZER_PARAMS, OPTIMIZER_STRUCTURAL, Split
 from worker.workloads._common import ClassificationWorkload, device_name, positive_int
-from worker.workloads.base import OPTIMIZER_PARAMS, OPTIMIZER_STRUCTURAL, Split
 
 if TYPE_CHECKING:
     import numpy as np
@@ -36,7 +36,7 @@ RANDOM_DATA_SEED = 31_337
 
 def cifar_root() -> Path | None:
     """The CIFAR-10 python folder under the settings' ``data_dir``, if it is there."""
-    from service.settings import get_settings
+    from packtune.settings import get_settings
 
     data_dir = get_settings().data_dir
     if data_dir is None:

@@ -17,6 +17,7 @@ import functools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from packtune.workloads.base import OPTIMIZER_PARAMS, OPTIMIZER_STRUCTURAL, Split, Workload
 from worker.workloads._common import (
     activation,
     classification_metrics,
@@ -24,7 +25,6 @@ from worker.workloads._common import (
     positive_int,
     stacked_cross_entropy,
 )
-from worker.workloads.base import OPTIMIZER_PARAMS, OPTIMIZER_STRUCTURAL, Split, Workload
 
 if TYPE_CHECKING:
     import torch

@@ -4,7 +4,7 @@
 ``after`` validator, what needs the other fields: the workload is registered,
 the space parses and names only parameters the workload takes, and the
 Hyperband settings imply a study of sane size. Those checks raise
-:class:`~service.errors.SpecError` carrying a dotted ``field`` such as
+:class:`~packtune.errors.SpecError` carrying a dotted ``field`` such as
 ``space.lr.low``; pydantic wraps it, and :func:`spec_error_of` gets it back.
 
 :func:`validate_spec` is what callers use: any problem comes out as one
@@ -28,9 +28,9 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
-from service.errors import SpecError
-from service.hyperband import Rung, plan_brackets, s_max, total_trials
-from service.space import Dimension, parse_space
+from packtune.errors import SpecError
+from packtune.hyperband import Rung, plan_brackets, s_max, total_trials
+from packtune.space import Dimension, parse_space
 
 # A study bigger than this is almost certainly a unit mistake (steps for epochs).
 MAX_RESOURCE_LIMIT = 10_000
@@ -130,13 +130,13 @@ class StudySpec(_Strict):
         return total_trials(self.brackets())
 
     def brackets(self) -> list[list[Rung]]:
-        """Hyperband's plan for this spec (see :func:`service.hyperband.plan_brackets`)."""
+        """Hyperband's plan for this spec (see :func:`packtune.hyperband.plan_brackets`)."""
         hb = self.hyperband
         return plan_brackets(hb.max_resource, hb.eta, hb.min_resource)
 
 
 def _workloads() -> dict[str, Any]:
-    from worker.workloads import registry  # imports no torch
+    from packtune.workloads import registry  # imports no torch
 
     return registry()
 

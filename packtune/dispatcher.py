@@ -1,0 +1,63 @@
+"""The dispatcher contract between the scheduler and whatever runs packs.
+
+The scheduler only ever calls :meth:`Dispatcher.enqueue` with a pack id and a
+job id (``pack-<id>-<attempt>``, :func:`job_id_for`) and asks
+:meth:`Dispatcher.state` what became of a job. The job itself is
+``worker.jobs.run_pack`` (:data:`JOB_FUNC`), named by dotted path so that the
+scheduler and the API process never import torch. Two implementations:
+
+- ``service.rq_dispatcher.RQDispatcher`` (``PACKTUNE_REDIS_URL`` set): RQ
+  workers on any host take the packs;
+- ``worker.embedded.EmbeddedDispatcher`` (no Redis): one child process of the
+  scheduler's runs them (``packtune run`` and ``packtune serve`` on a laptop).
+
+``service.runtime.make_dispatcher`` picks one from the settings.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any, Protocol
+
+JOB_FUNC = "worker.jobs.run_pack"
+
+
+class JobState(enum.StrEnum):
+    queued = "queued"
+    running = "running"
+    finished = "finished"
+    failed = "failed"
+    missing = "missing"  # never enqueued here, or vanished (e.g. Redis restarted)
+
+
+def job_id_for(pack_id: int, attempt: int) -> str:
+    return f"pack-{pack_id}-{attempt}"
+
+
+class Dispatcher(Protocol):
+    """Everything the scheduler asks of a dispatcher."""
+
+    #: the name of the worker row of this dispatcher's own runner, or None (RQ workers
+    #: report themselves through heartbeats)
+    embedded_worker: str | None
+    #: set by the scheduler: called (from any thread) when a job ends, to wake its loop
+    notify: Callable[[], None] | None
+
+    def start(self, workload: str | None = None) -> None:
+        """Get ready for packs, without waiting (the embedded runner starts its process and
+        loads ``workload``'s module and data); optional, the first enqueue does it anyway."""
+        ...
+
+    def enqueue(self, pack_id: int, job_id: str) -> None: ...
+
+    def state(self, job_id: str) -> tuple[JobState, str | None]:
+        """The job's state and, for a failed job, its error text."""
+        ...
+
+    def runner_status(self) -> dict[str, Any] | None:
+        """The embedded runner's heartbeat fields (``name``, ``device_kind``, ``gpus``,
+        ``memory_budget``, ``busy``), which the scheduler writes for it; None for RQ."""
+        ...
+
+    def close(self) -> None: ...

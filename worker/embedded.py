@@ -1,0 +1,167 @@
+"""The embedded dispatcher: packs run in one child process of the scheduler's, no Redis.
+
+This is what ``packtune run`` and a laptop's ``packtune serve`` use. A single
+child process runs packs one after another (``worker.jobs.run_pack``, the same
+job RQ workers run). It is started with ``spawn`` so the parent (API +
+scheduler) never loads torch or CUDA; a crashed child is replaced, and a child
+whose parent is gone (killed, or ended by a signal that skips its clean-up)
+exits instead of lingering as an orphan. :meth:`EmbeddedDispatcher.start`
+starts it ahead of the first pack, so that its imports (torch: ~1.5 s on a
+CPU, CUDA start-up several more on a GPU) overlap the parent's own start.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+from packtune.dispatcher import JobState
+from packtune.settings import Settings
+from worker.gpu import gpu_readings
+
+log = logging.getLogger(__name__)
+
+
+def _init_runner(parent: int, nice: int) -> None:
+    """In the child, first thing: train at a lower CPU priority (``nice``: on a laptop the
+    API, the dashboard and the scheduler share the cores with training), and exit once
+    ``parent`` is gone (the child is re-parented).
+
+    Without it, ``packtune serve`` ended by SIGTERM (uvicorn re-raises the signal, so
+    no clean-up runs) or SIGKILL left its runner idle for ever, holding ~400 MB.
+    """
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)  # a pack cut short is re-queued: its job is missing to the next scheduler
+
+    if nice and hasattr(os, "nice"):
+        os.nice(nice)
+    threading.Thread(target=watch, name="packtune-parent-watch", daemon=True).start()
+
+
+def _warm_up(workload: str | None) -> str:
+    """In the child, ahead of its first pack: import what packs need, start the device and
+    load ``workload``'s data (with its defaults: the built-ins' data do not depend on the
+    searched parameters). A failure is only logged: the pack that needs it will raise it."""
+    started = time.perf_counter()
+    try:
+        import torch
+
+        from packtune.workloads import get_workload
+        from worker.jobs import pick_device
+
+        device = pick_device()
+        torch.zeros(1, device=device)  # on a GPU: the CUDA context, seconds
+        if workload is not None:
+            get_workload(workload).data({}, device)
+    except Exception as exc:
+        log.warning("embedded runner: warm-up failed (%s: %s)", type(exc).__name__, exc)
+        return f"failed: {exc}"
+    return f"warm in {time.perf_counter() - started:.2f} s"
+
+
+def _run_in_child(pack_id: int) -> str:
+    from worker.jobs import run_pack  # imported in the child only
+
+    return str(run_pack(pack_id))
+
+
+class EmbeddedDispatcher:
+    """Runs packs in one spawned child process, one after another (FIFO)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.embedded_worker: str | None = f"embedded@{socket.gethostname()}"
+        self._nice = settings.runner_nice
+        self._device, self._memory_budget = settings.device, settings.cpu_memory_budget
+        self._ctx = multiprocessing.get_context("spawn")
+        self._pool: ProcessPoolExecutor | None = None
+        self._jobs: dict[str, Future[str]] = {}
+        self.warm_up: Future[str] | None = None
+        self.notify: Callable[[], None] | None = None  # called when a job ends
+
+    def start(self, workload: str | None = None) -> None:
+        """Start the child now (spawn and imports take ~1.5 s on a CPU) and warm it up; packs
+        enqueued meanwhile run after the warm-up, in order."""
+        if self._pool is None:
+            self.warm_up = self._executor().submit(_warm_up, workload)
+
+    def _submit(self, pack_id: int) -> Future[str]:
+        fut = self._executor().submit(_run_in_child, pack_id)
+        fut.add_done_callback(lambda _: self.notify() if self.notify else None)
+        return fut
+
+    def _executor(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(
+                max_workers=1,
+                mp_context=self._ctx,
+                initializer=_init_runner,
+                initargs=(os.getpid(), self._nice),
+            )
+        return self._pool
+
+    def enqueue(self, pack_id: int, job_id: str) -> None:
+        try:
+            self._jobs[job_id] = self._submit(pack_id)
+        except BrokenProcessPool:
+            log.warning("embedded runner died; starting a new one")
+            self._pool = None
+            self._jobs[job_id] = self._submit(pack_id)
+
+    def state(self, job_id: str) -> tuple[JobState, str | None]:
+        fut = self._jobs.get(job_id)
+        if fut is None:
+            return JobState.missing, None
+        if not fut.done():
+            return (JobState.running if fut.running() else JobState.queued), None
+        exc = fut.exception()
+        if exc is not None:
+            if isinstance(exc, BrokenProcessPool):
+                self._pool = None
+            return JobState.failed, f"{type(exc).__name__}: {exc}"
+        return JobState.finished, None
+
+    def forget(self, job_id: str) -> None:
+        self._jobs.pop(job_id, None)
+
+    def busy(self) -> int:
+        """Jobs submitted and not yet done."""
+        return sum(not f.done() for f in self._jobs.values())
+
+    def runner_status(self) -> dict[str, Any] | None:
+        """The runner's heartbeat, written by the scheduler (the runner has no loop of its own
+        to send one): its device as NVML sees it (no torch in this process), and whether it
+        has a pack."""
+        gpus = gpu_readings() if self._device != "cpu" else []
+        return {
+            "name": self.embedded_worker,
+            "device_kind": gpus[0]["name"] if gpus else "cpu",
+            "gpus": gpus[:1],
+            "memory_budget": self._memory_budget,
+            "busy": self.busy() > 0,
+        }
+
+    def close(self) -> None:
+        """Stop the runner at once: closed during its start-up (e.g. the database could not be
+        migrated) there is nothing to finish, so do not wait seconds for its imports; closed
+        with a pack training (the scheduler stopped), the pack is cut short as if the runner
+        had been killed, and the next scheduler finds its job missing and dispatches it again.
+        """
+        if self._pool is None:
+            return
+        warming = not self._jobs and self.warm_up is not None and not self.warm_up.done()
+        if warming or self.busy():
+            for proc in list(getattr(self._pool, "_processes", {}).values()):
+                proc.terminate()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool = None
