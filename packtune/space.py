@@ -7,7 +7,7 @@ A study's ``space`` is JSON such as::
      "layers": {"type": "int", "low": 1, "high": 4, "log": false}}
 
 :func:`parse_space` turns it into :class:`Dimension` values or raises
-:class:`~service.errors.SpecError` whose ``field`` is a dotted path such as
+:class:`~packtune.errors.SpecError` whose ``field`` is a dotted path such as
 ``space.lr.low``. The rules:
 
 - ``uniform`` and ``loguniform`` need finite numbers with ``low < high``
@@ -44,7 +44,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from service.errors import SpecError
+from packtune.errors import SpecError
 
 Scalar = str | int | float | bool | None
 
