@@ -98,7 +98,7 @@ class PackingSettings(_Strict):
 
 
 class StudySpec(_Strict):
-    """A tuning study; see DESIGN.md "Study spec" for an example."""
+    """A tuning study; ``examples/*.yaml`` are examples, docs/design.md says what happens to one."""
 
     name: Name
     workload: Annotated[str, StringConstraints(min_length=1, max_length=100)]

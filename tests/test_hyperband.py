@@ -1,4 +1,4 @@
-"""Hyperband's bracket arithmetic and rung promotion, against DESIGN.md's checks."""
+"""Hyperband's bracket arithmetic and rung promotion, against the checks in docs/design.md."""
 
 from __future__ import annotations
 

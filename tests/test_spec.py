@@ -49,7 +49,7 @@ def test_the_design_example_is_valid() -> None:
     spec = validate_spec(GOOD)
     assert isinstance(spec, StudySpec)
     assert spec.hyperband.max_resource == 27
-    assert spec.total_trials() == 49  # DESIGN.md: R=27, eta=3 gives 49 trials
+    assert spec.total_trials() == 49  # docs/design.md: R=27, eta=3 gives 49 trials
     assert set(spec.dimensions()) == {"lr", "momentum", "hidden"}
     # The dumped form validates again to the same spec (it is what the store keeps).
     assert validate_spec(spec.model_dump(mode="json")) == spec
