@@ -1,9 +1,10 @@
-"""What every benchmark shares: the machine's description, medians, and RESULTS.md.
+"""What every benchmark shares: the machine's description, medians, and HISTORY.md.
 
-Each benchmark appends one section to ``bench/RESULTS.md`` (never rewriting
+Each benchmark appends one section to ``bench/HISTORY.md`` (never rewriting
 what is there) with the machine, the exact command, the date and the load
-average, and writes its raw figures to ``bench/results/<name>.json`` for the
-plots.
+average, and writes its raw figures, with the commit, to
+``bench/results/<name>.json``, from which ``python -m bench.summary`` writes
+the current table ``bench/RESULTS.md`` and ``bench.plots`` the plots.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
-RESULTS_MD = BENCH_DIR / "RESULTS.md"
+HISTORY_MD = BENCH_DIR / "HISTORY.md"
 RESULTS_DIR = BENCH_DIR / "results"
 
 
@@ -109,11 +111,24 @@ def append_section(
         "",
         *body,
     ]
-    if not RESULTS_MD.exists():
-        RESULTS_MD.write_text("# Benchmark results\n\nEach section was appended by the "
+    if not HISTORY_MD.exists():
+        HISTORY_MD.write_text("# Benchmark history\n\nEach section was appended by the "
                               "command it names; see bench/README.md.\n")
-    with RESULTS_MD.open("a", encoding="utf-8") as f:
+    with HISTORY_MD.open("a", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def git_commit() -> str | None:
+    """The checkout's commit (with ``+`` when the tree has changes), None outside git."""
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], capture_output=True, text=True, cwd=BENCH_DIR,
+                              check=False)  # fmt: skip
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    head = git("rev-parse", "--short", "HEAD")
+    if not head:
+        return None
+    return head + ("+" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def save_json(name: str, data: Any, out_dir: Path | None = None) -> Path:
@@ -121,6 +136,8 @@ def save_json(name: str, data: Any, out_dir: Path | None = None) -> Path:
     folder = out_dir or RESULTS_DIR
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.json"
+    if isinstance(data, dict) and "commit" not in data:
+        data = {**data, "commit": git_commit()}
     path.write_text(json.dumps(data, indent=1, sort_keys=True, default=str) + "\n")
     return path
 

@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes; appends nothing")
     parser.add_argument("--out-dir", type=Path, default=None,
                         help="JSON here (default bench/results)")
-    parser.add_argument("--no-append", action="store_true", help="leave RESULTS.md alone")
+    parser.add_argument("--no-append", action="store_true", help="leave HISTORY.md alone")
     args = parser.parse_args(argv)
     args.threads = args.threads or max(1, (os.cpu_count() or 2) - 1)
     if args.max_concurrent is None:

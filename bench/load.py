@@ -24,7 +24,8 @@ What it does, all on this machine (loopback only):
    bounded by the request count and by ``--duration`` seconds;
 4. prints p50/p90/p99/max latency overall and per endpoint and the errors
    (any status other than 200, or a transport error); with ``--results``
-   appends them to ``bench/RESULTS.md`` with the machine, command and date.
+   appends them to ``bench/HISTORY.md`` with the machine, command and date, and saves
+   the overall figures to ``bench/results/load_<database>.json``.
 
 A latency is measured in the clients' event loop, from just before a GET is
 sent to when its response has been read, so a loop busy elsewhere would add to
@@ -61,10 +62,11 @@ from typing import Any
 
 import httpx
 
+from bench import _common
 from bench._common import cpu_model
 from bench._study import start_serve
 
-RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"
+HISTORY_MD = Path(__file__).resolve().parent / "HISTORY.md"
 SMALL_STUDY: dict[str, Any] = {
     "name": "load-small",
     "workload": "digits-mlp",
@@ -386,10 +388,22 @@ def append_results(args: argparse.Namespace, load: Load, ids: tuple[int, int, in
         *(f"| {t:.0f} | {c} | {a:.1f} | {d:.1f} | {m:.1f} | {g:.1f} |"
           for t, c, a, d, m, g in windows(load)),
     ]  # fmt: skip
-    if not RESULTS_MD.exists():
-        RESULTS_MD.write_text("# Benchmark results\n")
-    with RESULTS_MD.open("a", encoding="utf-8") as f:
+    with HISTORY_MD.open("a", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
+    overall = summary(load)[0]  # ("all", requests, p50, p90, p99, max), in ms
+    database = "postgresql" if args.database_url else "sqlite"
+    _common.save_json(f"load_{database}", {
+        "command": f"python -m bench.load {shlex.join(sys.argv[1:])}",
+        "date": f"{datetime.now(UTC):%Y-%m-%d %H:%M UTC}",
+        "machine": _common.machine("cpu"),
+        "clients": args.clients,
+        "database": database,
+        "requests": total,
+        "errors": len(load.errors),
+        "p50_ms": overall[2],
+        "p99_ms": overall[4],
+        "endpoints": summary(load),
+    })  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -406,7 +420,10 @@ def main(argv: list[str] | None = None) -> int:
         "--train", choices=["small", "big"], default="small",
         help="the study that trains meanwhile: small ones in turn, or one of --trials trials",
     )  # fmt: skip
-    parser.add_argument("--results", action="store_true", help="append to bench/RESULTS.md")
+    parser.add_argument(
+        "--results", action="store_true",
+        help="append to bench/HISTORY.md, save bench/results/load_<database>.json",
+    )  # fmt: skip
     args = parser.parse_args(argv)
 
     from service.db import upgrade

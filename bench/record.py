@@ -1,4 +1,4 @@
-"""Append figures measured on another machine (a GPU box) to ``bench/RESULTS.md``.
+"""Append figures measured on another machine (a GPU box) to ``bench/HISTORY.md``.
 
 The GPU runs (``bench/gpu_run.sh``) write their JSON with ``--no-append``; this
 renders each file's tables exactly as the benchmark itself would have, under a

@@ -21,10 +21,10 @@ from bench import _common
 
 @pytest.fixture(autouse=True)
 def results_untouched(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    """Quick runs must not append to bench/RESULTS.md: point it at a file that must stay absent."""
-    monkeypatch.setattr(_common, "RESULTS_MD", tmp_path / "RESULTS.md")
+    """Quick runs must not append to bench/HISTORY.md: point it at a file that must stay absent."""
+    monkeypatch.setattr(_common, "HISTORY_MD", tmp_path / "HISTORY.md")
     yield
-    assert not (tmp_path / "RESULTS.md").exists()
+    assert not (tmp_path / "HISTORY.md").exists()
 
 
 def test_fused_throughput_quick(capsys: pytest.CaptureFixture[str]) -> None:
@@ -76,3 +76,13 @@ def test_plots_from_quick_results(tmp_path: Path) -> None:
     plots.main(["--results", str(tmp_path), "--out", str(tmp_path / "png")])
     png = tmp_path / "png" / "throughput_cpu.png"
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_results_md_is_what_the_summary_writes() -> None:
+    """bench/RESULTS.md is generated from bench/results/**/*.json: never stale."""
+    from bench import summary
+
+    assert summary.main(["--check"]) == 0
+    rows = [line for line in summary.RESULTS_MD.read_text().splitlines()
+            if line.startswith("| ") and not line.startswith("| figure")]
+    assert len(rows) >= 10 and all(line.count(" | ") == 7 for line in rows)

@@ -1,0 +1,195 @@
+"""Write ``bench/RESULTS.md``: one row per figure, from the newest JSON result of each run.
+
+Every benchmark saves its raw figures as JSON under ``bench/results/`` (GPU runs
+under ``bench/results/gpu/``) and appends a full section to ``bench/HISTORY.md``.
+This command reads the newest JSON of each benchmark and device and writes the
+short current table: value, target, machine, commit, command, date.
+
+    python -m bench.summary            # rewrite bench/RESULTS.md
+    python -m bench.summary --check    # exit 1 if bench/RESULTS.md is not what it would write
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+RESULTS = BENCH / "results"
+RESULTS_MD = BENCH / "RESULTS.md"
+
+
+@dataclass(frozen=True)
+class Row:
+    figure: str
+    value: str
+    target: str
+    met: bool | None  # None: no target to meet
+    source: Path
+    data: dict[str, Any]
+
+
+def newest(pattern: str, where: Path = RESULTS) -> dict[str, tuple[Path, dict[str, Any]]]:
+    """The newest result matching ``pattern`` per device: ``{device: (path, data)}``."""
+    found: dict[str, tuple[Path, dict[str, Any]]] = {}
+    for path in sorted(where.rglob(pattern)):
+        data = json.loads(path.read_text())
+        device = data["machine"]["device"]
+        if device not in found or data["date"] > found[device][1]["date"]:
+            found[device] = (path, data)
+    return found
+
+
+def _ratio(ks: dict[str, Any], k: int, over: str = "serial") -> float:
+    entry = ks[str(k)]
+    return statistics.median(entry["fused"]) / statistics.median(entry[over])
+
+
+def fused_rows() -> Iterator[Row]:
+    """Fused k=8 (CPU) or k=32 (GPU) trial-steps/s over k one-by-one runs, one torch thread."""
+    runs: dict[tuple[str, str], tuple[Path, dict[str, Any]]] = {}
+    for path in sorted(RESULTS.rglob("fused_throughput_*.json")):
+        data = json.loads(path.read_text())
+        device = data["machine"]["device"]
+        if device == "cpu" and data.get("threads") != 1:
+            continue  # the CPU targets are for one torch thread (the default on 2 cores)
+        for workload in data["results"]:
+            key = (device, workload)
+            if key not in runs or data["date"] > runs[key][1]["date"]:
+                runs[key] = (path, data)
+    for (device, workload), (path, data) in sorted(runs.items()):
+        gpu = device != "cpu"
+        k, target = (32, 10.0) if gpu else (8, 2.0)
+        ks = data["results"][workload]["ks"]
+        if str(k) not in ks or "serial" not in ks[str(k)]:
+            continue
+        ratio = _ratio(ks, k)
+        wanted = (gpu and workload == "digits-cnn") or (not gpu and workload.endswith("-mlp"))
+        yield Row(
+            f"a. fused / serial trial-steps/s, {workload}, k={k}", f"{ratio:.2f}x",
+            f">= {target:g}x" if wanted else "-", ratio >= target if wanted else None, path, data,
+        )  # fmt: skip
+
+
+def study_rows() -> Iterator[Row]:
+    """Packed over unpacked study wall time, per way of running it."""
+    for device, (path, data) in sorted(newest("study_walltime_*.json").items()):
+        target = 3.0 if device == "cpu" else 5.0
+        for mode, summary in sorted(data["summary"].items()):
+            ratio = summary["ratio_of_medians"]
+            yield Row(
+                f"b. study unpacked / packed wall time, {mode}",
+                f"{ratio:.2f}x ({summary['unpacked_wall']:.1f} s / {summary['packed_wall']:.1f} s)"
+                f"{'' if summary['best_agree'] else ', best trials differ'}",
+                f">= {target:g}x", ratio >= target and summary["best_agree"], path, data,
+            )  # fmt: skip
+
+
+def peer_rows() -> Iterator[Row]:
+    """The same study run by packtune and by its peers: wall time and best trial."""
+    for _, (path, data) in sorted(newest("peers_*.json").items()):
+        walls = {n: statistics.median(r["wall"] for r in rs) for n, rs in data["runs"].items()}
+        best = {n: statistics.median(r["best"] for r in rs) for n, rs in data["runs"].items()}
+        for name in sorted(walls):
+            if name == "packtune":
+                continue
+            ratio = walls[name] / walls["packtune"]
+            yield Row(
+                f"c. {name} wall / packtune wall, same study",
+                f"{ratio:.2f}x ({walls[name]:.1f} s / {walls['packtune']:.1f} s); best val_loss "
+                f"{best[name]:.4f} vs packtune {best['packtune']:.4f}",
+                "> 1x", ratio > 1.0, path, data,
+            )  # fmt: skip
+
+
+def scheduler_rows() -> Iterator[Row]:
+    """The scheduler's worst tick over a study of ~10,000 trials, per database."""
+    for _, (path, data) in sorted(newest("scheduler_scale*.json").items()):
+        for backend, raw in sorted(data["raw"].items()):
+            timed = raw["timed"]
+            worst = max(t["seconds"] for t in timed["ticks"])
+            yield Row(
+                f"d. worst scheduler tick, {timed['trials']:,} trials, {backend}",
+                f"{worst:.2f} s", "< 1 s", worst < 1.0, path, data,
+            )  # fmt: skip
+
+
+def load_rows() -> Iterator[Row]:
+    """Read endpoints' p99 latency under 100 clients, per database."""
+    for path in sorted(RESULTS.rglob("load_*.json")):
+        data = json.loads(path.read_text())
+        p99 = data["p99_ms"]
+        yield Row(
+            f"read endpoints p99, {data['clients']} clients, {data['database']}",
+            f"{p99:.1f} ms ({data['requests']} GETs, {data['errors']} errors)", "< 50 ms",
+            p99 < 50 and data["errors"] == 0, path, data,
+        )  # fmt: skip
+
+
+def commit_of(row: Row) -> str:
+    """The commit the figure was measured at; for results saved before JSON carried it,
+    the commit that recorded the JSON, marked so."""
+    if row.data.get("commit"):
+        return str(row.data["commit"])
+    recorded = row.data.get("recorded_at_commit")
+    return f"{recorded} (recorded)" if recorded else "?"
+
+
+def machine_of(data: dict[str, Any]) -> str:
+    m = data["machine"]
+    device = m["device"] if m["device"] != "cpu" else f"{m['cpu']} CPU"
+    return f"{device}, {m['cores']} cores, torch {m['torch']}"
+
+
+def render() -> str:
+    rows = [*fused_rows(), *study_rows(), *peer_rows(), *scheduler_rows(), *load_rows()]
+    lines = [
+        "# Benchmark results",
+        "",
+        "The current figure of each benchmark: the newest JSON result in `bench/results/`,",
+        "written by `python -m bench.summary` (do not edit by hand). Every run's full",
+        "section, with the load average and per-run figures, is in [HISTORY.md](HISTORY.md);",
+        "how to run each benchmark is in [README.md](README.md). Ratios are measured side by",
+        "side in one run; figures from different machines or sessions are not comparable.",
+        "Commit: the one measured; \"(recorded)\": a result saved before JSON carried it,",
+        "and the commit that recorded its JSON.",
+        "",
+        "| figure | value | target | met | machine | commit | command | date |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        met = {True: "yes", False: "**no**", None: ""}[row.met]
+        command = str(row.data["command"]).replace("|", "\\|")
+        lines.append(
+            f"| {row.figure} | {row.value} | {row.target} | {met} | {machine_of(row.data)} | "
+            f"{commit_of(row)} | `{command}` | {row.data['date']} |"
+        )
+    if not any(True for _ in load_rows()):
+        lines += ["", "Read endpoints under load (`python -m bench.load --results`): no JSON "
+                  "result yet; the runs before JSON results are in HISTORY.md."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="compare, do not write")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        if RESULTS_MD.read_text() != text:
+            print("bench/RESULTS.md is stale: run python -m bench.summary", file=sys.stderr)
+            return 1
+        return 0
+    RESULTS_MD.write_text(text)
+    print(f"wrote {RESULTS_MD.relative_to(BENCH.parent)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
