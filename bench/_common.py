@@ -112,14 +112,17 @@ def append_section(
         *body,
     ]
     if not HISTORY_MD.exists():
-        HISTORY_MD.write_text("# Benchmark history\n\nEach section was appended by the "
-                              "command it names; see bench/README.md.\n")
+        HISTORY_MD.write_text(
+            "# Benchmark history\n\nEach section was appended by the "
+            "command it names; see bench/README.md.\n"
+        )
     with HISTORY_MD.open("a", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
 
 
 def git_commit() -> str | None:
     """The checkout's commit (with ``+`` when the tree has changes), None outside git."""
+
     def git(*args: str) -> str:
         done = subprocess.run(["git", *args], capture_output=True, text=True, cwd=BENCH_DIR,
                               check=False)  # fmt: skip
@@ -144,6 +147,7 @@ def save_json(name: str, data: Any, out_dir: Path | None = None) -> Path:
 
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
     """A Markdown table."""
+
     def cell(v: Any) -> str:
         return f"{v:.3g}" if isinstance(v, float) else str(v)
 

@@ -38,8 +38,9 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 ROOT = Path(__file__).resolve().parent.parent
-POSTGRES_URL = os.environ.get("PACKTUNE_BENCH_POSTGRES_URL",
-                              "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+POSTGRES_URL = os.environ.get(
+    "PACKTUNE_BENCH_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
 REDIS_URL = os.environ.get("PACKTUNE_BENCH_REDIS_URL", "redis://127.0.0.1:6379/14")
 
 
@@ -90,8 +91,12 @@ class StudyRun:
     study: dict[str, Any]
 
     def to_json(self) -> dict[str, Any]:
-        return {"mode": self.mode, "packed": self.packed,
-                "process_seconds": self.process_seconds, **self.study}
+        return {
+            "mode": self.mode,
+            "packed": self.packed,
+            "process_seconds": self.process_seconds,
+            **self.study,
+        }
 
 
 def _seconds(a: datetime | None, b: datetime | None) -> float | None:
@@ -124,14 +129,22 @@ def read_study(database_url: str, study_id: int) -> dict[str, Any]:
                 assert trial is not None
                 max_r = float(study.spec["hyperband"]["max_resource"])
                 metric = study.spec["objective"]["metric"]
-                values = [value_of(m.metrics, metric) for m in trial.measurements
-                          if abs(m.resource - max_r) < 1e-9]
-                best = {"sample_index": trial.sample_index, "config": trial.config,
-                        "value": values[-1] if values else None}
+                values = [
+                    value_of(m.metrics, metric)
+                    for m in trial.measurements
+                    if abs(m.resource - max_r) < 1e-9
+                ]
+                best = {
+                    "sample_index": trial.sample_index,
+                    "config": trial.config,
+                    "value": values[-1] if values else None,
+                }
             return {
-                "study_id": study_id, "status": str(study.status),
+                "study_id": study_id,
+                "status": str(study.status),
                 "wall_seconds": _seconds(study.created_at, study.finished_at),
-                "packs": packs, "best": best,
+                "packs": packs,
+                "best": best,
             }
     finally:
         engine.dispose()
@@ -170,8 +183,13 @@ def run_embedded(spec: dict[str, Any], workdir: Path, device: str = "auto") -> S
     url = f"sqlite:///{workdir / 'packtune.db'}"
     env = service_env(database_url=url, checkpoint_dir=workdir / "ckpt", device=device)
     start = time.perf_counter()
-    proc = subprocess.run(cli("run", str(spec_path), "--top", "1"), env=env, cwd=workdir,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        cli("run", str(spec_path), "--top", "1"),
+        env=env,
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+    )
     seconds = time.perf_counter() - start
     if proc.returncode != 0:
         raise RuntimeError(f"packtune run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -197,8 +215,7 @@ def start_serve(
 
     port = free_port()
     with log.open("ab") as out:  # the child keeps its own descriptor
-        proc = subprocess.Popen(cli("serve", "--port", str(port)), env=env,
-                                stdout=out, stderr=out)
+        proc = subprocess.Popen(cli("serve", "--port", str(port)), env=env, stdout=out, stderr=out)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
@@ -229,8 +246,13 @@ def _post_and_wait(client: Any, spec: dict[str, Any], timeout: float) -> tuple[i
         time.sleep(0.1)
 
 
-def run_serve(spec: dict[str, Any], workdir: Path, device: str = "auto",
-              warm_up: dict[str, Any] | None = None, timeout: float = 900) -> StudyRun:
+def run_serve(
+    spec: dict[str, Any],
+    workdir: Path,
+    device: str = "auto",
+    warm_up: dict[str, Any] | None = None,
+    timeout: float = 900,
+) -> StudyRun:
     """``packtune serve`` (embedded: SQLite, scheduler and runner in its child); the
     ``warm_up`` study first (not measured: the runner's start, the device and the
     workload's data, as in a service that has run a study before), then ``spec``."""
@@ -238,8 +260,9 @@ def run_serve(spec: dict[str, Any], workdir: Path, device: str = "auto",
 
     workdir.mkdir(parents=True, exist_ok=True)
     url = f"sqlite:///{workdir / 'packtune.db'}"
-    env = service_env(database_url=url, checkpoint_dir=workdir / "ckpt", device=device,
-                      log_level="WARNING")
+    env = service_env(
+        database_url=url, checkpoint_dir=workdir / "ckpt", device=device, log_level="WARNING"
+    )
     proc, base = start_serve(env, workdir / "service.log")
     try:
         with httpx.Client(base_url=base, timeout=30) as client:
@@ -278,8 +301,9 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
             proc.wait()
 
 
-def run_rq(spec: dict[str, Any], workdir: Path, workers: int, device: str = "cpu",
-           timeout: float = 900) -> StudyRun:
+def run_rq(
+    spec: dict[str, Any], workdir: Path, workers: int, device: str = "cpu", timeout: float = 900
+) -> StudyRun:
     """A study through PostgreSQL + Redis + ``packtune scheduler`` + ``workers`` workers."""
     from packtune.settings import Settings
     from service import bus, store
@@ -295,8 +319,10 @@ def run_rq(spec: dict[str, Any], workdir: Path, workers: int, device: str = "cpu
         subprocess.run(cli("db", "upgrade"), env=env, check=True, capture_output=True)
         log = (workdir / "service.log").open("ab")
         procs = [subprocess.Popen(cli("scheduler"), env=env, stdout=log, stderr=log)]
-        procs += [subprocess.Popen(cli("worker", "--name", f"bench-{i}"), env=env,
-                                   stdout=log, stderr=log) for i in range(workers)]
+        procs += [
+            subprocess.Popen(cli("worker", "--name", f"bench-{i}"), env=env, stdout=log, stderr=log)
+            for i in range(workers)
+        ]
         engine = make_engine(url)
         factory = session_factory(engine)
         try:
@@ -311,8 +337,9 @@ def run_rq(spec: dict[str, Any], workdir: Path, workers: int, device: str = "cpu
             start = time.perf_counter()
             body = stored_spec(spec)
             with session_scope(factory) as s:
-                study_id = store.create_study(s, name=body["name"], workload=body["workload"],
-                                              spec=body, seed=body["seed"]).id
+                study_id = store.create_study(
+                    s, name=body["name"], workload=body["workload"], spec=body, seed=body["seed"]
+                ).id
             # and, as the API does after its commit, wake the scheduler
             bus.study_changed(Settings(database_url=url, redis_url=REDIS_URL, queue_name=queue))
             final = (StudyStatus.completed, StudyStatus.failed, StudyStatus.cancelled)

@@ -37,8 +37,7 @@ def measure(name: str, k: int, steps: int, pairs: int) -> list[tuple[float, floa
     workload = get_workload(name)
     array = FusedArray(workload, [(j, member_config(base, j, k)) for j in range(k)])
     batches = list(workload.batch_indices(array.config, 0))
-    runs = [PlainRun.build(name, member_config(base, j, k), torch.device("cpu"))
-            for j in range(k)]
+    runs = [PlainRun.build(name, member_config(base, j, k), torch.device("cpu")) for j in range(k)]
     sources = [cycle(run.batches(0)) for run in runs]
     position = 0
 
@@ -74,8 +73,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20, help="steps per block")
     parser.add_argument("--pairs", type=int, default=15)
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: cores - 1, as workers)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: cores - 1, as workers)"
+    )
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     args = parser.parse_args(argv)
     global CLOCK
@@ -85,10 +85,13 @@ def main(argv: list[str] | None = None) -> None:
     ratios = [k * plain / fused for fused, plain in samples for k in [args.k]]
     fused_ms = statistics.median(f for f, _ in samples) * 1e3
     plain_ms = statistics.median(p for _, p in samples) * 1e3
-    print(f"{args.workload} k={args.k}: fused step {fused_ms:.3f} ms, plain step "
-          f"{plain_ms:.3f} ms; fused/serial median {statistics.median(ratios):.2f}x "
-          f"(per pair {min(ratios):.2f}-{max(ratios):.2f}x: "
-          + " ".join(f"{r:.2f}" for r in ratios) + ")")
+    print(
+        f"{args.workload} k={args.k}: fused step {fused_ms:.3f} ms, plain step "
+        f"{plain_ms:.3f} ms; fused/serial median {statistics.median(ratios):.2f}x "
+        f"(per pair {min(ratios):.2f}-{max(ratios):.2f}x: "
+        + " ".join(f"{r:.2f}" for r in ratios)
+        + ")"
+    )
 
 
 if __name__ == "__main__":

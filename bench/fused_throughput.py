@@ -58,8 +58,9 @@ def member_config(base: dict[str, Any], j: int, k: int) -> dict[str, Any]:
     return {**base, "lr": 0.01 * (1 + j / k), "momentum": 0.9, "seed": 1000 + j, "data_seed": 0}
 
 
-def fused_seconds(name: str, base: dict[str, Any], k: int, steps: int, device: torch.device
-                  ) -> float:
+def fused_seconds(
+    name: str, base: dict[str, Any], k: int, steps: int, device: torch.device
+) -> float:
     workload = get_workload(name)
     members = [(j, member_config(base, j, k)) for j in range(k)]
     array = FusedArray(workload, members, device=device)
@@ -73,8 +74,9 @@ def fused_seconds(name: str, base: dict[str, Any], k: int, steps: int, device: t
     return time.perf_counter() - start
 
 
-def serial_seconds(name: str, base: dict[str, Any], k: int, steps: int, device: torch.device
-                   ) -> float:
+def serial_seconds(
+    name: str, base: dict[str, Any], k: int, steps: int, device: torch.device
+) -> float:
     total = 0.0
     for j in range(k):
         run = PlainRun.build(name, member_config(base, j, k), device)
@@ -157,8 +159,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                             seconds = pool.seconds(name, base, k, steps, str(device))
                         rows[str(k)][variant].append(k * steps / seconds)
                 medians = {v: _common.median(x) for v, x in rows[str(k)].items()}
-                print(f"{name} k={k}: " + ", ".join(f"{v} {m:.0f}" for v, m in medians.items())
-                      + " trial-steps/s", flush=True)
+                print(
+                    f"{name} k={k}: "
+                    + ", ".join(f"{v} {m:.0f}" for v, m in medians.items())
+                    + " trial-steps/s",
+                    flush=True,
+                )
             results[name] = {"config": base, "steps": steps, "load_before": load, "ks": rows}
     finally:
         if pool is not None:
@@ -175,10 +181,18 @@ def report(results: dict[str, Any], variants: list[str]) -> list[str]:
         # saved JSON has its keys sorted as strings ("1", "16", "2", ...): order them by k
         for k, samples in sorted(data["ks"].items(), key=lambda item: int(item[0])):
             m = {v: _common.median(samples[v]) for v in variants}
-            rows.append([name, k, *[round(m[v]) if samples[v] else "n/a" for v in variants],
-                         *[f"{m['fused'] / m[v]:.2f}x" if samples[v] else "n/a" for v in ratios]])
-    configs = "; ".join(f"{n}: {d['config'] or 'defaults'}, {d['steps']} timed steps per trial"
-                        for n, d in results.items())
+            rows.append(
+                [
+                    name,
+                    k,
+                    *[round(m[v]) if samples[v] else "n/a" for v in variants],
+                    *[f"{m['fused'] / m[v]:.2f}x" if samples[v] else "n/a" for v in ratios],
+                ]
+            )
+    configs = "; ".join(
+        f"{n}: {d['config'] or 'defaults'}, {d['steps']} timed steps per trial"
+        for n, d in results.items()
+    )
     return [*_common.table(header, rows), "", f"Configs: {configs}."]
 
 
@@ -190,16 +204,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=None, help="timed steps per trial")
-    parser.add_argument("--target", type=float, default=None,
-                        help="seconds one plain trial should train (sets --steps)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads per process (default: cores - 1, as workers)")
-    parser.add_argument("--max-concurrent", type=int, default=None,
-                        help="most processes for the concurrent variant (default: 32 on a GPU, "
-                             "16 on a CPU, where each process holds ~0.4 GB)")
+    parser.add_argument(
+        "--target",
+        type=float,
+        default=None,
+        help="seconds one plain trial should train (sets --steps)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per process (default: cores - 1, as workers)",
+    )
+    parser.add_argument(
+        "--max-concurrent",
+        type=int,
+        default=None,
+        help="most processes for the concurrent variant (default: 32 on a GPU, "
+        "16 on a CPU, where each process holds ~0.4 GB)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes; appends nothing")
-    parser.add_argument("--out-dir", type=Path, default=None,
-                        help="JSON here (default bench/results)")
+    parser.add_argument(
+        "--out-dir", type=Path, default=None, help="JSON here (default bench/results)"
+    )
     parser.add_argument("--no-append", action="store_true", help="leave HISTORY.md alone")
     args = parser.parse_args(argv)
     args.threads = args.threads or max(1, (os.cpu_count() or 2) - 1)
@@ -220,15 +247,29 @@ def main(argv: list[str] | None = None) -> None:
     kind = "cpu" if info["device"] == "cpu" else info["device"].replace(" ", "-")
     if args.workloads != list(CONFIGS):  # a subset: do not overwrite the full run's figures
         kind += "_" + "_".join(args.workloads)
-    _common.save_json(f"fused_throughput_{kind}",
-                      {"machine": info, "date": _common.now(), "command": _common.command_line(),
-                       "threads": args.threads, "results": results}, args.out_dir)
+    _common.save_json(
+        f"fused_throughput_{kind}",
+        {
+            "machine": info,
+            "date": _common.now(),
+            "command": _common.command_line(),
+            "threads": args.threads,
+            "results": results,
+        },
+        args.out_dir,
+    )
     if not (args.quick or args.no_append):
         _common.append_section(
-            f"a. Fused throughput — {info['device']}", info,
-            [f"torch threads per process: {args.threads}; medians of {args.repeats} repeats, "
-             f"variants interleaved; concurrent processes up to k={args.max_concurrent}.",
-             "", *body], load)
+            f"a. Fused throughput — {info['device']}",
+            info,
+            [
+                f"torch threads per process: {args.threads}; medians of {args.repeats} repeats, "
+                f"variants interleaved; concurrent processes up to k={args.max_concurrent}.",
+                "",
+                *body,
+            ],
+            load,
+        )
 
 
 if __name__ == "__main__":

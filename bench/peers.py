@@ -46,8 +46,11 @@ SYSTEMS = ("packtune", "optuna", "ray")
 def hyperband_trials(spec: dict[str, Any]) -> tuple[int, float]:
     """(trials, trial-epochs) of the study's Hyperband plan."""
     hb = spec["hyperband"]
-    brackets = plan_brackets(float(hb["max_resource"]), eta=int(hb.get("eta", 3)),
-                             min_resource=float(hb.get("min_resource", 1)))
+    brackets = plan_brackets(
+        float(hb["max_resource"]),
+        eta=int(hb.get("eta", 3)),
+        min_resource=float(hb.get("min_resource", 1)),
+    )
     trials = sum(b[0].n for b in brackets)
     epochs = 0.0
     for rungs in brackets:
@@ -67,9 +70,14 @@ def run_packtune(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     run = run_embedded(spec, workdir)
     best = run.study["best"]
     _, epochs = hyperband_trials(spec)
-    return {"wall": run.process_seconds, "inner": run.study["wall_seconds"],
-            "best": best["value"], "trial_epochs": epochs, "best_config": best["config"],
-            "jobs": len(run.study["packs"])}
+    return {
+        "wall": run.process_seconds,
+        "inner": run.study["wall_seconds"],
+        "best": best["value"],
+        "trial_epochs": epochs,
+        "best_config": best["config"],
+        "jobs": len(run.study["packs"]),
+    }
 
 
 def run_optuna(spec: dict[str, Any], threads: int) -> dict[str, Any]:
@@ -96,8 +104,9 @@ def run_optuna(spec: dict[str, Any], threads: int) -> dict[str, Any]:
     def objective(trial: optuna.Trial) -> float:
         nonlocal epochs
         config = {name: suggest(trial, name, p) for name, p in spec["space"].items()}
-        run = PlainRun.build(spec["workload"], trial_config(spec, config, trial.number),
-                             torch.device("cpu"))
+        run = PlainRun.build(
+            spec["workload"], trial_config(spec, config, trial.number), torch.device("cpu")
+        )
         value = float("nan")
         for epoch in range(max_r):
             run.epoch(epoch)
@@ -119,8 +128,13 @@ def run_optuna(spec: dict[str, Any], threads: int) -> dict[str, Any]:
     wall = time.perf_counter() - start
     completed = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     best = min(completed, key=lambda t: t.value if t.value is not None else float("inf"))
-    return {"inner": wall, "best": best.value, "trial_epochs": epochs,
-            "best_config": best.params, "completed": len(completed)}
+    return {
+        "inner": wall,
+        "best": best.value,
+        "trial_epochs": epochs,
+        "best_config": best.params,
+        "completed": len(completed),
+    }
 
 
 def _ray_space(space: dict[str, Any]) -> dict[str, Any]:
@@ -162,10 +176,18 @@ def _ray_trainable(config: dict[str, Any]) -> None:
         run.epoch(epoch)
         value = run.val_loss()
         with tempfile.TemporaryDirectory() as folder:
-            torch.save({"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
-                        "epoch": epoch + 1}, Path(folder) / "state.pt")
-            tune.report({"val_loss": value, "epoch": epoch + 1},
-                        checkpoint=tune.Checkpoint.from_directory(folder))
+            torch.save(
+                {
+                    "model": run.model.state_dict(),
+                    "optimizer": run.optimizer.state_dict(),
+                    "epoch": epoch + 1,
+                },
+                Path(folder) / "state.pt",
+            )
+            tune.report(
+                {"val_loss": value, "epoch": epoch + 1},
+                checkpoint=tune.Checkpoint.from_directory(folder),
+            )
 
 
 def run_ray(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
@@ -178,8 +200,12 @@ def run_ray(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     max_r, eta = int(hb["max_resource"]), int(hb.get("eta", 3))
     n_trials, _ = hyperband_trials(spec)
     start = time.perf_counter()
-    ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
+    ray.init(
+        num_cpus=os.cpu_count() or 2,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+    )
     try:
         space = {**_ray_space(spec["space"]), "__spec": spec}
         tuner = tune.Tuner(
@@ -201,10 +227,18 @@ def run_ray(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     epochs = int(frame["training_iteration"].sum())
     finals = frame[frame["training_iteration"] >= max_r]
     row = finals.loc[finals["val_loss"].idxmin()]
-    config = {k.split("/", 1)[1]: row[k] for k in frame.columns
-              if k.startswith("config/") and not k.startswith("config/__")}
-    return {"inner": wall, "best": float(row["val_loss"]), "trial_epochs": epochs,
-            "best_config": config, "completed": len(finals)}
+    config = {
+        k.split("/", 1)[1]: row[k]
+        for k in frame.columns
+        if k.startswith("config/") and not k.startswith("config/__")
+    }
+    return {
+        "inner": wall,
+        "best": float(row["val_loss"]),
+        "trial_epochs": epochs,
+        "best_config": config,
+        "completed": len(finals),
+    }
 
 
 def run_child(name: str, spec: dict[str, Any], workdir: Path, threads: int) -> dict[str, Any]:
@@ -233,12 +267,18 @@ def measure(args: argparse.Namespace, spec: dict[str, Any]) -> dict[str, list[di
             for name in args.systems[shift:] + args.systems[:shift]:
                 workdir = Path(tmp) / f"{name}{rep}"
                 workdir.mkdir()
-                row = (run_packtune(spec, workdir) if name == "packtune"
-                       else run_child(name, spec, workdir, args.threads))
+                row = (
+                    run_packtune(spec, workdir)
+                    if name == "packtune"
+                    else run_child(name, spec, workdir, args.threads)
+                )
                 row["load"] = _common.load_average()
                 runs[name].append(row)
-                print(f"{name}: {row['wall']:.1f} s, best {row['best']:.4f}, "
-                      f"{row['trial_epochs']:.0f} trial-epochs", flush=True)
+                print(
+                    f"{name}: {row['wall']:.1f} s, best {row['best']:.4f}, "
+                    f"{row['trial_epochs']:.0f} trial-epochs",
+                    flush=True,
+                )
     return runs
 
 
@@ -254,9 +294,16 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> list[str]:
             f"{walls[name] / walls['packtune']:.2f}x" if "packtune" in walls else "",
             f"{_common.median([r['inner'] for r in items]):.1f}",
         ])  # fmt: skip
-    header = ["system", "wall (s, median)", "wall per run", "best val_loss (median)",
-              "best per run", "trial-epochs trained", "wall / packtune's",
-              "tuning alone (s, median)"]
+    header = [
+        "system",
+        "wall (s, median)",
+        "wall per run",
+        "best val_loss (median)",
+        "best per run",
+        "trial-epochs trained",
+        "wall / packtune's",
+        "tuning alone (s, median)",
+    ]
     return _common.table(header, rows)
 
 
@@ -265,8 +312,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--spec", type=Path, default=ROOT / "examples" / "digits-mlp.yaml")
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                        help="torch threads for Optuna's process (as a packtune worker)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=max(1, (os.cpu_count() or 2) - 1),
+        help="torch threads for Optuna's process (as a packtune worker)",
+    )
     parser.add_argument("--quick", action="store_true", help="a tiny study; appends nothing")
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--no-append", action="store_true")
@@ -275,8 +326,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.child:  # one system's run in this fresh process; one JSON line out
         spec = json.loads(args.spec.read_text())
-        result = (run_optuna(spec, args.threads) if args.child == "optuna"
-                  else run_ray(spec, args.workdir))
+        result = (
+            run_optuna(spec, args.threads)
+            if args.child == "optuna"
+            else run_ray(spec, args.workdir)
+        )
         print(json.dumps(result, default=str))
         return
     spec = load_spec(args.spec)
@@ -296,13 +350,19 @@ def main(argv: list[str] | None = None) -> None:
     if not (args.quick or args.no_append):
         trials, epochs = hyperband_trials(spec)
         _common.append_section(
-            "c. Peers: packtune vs Optuna vs Ray Tune — cpu", info,
-            [f"Study `{args.spec.name}`: {spec['workload']}, max_resource "
-             f"{spec['hyperband']['max_resource']}, eta {spec['hyperband']['eta']} "
-             f"({trials} trials, {epochs:.0f} trial-epochs in packtune's Hyperband); "
-             f"{args.repeats} runs each, systems rotated. Optuna: one process, "
-             f"{args.threads} torch thread(s); Ray Tune: {os.cpu_count()} CPUs, 1 per trial.",
-             "", *body], load)
+            "c. Peers: packtune vs Optuna vs Ray Tune — cpu",
+            info,
+            [
+                f"Study `{args.spec.name}`: {spec['workload']}, max_resource "
+                f"{spec['hyperband']['max_resource']}, eta {spec['hyperband']['eta']} "
+                f"({trials} trials, {epochs:.0f} trial-epochs in packtune's Hyperband); "
+                f"{args.repeats} runs each, systems rotated. Optuna: one process, "
+                f"{args.threads} torch thread(s); Ray Tune: {os.cpu_count()} CPUs, 1 per trial.",
+                "",
+                *body,
+            ],
+            load,
+        )
 
 
 if __name__ == "__main__":

@@ -38,8 +38,11 @@ def throughput_plot(data: dict[str, Any], out: Path) -> Path:
     for ax, (name, res) in zip(axes[0], results.items(), strict=True):
         ks = sorted(int(k) for k in res["ks"])
         for variant, colour in COLOURS.items():
-            points = [(k, median(res["ks"][str(k)].get(variant, []))) for k in ks
-                      if res["ks"][str(k)].get(variant)]
+            points = [
+                (k, median(res["ks"][str(k)].get(variant, [])))
+                for k in ks
+                if res["ks"][str(k)].get(variant)
+            ]
             if points:
                 ax.plot(*zip(*points, strict=True), marker="o", label=variant, color=colour)
         ax.set_xscale("log", base=2)
@@ -70,11 +73,15 @@ def timeline_plot(data: dict[str, Any], out: Path) -> Path:
                 continue
             queued = pack["enqueued"] if pack["enqueued"] is not None else pack["started"]
             ax.barh(row, pack["started"] - queued, left=queued, color="#d5d8dc", height=0.8)
-            ax.barh(row, pack["finished"] - pack["started"], left=pack["started"],
-                    color=COLOURS["fused" if run["packed"] else "serial"], height=0.8)
+            ax.barh(
+                row,
+                pack["finished"] - pack["started"],
+                left=pack["started"],
+                color=COLOURS["fused" if run["packed"] else "serial"],
+                height=0.8,
+            )
         label = "packed" if run["packed"] else "unpacked (max_pack_size 1)"
-        ax.set_title(f"{label}: {len(run['packs'])} jobs, {run['wall_seconds']:.1f} s",
-                     fontsize=10)
+        ax.set_title(f"{label}: {len(run['packs'])} jobs, {run['wall_seconds']:.1f} s", fontsize=10)
         ax.set_ylabel("pack")
         ax.invert_yaxis()
         ax.set_xlim(0, end * 1.02)
@@ -89,8 +96,9 @@ def timeline_plot(data: dict[str, Any], out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results", type=Path, nargs="+",
-                        default=[RESULTS_DIR, RESULTS_DIR / "gpu"])
+    parser.add_argument(
+        "--results", type=Path, nargs="+", default=[RESULTS_DIR, RESULTS_DIR / "gpu"]
+    )
     parser.add_argument("--out", type=Path, default=PLOTS_DIR)
     args = parser.parse_args(argv)
     import matplotlib

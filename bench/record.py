@@ -25,8 +25,11 @@ def _command(data: dict[str, Any], via: str | None) -> str:
 
 def record_throughput(data: dict[str, Any], via: str | None, notes: list[str]) -> None:
     results = data["results"]
-    variants = [v for v in fused_throughput.VARIANTS
-                if any(res["ks"][k].get(v) for res in results.values() for k in res["ks"])]
+    variants = [
+        v
+        for v in fused_throughput.VARIANTS
+        if any(res["ks"][k].get(v) for res in results.values() for k in res["ks"])
+    ]
     first = next(iter(results.values()))
     body = [f"torch threads per process: {data['threads']}; variants interleaved.", "",
             *fused_throughput.report(results, variants), *notes]  # fmt: skip
@@ -38,8 +41,10 @@ def record_throughput(data: dict[str, Any], via: str | None, notes: list[str]) -
 def record_study(data: dict[str, Any], via: str | None, notes: list[str]) -> None:
     body, _ = study_walltime.summarise(data["runs"])
     spec = data["spec"]
-    head = (f"Study `{spec['name']}` ({spec['workload']}, max_resource "
-            f"{spec['hyperband']['max_resource']}, eta {spec['hyperband']['eta']}).")
+    head = (
+        f"Study `{spec['name']}` ({spec['workload']}, max_resource "
+        f"{spec['hyperband']['max_resource']}, eta {spec['hyperband']['eta']})."
+    )
     first = next(iter(data["runs"].values()))[0]
     _common.append_section(
         f"b. Study wall time, packed vs unpacked — {data['machine']['device']}", data["machine"],

@@ -104,10 +104,19 @@ def fake_fleet(factory: sessionmaker[Session], workers: int, gpus: int) -> None:
     wl = get_workload("digits-mlp")
     with session_scope(factory) as s:
         for w in range(workers):
-            readings = [{"index": g, "name": DEVICE_KIND, "memory_total": 80 * 10**9,
-                         "memory_free": 79 * 10**9, "utilization": 0} for g in range(gpus)]
-            store.heartbeat(s, name=f"gpu-host-{w}", host=f"host-{w}", device_kind=DEVICE_KIND,
-                            gpus=readings)
+            readings = [
+                {
+                    "index": g,
+                    "name": DEVICE_KIND,
+                    "memory_total": 80 * 10**9,
+                    "memory_free": 79 * 10**9,
+                    "utilization": 0,
+                }
+                for g in range(gpus)
+            ]
+            store.heartbeat(
+                s, name=f"gpu-host-{w}", host=f"host-{w}", device_kind=DEVICE_KIND, gpus=readings
+            )
         for hidden in SPACE["hidden"]["values"]:
             key = fusion_key(wl.name, wl.resolve({"hidden": hidden}), wl.structural_params())
             store.set_memory_model(s, wl.name, key, DEVICE_KIND, 2**30, 64 * 2**20)
@@ -126,8 +135,9 @@ def complete_dispatched(factory: sessionmaker[Session], rng: random.Random) -> i
         members = list(s.scalars(sa.select(PackMember).where(PackMember.pack_id.in_(ids))))
         to = {m.trial_id: m.to_resource for m in members}
         study = s.get_one(Study, packs[0].study_id)
-        trials = s.execute(sa.select(Trial.id, Trial.bracket, Trial.rung)
-                           .where(Trial.id.in_(list(to))))
+        trials = s.execute(
+            sa.select(Trial.id, Trial.bracket, Trial.rung).where(Trial.id.in_(list(to)))
+        )
         # as the worker does: paused at the trial's rung, pending after a segment short of it
         at_rung = {tid: to[tid] >= rung_resource(study.spec, b, r) for tid, b, r in trials}
         rows = [{"trial_id": tid, "resource": r,
@@ -136,13 +146,26 @@ def complete_dispatched(factory: sessionmaker[Session], rng: random.Random) -> i
         s.execute(sa.insert(Measurement), rows)
         for row in rows:  # what store.record_measurement keeps on the trial, for ranking
             status = TrialStatus.paused if at_rung[row["trial_id"]] else TrialStatus.pending
-            s.execute(sa.update(Trial).where(Trial.id == row["trial_id"])
-                      .values(status=status, resource_done=row["resource"],
-                              measured_resource=row["resource"],
-                              objective=row["metrics"]["val_loss"]))
-        s.execute(sa.update(Pack).where(Pack.id.in_(ids))
-                  .values(status=PackStatus.completed, started_at=utcnow(),
-                          finished_at=utcnow(), train_seconds=1.0))
+            s.execute(
+                sa.update(Trial)
+                .where(Trial.id == row["trial_id"])
+                .values(
+                    status=status,
+                    resource_done=row["resource"],
+                    measured_resource=row["resource"],
+                    objective=row["metrics"]["val_loss"],
+                )
+            )
+        s.execute(
+            sa.update(Pack)
+            .where(Pack.id.in_(ids))
+            .values(
+                status=PackStatus.completed,
+                started_at=utcnow(),
+                finished_at=utcnow(),
+                train_seconds=1.0,
+            )
+        )
         return len(packs)
 
 
@@ -166,8 +189,9 @@ def one_pass(backend: str, max_resource: int, trace: bool, max_ticks: int) -> di
         fake_fleet(factory, workers=1, gpus=8)
         with session_scope(factory) as s:
             body = spec(max_resource)
-            study_id = store.create_study(s, name=body["name"], workload=body["workload"],
-                                          spec=body, seed=0).id
+            study_id = store.create_study(
+                s, name=body["name"], workload=body["workload"], spec=body, seed=0
+            ).id
         scheduler = Scheduler(settings, factory=factory, dispatcher=RecordingDispatcher(),
                               holder="bench")  # fmt: skip
         statements = [0]
@@ -212,17 +236,27 @@ def summarise(backend: str, timed: dict[str, Any], traced: dict[str, Any]) -> li
     busy = [t["seconds"] for t in timed["ticks"][1:] if t["dispatched"] or t["planned"]]
     peak = max((t["peak_bytes"] or 0) for t in traced["ticks"])
     sql = [t["sql"] for t in timed["ticks"][1:]]
-    return [backend, timed["trials"], timed["packs"], len(seconds), f"{seconds[0]:.2f}",
-            f"{_common.median(seconds[1:]):.3f}", f"{_common.median(busy):.3f}",
-            f"{max(seconds):.3f}", f"{_common.median(sql):.0f} / {max(sql)}",
-            f"{peak / 2**20:.0f}", timed["status"]]
+    return [
+        backend,
+        timed["trials"],
+        timed["packs"],
+        len(seconds),
+        f"{seconds[0]:.2f}",
+        f"{_common.median(seconds[1:]):.3f}",
+        f"{_common.median(busy):.3f}",
+        f"{max(seconds):.3f}",
+        f"{_common.median(sql):.0f} / {max(sql)}",
+        f"{peak / 2**20:.0f}",
+        timed["status"],
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-resource", type=int, default=6561)
-    parser.add_argument("--backends", nargs="+", default=["sqlite", "postgresql"],
-                        choices=["sqlite", "postgresql"])
+    parser.add_argument(
+        "--backends", nargs="+", default=["sqlite", "postgresql"], choices=["sqlite", "postgresql"]
+    )
     parser.add_argument("--max-ticks", type=int, default=200)
     parser.add_argument("--quick", action="store_true", help="max_resource 27; appends nothing")
     parser.add_argument("--out-dir", type=Path, default=None)
@@ -244,14 +278,26 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(summarise(backend, timed, traced))
         print(rows[-1], flush=True)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    header = ["database", "trials", "packs", "ticks", "first tick (s: sampling)",
-              "median tick (s)", "median busy tick (s)", "max tick (s)",
-              "SQL statements per tick (median / max)", "tracemalloc peak in a tick (MiB)",
-              "study"]
-    body = [*_common.table(header, rows), "",
-            f"Peak RSS of the bench process: {rss:.0f} MiB (both databases, both passes). "
-            "A busy tick planned or dispatched packs; the others only reconciled and "
-            "checked rungs. 8 fake 80 GB GPUs; arrays of up to 256 trials."]
+    header = [
+        "database",
+        "trials",
+        "packs",
+        "ticks",
+        "first tick (s: sampling)",
+        "median tick (s)",
+        "median busy tick (s)",
+        "max tick (s)",
+        "SQL statements per tick (median / max)",
+        "tracemalloc peak in a tick (MiB)",
+        "study",
+    ]
+    body = [
+        *_common.table(header, rows),
+        "",
+        f"Peak RSS of the bench process: {rss:.0f} MiB (both databases, both passes). "
+        "A busy tick planned or dispatched packs; the others only reconciled and "
+        "checked rungs. 8 fake 80 GB GPUs; arrays of up to 256 trials.",
+    ]
     print("\n".join(body))
     if args.quick and args.out_dir is None:
         return
@@ -260,8 +306,8 @@ def main(argv: list[str] | None = None) -> None:
                       args.out_dir)  # fmt: skip
     if not (args.quick or args.no_append):
         _common.append_section(
-            f"d. Scheduler scale — max_resource {args.max_resource}, eta 3", info,
-            body, load)
+            f"d. Scheduler scale — max_resource {args.max_resource}, eta 3", info, body, load
+        )
 
 
 if __name__ == "__main__":

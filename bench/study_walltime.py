@@ -66,16 +66,21 @@ def measure(args: argparse.Namespace, spec: dict[str, Any]) -> dict[str, list[di
                     n += 1
                     run = run_one(mode, variant(spec, packed), Path(tmp) / f"run{n}", args.device)
                     if run.study["status"] != "completed":
-                        raise RuntimeError(f"{mode} {'packed' if packed else 'unpacked'} study "
-                                           f"ended {run.study['status']}")
+                        raise RuntimeError(
+                            f"{mode} {'packed' if packed else 'unpacked'} study "
+                            f"ended {run.study['status']}"
+                        )
                     row = run.to_json()
                     row["breakdown"] = breakdown(run.study, workers_of(mode))
                     row["load"] = _common.load_average()
                     runs.setdefault(mode, []).append(row)
-                    print(f"{mode} {'packed' if packed else 'unpacked'}: "
-                          f"{row['wall_seconds']:.1f} s, {row['breakdown']['jobs']} jobs, "
-                          f"best sample {row['best']['sample_index']} "
-                          f"{row['best']['value']:.4f}", flush=True)
+                    print(
+                        f"{mode} {'packed' if packed else 'unpacked'}: "
+                        f"{row['wall_seconds']:.1f} s, {row['breakdown']['jobs']} jobs, "
+                        f"best sample {row['best']['sample_index']} "
+                        f"{row['best']['value']:.4f}",
+                        flush=True,
+                    )
     return runs
 
 
@@ -111,11 +116,24 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> tuple[list[str], dict[st
             f"{'the same in every run' if agree else 'DIFFERS between runs'} "
             f"({', '.join(sorted({f'sample #{b[0]} {b[1]}' for b in best}))})."
         )
-    header = ["mode", "variant", "wall (s)", "command (s)", "jobs", "train (s)",
-              "in job, not train (s)", "outside jobs (s)", "outside training",
-              "mean queue wait (s)", "best trial (sample, val_loss) per run"]
+    header = [
+        "mode",
+        "variant",
+        "wall (s)",
+        "command (s)",
+        "jobs",
+        "train (s)",
+        "in job, not train (s)",
+        "outside jobs (s)",
+        "outside training",
+        "mean queue wait (s)",
+        "best trial (sample, val_loss) per run",
+    ]
     body = [
-        *_common.table(header, rows), "", *notes, "",
+        *_common.table(header, rows),
+        "",
+        *notes,
+        "",
         "wall: the study's `created_at` to `finished_at`; command: around `packtune run` "
         "(embedded: Python start, imports, migrations included) or from study creation (rq) "
         "or its POST (serve) to the bench seeing it finished. train: Σ pack `train_seconds` "
@@ -156,11 +174,17 @@ def main(argv: list[str] | None = None) -> None:
         "spec": spec, "summary": summary, "runs": runs}, args.out_dir)  # fmt: skip
     if not (args.quick or args.no_append):
         _common.append_section(
-            f"b. Study wall time, packed vs unpacked — {info['device']}", info,
-            [f"Study: `{_shown(args.spec)}` ({spec['workload']}, max_resource "
-             f"{spec['hyperband']['max_resource']}, eta {spec['hyperband']['eta']}); medians of "
-             f"{args.repeats} runs per variant, packed and unpacked alternating.", "", *body],
-            load)
+            f"b. Study wall time, packed vs unpacked — {info['device']}",
+            info,
+            [
+                f"Study: `{_shown(args.spec)}` ({spec['workload']}, max_resource "
+                f"{spec['hyperband']['max_resource']}, eta {spec['hyperband']['eta']}); medians of "
+                f"{args.repeats} runs per variant, packed and unpacked alternating.",
+                "",
+                *body,
+            ],
+            load,
+        )
 
 
 if __name__ == "__main__":

@@ -157,7 +157,7 @@ def render() -> str:
         "section, with the load average and per-run figures, is in [HISTORY.md](HISTORY.md);",
         "how to run each benchmark is in [README.md](README.md). Ratios are measured side by",
         "side in one run; figures from different machines or sessions are not comparable.",
-        "Commit: the one measured; \"(recorded)\": a result saved before JSON carried it,",
+        'Commit: the one measured; "(recorded)": a result saved before JSON carried it,',
         "and the commit that recorded its JSON.",
         "",
         "| figure | value | target | met | machine | commit | command | date |",
@@ -171,8 +171,11 @@ def render() -> str:
             f"{commit_of(row)} | `{command}` | {row.data['date']} |"
         )
     if not any(True for _ in load_rows()):
-        lines += ["", "Read endpoints under load (`python -m bench.load --results`): no JSON "
-                  "result yet; the runs before JSON results are in HISTORY.md."]
+        lines += [
+            "",
+            "Read endpoints under load (`python -m bench.load --results`): no JSON "
+            "result yet; the runs before JSON results are in HISTORY.md.",
+        ]
     return "\n".join(lines) + "\n"
 
 

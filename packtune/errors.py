@@ -1,10 +1,10 @@
 """The packtune exception tree, mapped to HTTP status codes in one handler.
 
-    PacktuneError
-    ├── SpecError          (422) a study spec is invalid; ``field`` names the part
-    ├── NotFound           (404) no such study / trial / pack
-    ├── Conflict           (409) the request does not fit the object's state
-    └── StoreUnavailable   (503) the database cannot be reached
+PacktuneError
+├── SpecError          (422) a study spec is invalid; ``field`` names the part
+├── NotFound           (404) no such study / trial / pack
+├── Conflict           (409) the request does not fit the object's state
+└── StoreUnavailable   (503) the database cannot be reached
 """
 
 from __future__ import annotations

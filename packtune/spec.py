@@ -37,6 +37,7 @@ MAX_RESOURCE_LIMIT = 10_000
 MAX_TRIALS = 100_000
 RESERVED_PARAMS = frozenset({"seed", "data_seed"})
 
+
 def _printable(value: str) -> str:
     if any(ord(c) < 32 or ord(c) == 127 for c in value):
         raise ValueError("must not contain control characters")

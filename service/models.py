@@ -129,9 +129,7 @@ class Study(Base):
     seed: Mapped[int] = mapped_column(BigInteger, default=0)
     status: Mapped[StudyStatus] = mapped_column(_enum(StudyStatus), default=StudyStatus.pending)
     best_trial_id: Mapped[int | None] = mapped_column(
-        ForeignKey(
-            "trials.id", use_alter=True, name="fk_studies_best_trial", ondelete="SET NULL"
-        ),
+        ForeignKey("trials.id", use_alter=True, name="fk_studies_best_trial", ondelete="SET NULL"),
         nullable=True,
     )
     error: Mapped[str | None] = mapped_column(Text, nullable=True)

@@ -58,9 +58,7 @@ def devices_of(workers: list[Worker], settings: Settings) -> dict[str, tuple[Dev
 def outstanding(s: Session) -> Counter[str]:
     """Packs queued or running per target device, across studies."""
     rows = s.execute(
-        select(Pack.device, func.count())
-        .where(Pack.status.in_(UNFINISHED))
-        .group_by(Pack.device)
+        select(Pack.device, func.count()).where(Pack.status.in_(UNFINISHED)).group_by(Pack.device)
     )
     return Counter({str(d): int(n) for d, n in rows if d is not None})
 

@@ -83,6 +83,9 @@ def test_results_md_is_what_the_summary_writes() -> None:
     from bench import summary
 
     assert summary.main(["--check"]) == 0
-    rows = [line for line in summary.RESULTS_MD.read_text().splitlines()
-            if line.startswith("| ") and not line.startswith("| figure")]
+    rows = [
+        line
+        for line in summary.RESULTS_MD.read_text().splitlines()
+        if line.startswith("| ") and not line.startswith("| figure")
+    ]
     assert len(rows) >= 10 and all(line.count(" | ") == 7 for line in rows)

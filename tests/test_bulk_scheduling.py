@@ -106,9 +106,10 @@ def test_bulk_helpers_past_sqlite_chunk(factory: Factory) -> None:
 
         members = [(tid, "key-0", 1.0, 3.0) for tid in ids[:300]]
         pack = store.create_pack(s, study_id=study_id, members=members, device="d")
-        assert sorted(
-            (m.trial_id, m.fusion_key, m.from_resource, m.to_resource) for m in pack.members
-        ) == members
+        assert (
+            sorted((m.trial_id, m.fusion_key, m.from_resource, m.to_resource) for m in pack.members)
+            == members
+        )
         assert s.scalar(select(func.count()).select_from(PackMember)) == 300
 
 

@@ -17,8 +17,9 @@ STUDY = 7
 
 
 def configs(n: int, **extra: Any) -> list[tuple[str, dict[str, Any]]]:
-    return [(f"t{i}", {"seed": 20 + i, "data_seed": 4, "lr": 0.01 * (i + 1), **extra})
-            for i in range(n)]
+    return [
+        (f"t{i}", {"seed": 20 + i, "data_seed": 4, "lr": 0.01 * (i + 1), **extra}) for i in range(n)
+    ]
 
 
 def checkpointed(array: FusedArray, directory: Path) -> list[dict[str, Any]]:
@@ -37,8 +38,11 @@ def assert_same_state(a: dict[str, Any], b: dict[str, Any], tol: float = 0.0) ->
     assert a["steps_done"] == b["steps_done"]
     assert a["optimizer"]["step"] == b["optimizer"]["step"]
     pairs = [(t, b[part][name]) for part in ("params", "buffers") for name, t in a[part].items()]
-    pairs += [(t, b["optimizer"]["state"][name][slot])
-              for name, slots in a["optimizer"]["state"].items() for slot, t in slots.items()]
+    pairs += [
+        (t, b["optimizer"]["state"][name][slot])
+        for name, slots in a["optimizer"]["state"].items()
+        for slot, t in slots.items()
+    ]
     for x, y in pairs:
         if tol == 0.0:
             assert torch.equal(x, y)
@@ -48,8 +52,9 @@ def assert_same_state(a: dict[str, Any], b: dict[str, Any], tol: float = 0.0) ->
 
 
 @pytest.mark.parametrize("mode", ["bmm", "vmap", "serial"])
-@pytest.mark.parametrize("extra", [{"dropout": 0.3, "optimizer": "sgd"},
-                                   {"batch_norm": True, "optimizer": "adam"}])
+@pytest.mark.parametrize(
+    "extra", [{"dropout": 0.3, "optimizer": "sgd"}, {"batch_norm": True, "optimizer": "adam"}]
+)
 def test_resume_is_exact(tmp_path, mode, extra):
     """0 -> 1 epoch, checkpoint, 1 -> 3 epochs equals 0 -> 3 epochs in one go."""
     workload = TinyMLP()
@@ -74,16 +79,22 @@ def test_resume_in_a_differently_sized_array(tmp_path, mode):
     """t0 trains in an array of 4, then with a new companion in an array of 2."""
     workload = TinyMLP()
     members = configs(4, batch_norm=True, optimizer="adamw")
-    newcomer = ("t9", {"seed": 99, "data_seed": 4, "lr": 0.5, "batch_norm": True,
-                       "optimizer": "adamw"})
+    newcomer = (
+        "t9",
+        {"seed": 99, "data_seed": 4, "lr": 0.5, "batch_norm": True, "optimizer": "adamw"},
+    )
     four = FusedArray(workload, members, mode=mode)
     spe = four.steps_per_epoch
     train(four, spe)
     t0_state = checkpointed(four, tmp_path)[0]
     solo_newcomer = FusedArray(workload, [newcomer], mode=mode)
     train(solo_newcomer, spe)
-    pair = FusedArray(workload, [members[0], newcomer], mode=mode,
-                      states=[t0_state, checkpointed(solo_newcomer, tmp_path)[0]])
+    pair = FusedArray(
+        workload,
+        [members[0], newcomer],
+        mode=mode,
+        states=[t0_state, checkpointed(solo_newcomer, tmp_path)[0]],
+    )
     pair_reports = train(pair, 3 * spe)
     alone = FusedArray(workload, members[:1], mode=mode)
     alone_reports = train(alone, 3 * spe)

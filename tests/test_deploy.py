@@ -334,7 +334,8 @@ def test_workers_reserve_nvidia_gpus() -> None:
     for where, svc in found:
         devices = svc["deploy"]["resources"]["reservations"]["devices"]
         assert any(
-            d["driver"] == "nvidia" and "gpu" in d["capabilities"]
+            d["driver"] == "nvidia"
+            and "gpu" in d["capabilities"]
             and (d.get("count") == "all" or d.get("device_ids"))
             for d in devices
         ), where
@@ -376,8 +377,11 @@ def test_image_runs_packtune_as_a_user() -> None:
 
 def test_image_installs_a_cuda_torch() -> None:
     pyproject = tomllib.loads(read("pyproject.toml"))
-    wanted = next(Requirement(r) for r in pyproject["project"]["dependencies"]
-                  if Requirement(r).name == "torch")
+    wanted = next(
+        Requirement(r)
+        for r in pyproject["project"]["dependencies"]
+        if Requirement(r).name == "torch"
+    )
     base = instructions("FROM")[0]
     torch_runs = [r for r in instructions("RUN") if "pip install" in r and "torch==" in r]
     assert torch_runs, "torch is installed with a pinned version"

@@ -15,8 +15,12 @@ def test_every_document_named_in_the_code_exists() -> None:
     for folder in ("packtune", "service", "worker", "tests", "bench", "migrations"):
         for path in (ROOT / folder).rglob("*.py"):
             for name in CITED.findall(path.read_text()):
-                candidates = [ROOT / name, ROOT / "docs" / name, ROOT / "bench" / name,
-                              path.parent / name]
+                candidates = [
+                    ROOT / name,
+                    ROOT / "docs" / name,
+                    ROOT / "bench" / name,
+                    path.parent / name,
+                ]
                 if not any(c.is_file() for c in candidates):
                     missing.append(f"{path.relative_to(ROOT)}: {name}")
     assert not missing, missing

@@ -25,20 +25,39 @@ LR = {"sgd": [0.05, 0.1, 0.02, 0.2], "adam": [1e-3, 3e-3, 1e-2, 3e-4]}
 def member_configs(optimizer: str, extra: dict[str, Any], nesterov: bool = False):
     lrs = LR["sgd" if optimizer == "sgd" else "adam"]
     return [
-        (f"t{i}", {"seed": 11 + i, "data_seed": 3, "optimizer": optimizer, "nesterov": nesterov,
-                   "lr": lrs[i], **{key: values[i] for key, values in HYPER.items()}, **extra})
+        (
+            f"t{i}",
+            {
+                "seed": 11 + i,
+                "data_seed": 3,
+                "optimizer": optimizer,
+                "nesterov": nesterov,
+                "lr": lrs[i],
+                **{key: values[i] for key, values in HYPER.items()},
+                **extra,
+            },
+        )
         for i in range(4)
     ]
 
 
 def torch_optimizer(model: torch.nn.Module, cfg: dict[str, Any]) -> torch.optim.Optimizer:
     if cfg["optimizer"] == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"],
-                               weight_decay=cfg["weight_decay"],
-                               nesterov=cfg["nesterov"] and cfg["momentum"] > 0)
+        return torch.optim.SGD(
+            model.parameters(),
+            lr=cfg["lr"],
+            momentum=cfg["momentum"],
+            weight_decay=cfg["weight_decay"],
+            nesterov=cfg["nesterov"] and cfg["momentum"] > 0,
+        )
     cls = torch.optim.Adam if cfg["optimizer"] == "adam" else torch.optim.AdamW
-    return cls(model.parameters(), lr=cfg["lr"], betas=(cfg["beta1"], cfg["beta2"]),
-               eps=cfg["eps"], weight_decay=cfg["weight_decay"])
+    return cls(
+        model.parameters(),
+        lr=cfg["lr"],
+        betas=(cfg["beta1"], cfg["beta2"]),
+        eps=cfg["eps"],
+        weight_decay=cfg["weight_decay"],
+    )
 
 
 def plain_run(workload: Workload, config: dict[str, Any], epochs: int = EPOCHS):
@@ -64,8 +83,9 @@ def plain_run(workload: Workload, config: dict[str, Any], epochs: int = EPOCHS):
     return model, epoch_losses, val_loss
 
 
-def compare(array: FusedArray, reports: list[Report], key: str, config: dict[str, Any],
-            tol: float) -> float:
+def compare(
+    array: FusedArray, reports: list[Report], key: str, config: dict[str, Any], tol: float
+) -> float:
     """Assert member ``key`` matches its plain run; the largest difference seen."""
     model, epoch_losses, val_loss = plain_run(array.workload, config, len(reports))
     fused = [r.metrics[key]["train_loss"] for r in reports] + [reports[-1].metrics[key]["val_loss"]]
@@ -102,8 +122,10 @@ def test_fused_array_matches_plain_runs(workload_cls, extra, mode, optimizer, ne
     reports = train(array, EPOCHS * array.steps_per_epoch)
     assert [r.resource for r in reports] == [1.0, 2.0]
     worst = max(compare(array, reports, key, cfg, 1e-10) for key, cfg in members)
-    print(f"{workload.name} {extra} {mode} {optimizer} nesterov={nesterov}: "
-          f"largest loss difference {worst:.2e}")
+    print(
+        f"{workload.name} {extra} {mode} {optimizer} nesterov={nesterov}: "
+        f"largest loss difference {worst:.2e}"
+    )
 
 
 @pytest.mark.parametrize("mode", ["bmm", "vmap", "serial"])
@@ -167,8 +189,11 @@ def test_members_must_share_structure_and_step():
     trained = FusedArray(workload, [("a", {"seed": 1})])
     train(trained, 2)
     with pytest.raises(ValueError, match="same step"):
-        FusedArray(workload, [("a", {"seed": 1}), ("b", {"seed": 2})],
-                   states=[trained.member_state("a"), None])
+        FusedArray(
+            workload,
+            [("a", {"seed": 1}), ("b", {"seed": 2})],
+            states=[trained.member_state("a"), None],
+        )
 
 
 def test_report_resources_at_epoch_boundaries_and_end():
@@ -191,8 +216,13 @@ def test_digits_mlp_fuses_by_hand_and_matches_plain_runs():
     from packtune.workloads import get_workload
 
     workload = get_workload("digits-mlp")
-    members = [(f"d{i}", {"seed": i, "data_seed": 1, "hidden": 32, "batch_norm": True,
-                          "lr": 0.02 * (i + 1)}) for i in range(3)]
+    members = [
+        (
+            f"d{i}",
+            {"seed": i, "data_seed": 1, "hidden": 32, "batch_norm": True, "lr": 0.02 * (i + 1)},
+        )
+        for i in range(3)
+    ]
     array = FusedArray(workload, members)
     assert array.mode == "bmm"
     reports = train(array, array.steps_per_epoch)
@@ -202,9 +232,10 @@ def test_digits_mlp_fuses_by_hand_and_matches_plain_runs():
     print(f"digits-mlp float32 bmm: largest loss difference {worst:.2e}")
 
 
-@pytest.mark.parametrize("name,extra", [("synthetic-mlp", {}),
-                                        ("synthetic-mlp", {"task": "regression"}),
-                                        ("digits-mlp", {})])
+@pytest.mark.parametrize(
+    "name,extra",
+    [("synthetic-mlp", {}), ("synthetic-mlp", {"task": "regression"}), ("digits-mlp", {})],
+)
 def test_built_in_stacked_losses_match_their_per_member_losses(name, extra):
     """The batched losses a fused array uses equal the workload's loss per member, values
     and gradients, in float64 (to rounding) and float32 (to a few ulps)."""

@@ -38,8 +38,13 @@ def assert_as_alone(workload: Workload, array: FusedArray, members: list[Any]) -
         alone = trained(workload, [(key, config)]).member_state(key)
         mine = array.member_state(key)
         for name, tensor in alone["params"].items():
-            torch.testing.assert_close(mine["params"][name], tensor, rtol=1e-4, atol=1e-5,
-                                       msg=lambda m, k=key, n=name: f"{k} {n}: {m}")
+            torch.testing.assert_close(
+                mine["params"][name],
+                tensor,
+                rtol=1e-4,
+                atol=1e-5,
+                msg=lambda m, k=key, n=name: f"{k} {n}: {m}",
+            )
 
 
 def stacks(array: FusedArray) -> list[list[Hashable]]:
@@ -68,10 +73,16 @@ def test_a_structural_declaration_wins_over_a_fusible_one() -> None:
 def test_builtin_members_differing_in_fusible_values_have_equal_models() -> None:
     """The built-ins keep fusing: seed and optimizer values leave the signature alone, a
     structural value changes it."""
-    small = {"resnet-cifar": {"width": 4, "n_train": 64, "n_val": 32},
-             "synthetic-mlp": {"n_train": 256}}
-    changed = {"digits-mlp": {"activation": "tanh"}, "digits-cnn": {"channels": 8},
-               "synthetic-mlp": {"hidden": 64}, "resnet-cifar": {"blocks": 2}}
+    small = {
+        "resnet-cifar": {"width": 4, "n_train": 64, "n_val": 32},
+        "synthetic-mlp": {"n_train": 256},
+    }
+    changed = {
+        "digits-mlp": {"activation": "tanh"},
+        "digits-cnn": {"channels": 8},
+        "synthetic-mlp": {"hidden": 64},
+        "resnet-cifar": {"blocks": 2},
+    }
     for name, change in changed.items():
         workload = get_workload(name)
         base = {**small.get(name, {})}
@@ -87,8 +98,11 @@ def test_fusible_declared_but_built_as_a_python_value_is_stacked_apart(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     workload = MisdeclaredMLP()
-    members = [member("a", 1, act="relu"), member("b", 2, act="tanh"),
-               member("c", 3, act="relu", lr=0.3)]
+    members = [
+        member("a", 1, act="relu"),
+        member("b", 2, act="tanh"),
+        member("c", 3, act="relu", lr=0.3),
+    ]
     with caplog.at_level(logging.WARNING, logger="worker.fused"):
         array = trained(workload, members)
     assert stacks(array) == [["a", "c"], ["b"]]
@@ -111,8 +125,9 @@ def test_classes_made_per_call_fuse_when_their_code_and_closures_agree() -> None
 
 def test_a_fusible_parameter_carried_as_a_buffer_fuses_exactly() -> None:
     workload = ScaledMLP()
-    members = [member(k, i, scale=s) for i, (k, s) in enumerate({"a": 0.5, "b": 1.0,
-                                                                 "c": 2.0}.items())]
+    members = [
+        member(k, i, scale=s) for i, (k, s) in enumerate({"a": 0.5, "b": 1.0, "c": 2.0}.items())
+    ]
     array = trained(workload, members)
     assert stacks(array) == [["a", "b", "c"]] and array.warning is None
     assert_as_alone(workload, array, members)
@@ -158,8 +173,7 @@ class _Offset(nn.Module):
         lambda v: nn.Sequential(*[nn.Linear(4, 4) for _ in range(v)]),
         lambda v: nn.Sequential(nn.Linear(4, 4, bias=v == 1)),
     ],
-    ids=["dropout-rate", "slope", "float-attribute", "tensor-attribute", "class", "depth",
-         "bias"],
+    ids=["dropout-rate", "slope", "float-attribute", "tensor-attribute", "class", "depth", "bias"],
 )
 def test_the_signature_sees_what_stacking_would_hide(make: Any) -> None:
     assert model_signature(make(1)) == model_signature(make(1))

@@ -68,8 +68,15 @@ def test_real_readings_on_a_gpu() -> None:
     readings = gpu.gpu_readings()
     assert readings, "CUDA works, so NVML should too"
     for r in readings:
-        assert set(r) == {"index", "name", "uuid", "memory_total", "memory_used",
-                          "memory_free", "utilization"}
+        assert set(r) == {
+            "index",
+            "name",
+            "uuid",
+            "memory_total",
+            "memory_used",
+            "memory_free",
+            "utilization",
+        }
         assert r["memory_total"] > 0
         assert 0 <= r["memory_free"] <= r["memory_total"]
         assert 0 <= r["memory_used"] <= r["memory_total"]

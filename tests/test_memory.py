@@ -25,8 +25,10 @@ def test_cpu_probe_fits_a_positive_line_that_grows_with_the_model():
         assert result.bytes_for(2) == result.peak_by_k[2]
     assert large.per_trial_bytes > small.per_trial_bytes
     # Adam keeps two slots per parameter: param + grad + 2 slots = 4 copies per trial at least.
-    params = sum(p.numel() * p.element_size()
-                 for p in workload.build_model(workload.resolve({"hidden": 128})).parameters())
+    params = sum(
+        p.numel() * p.element_size()
+        for p in workload.build_model(workload.resolve({"hidden": 128})).parameters()
+    )
     assert large.per_trial_bytes >= 4 * params
     splits = workload.data(workload.resolve({}))
     data = sum(t.nbytes for split in splits for t in (split.x, split.y))
@@ -60,8 +62,10 @@ def test_cuda_probe_measures_the_allocator_peak():
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("workload_cls,mode", [(TinyMLP, "bmm"), (TinyMLP, "vmap"),
-                                               (TinyCNN, "vmap"), (TinyCNN, "serial")])
+@pytest.mark.parametrize(
+    "workload_cls,mode",
+    [(TinyMLP, "bmm"), (TinyMLP, "vmap"), (TinyCNN, "vmap"), (TinyCNN, "serial")],
+)
 def test_cuda_fused_array_matches_plain_runs(workload_cls, mode):
     from tests.test_fused import member_configs, plain_run
 
@@ -74,8 +78,9 @@ def test_cuda_fused_array_matches_plain_runs(workload_cls, mode):
         model, epoch_losses, val_loss = plain_run(workload, {**cfg}, epochs=2)
         fused = [r.metrics[key]["train_loss"] for r in reports]
         fused.append(reports[-1].metrics[key]["val_loss"])
-        worst = max(worst, *(abs(a - b) for a, b in zip(fused, [*epoch_losses, val_loss],
-                                                          strict=True)))
+        worst = max(
+            worst, *(abs(a - b) for a, b in zip(fused, [*epoch_losses, val_loss], strict=True))
+        )
         state = array.member_state(key)
         for name, ref in model.state_dict().items():
             mine = state["params"].get(name, state["buffers"].get(name))

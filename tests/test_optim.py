@@ -23,12 +23,21 @@ SHAPES = {"w": (5, 3), "b": (5,), "conv": (2, 1, 3, 3)}
 def torch_optimizer(name: str, params: list[torch.Tensor], i: int, nesterov: bool):
     h = {key: values[i] for key, values in HYPER.items()}
     if name == "sgd":
-        return torch.optim.SGD(params, lr=h["lr"], momentum=h["momentum"],
-                               weight_decay=h["weight_decay"],
-                               nesterov=nesterov and h["momentum"] > 0)
+        return torch.optim.SGD(
+            params,
+            lr=h["lr"],
+            momentum=h["momentum"],
+            weight_decay=h["weight_decay"],
+            nesterov=nesterov and h["momentum"] > 0,
+        )
     cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
-    return cls(params, lr=h["lr"], betas=(h["beta1"], h["beta2"]), eps=h["eps"],
-               weight_decay=h["weight_decay"])
+    return cls(
+        params,
+        lr=h["lr"],
+        betas=(h["beta1"], h["beta2"]),
+        eps=h["eps"],
+        weight_decay=h["weight_decay"],
+    )
 
 
 def run_both(name: str, nesterov: bool, dtype: torch.dtype, steps: int = 6):
@@ -55,8 +64,9 @@ def run_both(name: str, nesterov: bool, dtype: torch.dtype, steps: int = 6):
     return stacked, refs, opt
 
 
-@pytest.mark.parametrize("name,nesterov", [("sgd", False), ("sgd", True), ("adam", False),
-                                           ("adamw", False)])
+@pytest.mark.parametrize(
+    "name,nesterov", [("sgd", False), ("sgd", True), ("adam", False), ("adamw", False)]
+)
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-14), (torch.float32, 2e-6)])
 @pytest.mark.parametrize("kernels", [True, False], ids=["fused-kernels", "element-wise"])
 def test_matches_torch_optim_per_member(name, nesterov, dtype, tol, kernels, monkeypatch):
@@ -93,8 +103,9 @@ def test_member_state_moves_to_another_array(name, kernels, monkeypatch):
         states=[opt.member_state(i) for i in range(K)],
     )
     for _ in range(3):
-        grads = {n: torch.randn(K, *s, generator=gen, dtype=torch.float64)
-                 for n, s in SHAPES.items()}
+        grads = {
+            n: torch.randn(K, *s, generator=gen, dtype=torch.float64) for n, s in SHAPES.items()
+        }
         for n in SHAPES:
             params[n].grad = grads[n][rows].clone()
             continued.params[n].grad = grads[n].clone()
@@ -118,8 +129,9 @@ def test_select_drops_a_members_state():
 
 
 @pytest.mark.parametrize("kernels", [True, False], ids=["fused-kernels", "element-wise"])
-def test_fresh_member_beside_resumed_one_starts_its_momentum_from_its_gradient(kernels,
-                                                                               monkeypatch):
+def test_fresh_member_beside_resumed_one_starts_its_momentum_from_its_gradient(
+    kernels, monkeypatch
+):
     """SGD's first step copies the gradient into the buffer, per member, as torch.optim does."""
     monkeypatch.setattr(worker.optim, "FUSED_KERNELS", kernels and worker.optim.FUSED_KERNELS)
     stacked, _, opt = run_both("sgd", False, torch.float64, steps=2)
@@ -156,8 +168,12 @@ def test_parameters_move_into_one_buffer_and_stay_the_callers_tensors():
     opt = build_optimizer("adam", stacked, hyper)
     assert all(opt.params[n] is p for n, p in stacked.items())
     assert len({p.untyped_storage().data_ptr() for p in stacked.values()}) == 1
-    assert len({t.untyped_storage().data_ptr() for slots in opt.state.values()
-                for t in slots.values()}) == 2  # exp_avg, exp_avg_sq: one buffer each
+    assert (
+        len(
+            {t.untyped_storage().data_ptr() for slots in opt.state.values() for t in slots.values()}
+        )
+        == 2
+    )  # exp_avg, exp_avg_sq: one buffer each
     for n, p in stacked.items():
         assert p.is_leaf and p.requires_grad and torch.equal(p, before[n])
         assert p[1].is_contiguous()  # one member's slice stays contiguous
@@ -179,8 +195,9 @@ def test_a_parameter_without_a_gradient_is_left_alone_as_in_torch_optim(name):
         refs.append((params, torch_optimizer(name, params, i, False)))
     for step in range(5):
         skipped = {1: "b", 2: "conv", 4: "b"}.get(step)
-        grads = {n: torch.randn(K, *s, generator=gen, dtype=torch.float64)
-                 for n, s in SHAPES.items()}
+        grads = {
+            n: torch.randn(K, *s, generator=gen, dtype=torch.float64) for n, s in SHAPES.items()
+        }
         for n, p in stacked.items():
             p.grad = None if n == skipped else grads[n].clone()
         if skipped is not None:

@@ -38,12 +38,16 @@ def fixed(value: Any) -> dict[str, Any]:
 
 
 SPACES: dict[str, dict[str, Any]] = {
-    "digits-mlp": {"lr": LR, "hidden": {"type": "choice", "values": [16, 32]},
-                   "activation": ACT},
+    "digits-mlp": {"lr": LR, "hidden": {"type": "choice", "values": [16, 32]}, "activation": ACT},
     "digits-cnn": {"lr": CNN_LR, "channels": {"type": "choice", "values": [4, 8]}},
     "synthetic-mlp": {"lr": LR, "n_train": fixed(512), "hidden": fixed(32), "activation": ACT},
-    "resnet-cifar": {"lr": RESNET_LR, "width": fixed(4),
-                     "n_train": fixed(256), "n_val": fixed(128), "batch_size": fixed(64)},
+    "resnet-cifar": {
+        "lr": RESNET_LR,
+        "width": fixed(4),
+        "n_train": fixed(256),
+        "n_val": fixed(128),
+        "batch_size": fixed(64),
+    },
     "hidden-act-mlp": {"lr": LR, "act": ACT},
     "misdeclared-mlp": {"lr": LR, "act": ACT},
     "scaled-mlp": {"lr": LR, "scale": {"type": "uniform", "low": 0.25, "high": 2.0}},
@@ -145,7 +149,10 @@ def test_packed_equals_unpacked_trial_by_trial(
             assert math.isfinite(value) and math.isfinite(other), (index, resource)
             largest = max(largest, abs(value - other))
             assert value == pytest.approx(other, rel=REL.get(workload, 1e-5), abs=1e-6), (
-                workload, index, resource)
+                workload,
+                index,
+                resource,
+            )
     print(f"{workload}: {len(a)} trials, largest val_loss difference {largest:.3g}")
     best = packed["summary"]["best_trial"], unpacked["summary"]["best_trial"]
     index = {t["id"]: t["sample_index"] for r in (packed, unpacked) for t in r["trials"]}

@@ -74,8 +74,9 @@ def test_a_workers_job_end_notifies_the_dispatcher(rq_env: str, redis_url: str) 
 
 def test_an_announcement_wakes_the_scheduler_before_its_tick(rq_env: str, redis_url: str) -> None:
     """With a 30 s tick, the loop ticks again within seconds of a job-end announcement."""
-    scheduler = Scheduler(get_settings(), dispatcher=RQDispatcher(get_settings()),
-                          holder="wakeup-test")
+    scheduler = Scheduler(
+        get_settings(), dispatcher=RQDispatcher(get_settings()), holder="wakeup-test"
+    )
     scheduler.dispatcher.start()
     ticks: list[float] = []
     stop = threading.Event()

@@ -67,8 +67,13 @@ class SyncDispatcher:
         pass
 
     def runner_status(self) -> dict[str, Any] | None:
-        return {"name": self.embedded_worker, "device_kind": "cpu", "gpus": [],
-                "memory_budget": get_settings().cpu_memory_budget, "busy": False}
+        return {
+            "name": self.embedded_worker,
+            "device_kind": "cpu",
+            "gpus": [],
+            "memory_budget": get_settings().cpu_memory_budget,
+            "busy": False,
+        }
 
     def close(self) -> None:
         pass

@@ -237,8 +237,9 @@ def test_trials_filters_and_counts(factory: Factory) -> None:
         assert [t.id for t in running] == [trials[0].id]
         either = store.trials_of(s, study_id, status=[TrialStatus.running, TrialStatus.paused])
         assert len(either) == 2
-        assert store.trials_of(s, study_id, status=TrialStatus.pending, bracket=0, rung=0) == (
-            trials[4:]
+        assert (
+            store.trials_of(s, study_id, status=TrialStatus.pending, bracket=0, rung=0)
+            == (trials[4:])
         )
         counts = store.count_trials_by_status(s, study_id)
         assert counts[TrialStatus.pending] == 4 and counts[TrialStatus.running] == 1

@@ -40,8 +40,17 @@ X_SHAPE = {
 STRUCTURAL = {
     "digits-mlp": {"hidden", "layers", "batch_norm", "dropout", "activation", "batch_size"},
     "digits-cnn": {"channels", "batch_norm", "batch_size"},
-    "synthetic-mlp": {"input_dim", "hidden", "layers", "output_dim", "n_train", "n_val",
-                      "task", "activation", "batch_size"},
+    "synthetic-mlp": {
+        "input_dim",
+        "hidden",
+        "layers",
+        "output_dim",
+        "n_train",
+        "n_val",
+        "task",
+        "activation",
+        "batch_size",
+    },
     "resnet-cifar": {"width", "blocks", "n_train", "n_val", "batch_size"},
 }
 NAMES = list(SMALL)
@@ -282,8 +291,12 @@ def test_resnet_depth_follows_blocks() -> None:
 
 def _write_batch(path: Path, images: np.ndarray, labels: list[int]) -> None:
     """One batch in CIFAR-10's python format (a pickled dict with bytes keys)."""
-    batch = {b"batch_label": b"fake", b"data": images.reshape(len(labels), -1),
-             b"labels": labels, b"filenames": [b"x.png"] * len(labels)}
+    batch = {
+        b"batch_label": b"fake",
+        b"data": images.reshape(len(labels), -1),
+        b"labels": labels,
+        b"filenames": [b"x.png"] * len(labels),
+    }
     path.write_bytes(pickle.dumps(batch, protocol=2))
 
 
@@ -339,8 +352,9 @@ def test_importing_the_registry_does_not_import_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch imported'; "
         "assert 'digits-mlp' in names; print(w.get_workload('digits-mlp').steps_per_epoch({}))"
     )
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(1437 // 64)
 
@@ -366,14 +380,17 @@ def plugin_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     (tmp_path / "tiny_packtune_plugin.py").write_text(PLUGIN)
     dist = tmp_path / "tiny_packtune_plugin-0.1.dist-info"
     dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: tiny-packtune-plugin\n"
-                                   "Version: 0.1\n")
-    (dist / "entry_points.txt").write_text(textwrap.dedent("""
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: tiny-packtune-plugin\nVersion: 0.1\n"
+    )
+    (dist / "entry_points.txt").write_text(
+        textwrap.dedent("""
         [packtune.workloads]
         tiny = tiny_packtune_plugin:TinyWorkload
         imposter = tiny_packtune_plugin:Imposter
         broken = tiny_packtune_plugin:DoesNotExist
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     workloads.registry.cache_clear()
     yield tmp_path

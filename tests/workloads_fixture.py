@@ -27,8 +27,9 @@ def _classification(shape: tuple[int, ...], n: int, seed: int, dtype: torch.dtyp
     """Seeded inputs with labels from a fixed random linear map (learnable, not trivial)."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, *shape, generator=gen, dtype=torch.float64)
-    w = torch.randn(x[0].numel(), CLASSES, generator=torch.Generator().manual_seed(7),
-                    dtype=torch.float64)
+    w = torch.randn(
+        x[0].numel(), CLASSES, generator=torch.Generator().manual_seed(7), dtype=torch.float64
+    )
     y = (x.flatten(1) @ w).argmax(1)
     return Split(x.to(dtype), y)
 
@@ -41,10 +42,14 @@ class _Tiny(Workload):
 
     def data(self, config: Mapping[str, Any], device: Any = "cpu") -> tuple[Split, Split]:
         cfg = self.resolve(config)
-        train, val = (_classification(self.input_shape, n, seed, _dtype(cfg))
-                      for n, seed in zip(self.sizes, (1, 2), strict=True))
-        return (Split(train.x.to(device), train.y.to(device)),
-                Split(val.x.to(device), val.y.to(device)))
+        train, val = (
+            _classification(self.input_shape, n, seed, _dtype(cfg))
+            for n, seed in zip(self.sizes, (1, 2), strict=True)
+        )
+        return (
+            Split(train.x.to(device), train.y.to(device)),
+            Split(val.x.to(device), val.y.to(device)),
+        )
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(outputs, targets)
@@ -61,10 +66,27 @@ class TinyMLP(_Tiny):
 
     name = "tiny-mlp"
     input_shape = (8,)
-    structural = frozenset({"hidden", "layers", "batch_norm", "dropout", "batch_size",
-                            "optimizer", "nesterov", "dtype"})
-    params = {**OPTIMIZER_PARAMS, "hidden": 16, "layers": 2, "batch_norm": False,
-              "dropout": 0.0, "batch_size": 16, "dtype": "float64"}
+    structural = frozenset(
+        {
+            "hidden",
+            "layers",
+            "batch_norm",
+            "dropout",
+            "batch_size",
+            "optimizer",
+            "nesterov",
+            "dtype",
+        }
+    )
+    params = {
+        **OPTIMIZER_PARAMS,
+        "hidden": 16,
+        "layers": 2,
+        "batch_norm": False,
+        "dropout": 0.0,
+        "batch_size": 16,
+        "dtype": "float64",
+    }
 
     def build_model(self, config: Mapping[str, Any]) -> nn.Module:
         cfg = self.resolve(config)
@@ -87,10 +109,16 @@ class TinyCNN(_Tiny):
 
     name = "tiny-cnn"
     input_shape = (1, 6, 6)
-    structural = frozenset({"channels", "batch_norm", "batch_size", "optimizer", "nesterov",
-                            "dtype"})
-    params = {**OPTIMIZER_PARAMS, "channels": 4, "batch_norm": False, "batch_size": 16,
-              "dtype": "float64"}
+    structural = frozenset(
+        {"channels", "batch_norm", "batch_size", "optimizer", "nesterov", "dtype"}
+    )
+    params = {
+        **OPTIMIZER_PARAMS,
+        "channels": 4,
+        "batch_norm": False,
+        "batch_size": 16,
+        "dtype": "float64",
+    }
 
     def build_model(self, config: Mapping[str, Any]) -> nn.Module:
         cfg = self.resolve(config)

@@ -28,8 +28,14 @@ from torch import Tensor
 class FlatStack:
     """Tensors ``[k, *shape]`` of one dtype and device, as views of one ``[k, N]`` buffer."""
 
-    def __init__(self, names: list[str], shapes: list[torch.Size], k: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        names: list[str],
+        shapes: list[torch.Size],
+        k: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.names, self.shapes, self.k = names, shapes, k
         self.dtype, self.device = dtype, device
         self.spans: list[slice] = []

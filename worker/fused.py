@@ -62,8 +62,9 @@ CUDA_CHECK_EVERY = 16
 def hyper_tensors(configs: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
     """The fusible optimizer hyperparameters of ``configs`` as ``[k]`` float64 tensors."""
     return {
-        key: torch.tensor([float(c.get(key, OPTIMIZER_PARAMS[key])) for c in configs],
-                          dtype=torch.float64)
+        key: torch.tensor(
+            [float(c.get(key, OPTIMIZER_PARAMS[key])) for c in configs], dtype=torch.float64
+        )
         for key in OPTIMIZER_HYPER
     }
 
@@ -310,8 +311,11 @@ class FusedArray:
 
     def train_loss(self, steps: int) -> dict[Hashable, float]:
         """Each member's summed step losses since :meth:`reset_train_loss`, over ``steps``."""
-        return {key: float(total) / max(steps, 1) for group in self.groups
-                for key, total in zip(group.keys, group.losses.totals(), strict=True)}
+        return {
+            key: float(total) / max(steps, 1)
+            for group in self.groups
+            for key, total in zip(group.keys, group.losses.totals(), strict=True)
+        }
 
     @torch.no_grad()
     def evaluate(self) -> dict[Hashable, dict[str, float]]:
@@ -324,12 +328,16 @@ class FusedArray:
             template.eval()
         try:
             for group in self.groups:
-                chunks = [group.forward(group.params, group.buffers, x[start : start + size])
-                          for start in range(0, x.shape[0], size)]
+                chunks = [
+                    group.forward(group.params, group.buffers, x[start : start + size])
+                    for start in range(0, x.shape[0], size)
+                ]
                 out = torch.cat(chunks, dim=1)
                 for i, key in enumerate(group.keys):
-                    results[key] = {"val_loss": float(self.workload.loss(out[i], y)),
-                                    **self.workload.metrics(out[i], y)}
+                    results[key] = {
+                        "val_loss": float(self.workload.loss(out[i], y)),
+                        **self.workload.metrics(out[i], y),
+                    }
         finally:
             for template in templates.values():
                 template.train()

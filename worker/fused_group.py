@@ -36,8 +36,10 @@ class HostLosses:
         values = losses.tolist()
         self.sums = [total + v for total, v in zip(self.sums, values, strict=True)]
         if not all(map(math.isfinite, values)):
-            self.bad = [bad or (0 if math.isfinite(v) else number)
-                        for bad, v in zip(self.bad, values, strict=True)]
+            self.bad = [
+                bad or (0 if math.isfinite(v) else number)
+                for bad, v in zip(self.bad, values, strict=True)
+            ]
 
     def bad_steps(self) -> list[int]:
         return list(self.bad)
@@ -133,8 +135,9 @@ class Group:
         device = next(iter(self.params.values())).device
         idx = torch.tensor(index, dtype=torch.long, device=device)
         self.keys = [self.keys[i] for i in index]
-        self.params = {n: p.detach()[idx].requires_grad_(p.requires_grad) for n, p in
-                       self.params.items()}
+        self.params = {
+            n: p.detach()[idx].requires_grad_(p.requires_grad) for n, p in self.params.items()
+        }
         self.buffers = {n: b[idx] for n, b in self.buffers.items()}
         self.optimizer.select(index, self.params)
         self.losses.keep(index)

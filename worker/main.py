@@ -119,9 +119,7 @@ def run_worker(gpu: int | None = None, name: str | None = None, burst: bool = Fa
     try:
         while True:
             # a new RQ name each time: Redis may still hold the last one's registration
-            rq_worker = PackWorker(
-                [queue], connection=redis, name=f"{name}-{uuid.uuid4().hex[:8]}"
-            )
+            rq_worker = PackWorker([queue], connection=redis, name=f"{name}-{uuid.uuid4().hex[:8]}")
             try:
                 rq_worker.work(burst=burst, with_scheduler=False)
                 return

@@ -120,17 +120,19 @@ class StackedOptimizer(abc.ABC):
         ]
         self.grads = [stack.empty() for stack, _ in self.stacks]
         self.rows = [  # member i's row of every buffer, for the fused kernels
-            [(buffer[i], grads[i], {key: t[i] for key, t in slots.items()})
-             for i in range(stack.k)]
-            for (stack, buffer), grads, slots in zip(self.stacks, self.grads, self.flat_state,
-                                                     strict=True)
+            [(buffer[i], grads[i], {key: t[i] for key, t in slots.items()}) for i in range(stack.k)]
+            for (stack, buffer), grads, slots in zip(
+                self.stacks, self.grads, self.flat_state, strict=True
+            )
         ]
         self.state: dict[str, Slots] = {}
         for (stack, _), slots in zip(self.stacks, self.flat_state, strict=True):
             for j, name in enumerate(stack.names):
                 self.state[name] = {key: stack.view(t, j) for key, t in slots.items()}
-        self.constants = {(stack.dtype, stack.device): Columns(stack.dtype, stack.device)
-                          for stack, _ in self.stacks}  # casts of the hyperparameters
+        self.constants = {
+            (stack.dtype, stack.device): Columns(stack.dtype, stack.device)
+            for stack, _ in self.stacks
+        }  # casts of the hyperparameters
         wd = self.hyper.get("weight_decay")
         self.decay = wd is not None and bool((wd != 0).any())  # else decay steps are skipped
 
@@ -147,8 +149,9 @@ class StackedOptimizer(abc.ABC):
         """One update of every member that has a gradient."""
         self.steps = [s + 1 for s in self.steps]
         self.step_tensor += 1
-        for (stack, buffer), grads, slots, rows in zip(self.stacks, self.grads, self.flat_state,
-                                                       self.rows, strict=True):
+        for (stack, buffer), grads, slots, rows in zip(
+            self.stacks, self.grads, self.flat_state, self.rows, strict=True
+        ):
             const = self.constants[stack.dtype, stack.device]
             per_step = Columns(stack.dtype, stack.device)
             given = [self.params[name].grad for name in stack.names]
@@ -162,8 +165,13 @@ class StackedOptimizer(abc.ABC):
                 continue
             for cols, g in zip(stack.spans, given, strict=True):
                 if g is not None:  # torch.optim skips parameters without a gradient
-                    self._update(buffer[:, cols], g.reshape(stack.k, -1).clone(),
-                                 {key: t[:, cols] for key, t in slots.items()}, const, per_step)
+                    self._update(
+                        buffer[:, cols],
+                        g.reshape(stack.k, -1).clone(),
+                        {key: t[:, cols] for key, t in slots.items()},
+                        const,
+                        per_step,
+                    )
 
     @abc.abstractmethod
     def _update_members(self, rows: list[tuple[Tensor, Tensor, Slots]]) -> None:
@@ -171,8 +179,9 @@ class StackedOptimizer(abc.ABC):
         one pass over the row's memory where the ops of :meth:`_update` make several."""
 
     @abc.abstractmethod
-    def _update(self, p: Tensor, grad: Tensor, state: Slots, const: Columns,
-                per_step: Columns) -> None:
+    def _update(
+        self, p: Tensor, grad: Tensor, state: Slots, const: Columns, per_step: Columns
+    ) -> None:
         """Update ``p`` (``[k, n]`` columns, in place) from ``grad`` (the same shape, scratch:
         it may be overwritten) and its ``state`` columns; ``self.steps`` counts this step.
         ``const`` caches hyperparameter columns for the array's life, ``per_step`` for this step.
@@ -208,15 +217,18 @@ class StackedSGD(StackedOptimizer):
         super().__init__(*args, **kwargs)
         self.nesterov = nesterov
 
-    def _update(self, p: Tensor, grad: Tensor, state: Slots, const: Columns,
-                per_step: Columns) -> None:
+    def _update(
+        self, p: Tensor, grad: Tensor, state: Slots, const: Columns, per_step: Columns
+    ) -> None:
         h = self.hyper
         momentum = const.get("momentum", lambda: h["momentum"])
         if min(self.steps) <= 1:
             # torch.optim starts the buffer as a copy of the first gradient: with the
             # buffer at zero, scaling it by 0 on a member's first step gives exactly that.
-            started = [m if s > 1 else 0.0 for m, s in zip(self.values["momentum"], self.steps,
-                                                             strict=True)]
+            started = [
+                m if s > 1 else 0.0
+                for m, s in zip(self.values["momentum"], self.steps, strict=True)
+            ]
             momentum_now = per_step.get("started", lambda: started)
         else:
             momentum_now = momentum
@@ -253,8 +265,9 @@ class StackedAdam(StackedOptimizer):
         super().__init__(*args, **kwargs)
         self.decoupled = decoupled
 
-    def _update(self, p: Tensor, grad: Tensor, state: Slots, const: Columns,
-                per_step: Columns) -> None:
+    def _update(
+        self, p: Tensor, grad: Tensor, state: Slots, const: Columns, per_step: Columns
+    ) -> None:
         h = self.hyper
         if self.decoupled:
             if self.decay:  # multiplying by 1 - lr * 0 would change nothing
@@ -293,8 +306,10 @@ class StackedAdam(StackedOptimizer):
             nss = [-(a / (1 - b**s)) for a, b, s in zip(lr, beta1, self.steps, strict=True)]
             return per_step.get("bc2", lambda: bc2), per_step.get("-step_size", lambda: nss)
         h, steps = self.hyper, self.step_tensor
-        return (per_step.get("bc2", lambda: (1 - h["beta2"] ** steps).sqrt()),
-                per_step.get("-step_size", lambda: -(h["lr"] / (1 - h["beta1"] ** steps))))
+        return (
+            per_step.get("bc2", lambda: (1 - h["beta2"] ** steps).sqrt()),
+            per_step.get("-step_size", lambda: -(h["lr"] / (1 - h["beta1"] ** steps))),
+        )
 
 
 def build_optimizer(

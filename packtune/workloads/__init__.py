@@ -54,8 +54,11 @@ def registry() -> dict[str, Workload]:
             log.warning("entry point %s is not a packtune Workload; ignored", ep.name)
             continue
         if workload.name in found:
-            log.warning("workload %s from entry point %s shadows a built-in; ignored",
-                        workload.name, ep.name)
+            log.warning(
+                "workload %s from entry point %s shadows a built-in; ignored",
+                workload.name,
+                ep.name,
+            )
             continue
         found[workload.name] = workload
     return found

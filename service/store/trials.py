@@ -144,12 +144,9 @@ def set_trials(s: Session, ids: Sequence[int], **values: Any) -> None:
     chunk = max(len(ids), 1) if is_postgres(s) else UPDATE_CHUNK
     for start in range(0, len(ids), chunk):
         s.execute(
-            update(Trial)
-            .where(id_in(s, Trial.id, ids[start : start + chunk]))
-            .values(**values),
+            update(Trial).where(id_in(s, Trial.id, ids[start : start + chunk])).values(**values),
             execution_options={"synchronize_session": False},
         )
-
 
 
 # -- measurements -------------------------------------------------------------

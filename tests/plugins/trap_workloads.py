@@ -23,8 +23,7 @@ from worker.workloads.digits import N_CLASSES, N_TRAIN, digits_splits
 
 
 class _DigitsPlugin(ClassificationWorkload):
-    params: Mapping[str, Any] = {"hidden": 32, "act": "relu", "batch_size": 64,
-                                 **OPTIMIZER_PARAMS}
+    params: Mapping[str, Any] = {"hidden": 32, "act": "relu", "batch_size": 64, **OPTIMIZER_PARAMS}
 
     def data(self, config: Mapping[str, Any], device: Any = "cpu") -> tuple[Split, Split]:
         self.resolve(config)
@@ -45,8 +44,9 @@ class HiddenActMLP(_DigitsPlugin):
 
         cfg = self.resolve(config)
         act = nn.Tanh() if cfg["act"] == "tanh" else nn.ReLU()
-        return nn.Sequential(nn.Linear(64, int(cfg["hidden"])), act,
-                             nn.Linear(int(cfg["hidden"]), N_CLASSES))
+        return nn.Sequential(
+            nn.Linear(64, int(cfg["hidden"])), act, nn.Linear(int(cfg["hidden"]), N_CLASSES)
+        )
 
 
 class MisdeclaredMLP(_DigitsPlugin):

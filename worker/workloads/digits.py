@@ -107,9 +107,10 @@ class DigitsMLP(ClassificationWorkload):
         "batch_size": 64,
         **OPTIMIZER_PARAMS,
     }
-    structural = frozenset(
-        {"hidden", "layers", "batch_norm", "dropout", "activation", "batch_size"}
-    ) | OPTIMIZER_STRUCTURAL
+    structural = (
+        frozenset({"hidden", "layers", "batch_norm", "dropout", "activation", "batch_size"})
+        | OPTIMIZER_STRUCTURAL
+    )
 
     def build_model(self, config: Mapping[str, Any]) -> nn.Module:
         from torch import nn

@@ -90,8 +90,9 @@ def cifar_splits(root: Path | None, n_train: int, n_val: int, device: str) -> tu
 
         return real(x_train, y_train, n_train), real(x_test, y_test, n_val)
 
-    projection = torch.randn(3 * 4 * 4, N_CLASSES,
-                             generator=torch.Generator().manual_seed(RANDOM_DATA_SEED))
+    projection = torch.randn(
+        3 * 4 * 4, N_CLASSES, generator=torch.Generator().manual_seed(RANDOM_DATA_SEED)
+    )
 
     def fake(stream: int, n: int) -> Split:
         gen = torch.Generator().manual_seed(RANDOM_DATA_SEED + stream)

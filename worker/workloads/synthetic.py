@@ -90,10 +90,22 @@ class SyntheticMLP(Workload):
         "batch_size": 64,
         **OPTIMIZER_PARAMS,
     }
-    structural = frozenset(
-        {"input_dim", "hidden", "layers", "output_dim", "n_train", "n_val", "task",
-         "activation", "batch_size"}
-    ) | OPTIMIZER_STRUCTURAL
+    structural = (
+        frozenset(
+            {
+                "input_dim",
+                "hidden",
+                "layers",
+                "output_dim",
+                "n_train",
+                "n_val",
+                "task",
+                "activation",
+                "batch_size",
+            }
+        )
+        | OPTIMIZER_STRUCTURAL
+    )
 
     def build_model(self, config: Mapping[str, Any]) -> nn.Module:
         from torch import nn
