@@ -145,12 +145,14 @@ def seed_big_study(url: str, trials: int) -> tuple[int, int]:
                         pack_members = [(t.id, key, 0.0, rung.resource)]
                         if rng.random() < 0.1:  # some packs, with timing, for /packs
                             pack = store.create_pack(s, study_id=study.id, members=pack_members)
+                            store.move_pack(s, pack, PackStatus.running)
                             store.finish_pack(s, pack, PackStatus.completed, train_seconds=1.0)
                 for t in by_bracket[len(plan) - 1 - j]:
                     last = t.rung == len(rungs) - 1
                     t.status = TrialStatus.completed if last else TrialStatus.stopped
             s.execute(insert(Measurement), measurements)
-            store.set_study_status(s, study, StudyStatus.completed)
+            store.move_study(s, study, StudyStatus.running)
+            store.move_study(s, study, StudyStatus.completed)
         if engine.dialect.name == "postgresql":
             # what autovacuum does within a minute or so of such writes; without it the
             # planner still believes the trials table is nearly empty and sorts 10,000 rows

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from packtune.hyperband import promote, rank
@@ -23,7 +23,6 @@ from packtune.workloads import get_workload
 from service import store
 from service.models import (
     Measurement,
-    Pack,
     PackStatus,
     Study,
     StudyStatus,
@@ -75,7 +74,7 @@ def start_study(s: Session, study: Study) -> tuple[int, bool]:
     inserted = store.add_trials(s, study.id, rows)
     complete = have + len(rows) >= len(slots)
     if complete:
-        store.set_study_status(s, study, StudyStatus.running)
+        store.move_study(s, study, StudyStatus.running)
     return inserted, complete
 
 
@@ -134,7 +133,7 @@ def advance_brackets(s: Session, study: Study) -> Advance:
         paused = [t for t in trials if t.status == TrialStatus.paused]
         rung = paused[0].rung
         if rung >= bracket:  # last rung of this bracket: done
-            store.set_trials(s, [t.id for t in paused], status=TrialStatus.completed)
+            store.move_trials(s, [t.id for t in paused], TrialStatus.completed)
             out.completed += len(paused)
             continue
         contenders = [t for t in trials if t.rung == rung and t.status in RUNG_DONE]
@@ -160,8 +159,8 @@ def advance_brackets(s: Session, study: Study) -> Advance:
         )
         promoted = [t.id for t in paused if t.id in chosen]
         stopped = [t.id for t in paused if t.id not in chosen]
-        store.set_trials(s, promoted, rung=rung + 1, status=TrialStatus.pending)
-        store.set_trials(s, stopped, status=TrialStatus.stopped)
+        store.move_trials(s, promoted, TrialStatus.pending, rung=rung + 1)
+        store.move_trials(s, stopped, TrialStatus.stopped)
         out.promoted += len(promoted)
         out.stopped += len(stopped)
     s.flush()
@@ -192,7 +191,7 @@ def finish_if_done(s: Session, study: Study) -> bool:
         return False
     best = best_trial(s, study)
     if best is None:
-        store.set_study_status(
+        store.move_study(
             s,
             study,
             StudyStatus.failed,
@@ -200,22 +199,17 @@ def finish_if_done(s: Session, study: Study) -> bool:
         )
     else:
         study.best_trial_id = best[0]
-        store.set_study_status(s, study, StudyStatus.completed)
+        store.move_study(s, study, StudyStatus.completed)
     return True
 
 
 def cancel_rest(s: Session, study: Study) -> int:
-    """For a cancelled study: cancel every trial that can still move and every unstarted pack."""
-    res = s.execute(
-        update(Trial)
-        .where(Trial.study_id == study.id, Trial.status.in_([*ACTIVE, TrialStatus.paused]))
-        .values(status=TrialStatus.cancelled)
-    )
-    s.execute(
-        update(Pack)
-        .where(Pack.study_id == study.id, Pack.status.in_([PackStatus.pending, PackStatus.queued]))
-        .values(status=PackStatus.cancelled)
+    """For a cancelled (or failed) study: cancel every trial that can still move and every
+    unstarted pack; returns the trials cancelled."""
+    cancelled = store.move_study_trials(s, study.id, TrialStatus.cancelled)
+    store.move_study_packs(
+        s, study.id, PackStatus.cancelled, only_from=(PackStatus.pending, PackStatus.queued)
     )
     if study.finished_at is None:
-        store.set_study_status(s, study, StudyStatus.cancelled)
-    return int(getattr(res, "rowcount", 0) or 0)
+        store.move_study(s, study, StudyStatus.cancelled)
+    return cancelled

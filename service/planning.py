@@ -160,11 +160,12 @@ def plan_study(
             estimated_bytes=planned.estimated_bytes,
         )
         queued += [u.trial_id for u in planned.units]
-    store.set_trials(s, queued, status=TrialStatus.queued)
-    store.set_trials(
+    store.move_trials(s, queued, TrialStatus.queued, only_from=(TrialStatus.pending,))
+    store.move_trials(
         s,
         [u.trial_id for u in plan.unplaceable],
-        status=TrialStatus.failed,
+        TrialStatus.failed,
+        only_from=(TrialStatus.pending,),
         error="fits no device: its estimated memory exceeds every live device's free memory",
     )
     s.flush()

@@ -149,26 +149,28 @@ class Scheduler:
         )
         for pack in packs:
             if pack.job_id is None:
-                self._requeue(pack, "dispatched without a job id", report)
+                self._requeue(s, pack, "dispatched without a job id", report)
                 continue
             state, error = self.dispatcher.state(pack.job_id)
             if state == JobState.failed:
-                self._requeue(pack, error or "job failed", report)
+                self._requeue(s, pack, error or "job failed", report)
             elif state == JobState.missing:
                 if self._running_on_live_worker(pack, live):
                     continue  # e.g. Redis restarted under a running job: its worker goes on
-                self._requeue(pack, "job vanished from the queue", report)
+                self._requeue(s, pack, "job vanished from the queue", report)
             elif state == JobState.finished:
                 s.refresh(pack)  # the job ended: its own status is the truth
                 if pack.status in (PackStatus.queued, PackStatus.running):
-                    self._requeue(pack, "job ended without finishing the pack", report)
+                    self._requeue(s, pack, "job ended without finishing the pack", report)
             elif (
                 pack.status == PackStatus.running
                 and pack.worker_name is not None
                 and pack.worker_name not in live
                 and pack.worker_name != self.dispatcher.embedded_worker
             ):
-                self._requeue(pack, f"worker {pack.worker_name} stopped sending heartbeats", report)
+                self._requeue(
+                    s, pack, f"worker {pack.worker_name} stopped sending heartbeats", report
+                )
 
     def _running_on_live_worker(self, pack: Pack, live: set[str]) -> bool:
         """The pack is running on an RQ worker that still sends heartbeats.
@@ -183,11 +185,10 @@ class Scheduler:
         )
 
     @staticmethod
-    def _requeue(pack: Pack, reason: str, report: TickReport) -> None:
+    def _requeue(s: Session, pack: Pack, reason: str, report: TickReport) -> None:
         log.info("pack %s back to pending: %s", pack.id, reason)
-        pack.status = PackStatus.pending
-        pack.error = reason
-        report.requeued += 1
+        if store.move_pack(s, pack, PackStatus.pending, error=reason):
+            report.requeued += 1
 
     def _advance(
         self,
@@ -215,9 +216,8 @@ class Scheduler:
                 report.planned += len(plan.packs)
         except (KeyError, ValueError) as exc:  # e.g. a workload no longer registered
             log.error("study %s failed: %s", study.id, exc)
-            store.set_study_status(s, study, StudyStatus.failed, error=str(exc))
+            store.move_study(s, study, StudyStatus.failed, error=str(exc))
             lifecycle.cancel_rest(s, study)
-            study.status = StudyStatus.failed
 
     @staticmethod
     def _cancelled(s: Session) -> None:
@@ -239,24 +239,24 @@ class Scheduler:
                 self._fail(s, pack)
                 report.failed_packs += 1
                 continue
-            pack.attempts += 1
-            pack.job_id = job_id_for(pack.id, pack.attempts)
-            pack.status = PackStatus.queued
-            pack.enqueued_at = now
-            out.append((pack.id, pack.job_id))
+            attempt = pack.attempts + 1
+            job_id = job_id_for(pack.id, attempt)
+            if store.move_pack(
+                s, pack, PackStatus.queued, attempts=attempt, job_id=job_id, enqueued_at=now
+            ):
+                out.append((pack.id, job_id))
         report.dispatched = len(out)
         return out
 
     @staticmethod
     def _fail(s: Session, pack: Pack) -> None:
         error = f"pack {pack.id} failed after {pack.attempts} attempts: {pack.error}"
-        pack.status = PackStatus.failed
-        pack.finished_at = _now()
         ids = [m.trial_id for m in pack.members]
-        for trial in s.scalars(select(Trial).where(Trial.id.in_(ids))):
-            if trial.status in (TrialStatus.queued, TrialStatus.running):
-                trial.status = TrialStatus.failed
-                trial.error = error
+        store.move_pack(s, pack, PackStatus.failed)
+        store.move_trials(
+            s, ids, TrialStatus.failed,
+            only_from=(TrialStatus.queued, TrialStatus.running), error=error,
+        )  # fmt: skip
 
     # -- the loop ---------------------------------------------------------------------------
 

@@ -104,8 +104,9 @@ def test_running_studies_cancel_finished_ones_conflict(client: TestClient) -> No
     running = client.post("/api/studies", json=spec()).json()["id"]
     done = client.post("/api/studies", json=spec()).json()["id"]
     with session_scope(client.app.state.sessionmaker) as s:  # type: ignore[attr-defined]
-        store.set_study_status(s, store.get_study(s, running), StudyStatus.running)
-        store.set_study_status(s, store.get_study(s, done), StudyStatus.completed)
+        store.move_study(s, store.get_study(s, running), StudyStatus.running)
+        store.move_study(s, store.get_study(s, done), StudyStatus.running)
+        store.move_study(s, store.get_study(s, done), StudyStatus.completed)
     assert client.post(f"/api/studies/{running}/cancel").json()["status"] == "cancelled"
     conflict = client.post(f"/api/studies/{done}/cancel")
     assert conflict.status_code == 409
@@ -424,7 +425,7 @@ def populate(factory: Any, study_id: int) -> dict[int, int]:
             s, study_id=study_id, members=[(ids[7], key, 1.0, 3.0)], parent_id=first.id
         )
         study = store.get_study(s, study_id)
-        store.set_study_status(s, study, StudyStatus.running)
+        store.move_study(s, study, StudyStatus.running)
     return ids
 
 
@@ -450,7 +451,7 @@ def test_study_summary_progress_and_best(populated: tuple[TestClient, int, dict[
     with session_scope(client.app.state.sessionmaker) as s:  # type: ignore[attr-defined]
         best = store.get_study(s, study_id)
         best.best_trial_id = ids[3]
-        store.set_study_status(s, best, StudyStatus.completed)
+        store.move_study(s, best, StudyStatus.completed)
     # Written as the scheduler would, not through the API: seen once the read cache expires.
     time.sleep(get_settings().read_cache_seconds)
     study = client.get(f"/api/studies/{study_id}").json()

@@ -65,6 +65,7 @@ def seed_study(url: str) -> int:
             pack = store.create_pack(
                 s, study_id=study.id, members=[(t.id, key, 0.0, 1.0) for t in trials[:3]]
             )
+            store.move_pack(s, pack, PackStatus.running)
             store.finish_pack(s, pack, PackStatus.completed, train_seconds=0.5)
             return study.id
     finally:

@@ -1,6 +1,6 @@
 """Rung decisions and planning read and write in bulk, with the same results on both databases.
 
-The store's bulk helpers (:class:`~service.store.TrialBrief` rows, ``set_trials``,
+The store's bulk helpers (:class:`~service.store.TrialBrief` rows, ``move_trials``,
 ``id_in``, many-row inserts, which go through ``unnest()`` arrays on PostgreSQL)
 across SQLite's chunk size, and a whole study driven by the real scheduler whose
 promotions and best trial must equal what ``hyperband.promote`` decides from the
@@ -76,9 +76,13 @@ def test_bulk_helpers_past_sqlite_chunk(factory: Factory) -> None:
         assert ids == sorted(ids) and len(ids) == N + 1
         config = s.scalar(select(Trial.config).where(Trial.sample_index == 7))
         assert config == {"lr": 7 / N, "tag": "é7"}
-        store.set_trials(s, ids[1:], status=TrialStatus.paused, rung=1)
-        store.set_trials(s, ids[:1], status=TrialStatus.failed, error="e")
-        store.set_trials(s, [], status=TrialStatus.cancelled)  # nothing to do
+        # pending -> queued -> running -> paused, each move in bulk past the SQLite chunk
+        for to in (TrialStatus.queued, TrialStatus.running, TrialStatus.paused):
+            assert store.move_trials(s, ids[1:], to) == N
+        store.set_trials(s, ids[1:], rung=1)
+        assert store.move_trials(s, ids[:1], TrialStatus.failed, error="e") == 1
+        assert store.move_trials(s, [], TrialStatus.cancelled) == 0  # nothing to do
+        assert store.move_trials(s, ids[:1], TrialStatus.completed) == 0  # failed is final
     with session_scope(factory) as s:
         counts = store.count_trials_by_status(s, study_id)
         assert counts[TrialStatus.paused] == N and counts[TrialStatus.failed] == 1

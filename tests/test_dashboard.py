@@ -213,7 +213,9 @@ def fill_finished_study(url: str, spec: dict[str, Any]) -> int:
                     alive = sorted(keep, key=lambda t: t.id)
             assert best is not None
             study.best_trial_id = best[1]
-            store.set_study_status(s, study, StudyStatus.completed)
+            if study.status is StudyStatus.pending:
+                store.move_study(s, study, StudyStatus.running)
+            store.move_study(s, study, StudyStatus.completed)
             study.finished_at = max(clock.values())
             return study.id
     finally:

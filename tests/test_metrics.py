@@ -101,8 +101,9 @@ def populate(factory: Any) -> None:
         running = store.create_study(s, name="a", workload="digits-mlp", spec=SPEC, seed=0)
         done = store.create_study(s, name="b", workload="digits-mlp", spec=SPEC, seed=0)
         store.create_study(s, name="c", workload="digits-mlp", spec=SPEC, seed=0)  # pending
-        store.set_study_status(s, running, StudyStatus.running)
-        store.set_study_status(s, done, StudyStatus.completed)
+        store.move_study(s, running, StudyStatus.running)
+        store.move_study(s, done, StudyStatus.running)
+        store.move_study(s, done, StudyStatus.completed)
         store.add_trials(s, running.id, _trials(3, TrialStatus.running))
         store.add_trials(s, done.id, _trials(4, TrialStatus.completed))
         trial = store.trials_of(s, running.id)[0].id

@@ -206,7 +206,7 @@ def test_cancel_stops_dispatch_and_cancels_the_rest(db: None) -> None:
     sched = scheduler(dispatcher)
     sched.tick()
     with session_scope(get_sessionmaker()) as s:
-        store.set_study_status(s, store.get_study(s, study_id), StudyStatus.cancelled)
+        store.move_study(s, store.get_study(s, study_id), StudyStatus.cancelled)
     sent = len(dispatcher.enqueued)
     sched.tick()
     assert len(dispatcher.enqueued) == sent

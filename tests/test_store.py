@@ -8,10 +8,12 @@ tests never touch tables other test modules use.
 from __future__ import annotations
 
 import math
+import re
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -19,7 +21,7 @@ from sqlalchemy import func, select, text, update
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
-from packtune.errors import NotFound, StoreUnavailable
+from packtune.errors import Conflict, NotFound, StoreUnavailable
 from service import store
 from service.db import (
     dispose_engines,
@@ -146,12 +148,15 @@ def test_studies_create_get_list(factory: Factory) -> None:
 def test_study_status_times(factory: Factory) -> None:
     with session_scope(factory) as s:
         study = new_study(s)
-        store.set_study_status(s, study, StudyStatus.running)
+        store.move_study(s, study, StudyStatus.running)
         started = study.started_at
         assert started is not None and study.finished_at is None
-        store.set_study_status(s, study, StudyStatus.running)
+        with pytest.raises(Conflict):  # running is not a move from running
+            store.move_study(s, study, StudyStatus.running)
         assert study.started_at == started
-        store.set_study_status(s, study, StudyStatus.failed, error="boom")
+        store.move_study(s, study, StudyStatus.failed, error="boom")
+        with pytest.raises(Conflict):  # finished studies are not modified
+            store.move_study(s, study, StudyStatus.cancelled)
         study_id = study.id
     with session_scope(factory) as s:
         study = store.get_study(s, study_id)
@@ -339,7 +344,8 @@ def test_pack_life_cycle(factory: Factory) -> None:
         )
         with pytest.raises(ValueError):
             store.finish_pack(s, claimed, PackStatus.running)
-        store.finish_pack(s, claimed, PackStatus.completed, peak_bytes=99, train_seconds=1.5)
+        assert store.finish_pack(s, claimed, PackStatus.completed, peak_bytes=99, train_seconds=1.5)
+        assert not store.finish_pack(s, claimed, PackStatus.failed)  # closed already
     with session_scope(factory) as s:
         done = store.get_pack(s, pack_id)
         assert (done.status, done.peak_bytes, done.train_seconds) == (
@@ -557,3 +563,81 @@ def test_timestamps_are_utc(factory: Factory) -> None:
         beat = s.scalars(select(Worker.last_heartbeat)).one()
         assert beat.utcoffset() == timedelta(0) and beat.tzinfo is not None
         assert beat.astimezone(UTC) <= utcnow()
+
+
+# -- status transitions ---------------------------------------------------------------------
+
+
+def test_final_statuses_never_move() -> None:
+    """Finished trials, packs and studies are not modified (no move leads out of them)."""
+    tables = ((store.TRIAL_FROM, TrialStatus), (store.PACK_FROM, PackStatus),
+              (store.STUDY_FROM, StudyStatus))  # fmt: skip
+    for table, enum in tables:
+        sources = set().union(*table.values())
+        final = {status for status in enum if status not in sources}
+        assert final, enum
+        for status in final:
+            assert all(status not in froms for froms in table.values()), status
+    assert {TrialStatus.completed, TrialStatus.stopped, TrialStatus.failed,
+            TrialStatus.diverged, TrialStatus.cancelled} <= {
+        st for st in TrialStatus if st not in set().union(*store.TRIAL_FROM.values())
+    }  # fmt: skip
+    assert store.FINISHED_PACK == {
+        st for st in PackStatus if st not in set().union(*store.PACK_FROM.values())
+    }
+
+
+def test_moves_touch_only_trials_that_may_make_them(factory: Factory) -> None:
+    """A worker's late write does not revive a trial cancelled meanwhile, and a guard can be
+    narrowed by the caller."""
+    with session_scope(factory) as s:
+        study = new_study(s)
+        store.add_trials(s, study.id, trial_rows(range(4)))
+        ids = [t.id for t in store.trials_of(s, study.id)]
+        assert store.move_trials(s, ids, TrialStatus.queued) == 4
+        assert store.move_trials(s, ids, TrialStatus.running) == 4
+        assert store.move_trials(s, ids[:1], TrialStatus.cancelled) == 1
+        # the unit ends: only running trials pause; the cancelled one stays cancelled
+        assert store.move_trials(s, ids, TrialStatus.paused, resource_done=1.0) == 3
+        assert store.move_trials(s, ids[1:2], TrialStatus.failed) == 0  # paused cannot fail
+        assert store.move_trials(s, ids, TrialStatus.pending, only_from=[TrialStatus.running]) == 0
+        assert store.move_trials(s, ids[1:2], TrialStatus.pending, rung=1) == 1  # promoted
+        study_id = study.id
+    with session_scope(factory) as s:
+        got = {t.id: (t.status, t.resource_done, t.rung) for t in store.trials_of(s, study_id)}
+    assert got == {
+        ids[0]: (TrialStatus.cancelled, 0.0, 0),
+        ids[1]: (TrialStatus.pending, 1.0, 1),
+        ids[2]: (TrialStatus.paused, 1.0, 0),
+        ids[3]: (TrialStatus.paused, 1.0, 0),
+    }
+
+
+def test_a_finished_pack_is_not_finished_again(factory: Factory) -> None:
+    with session_scope(factory) as s:
+        study = new_study(s)
+        store.add_trials(s, study.id, trial_rows(range(1)))
+        trial = store.trials_of(s, study.id)[0]
+        pack = store.create_pack(s, study_id=study.id, members=[(trial.id, "f", 0.0, 1.0)])
+        assert not store.finish_pack(s, pack, PackStatus.completed)  # never claimed
+        assert store.claim_pack(s, pack.id, worker_name="w", device="w/cpu") is not None
+        assert store.finish_pack(s, pack, PackStatus.split, error="oom")
+        assert not store.move_pack(s, pack, PackStatus.pending)  # a late retry: refused
+        assert not store.claim_pack(s, pack.id, worker_name="w2", device="w2/cpu")
+        assert (pack.status, pack.error) == (PackStatus.split, "oom")
+
+
+def test_only_the_transitions_module_writes_a_status() -> None:
+    """One owner for every status change: no other module assigns or updates ``status``."""
+    root = Path(__file__).resolve().parents[1]
+    owner = root / "service" / "store" / "transitions.py"
+    assigned = re.compile(r"\.status\s*=(?!=)|\.values\([^)]*\bstatus\s*=")
+    offenders = [
+        f"{path.relative_to(root)}:{n}"
+        for folder in ("packtune", "service", "worker")
+        for path in (root / folder).rglob("*.py")
+        if path != owner
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if assigned.search(line) and "Worker" not in line and "worker" not in line.split("=")[0]
+    ]
+    assert not offenders, offenders

@@ -107,15 +107,14 @@ def _mark_done(job: ArrayJob, done: dict[int, str]) -> None:
 
     def write(s: Session) -> None:
         for trial_id, path in done.items():
-            trial = store.get_trial(s, trial_id)
-            if trial.status != TrialStatus.running:
-                continue  # cancelled meanwhile
-            trial.resource_done = job.to_resource
-            trial.checkpoint_path = path
             at_rung = job.to_resource >= targets[trial_id] or math.isclose(
                 job.to_resource, targets[trial_id], rel_tol=1e-9
             )
-            trial.status = TrialStatus.paused if at_rung else TrialStatus.pending
+            store.move_trials(  # only from running: a trial cancelled meanwhile stays so
+                s, [trial_id], TrialStatus.paused if at_rung else TrialStatus.pending,
+                only_from=(TrialStatus.running,),
+                resource_done=job.to_resource, checkpoint_path=path,
+            )  # fmt: skip
 
     retrying(write)
 
@@ -269,9 +268,10 @@ def run_array(
                 # older finite value (and its curve shows where it ended).
                 nan = {"train_loss": math.nan}
                 store.record_measurement(s, _id(trial_id), step / spe, nan, metric=job.metric)
-                trial = store.get_trial(s, _id(trial_id))
-                trial.status = TrialStatus.diverged
-                trial.error = f"loss became non-finite at step {step}"
+                store.move_trials(
+                    s, [_id(trial_id)], TrialStatus.diverged,
+                    error=f"loss became non-finite at step {step}",
+                )  # fmt: skip
 
         retrying(write)
 

@@ -82,11 +82,14 @@ def _claim(s: Session, pack_id: int, worker: str, device: torch.device) -> list[
         store.finish_pack(s, pack, PackStatus.cancelled, error=f"study {study.status}")
         return None
     groups: dict[tuple[str, float, float], list[MemberJob]] = defaultdict(list)
+    # members still queued, or running from an earlier run of this job; not those cancelled
+    # or finished meanwhile: one UPDATE, then one read of what they need
+    store.move_trials(s, [m.trial_id for m in pack.members], TrialStatus.running)
+    trials = {t.id: t for t in store.trials_by_id(s, [m.trial_id for m in pack.members])}
     for m in pack.members:
-        trial = store.get_trial(s, m.trial_id)
-        if trial.status not in (TrialStatus.queued, TrialStatus.running):
-            continue  # cancelled, or finished by an earlier run of this job
-        trial.status = TrialStatus.running
+        trial = trials[m.trial_id]
+        if trial.status != TrialStatus.running:
+            continue
         groups[(m.fusion_key, m.from_resource, m.to_resource)].append(
             MemberJob(
                 trial_id=trial.id,
@@ -210,9 +213,7 @@ def _run_isolating(
 
 def _fail_trial(trial_id: int, error: str) -> None:
     def write(s: Session) -> None:
-        trial = store.get_trial(s, trial_id)
-        trial.status = TrialStatus.failed
-        trial.error = error
+        store.move_trials(s, [trial_id], TrialStatus.failed, error=error)
 
     retrying(write)
 
@@ -243,12 +244,13 @@ def _split_pack(
     pack = store.get_pack(s, pack_id)
     if pack.status == PackStatus.split:
         return  # an earlier try went through, but the connection broke before it heard so
-    units = []
-    for m in pack.members:
-        trial = store.get_trial(s, m.trial_id)
-        if trial.status == TrialStatus.running:
-            trial.status = TrialStatus.queued
-            units.append(Unit(m.trial_id, m.fusion_key, m.from_resource, m.to_resource))
+    statuses = {t.id: t.status for t in store.trials_by_id(s, [m.trial_id for m in pack.members])}
+    units = [
+        Unit(m.trial_id, m.fusion_key, m.from_resource, m.to_resource)
+        for m in pack.members
+        if statuses[m.trial_id] == TrialStatus.running
+    ]
+    store.move_trials(s, [u.trial_id for u in units], TrialStatus.queued)
     workload = arrays[0].workload if arrays else ""
     for key in {u.fusion_key for u in units}:
         k = sum(u.fusion_key == key for u in units)
@@ -258,10 +260,10 @@ def _split_pack(
         raised = MemoryModel(base, per).after_oom(k, capacity)
         store.set_memory_model(s, workload, key, kind, raised.base, raised.per_trial)
     if len(units) < 2:
-        for u in units:
-            trial = store.get_trial(s, u.trial_id)
-            trial.status = TrialStatus.failed
-            trial.error = f"out of memory even alone on {kind}: {error}"
+        store.move_trials(
+            s, [u.trial_id for u in units], TrialStatus.failed,
+            error=f"out of memory even alone on {kind}: {error}",
+        )  # fmt: skip
         store.finish_pack(s, pack, PackStatus.failed, error=error)
         return
     for half in split_in_two(units):
@@ -277,12 +279,9 @@ def _back_to_pending(pack_id: int, error: str) -> None:
 
     def write(s: Session) -> None:
         pack = store.get_pack(s, pack_id)
-        for m in pack.members:
-            trial = store.get_trial(s, m.trial_id)
-            if trial.status == TrialStatus.running:
-                trial.status = TrialStatus.queued
-        pack.status = PackStatus.pending
-        pack.error = error
+        members = [m.trial_id for m in pack.members]
+        store.move_trials(s, members, TrialStatus.queued, only_from=(TrialStatus.running,))
+        store.move_pack(s, pack, PackStatus.pending, error=error)
 
     try:
         retrying(write)

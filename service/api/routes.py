@@ -72,7 +72,7 @@ def cancel_study(
     s.refresh(study, with_for_update=True)  # PostgreSQL: no status change slips in between
     if study.status not in CANCELLABLE:
         raise Conflict(f"study {study_id} is {study.status.value}; it can no longer be cancelled")
-    store.set_study_status(s, study, StudyStatus.cancelled)
+    store.move_study(s, study, StudyStatus.cancelled)
     background.add_task(bus.study_changed, settings)
     return queries.study_summary(s, study_id)
 

@@ -2,7 +2,8 @@
 
 Callers use ``from service import store`` and ``store.<function>``; the functions
 live in :mod:`.studies`, :mod:`.trials` (with measurements and promotions),
-:mod:`.packs` and :mod:`.fleet` (workers, profiles, leases), and
+:mod:`.packs` and :mod:`.fleet` (workers, profiles, leases); :mod:`.transitions`
+owns every status change (the allowed moves and the guarded writes), and
 :mod:`._sql` holds what the two backends write differently.
 
 Each function takes a :class:`~sqlalchemy.orm.Session` first, flushes but
@@ -31,7 +32,6 @@ from service.store.fleet import (
 )
 from service.store.packs import (
     CLAIMABLE_PACK,
-    FINISHED_PACK,
     claim_pack,
     create_pack,
     finish_pack,
@@ -40,15 +40,25 @@ from service.store.packs import (
     queue_pack,
 )
 from service.store.studies import (
-    FINISHED_STUDY,
     create_study,
     delete_study,
     get_study,
     list_studies,
-    set_study_status,
+)
+from service.store.transitions import (
+    FINISHED_PACK,
+    FINISHED_STUDY,
+    PACK_FROM,
+    STUDY_FROM,
+    TRIAL_FROM,
+    UPDATE_CHUNK,
+    move_pack,
+    move_study,
+    move_study_packs,
+    move_study_trials,
+    move_trials,
 )
 from service.store.trials import (
-    UPDATE_CHUNK,
     TrialBrief,
     add_trials,
     brackets_summary,
@@ -62,6 +72,7 @@ from service.store.trials import (
     record_promotions,
     set_trials,
     trial_briefs,
+    trials_by_id,
     trials_of,
 )
 
@@ -88,6 +99,14 @@ __all__ = [
     "list_studies",
     "live_workers",
     "mark_dead_workers",
+    "move_pack",
+    "move_study",
+    "move_study_packs",
+    "move_study_trials",
+    "move_trials",
+    "PACK_FROM",
+    "STUDY_FROM",
+    "TRIAL_FROM",
     "measurements_of",
     "packs_of",
     "promotions_of",
@@ -98,11 +117,11 @@ __all__ = [
     "record_throughput",
     "release_lease",
     "set_memory_model",
-    "set_study_status",
     "set_trials",
     "THROUGHPUT_SMOOTHING",
     "trial_briefs",
     "TrialBrief",
+    "trials_by_id",
     "trials_of",
     "UPDATE_CHUNK",
 ]

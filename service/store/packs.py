@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from sqlalchemy import (
     select,
-    update,
 )
 from sqlalchemy.orm import Session
 
@@ -18,11 +18,9 @@ from service.models import (
     utcnow,
 )
 from service.store._sql import fresh, insert_rows, statuses
+from service.store.transitions import FINISHED_PACK, move_pack
 
 CLAIMABLE_PACK = (PackStatus.pending, PackStatus.queued)
-FINISHED_PACK = frozenset(
-    {PackStatus.completed, PackStatus.failed, PackStatus.split, PackStatus.cancelled}
-)
 
 
 # -- packs --------------------------------------------------------------------
@@ -80,13 +78,7 @@ def packs_of(
 
 def queue_pack(s: Session, pack_id: int, *, job_id: str | None = None) -> bool:
     """Move a ``pending`` pack to ``queued``; False if it was not pending (someone queued it)."""
-    stmt = (
-        update(Pack)
-        .where(Pack.id == pack_id, Pack.status == PackStatus.pending)
-        .values(status=PackStatus.queued, job_id=job_id, enqueued_at=utcnow())
-        .returning(Pack.id)
-    )
-    return s.execute(stmt).first() is not None
+    return move_pack(s, pack_id, PackStatus.queued, job_id=job_id, enqueued_at=utcnow())
 
 
 def claim_pack(s: Session, pack_id: int, *, worker_name: str, device: str) -> Pack | None:
@@ -95,21 +87,11 @@ def claim_pack(s: Session, pack_id: int, *, worker_name: str, device: str) -> Pa
     Attempts are counted when the scheduler dispatches, not here. Returns None when the
     pack is not claimable: another worker has it, or it finished or was cancelled.
     """
-    stmt = (
-        update(Pack)
-        .where(Pack.id == pack_id, Pack.status.in_(CLAIMABLE_PACK))
-        .values(
-            status=PackStatus.running,
-            worker_name=worker_name,
-            device=device,
-            started_at=utcnow(),
-        )
-        .returning(Pack.id)
-        .execution_options(synchronize_session=False)
-    )
-    if s.execute(stmt).first() is None:
-        return None
-    return s.get(Pack, pack_id, populate_existing=True)
+    claimed = move_pack(
+        s, pack_id, PackStatus.running, only_from=CLAIMABLE_PACK,
+        worker_name=worker_name, device=device, started_at=utcnow(),
+    )  # fmt: skip
+    return s.get(Pack, pack_id, populate_existing=True) if claimed else None
 
 
 def finish_pack(
@@ -120,16 +102,12 @@ def finish_pack(
     peak_bytes: int | None = None,
     train_seconds: float | None = None,
     error: str | None = None,
-) -> None:
-    """Close a pack with a final status (completed, failed, split or cancelled)."""
+) -> bool:
+    """Close a pack with a final status (completed, failed, split or cancelled); False when
+    it had been closed already."""
     if status not in FINISHED_PACK:
         raise ValueError(f"finish_pack needs a final status, not {status!r}")
-    pack.status = status
-    pack.finished_at = utcnow()
-    if peak_bytes is not None:
-        pack.peak_bytes = peak_bytes
-    if train_seconds is not None:
-        pack.train_seconds = train_seconds
-    if error is not None:
-        pack.error = error
-    s.flush()
+    values: dict[str, Any] = {
+        "peak_bytes": peak_bytes, "train_seconds": train_seconds, "error": error
+    }  # fmt: skip
+    return move_pack(s, pack, status, **{k: v for k, v in values.items() if v is not None})

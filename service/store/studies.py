@@ -1,4 +1,4 @@
-"""Studies: create, read, list, change status, delete."""
+"""Studies: create, read, list, delete (status changes: :mod:`.transitions`)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,8 @@ from sqlalchemy import (
 from sqlalchemy.orm import Session
 
 from packtune.errors import NotFound, SpecError
-from service.models import (
-    Study,
-    StudyStatus,
-    utcnow,
-)
-
-FINISHED_STUDY = frozenset({StudyStatus.completed, StudyStatus.failed, StudyStatus.cancelled})
-
+from service.models import Study, StudyStatus
+from service.store.transitions import FINISHED_STUDY as FINISHED_STUDY
 
 # -- studies ------------------------------------------------------------------
 
@@ -45,22 +39,6 @@ def list_studies(s: Session, *, limit: int = 100, offset: int = 0) -> tuple[list
     total = s.scalar(select(func.count()).select_from(Study)) or 0
     page = s.scalars(select(Study).order_by(Study.id.desc()).limit(limit).offset(offset))
     return list(page), total
-
-
-def set_study_status(
-    s: Session, study: Study, status: StudyStatus, *, error: str | None = None
-) -> None:
-    """Set ``status``: the first move to running stamps ``started_at``, a final status
-    ``finished_at``."""
-    now = utcnow()
-    study.status = status
-    if status is StudyStatus.running and study.started_at is None:
-        study.started_at = now
-    if status in FINISHED_STUDY:
-        study.finished_at = now
-    if error is not None:
-        study.error = error
-    s.flush()
 
 
 def delete_study(s: Session, study_id: int) -> None:
