@@ -42,6 +42,7 @@ from packtune.dispatcher import JobState
 from packtune.rungs import rung_resource
 from packtune.settings import Settings
 from packtune.space import fusion_key
+from packtune.spec import StoredSpec
 from packtune.workloads import get_workload
 from service import store
 from service.db import make_engine, session_factory, session_scope, upgrade
@@ -139,7 +140,8 @@ def complete_dispatched(factory: sessionmaker[Session], rng: random.Random) -> i
             sa.select(Trial.id, Trial.bracket, Trial.rung).where(Trial.id.in_(list(to)))
         )
         # as the worker does: paused at the trial's rung, pending after a segment short of it
-        at_rung = {tid: to[tid] >= rung_resource(study.spec, b, r) for tid, b, r in trials}
+        spec = StoredSpec.of(study.spec)
+        at_rung = {tid: to[tid] >= rung_resource(spec, b, r) for tid, b, r in trials}
         rows = [{"trial_id": tid, "resource": r,
                  "metrics": {"val_loss": 2.0 / (1 + math.log1p(r)) + rng.random()}}
                 for tid, r in to.items()]  # fmt: skip

@@ -14,6 +14,8 @@ no database, no torch (workloads are looked up by name only).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -134,6 +136,46 @@ class StudySpec(_Strict):
         """Hyperband's plan for this spec (see :func:`packtune.hyperband.plan_brackets`)."""
         hb = self.hyperband
         return plan_brackets(hb.max_resource, hb.eta, hb.min_resource)
+
+
+@dataclass(frozen=True)
+class StoredSpec:
+    """A stored study's spec (the JSON of a validated :class:`StudySpec`) read once into
+    typed, frozen fields, with :class:`StudySpec`'s defaults for anything it lacks.
+
+    It is not validated again: it was when the study was created. The scheduler, the
+    workers and the read side take every setting from here (``spec.objective.metric``,
+    ``spec.hyperband.eta``, ``spec.brackets``), never from the raw JSON.
+    """
+
+    workload: str
+    objective: Objective
+    hyperband: HyperbandSettings
+    packing: PackingSettings
+    space: Mapping[str, Any]
+    seed: int
+
+    @classmethod
+    def of(cls, spec: Mapping[str, Any]) -> StoredSpec:
+        hb = dict(spec.get("hyperband") or {})
+        return cls(
+            workload=str(spec.get("workload", "")),
+            objective=Objective.model_construct(**(spec.get("objective") or {})),
+            hyperband=HyperbandSettings.model_construct(
+                **{k: v for k, v in hb.items() if k in HyperbandSettings.model_fields}
+            ),
+            packing=PackingSettings.model_construct(**(spec.get("packing") or {})),
+            space=spec.get("space") or {},
+            seed=int(spec.get("seed", 0)),
+        )
+
+    @property
+    def brackets(self) -> list[list[Rung]]:
+        """Hyperband's plan, highest ``s`` first (cached per setting; treat as read-only)."""
+        from packtune.rungs import plan  # packtune.rungs reads StoredSpec: imported here
+
+        hb = self.hyperband
+        return plan(float(hb.max_resource), int(hb.eta), float(hb.min_resource))
 
 
 def _workloads() -> dict[str, Any]:

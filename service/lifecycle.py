@@ -17,8 +17,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from packtune.hyperband import promote, rank
-from packtune.rungs import brackets_of, rung_resource
+from packtune.rungs import rung_resource
 from packtune.space import fusion_key, parse_space, sample_config
+from packtune.spec import StoredSpec
 from packtune.workloads import get_workload
 from service import store
 from service.models import (
@@ -51,10 +52,10 @@ def start_study(s: Session, study: Study) -> tuple[int, bool]:
     """Sample the study's next :data:`SAMPLE_CHUNK` trials (deterministic from the seed, in
     sample-index order, bracket by bracket); once every trial of every bracket is there, mark
     the study running. Returns (trials inserted, whether sampling is complete)."""
-    spec = study.spec
+    spec = StoredSpec.of(study.spec)
     workload = get_workload(study.workload)
-    space = parse_space(spec.get("space", {}))
-    brackets = brackets_of(spec)
+    space = parse_space(spec.space)
+    brackets = spec.brackets
     s_max = len(brackets) - 1
     slots = [s_max - j for j, rungs in enumerate(brackets) for _ in range(rungs[0].n)]
     have = sum(store.count_trials_by_status(s, study.id).values())
@@ -121,10 +122,8 @@ def advance_brackets(s: Session, study: Study) -> Advance:
     Only the brackets that can be decided are read, as :class:`~service.store.TrialBrief`
     rows (no configs), and written back with bulk UPDATEs.
     """
-    spec = study.spec
-    eta = int(spec["hyperband"].get("eta", 3))
-    metric = spec.get("objective", {}).get("metric", "val_loss")
-    mode = spec.get("objective", {}).get("mode", "min")
+    spec = StoredSpec.of(study.spec)
+    eta, metric, mode = int(spec.hyperband.eta), spec.objective.metric, spec.objective.mode
     out = Advance()
     for bracket, counts in store.brackets_summary(s, study.id).items():
         if any(counts[st] for st in ACTIVE) or not counts[TrialStatus.paused]:
@@ -169,10 +168,9 @@ def advance_brackets(s: Session, study: Study) -> Advance:
 
 def best_trial(s: Session, study: Study) -> tuple[int, float] | None:
     """The best trial at max resource by the objective (finite values only)."""
-    spec = study.spec
-    max_resource = float(spec["hyperband"]["max_resource"])
-    metric = spec.get("objective", {}).get("metric", "val_loss")
-    mode = spec.get("objective", {}).get("mode", "min")
+    spec = StoredSpec.of(study.spec)
+    max_resource = float(spec.hyperband.max_resource)
+    metric, mode = spec.objective.metric, spec.objective.mode
     finals = store.trial_briefs(s, study.id, status=TrialStatus.completed)
     where = [Trial.study_id == study.id, Trial.status == TrialStatus.completed]
     values = _values_at(s, [t.id for t in finals], where, max_resource, metric)

@@ -8,7 +8,6 @@ caller's transaction.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -23,6 +22,7 @@ from packtune.packing import (
 )
 from packtune.rungs import rung_resource, unit_end
 from packtune.settings import Settings
+from packtune.spec import StoredSpec
 from service import store
 from service.models import Pack, PackMember, PackStatus, Profile, Study, TrialStatus, Worker
 
@@ -114,15 +114,13 @@ def plan_study(
     if not free:
         return None
     kind = devices[free[0].name][1]  # one device kind per plan; mixed fleets use the first
-    packing: dict[str, Any] = study.spec.get("packing") or {}
-    cap = packing.get("max_pack_size")
-    if not packing.get("enabled", True):
-        cap = 1
+    spec = StoredSpec.of(study.spec)
+    cap = spec.packing.max_pack_size if spec.packing.enabled else 1
     profiles = _profiles(s, study.workload, kind)
     units = []
     for t in pending:
-        target = rung_resource(study.spec, t.bracket, t.rung)
-        end = unit_end(study.spec, t.resource_done, target)
+        target = rung_resource(spec, t.bracket, t.rung)
+        end = unit_end(spec, t.resource_done, target)
         units.append(Unit(t.id, t.fusion_key, t.resource_done, end))
     units = _probe_first(units, profiles, _in_flight_keys(s, study.id))
     # bounded work per tick: the rest is planned by the next tick, which the loop runs at

@@ -20,9 +20,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from packtune.dispatcher import JobState
 from packtune.hyperband import promote
-from packtune.rungs import brackets_of, rung_resource
+from packtune.rungs import rung_resource
 from packtune.settings import Settings
 from packtune.space import fusion_key
+from packtune.spec import StoredSpec
 from packtune.workloads import get_workload
 from service import lifecycle, planning, store
 from service import scheduler as scheduler_module
@@ -192,7 +193,7 @@ def finish_queued_packs(s: Session) -> int:
         i, r = index[member.trial_id], member.to_resource
         store.record_measurement(s, member.trial_id, r, {"val_loss": math.nan if diverges(i)
                                                          else loss(i, r)})  # fmt: skip
-        at_rung = r >= rung_resource(SPEC, *place[member.trial_id])
+        at_rung = r >= rung_resource(StoredSpec.of(SPEC), *place[member.trial_id])
         status = (
             TrialStatus.diverged
             if diverges(i)
@@ -209,7 +210,7 @@ def finish_queued_packs(s: Session) -> int:
 def expected(brackets: dict[int, list[int]]) -> tuple[list[tuple[int, int, int]], int]:
     """(bracket, rung, sample index) of every promotion, and the best sample index, from
     ``promote`` over the same losses."""
-    plan = brackets_of(SPEC)
+    plan = StoredSpec.of(SPEC).brackets
     out, finals = [], []
     for bracket, members in sorted(brackets.items()):
         rungs = plan[len(plan) - 1 - bracket]

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import pytest
 
 from packtune.errors import SpecError
-from packtune.spec import MAX_TRIALS, StudySpec, validate_spec
+from packtune.spec import MAX_TRIALS, StoredSpec, StudySpec, validate_spec
 
 GOOD: dict[str, Any] = {
     "name": "digits-mlp-lr",
@@ -121,3 +122,20 @@ def test_the_trial_cap_counts_every_bracket() -> None:
     assert 8192 < ok.total_trials() <= MAX_TRIALS
     too_many = rejected(with_("hyperband", {"max_resource": 10_000, "min_resource": 0.01}))
     assert too_many.field == "hyperband"
+
+
+def test_a_stored_spec_is_read_once_into_typed_fields_with_the_specs_defaults() -> None:
+    stored = validate_spec(copy.deepcopy(GOOD)).model_dump(mode="json")
+    spec = StoredSpec.of(stored)
+    assert (spec.workload, spec.seed) == (GOOD["workload"], GOOD["seed"])
+    assert spec.hyperband == validate_spec(copy.deepcopy(GOOD)).hyperband
+    assert spec.brackets == validate_spec(copy.deepcopy(GOOD)).brackets()
+    assert spec.packing.align_rungs is True
+    # an old or partial row: StudySpec's defaults, not a second copy of them
+    bare = StoredSpec.of({"hyperband": {"max_resource": 9}})
+    assert (bare.objective.metric, bare.objective.mode) == ("val_loss", "min")
+    assert (bare.hyperband.eta, bare.hyperband.min_resource) == (3, 1.0)
+    assert (bare.packing.enabled, bare.packing.max_pack_size) == (True, None)
+    assert [len(b) for b in bare.brackets] == [3, 2, 1]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        bare.seed = 1  # type: ignore[misc]

@@ -36,10 +36,10 @@ import torch
 from sqlalchemy.orm import Session
 
 from packtune.errors import StoreUnavailable
-from packtune.objective import objective_of
 from packtune.packing import MemoryModel, Unit, split_in_two
 from packtune.rungs import rung_resource
 from packtune.settings import get_settings
+from packtune.spec import StoredSpec
 from service import store
 from service.db import retrying
 from service.models import PackStatus, StudyStatus, TrialStatus
@@ -78,6 +78,7 @@ def _claim(s: Session, pack_id: int, worker: str, device: torch.device) -> list[
     if pack is None:
         return None
     study = store.get_study(s, pack.study_id)
+    spec = StoredSpec.of(study.spec)
     if study.status in (StudyStatus.cancelled, StudyStatus.failed, StudyStatus.completed):
         store.finish_pack(s, pack, PackStatus.cancelled, error=f"study {study.status}")
         return None
@@ -97,7 +98,7 @@ def _claim(s: Session, pack_id: int, worker: str, device: torch.device) -> list[
                 config=dict(trial.config),
                 resource_done=trial.resource_done,
                 checkpoint_path=trial.checkpoint_path,
-                rung_resource=rung_resource(study.spec, trial.bracket, trial.rung),
+                rung_resource=rung_resource(spec, trial.bracket, trial.rung),
             )
         )
     return [
@@ -106,7 +107,7 @@ def _claim(s: Session, pack_id: int, worker: str, device: torch.device) -> list[
             study_id=study.id,
             study_seed=study.seed,
             workload=study.workload,
-            metric=objective_of(study.spec)[0],
+            metric=spec.objective.metric,
             fusion_key=key,
             from_resource=start,
             to_resource=end,

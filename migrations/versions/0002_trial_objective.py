@@ -20,7 +20,7 @@ from typing import Any
 import sqlalchemy as sa
 from alembic import op
 
-from packtune.objective import objective_of, value_of
+from packtune.objective import value_of
 
 revision: str = "0002"
 down_revision: str | None = "0001"
@@ -41,6 +41,12 @@ def _json(value: Any) -> Any:
     return json.loads(value) if isinstance(value, str) else value
 
 
+def _metric(spec: dict[str, Any]) -> str:
+    """The objective metric a spec named when this migration was written (its own copy:
+    a migration must not change meaning when the application's code does)."""
+    return str((spec.get("objective") or {}).get("metric", "val_loss"))
+
+
 def upgrade() -> None:
     op.add_column("trials", sa.Column("measured_resource", sa.Float(), nullable=True))
     op.add_column("trials", sa.Column("objective", sa.Float(), nullable=True))
@@ -49,7 +55,7 @@ def upgrade() -> None:
         {
             "id": trial_id,
             "resource": resource,
-            "objective": value_of(_json(metrics), objective_of(_json(spec))[0]),
+            "objective": value_of(_json(metrics), _metric(_json(spec))),
         }
         for trial_id, spec, resource, metrics in conn.execute(sa.text(LATEST))
     ]

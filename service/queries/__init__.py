@@ -17,7 +17,7 @@ Rungs can fill short of plan (trials that diverge are never promoted), so a
 completed study reports ``done = total`` rather than leave its bar unfilled.
 """
 
-from service.queries._common import Row, plan_of
+from service.queries._common import Row
 from service.queries.runs import (
     brackets,
     packs,
@@ -40,7 +40,6 @@ __all__ = [
     "leaderboard",
     "list_studies",
     "packs",
-    "plan_of",
     "Row",
     "study_summary",
     "trials",

@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 from sqlalchemy import String, func, select, type_coerce
 from sqlalchemy.orm import Session, selectinload
 
+from packtune.spec import StoredSpec
 from service import store
 from service.models import (
     Pack,
@@ -16,7 +17,7 @@ from service.models import (
     Worker,
     WorkerStatus,
 )
-from service.queries._common import Row, plan_of
+from service.queries._common import Row
 
 # -- brackets -----------------------------------------------------------------------------
 
@@ -33,7 +34,7 @@ def brackets(s: Session, study_id: int) -> list[Row]:
     strings (a study of 10,000 trials answers in tens of milliseconds).
     """
     study = store.get_study(s, study_id)
-    plan = plan_of(study.spec)
+    plan = StoredSpec.of(study.spec).brackets
     members: dict[tuple[int, int], list[Row]] = defaultdict(list)
     stmt = (
         select(Trial.id, Trial.bracket, Trial.rung, type_coerce(Trial.status, String))

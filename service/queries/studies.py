@@ -8,7 +8,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from packtune.hyperband import total_units
-from packtune.objective import objective_of
+from packtune.spec import StoredSpec
 from service import store
 from service.models import (
     Pack,
@@ -18,7 +18,7 @@ from service.models import (
     Trial,
     TrialStatus,
 )
-from service.queries._common import UNIT_FINISHED, Row, plan_of
+from service.queries._common import UNIT_FINISHED, Row
 from service.queries.trials import top_trials, trials_by_id
 
 # -- studies ------------------------------------------------------------------------------
@@ -67,8 +67,9 @@ def _summaries(s: Session, studies: list[Study]) -> list[Row]:
     best = trials_by_id(s, [st.best_trial_id for st in studies if st.best_trial_id is not None])
     out = []
     for study in studies:
-        metric, mode = objective_of(study.spec)
-        total = total_units(plan_of(study.spec))
+        spec = StoredSpec.of(study.spec)
+        metric, mode = spec.objective.metric, spec.objective.mode
+        total = total_units(spec.brackets)
         finished = total if study.status == StudyStatus.completed else min(done[study.id], total)
         best_row = best.get(study.best_trial_id) if study.best_trial_id is not None else None
         out.append(

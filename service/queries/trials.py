@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, Select, and_, func, select
 from sqlalchemy.orm import Session
 
-from packtune.objective import objective_of
+from packtune.spec import StoredSpec
 from service import store
 from service.models import (
     Measurement,
@@ -122,7 +122,7 @@ def top_trials(s: Session, study_id: int, limit: int | None = None) -> list[Row]
     """The first ``limit`` rows of :func:`leaderboard`, without counting them all (one
     statement fewer: the study summary asks for its best so far on every poll)."""
     study = store.get_study(s, study_id)
-    mode = objective_of(study.spec)[1]
+    mode = StoredSpec.of(study.spec).objective.mode
     measured = [Trial.study_id == study_id, Trial.measured_resource.is_not(None)]
     # two pages, finite objectives then the rest, each in an order the index
     # (study_id, measured_resource, objective) serves from the highest resource down

@@ -17,7 +17,8 @@ from sqlalchemy import (
 from sqlalchemy.orm import Session
 
 from packtune.errors import NotFound
-from packtune.objective import objective_of, value_of
+from packtune.objective import value_of
+from packtune.spec import StoredSpec
 from service.models import (
     Measurement,
     RungPromotion,
@@ -221,7 +222,7 @@ def _metric_of(s: Session, trial_id: int) -> str:
         )
         if spec is None:
             raise NotFound(f"trial {trial_id} not found")
-        known[trial_id] = objective_of(spec)[0]
+        known[trial_id] = StoredSpec.of(spec).objective.metric
     return known[trial_id]
 
 
