@@ -9,12 +9,8 @@ decided only when none of the bracket's trials is pending, queued or running.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
-
-from sqlalchemy import select
-from sqlalchemy.orm import Session
+from typing import TYPE_CHECKING
 
 from packtune.hyperband import promote, rank
 from packtune.rungs import rung_resource
@@ -23,13 +19,14 @@ from packtune.spec import StoredSpec
 from packtune.workloads import get_workload
 from service import store
 from service.models import (
-    Measurement,
     PackStatus,
     Study,
     StudyStatus,
-    Trial,
     TrialStatus,
 )
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
 
 ACTIVE = (TrialStatus.pending, TrialStatus.queued, TrialStatus.running)
 FINAL = (
@@ -39,6 +36,7 @@ FINAL = (
     TrialStatus.failed,
     TrialStatus.cancelled,
 )
+
 # statuses that count as "finished the current rung" when deciding promotions
 RUNG_DONE = (TrialStatus.paused, TrialStatus.diverged, TrialStatus.failed)
 
@@ -79,31 +77,6 @@ def start_study(s: Session, study: Study) -> tuple[int, bool]:
     return inserted, complete
 
 
-def _values_at(
-    s: Session, ids: Sequence[int], where: Sequence[Any], resource: float, metric: str
-) -> dict[int, float | None]:
-    """Each trial's objective value measured at ``resource`` (None when missing).
-
-    ``where`` selects (a superset of) the trials ``ids`` by their columns, so that no
-    list of thousands of ids goes into the statement; only measurements near
-    ``resource`` are read, and ``math.isclose`` decides.
-    """
-    values: dict[int, float | None] = dict.fromkeys(ids)
-    if not values:
-        return values
-    near = 2e-9 * (abs(resource) + 1)  # wider than isclose's tolerances
-    rows = s.execute(
-        select(Measurement.trial_id, Measurement.resource, Measurement.metrics)
-        .join(Trial, Trial.id == Measurement.trial_id)
-        .where(*where, Measurement.resource.between(resource - near, resource + near))
-    )
-    for trial_id, res, metrics in rows:
-        if trial_id in values and math.isclose(res, resource, rel_tol=1e-9, abs_tol=1e-9):
-            v = metrics.get(metric)
-            values[trial_id] = float(v) if isinstance(v, int | float) else None
-    return values
-
-
 def _measured_at(trial: store.TrialBrief, resource: float) -> bool:
     done = trial.measured_resource
     return done is not None and math.isclose(done, resource, rel_tol=1e-9, abs_tol=1e-9)
@@ -141,12 +114,8 @@ def advance_brackets(s: Session, study: Study) -> Advance:
         values = {t.id: t.objective for t in contenders if _measured_at(t, resource)}
         missing = [t.id for t in contenders if t.id not in values]
         if missing:  # rows written before the trials kept their objective
-            values |= _values_at(
-                s,
-                missing,
-                [Trial.study_id == study.id, Trial.bracket == bracket, Trial.rung == rung],
-                resource,
-                metric,
+            values |= store.values_at(
+                s, study.id, missing, resource, metric, bracket=bracket, rung=rung
             )
         for t in contenders:  # diverged and failed trials rank last
             if t.status != TrialStatus.paused:
@@ -172,8 +141,9 @@ def best_trial(s: Session, study: Study) -> tuple[int, float] | None:
     max_resource = float(spec.hyperband.max_resource)
     metric, mode = spec.objective.metric, spec.objective.mode
     finals = store.trial_briefs(s, study.id, status=TrialStatus.completed)
-    where = [Trial.study_id == study.id, Trial.status == TrialStatus.completed]
-    values = _values_at(s, [t.id for t in finals], where, max_resource, metric)
+    values = store.values_at(
+        s, study.id, [t.id for t in finals], max_resource, metric, status=TrialStatus.completed
+    )
     ranked = rank([(tid, v) for tid, v in values.items()], mode)
     for tid in ranked:
         v = values[tid]

@@ -8,9 +8,7 @@ caller's transaction.
 from __future__ import annotations
 
 from collections import Counter
-
-from sqlalchemy import func, select
-from sqlalchemy.orm import Session
+from typing import TYPE_CHECKING
 
 from packtune.packing import (
     Device,
@@ -24,7 +22,10 @@ from packtune.rungs import rung_resource, unit_end
 from packtune.settings import Settings
 from packtune.spec import StoredSpec
 from service import store
-from service.models import Pack, PackMember, PackStatus, Profile, Study, TrialStatus, Worker
+from service.models import PackStatus, Profile, Study, TrialStatus, Worker
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
 
 #: packs a device may have outstanding (one running, one waiting): keeps the queue short so
 #: that each plan uses the newest throughput and memory measurements
@@ -55,32 +56,6 @@ def devices_of(workers: list[Worker], settings: Settings) -> dict[str, tuple[Dev
     return out
 
 
-def outstanding(s: Session) -> Counter[str]:
-    """Packs queued or running per target device, across studies."""
-    rows = s.execute(
-        select(Pack.device, func.count()).where(Pack.status.in_(UNFINISHED)).group_by(Pack.device)
-    )
-    return Counter({str(d): int(n) for d, n in rows if d is not None})
-
-
-def _profiles(s: Session, workload: str, kind: str) -> dict[str, Profile]:
-    rows = s.scalars(
-        select(Profile).where(Profile.workload == workload, Profile.device_kind == kind)
-    )
-    return {p.fusion_key: p for p in rows}
-
-
-def _in_flight_keys(s: Session, study_id: int) -> set[str]:
-    """Fusion keys of the study's packs not yet finished."""
-    rows = s.scalars(
-        select(PackMember.fusion_key)
-        .join(Pack, Pack.id == PackMember.pack_id)
-        .where(Pack.study_id == study_id, Pack.status.in_(UNFINISHED))
-        .distinct()
-    )
-    return set(rows)
-
-
 def _probe_first(
     units: list[Unit], profiles: dict[str, Profile], in_flight: set[str]
 ) -> list[Unit]:
@@ -109,20 +84,20 @@ def plan_study(
     if not pending:
         return None
     devices = devices_of(workers, settings)
-    busy = outstanding(s)
+    busy = store.packs_per_device(s, UNFINISHED)
     free = [dev for name, (dev, _) in devices.items() if busy[name] < QUEUE_DEPTH]
     if not free:
         return None
     kind = devices[free[0].name][1]  # one device kind per plan; mixed fleets use the first
     spec = StoredSpec.of(study.spec)
     cap = spec.packing.max_pack_size if spec.packing.enabled else 1
-    profiles = _profiles(s, study.workload, kind)
+    profiles = store.profiles_of(s, study.workload, kind)
     units = []
     for t in pending:
         target = rung_resource(spec, t.bracket, t.rung)
         end = unit_end(spec, t.resource_done, target)
         units.append(Unit(t.id, t.fusion_key, t.resource_done, end))
-    units = _probe_first(units, profiles, _in_flight_keys(s, study.id))
+    units = _probe_first(units, profiles, store.fusion_keys_of_packs(s, study.id, UNFINISHED))
     # bounded work per tick: the rest is planned by the next tick, which the loop runs at
     # once (a tick that plans packs is followed by another without waiting)
     units.sort(key=lambda u: (*u.group, u.trial_id))

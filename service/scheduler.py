@@ -29,9 +29,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-
-from sqlalchemy import select
-from sqlalchemy.orm import Session, sessionmaker
+from typing import TYPE_CHECKING
 
 from packtune.dispatcher import Dispatcher, JobState, job_id_for
 from packtune.errors import StoreUnavailable
@@ -43,11 +41,14 @@ from service.models import (
     PackStatus,
     Study,
     StudyStatus,
-    Trial,
     TrialStatus,
     Worker,
     WorkerStatus,
 )
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session, sessionmaker
+
 
 log = logging.getLogger(__name__)
 
@@ -114,15 +115,9 @@ class Scheduler:
                 store.mark_dead_workers(s, timeout)
                 trusted = {w.name for w in workers}
             else:  # too soon to tell a dead worker from one we could not hear
-                trusted = set(
-                    s.scalars(select(Worker.name).where(Worker.status != WorkerStatus.dead))
-                )
+                trusted = store.worker_names(s, but=WorkerStatus.dead)
             self._reconcile(s, trusted, report)
-            for study in s.scalars(
-                select(Study)
-                .where(Study.status.in_([StudyStatus.pending, StudyStatus.running]))
-                .order_by(Study.id)
-            ):
+            for study in store.studies_with_status(s, (StudyStatus.pending, StudyStatus.running)):
                 self._advance(s, study, workers, report)
             self._cancelled(s)
             to_enqueue = self._dispatch(s, now, report)
@@ -144,10 +139,7 @@ class Scheduler:
         )  # fmt: skip
 
     def _reconcile(self, s: Session, live: set[str], report: TickReport) -> None:
-        packs = s.scalars(
-            select(Pack).where(Pack.status.in_([PackStatus.queued, PackStatus.running]))
-        )
-        for pack in packs:
+        for pack in store.packs_with_status(s, (PackStatus.queued, PackStatus.running)):
             if pack.job_id is None:
                 self._requeue(s, pack, "dispatched without a job id", report)
                 continue
@@ -221,20 +213,13 @@ class Scheduler:
 
     @staticmethod
     def _cancelled(s: Session) -> None:
-        movable = select(Trial.study_id).where(
-            Trial.status.in_([*lifecycle.ACTIVE, TrialStatus.paused])
-        )
-        studies = s.scalars(
-            select(Study).where(Study.status == StudyStatus.cancelled, Study.id.in_(movable))
-        )
-        for study in studies:
+        movable = (*lifecycle.ACTIVE, TrialStatus.paused)
+        for study in store.studies_with_trials_in(s, StudyStatus.cancelled, movable):
             lifecycle.cancel_rest(s, study)
 
     def _dispatch(self, s: Session, now: datetime, report: TickReport) -> list[tuple[int, str]]:
         out: list[tuple[int, str]] = []
-        for pack in s.scalars(
-            select(Pack).where(Pack.status == PackStatus.pending).order_by(Pack.id)
-        ):
+        for pack in store.packs_with_status(s, PackStatus.pending):
             if pack.attempts >= self.settings.max_attempts:
                 self._fail(s, pack)
                 report.failed_packs += 1

@@ -26,17 +26,22 @@ from service.store.fleet import (
     heartbeat,
     live_workers,
     mark_dead_workers,
+    profiles_of,
     record_throughput,
     release_lease,
     set_memory_model,
+    worker_names,
 )
 from service.store.packs import (
     CLAIMABLE_PACK,
     claim_pack,
     create_pack,
     finish_pack,
+    fusion_keys_of_packs,
     get_pack,
     packs_of,
+    packs_per_device,
+    packs_with_status,
     queue_pack,
 )
 from service.store.studies import (
@@ -44,6 +49,8 @@ from service.store.studies import (
     delete_study,
     get_study,
     list_studies,
+    studies_with_status,
+    studies_with_trials_in,
 )
 from service.store.transitions import (
     FINISHED_PACK,
@@ -74,9 +81,18 @@ from service.store.trials import (
     trial_briefs,
     trials_by_id,
     trials_of,
+    values_at,
 )
 
 __all__ = [
+    "worker_names",
+    "profiles_of",
+    "fusion_keys_of_packs",
+    "packs_per_device",
+    "packs_with_status",
+    "studies_with_status",
+    "studies_with_trials_in",
+    "values_at",
     "acquire_lease",
     "add_trials",
     "brackets_summary",

@@ -198,3 +198,19 @@ def release_lease(s: Session, name: str, holder: str) -> bool:
         .execution_options(synchronize_session=False)
     )
     return s.execute(stmt).first() is not None
+
+
+def worker_names(s: Session, *, but: WorkerStatus | None = None) -> set[str]:
+    """Names of the workers that ever sent a heartbeat (but those with status ``but``)."""
+    stmt = select(Worker.name)
+    if but is not None:
+        stmt = stmt.where(Worker.status != but)
+    return set(s.scalars(stmt))
+
+
+def profiles_of(s: Session, workload: str, kind: str) -> dict[str, Profile]:
+    """The workload's measured profiles on device kind ``kind``, by fusion key."""
+    rows = s.scalars(
+        select(Profile).where(Profile.workload == workload, Profile.device_kind == kind)
+    )
+    return {p.fusion_key: p for p in rows}

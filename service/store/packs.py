@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from sqlalchemy import (
+    func,
     select,
 )
 from sqlalchemy.orm import Session
@@ -111,3 +113,30 @@ def finish_pack(
         "peak_bytes": peak_bytes, "train_seconds": train_seconds, "error": error
     }  # fmt: skip
     return move_pack(s, pack, status, **{k: v for k, v in values.items() if v is not None})
+
+
+def packs_with_status(s: Session, status: PackStatus | Iterable[PackStatus]) -> list[Pack]:
+    """Every study's packs in ``status``, in id order."""
+    stmt = select(Pack).where(Pack.status.in_(statuses(status))).order_by(Pack.id)
+    return list(s.scalars(fresh(stmt)))
+
+
+def packs_per_device(s: Session, status: Iterable[PackStatus]) -> Counter[str]:
+    """How many packs in ``status`` each target device has, across studies."""
+    rows = s.execute(
+        select(Pack.device, func.count())
+        .where(Pack.status.in_(statuses(status)))
+        .group_by(Pack.device)
+    )
+    return Counter({str(d): int(n) for d, n in rows if d is not None})
+
+
+def fusion_keys_of_packs(s: Session, study_id: int, status: Iterable[PackStatus]) -> set[str]:
+    """The fusion keys of the study's packs in ``status``."""
+    rows = s.scalars(
+        select(PackMember.fusion_key)
+        .join(Pack, Pack.id == PackMember.pack_id)
+        .where(Pack.study_id == study_id, Pack.status.in_(statuses(status)))
+        .distinct()
+    )
+    return set(rows)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from sqlalchemy import (
@@ -12,7 +13,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import Session
 
 from packtune.errors import NotFound, SpecError
-from service.models import Study, StudyStatus
+from service.models import Study, StudyStatus, Trial, TrialStatus
 from service.store.transitions import FINISHED_STUDY as FINISHED_STUDY
 
 # -- studies ------------------------------------------------------------------
@@ -45,3 +46,18 @@ def delete_study(s: Session, study_id: int) -> None:
     """Delete a study; the database cascades to its trials, packs, promotions, measurements."""
     get_study(s, study_id)
     s.execute(delete(Study).where(Study.id == study_id))
+
+
+def studies_with_status(s: Session, status: Iterable[StudyStatus]) -> list[Study]:
+    """The studies in ``status``, in id order."""
+    return list(s.scalars(select(Study).where(Study.status.in_(list(status))).order_by(Study.id)))
+
+
+def studies_with_trials_in(
+    s: Session, status: StudyStatus, trial_status: Iterable[TrialStatus]
+) -> list[Study]:
+    """The studies in ``status`` that still have a trial in ``trial_status`` (e.g. cancelled
+    studies whose trials can still move)."""
+    movable = select(Trial.study_id).where(Trial.status.in_(list(trial_status)))
+    stmt = select(Study).where(Study.status == status, Study.id.in_(movable))
+    return list(s.scalars(stmt.order_by(Study.id)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
@@ -272,3 +273,43 @@ def promotions_of(s: Session, study_id: int) -> list[RungPromotion]:
         .order_by(RungPromotion.bracket, RungPromotion.rung, RungPromotion.id)
     )
     return list(s.scalars(stmt))
+
+
+def values_at(
+    s: Session,
+    study_id: int,
+    ids: Sequence[int],
+    resource: float,
+    metric: str,
+    *,
+    bracket: int | None = None,
+    rung: int | None = None,
+    status: TrialStatus | None = None,
+) -> dict[int, float | None]:
+    """Each of the trials ``ids``' ``metric`` measured at ``resource`` (None when missing).
+
+    The trials are selected by their study (and ``bracket``, ``rung``, ``status``: a
+    superset of ``ids``), so that no list of thousands of ids goes into the statement;
+    only measurements near ``resource`` are read, and ``math.isclose`` decides.
+    """
+    values: dict[int, float | None] = dict.fromkeys(ids)
+    if not values:
+        return values
+    where = [Trial.study_id == study_id]
+    if bracket is not None:
+        where.append(Trial.bracket == bracket)
+    if rung is not None:
+        where.append(Trial.rung == rung)
+    if status is not None:
+        where.append(Trial.status == status)
+    near = 2e-9 * (abs(resource) + 1)  # wider than isclose's tolerances
+    rows = s.execute(
+        select(Measurement.trial_id, Measurement.resource, Measurement.metrics)
+        .join(Trial, Trial.id == Measurement.trial_id)
+        .where(*where, Measurement.resource.between(resource - near, resource + near))
+    )
+    for trial_id, res, metrics in rows:
+        if trial_id in values and math.isclose(res, resource, rel_tol=1e-9, abs_tol=1e-9):
+            v = metrics.get(metric)
+            values[trial_id] = float(v) if isinstance(v, int | float) else None
+    return values
