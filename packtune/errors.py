@@ -37,3 +37,8 @@ class Conflict(PacktuneError):
 
 class StoreUnavailable(PacktuneError):
     status_code = 503
+
+
+class StudyCannotRun(PacktuneError):
+    """A stored study that can never run as it is: its workload is no longer registered, or
+    its space no longer fits the workload. The scheduler fails the study with this text."""

@@ -182,6 +182,11 @@ def _rollback_quietly(session: Session) -> None:
         pass
 
 
+#: what a database's own trouble raises: code above the data layer re-raises these instead of
+#: taking them for a fault of what it was doing
+DATABASE_ERRORS: tuple[type[BaseException], ...] = (SQLAlchemyError, StoreUnavailable, PoolTimeout)
+
+
 @contextmanager
 def session_scope(factory: sessionmaker[Session] | None = None) -> Iterator[Session]:
     """A session that commits when the block ends and rolls back if it raises.

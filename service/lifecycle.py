@@ -9,9 +9,11 @@ decided only when none of the bracket's trials is pending, queued or running.
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from packtune.errors import SpecError, StudyCannotRun
 from packtune.hyperband import promote, rank
 from packtune.rungs import rung_resource
 from packtune.space import fusion_key, parse_space, sample_config
@@ -51,8 +53,13 @@ def start_study(s: Session, study: Study) -> tuple[int, bool]:
     sample-index order, bracket by bracket); once every trial of every bracket is there, mark
     the study running. Returns (trials inserted, whether sampling is complete)."""
     spec = StoredSpec.of(study.spec)
-    workload = get_workload(study.workload)
-    space = parse_space(spec.space)
+    try:
+        workload = get_workload(study.workload)
+        space = parse_space(spec.space)
+        for name in space:  # a parameter the workload no longer takes
+            workload.resolve({name: space[name].sample(random.Random(0))})
+    except (KeyError, SpecError) as exc:
+        raise StudyCannotRun(str(exc).strip("'\"")) from exc
     brackets = spec.brackets
     s_max = len(brackets) - 1
     slots = [s_max - j for j, rungs in enumerate(brackets) for _ in range(rungs[0].n)]

@@ -32,10 +32,10 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from packtune.dispatcher import Dispatcher, JobState, job_id_for
-from packtune.errors import StoreUnavailable
+from packtune.errors import StoreUnavailable, StudyCannotRun
 from packtune.settings import Settings, get_settings
 from service import lifecycle, planning, store
-from service.db import get_sessionmaker, session_scope
+from service.db import DATABASE_ERRORS, get_sessionmaker, session_scope
 from service.models import (
     Pack,
     PackStatus,
@@ -118,7 +118,7 @@ class Scheduler:
                 trusted = store.worker_names(s, but=WorkerStatus.dead)
             self._reconcile(s, trusted, report)
             for study in store.studies_with_status(s, (StudyStatus.pending, StudyStatus.running)):
-                self._advance(s, study, workers, report)
+                self._advance_alone(s, study, workers, report)
             self._cancelled(s)
             to_enqueue = self._dispatch(s, now, report)
         for pack_id, job_id in to_enqueue:
@@ -182,6 +182,25 @@ class Scheduler:
         if store.move_pack(s, pack, PackStatus.pending, error=reason):
             report.requeued += 1
 
+    def _advance_alone(
+        self, s: Session, study: Study, workers: list[Worker], report: TickReport
+    ) -> None:
+        """Advance one study in a savepoint of the tick's transaction: a study that can never
+        run is failed with the reason; any other error is logged with its traceback, its
+        writes are undone and the other studies go on (the next tick tries it again); the
+        database's own trouble ends the tick."""
+        try:
+            with s.begin_nested():
+                self._advance(s, study, workers, report)
+        except StudyCannotRun as exc:
+            log.error("study %s failed: %s", study.id, exc)
+            store.move_study(s, study, StudyStatus.failed, error=str(exc))
+            lifecycle.cancel_rest(s, study)
+        except DATABASE_ERRORS:
+            raise
+        except Exception:
+            log.exception("study %s could not advance this tick; trying again", study.id)
+
     def _advance(
         self,
         s: Session,
@@ -189,27 +208,22 @@ class Scheduler:
         workers: list[Worker],
         report: TickReport,
     ) -> None:
-        try:
-            if study.status == StudyStatus.pending:
-                inserted, complete = lifecycle.start_study(s, study)
-                report.started += inserted > 0
-                if not complete:  # bounded work per tick: the next tick samples on
-                    report.deferred += 1
-                    return
-            advanced = lifecycle.advance_brackets(s, study)
-            if lifecycle.finish_if_done(s, study):
-                report.finished_studies.append(study.id)
-                return
-            if advanced.promoted + advanced.stopped + advanced.completed >= PLAN_NEXT_TICK:
+        if study.status == StudyStatus.pending:
+            inserted, complete = lifecycle.start_study(s, study)
+            report.started += inserted > 0
+            if not complete:  # bounded work per tick: the next tick samples on
                 report.deferred += 1
                 return
-            plan = planning.plan_study(s, study, workers, self.settings)
-            if plan is not None:
-                report.planned += len(plan.packs)
-        except (KeyError, ValueError) as exc:  # e.g. a workload no longer registered
-            log.error("study %s failed: %s", study.id, exc)
-            store.move_study(s, study, StudyStatus.failed, error=str(exc))
-            lifecycle.cancel_rest(s, study)
+        advanced = lifecycle.advance_brackets(s, study)
+        if lifecycle.finish_if_done(s, study):
+            report.finished_studies.append(study.id)
+            return
+        if advanced.promoted + advanced.stopped + advanced.completed >= PLAN_NEXT_TICK:
+            report.deferred += 1
+            return
+        plan = planning.plan_study(s, study, workers, self.settings)
+        if plan is not None:
+            report.planned += len(plan.packs)
 
     @staticmethod
     def _cancelled(s: Session) -> None:

@@ -7,6 +7,7 @@ lose jobs or fail them to exercise re-dispatch.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ from sqlalchemy.orm import selectinload
 from packtune.dispatcher import JobState
 from packtune.hyperband import plan_brackets
 from packtune.settings import get_settings
-from service import store
+from service import planning, store
 from service.db import get_sessionmaker, session_scope
 from service.models import Pack, PackStatus, StudyStatus, Trial, TrialStatus
 from service.scheduler import Scheduler
@@ -264,3 +265,45 @@ def array_epochs(study_id: int) -> float:
         for m in p.members
     }
     return sum(b - a for _, _, a, b in arrays)
+
+
+def test_a_study_that_can_never_run_fails_and_the_others_go_on(db: None) -> None:
+    """A stored study whose workload is gone fails with the reason, in the same tick in
+    which a healthy study is sampled and dispatched."""
+    gone = new_study({**SPEC, "name": "gone", "workload": "uninstalled-plugin"})
+    healthy = new_study()
+    dispatcher = SyncDispatcher(run=False)
+    scheduler(dispatcher).tick()
+    with session_scope(get_sessionmaker()) as s:
+        failed = store.get_study(s, gone)
+        assert failed.status is StudyStatus.failed
+        assert "uninstalled-plugin" in (failed.error or "")
+        assert store.get_study(s, healthy).status is StudyStatus.running
+    assert dispatcher.enqueued, "the healthy study was not dispatched"
+
+
+def test_an_unexpected_error_in_one_study_is_logged_and_undone(
+    db: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bug met while advancing one study (here: planning raises) is logged with its
+    traceback, that study's writes of the tick are rolled back, and the others advance."""
+    broken, healthy = new_study({**SPEC, "name": "broken"}), new_study()
+    real = planning.plan_study
+
+    def plan_study(s: Any, study: Any, *args: Any) -> Any:
+        if study.id == broken:
+            store.move_trials(s, [t.id for t in store.trials_of(s, broken)], TrialStatus.failed)
+            raise AttributeError("a bug in a plugin")
+        return real(s, study, *args)
+
+    monkeypatch.setattr(planning, "plan_study", plan_study)
+    with caplog.at_level(logging.ERROR, logger="service.scheduler"):
+        scheduler(SyncDispatcher(run=False)).tick()
+    assert f"study {broken} could not advance" in caplog.text
+    assert "AttributeError: a bug in a plugin" in caplog.text  # the traceback
+    with session_scope(get_sessionmaker()) as s:
+        # undone: the broken study is back where the tick found it (not yet sampled)
+        assert store.get_study(s, broken).status is StudyStatus.pending
+        assert sum(store.count_trials_by_status(s, broken).values()) == 0
+        assert store.get_study(s, healthy).status is StudyStatus.running
+    assert packs(healthy) and not packs(broken)
