@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from bench import _common
+from bench import recording
 from bench._plain import PlainRun, serve, sync, timed_steps
 from packtune.workloads import get_workload
 from worker.fused import FusedArray
@@ -141,7 +141,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for name in args.workloads:
             base = QUICK_CONFIGS[name] if args.quick else CONFIGS[name][kind]
             steps = args.steps or calibrate(name, base, device, args.target)
-            load = _common.load_average()
+            load = recording.load_average()
             rows: dict[str, dict[str, list[float]]] = {}
             for ki, k in enumerate(args.ks):
                 rows[str(k)] = {v: [] for v in args.variants}
@@ -158,7 +158,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                             assert pool is not None
                             seconds = pool.seconds(name, base, k, steps, str(device))
                         rows[str(k)][variant].append(k * steps / seconds)
-                medians = {v: _common.median(x) for v, x in rows[str(k)].items()}
+                medians = {v: recording.median(x) for v, x in rows[str(k)].items()}
                 print(
                     f"{name} k={k}: "
                     + ", ".join(f"{v} {m:.0f}" for v, m in medians.items())
@@ -180,7 +180,7 @@ def report(results: dict[str, Any], variants: list[str]) -> list[str]:
     for name, data in results.items():
         # saved JSON has its keys sorted as strings ("1", "16", "2", ...): order them by k
         for k, samples in sorted(data["ks"].items(), key=lambda item: int(item[0])):
-            m = {v: _common.median(samples[v]) for v in variants}
+            m = {v: recording.median(samples[v]) for v in variants}
             rows.append(
                 [
                     name,
@@ -193,7 +193,7 @@ def report(results: dict[str, Any], variants: list[str]) -> list[str]:
         f"{n}: {d['config'] or 'defaults'}, {d['steps']} timed steps per trial"
         for n, d in results.items()
     )
-    return [*_common.table(header, rows), "", f"Configs: {configs}."]
+    return [*recording.table(header, rows), "", f"Configs: {configs}."]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -237,8 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.ks = [k for k in args.ks if k <= 2] or [1, 2]
         args.repeats, args.steps = 1, args.steps or 2
-    load = _common.load_average()
-    info = _common.machine(args.device)
+    load = recording.load_average()
+    info = recording.machine(args.device)
     results = measure(args)
     body = report(results, args.variants)
     print("\n".join(body))
@@ -247,19 +247,19 @@ def main(argv: list[str] | None = None) -> None:
     kind = "cpu" if info["device"] == "cpu" else info["device"].replace(" ", "-")
     if args.workloads != list(CONFIGS):  # a subset: do not overwrite the full run's figures
         kind += "_" + "_".join(args.workloads)
-    _common.save_json(
+    recording.save_json(
         f"fused_throughput_{kind}",
         {
             "machine": info,
-            "date": _common.now(),
-            "command": _common.command_line(),
+            "date": recording.now(),
+            "command": recording.command_line(),
             "threads": args.threads,
             "results": results,
         },
         args.out_dir,
     )
     if not (args.quick or args.no_append):
-        _common.append_section(
+        recording.append_section(
             f"a. Fused throughput — {info['device']}",
             info,
             [

@@ -62,9 +62,9 @@ from typing import Any
 
 import httpx
 
-from bench import _common
-from bench._common import cpu_model
+from bench import recording
 from bench._study import start_serve
+from bench.recording import cpu_model
 
 HISTORY_MD = Path(__file__).resolve().parent / "HISTORY.md"
 SMALL_STUDY: dict[str, Any] = {
@@ -394,10 +394,10 @@ def append_results(args: argparse.Namespace, load: Load, ids: tuple[int, int, in
         f.write("\n".join(lines) + "\n")
     overall = summary(load)[0]  # ("all", requests, p50, p90, p99, max), in ms
     database = "postgresql" if args.database_url else "sqlite"
-    _common.save_json(f"load_{database}", {
+    recording.save_json(f"load_{database}", {
         "command": f"python -m bench.load {shlex.join(sys.argv[1:])}",
         "date": f"{datetime.now(UTC):%Y-%m-%d %H:%M UTC}",
-        "machine": _common.machine("cpu"),
+        "machine": recording.machine("cpu"),
         "clients": args.clients,
         "database": database,
         "requests": total,

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import _common
+from bench import recording
 from bench._study import ROOT, load_spec, run_embedded
 from packtune.hyperband import plan_brackets
 
@@ -272,7 +272,7 @@ def measure(args: argparse.Namespace, spec: dict[str, Any]) -> dict[str, list[di
                     if name == "packtune"
                     else run_child(name, spec, workdir, args.threads)
                 )
-                row["load"] = _common.load_average()
+                row["load"] = recording.load_average()
                 runs[name].append(row)
                 print(
                     f"{name}: {row['wall']:.1f} s, best {row['best']:.4f}, "
@@ -283,16 +283,16 @@ def measure(args: argparse.Namespace, spec: dict[str, Any]) -> dict[str, list[di
 
 
 def summarise(runs: dict[str, list[dict[str, Any]]]) -> list[str]:
-    walls = {n: _common.median([r["wall"] for r in rs]) for n, rs in runs.items()}
+    walls = {n: recording.median([r["wall"] for r in rs]) for n, rs in runs.items()}
     rows = []
     for name, items in runs.items():
         rows.append([
             name, f"{walls[name]:.1f}", ", ".join(f"{r['wall']:.1f}" for r in items),
-            f"{_common.median([r['best'] for r in items]):.4f}",
+            f"{recording.median([r['best'] for r in items]):.4f}",
             ", ".join(f"{r['best']:.4f}" for r in items),
-            f"{_common.median([r['trial_epochs'] for r in items]):.0f}",
+            f"{recording.median([r['trial_epochs'] for r in items]):.0f}",
             f"{walls[name] / walls['packtune']:.2f}x" if "packtune" in walls else "",
-            f"{_common.median([r['inner'] for r in items]):.1f}",
+            f"{recording.median([r['inner'] for r in items]):.1f}",
         ])  # fmt: skip
     header = [
         "system",
@@ -304,7 +304,7 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> list[str]:
         "wall / packtune's",
         "tuning alone (s, median)",
     ]
-    return _common.table(header, rows)
+    return recording.table(header, rows)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -337,19 +337,19 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         spec["hyperband"] = {"max_resource": 3, "min_resource": 1, "eta": 3}
         args.repeats = 1
-    load = _common.load_average()
-    info = _common.machine("cpu")
+    load = recording.load_average()
+    info = recording.machine("cpu")
     runs = measure(args, spec)
     body = summarise(runs)
     print("\n".join(body))
     if args.quick and args.out_dir is None:
         return
-    _common.save_json("peers_cpu", {"machine": info, "date": _common.now(),
-                                    "command": _common.command_line(), "runs": runs},
+    recording.save_json("peers_cpu", {"machine": info, "date": recording.now(),
+                                    "command": recording.command_line(), "runs": runs},
                       args.out_dir)  # fmt: skip
     if not (args.quick or args.no_append):
         trials, epochs = hyperband_trials(spec)
-        _common.append_section(
+        recording.append_section(
             "c. Peers: packtune vs Optuna vs Ray Tune — cpu",
             info,
             [

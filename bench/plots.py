@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench._common import BENCH_DIR, RESULTS_DIR, median
+from bench.recording import BENCH_DIR, RESULTS_DIR, median
 
 PLOTS_DIR = BENCH_DIR / "plots"
 COLOURS = {"fused": "#1b6ca8", "serial": "#c0392b", "concurrent": "#7f8c8d"}

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench import _common, fused_throughput, study_walltime
+from bench import fused_throughput, recording, study_walltime
 
 
 def _command(data: dict[str, Any], via: str | None) -> str:
@@ -33,7 +33,7 @@ def record_throughput(data: dict[str, Any], via: str | None, notes: list[str]) -
     first = next(iter(results.values()))
     body = [f"torch threads per process: {data['threads']}; variants interleaved.", "",
             *fused_throughput.report(results, variants), *notes]  # fmt: skip
-    _common.append_section(f"a. Fused throughput — {data['machine']['device']}", data["machine"],
+    recording.append_section(f"a. Fused throughput — {data['machine']['device']}", data["machine"],
                            body, first["load_before"], command=_command(data, via),
                            date=data["date"], load_after="n/a")  # fmt: skip
 
@@ -46,7 +46,7 @@ def record_study(data: dict[str, Any], via: str | None, notes: list[str]) -> Non
         f"{spec['hyperband']['max_resource']}, eta {spec['hyperband']['eta']})."
     )
     first = next(iter(data["runs"].values()))[0]
-    _common.append_section(
+    recording.append_section(
         f"b. Study wall time, packed vs unpacked — {data['machine']['device']}", data["machine"],
         [head, "", *body, *notes], first.get("load", "n/a"), command=_command(data, via),
         date=data["date"], load_after="n/a")  # fmt: skip

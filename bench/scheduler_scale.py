@@ -36,7 +36,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from bench import _common
+from bench import recording
 from bench._study import fresh_postgres
 from packtune.dispatcher import JobState
 from packtune.rungs import rung_resource
@@ -244,10 +244,10 @@ def summarise(backend: str, timed: dict[str, Any], traced: dict[str, Any]) -> li
         timed["packs"],
         len(seconds),
         f"{seconds[0]:.2f}",
-        f"{_common.median(seconds[1:]):.3f}",
-        f"{_common.median(busy):.3f}",
+        f"{recording.median(seconds[1:]):.3f}",
+        f"{recording.median(busy):.3f}",
         f"{max(seconds):.3f}",
-        f"{_common.median(sql):.0f} / {max(sql)}",
+        f"{recording.median(sql):.0f} / {max(sql)}",
         f"{peak / 2**20:.0f}",
         timed["status"],
     ]
@@ -266,8 +266,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.quick:
         args.max_resource = 27
-    load = _common.load_average()
-    info = _common.machine("cpu")
+    load = recording.load_average()
+    info = recording.machine("cpu")
     rows, raw = [], {}
     for backend in args.backends:
         timed = one_pass(backend, args.max_resource, trace=False, max_ticks=args.max_ticks)
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
         "study",
     ]
     body = [
-        *_common.table(header, rows),
+        *recording.table(header, rows),
         "",
         f"Peak RSS of the bench process: {rss:.0f} MiB (both databases, both passes). "
         "A busy tick planned or dispatched packs; the others only reconciled and "
@@ -303,11 +303,11 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(body))
     if args.quick and args.out_dir is None:
         return
-    _common.save_json("scheduler_scale", {"machine": info, "date": _common.now(),
-                                          "command": _common.command_line(), "raw": raw},
+    recording.save_json("scheduler_scale", {"machine": info, "date": recording.now(),
+                                          "command": recording.command_line(), "raw": raw},
                       args.out_dir)  # fmt: skip
     if not (args.quick or args.no_append):
-        _common.append_section(
+        recording.append_section(
             f"d. Scheduler scale — max_resource {args.max_resource}, eta 3", info, body, load
         )
 

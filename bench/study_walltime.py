@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench import _common
+from bench import recording
 from bench._study import (
     ROOT,
     StudyRun,
@@ -72,7 +72,7 @@ def measure(args: argparse.Namespace, spec: dict[str, Any]) -> dict[str, list[di
                         )
                     row = run.to_json()
                     row["breakdown"] = breakdown(run.study, workers_of(mode))
-                    row["load"] = _common.load_average()
+                    row["load"] = recording.load_average()
                     runs.setdefault(mode, []).append(row)
                     print(
                         f"{mode} {'packed' if packed else 'unpacked'}: "
@@ -89,8 +89,8 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> tuple[list[str], dict[st
     for mode, items in runs.items():
         packed = [r for r in items if r["packed"]]
         unpacked = [r for r in items if not r["packed"]]
-        wall_p = _common.median([r["wall_seconds"] for r in packed])
-        wall_u = _common.median([r["wall_seconds"] for r in unpacked])
+        wall_p = recording.median([r["wall_seconds"] for r in packed])
+        wall_u = recording.median([r["wall_seconds"] for r in unpacked])
         pairs = list(zip(packed, unpacked, strict=False))
         ratios = [u["wall_seconds"] / p["wall_seconds"] for p, u in pairs]
         best = {(r["best"]["sample_index"], round(r["best"]["value"], 4)) for r in items}
@@ -101,13 +101,13 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> tuple[list[str], dict[st
         for label, group in (("packed", packed), ("unpacked", unpacked)):
             b = [r["breakdown"] for r in group]
             rows.append([
-                mode, label, f"{_common.median([r['wall_seconds'] for r in group]):.1f}",
-                f"{_common.median([r['process_seconds'] for r in group]):.1f}",
-                b[0]["jobs"], f"{_common.median([x['train'] for x in b]):.1f}",
-                f"{_common.median([x['in_job_other'] for x in b]):.1f}",
-                f"{_common.median([x['outside_jobs'] for x in b]):.1f}",
-                f"{100 * _common.median([x['outside_training_share'] for x in b]):.0f}%",
-                f"{_common.median([x['mean_queue_wait'] for x in b]):.2f}",
+                mode, label, f"{recording.median([r['wall_seconds'] for r in group]):.1f}",
+                f"{recording.median([r['process_seconds'] for r in group]):.1f}",
+                b[0]["jobs"], f"{recording.median([x['train'] for x in b]):.1f}",
+                f"{recording.median([x['in_job_other'] for x in b]):.1f}",
+                f"{recording.median([x['outside_jobs'] for x in b]):.1f}",
+                f"{100 * recording.median([x['outside_training_share'] for x in b]):.0f}%",
+                f"{recording.median([x['mean_queue_wait'] for x in b]):.2f}",
                 "; ".join(f"#{r['best']['sample_index']} {r['best']['value']:.4f}" for r in group),
             ])  # fmt: skip
         notes.append(
@@ -130,7 +130,7 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> tuple[list[str], dict[st
         "best trial (sample, val_loss) per run",
     ]
     body = [
-        *_common.table(header, rows),
+        *recording.table(header, rows),
         "",
         *notes,
         "",
@@ -161,19 +161,19 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         spec["hyperband"] = QUICK_HYPERBAND
         args.repeats = 1
-    load = _common.load_average()
-    info = _common.machine("cuda" if args.device == "cuda" else "cpu")
+    load = recording.load_average()
+    info = recording.machine("cuda" if args.device == "cuda" else "cpu")
     runs = measure(args, spec)
     body, summary = summarise(runs)
     print("\n".join(body))
     if args.quick and args.out_dir is None:
         return
     kind = "cpu" if info["device"] == "cpu" else info["device"].replace(" ", "-")
-    _common.save_json(f"study_walltime_{kind}", {
-        "machine": info, "date": _common.now(), "command": _common.command_line(),
+    recording.save_json(f"study_walltime_{kind}", {
+        "machine": info, "date": recording.now(), "command": recording.command_line(),
         "spec": spec, "summary": summary, "runs": runs}, args.out_dir)  # fmt: skip
     if not (args.quick or args.no_append):
-        _common.append_section(
+        recording.append_section(
             f"b. Study wall time, packed vs unpacked — {info['device']}",
             info,
             [

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
 
-Mode = Literal["min", "max"]
+Direction = Literal["min", "max"]
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ def _finite(value: float | None) -> bool:
     return value is not None and math.isfinite(value)
 
 
-def rank(results: Sequence[tuple[int, float | None]], mode: Mode) -> list[int]:
+def rank(results: Sequence[tuple[int, float | None]], mode: Direction) -> list[int]:
     """Trial ids best first; ties by id; ``None``/NaN/inf last, by id."""
     if mode not in ("min", "max"):
         raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
@@ -145,7 +145,7 @@ def rank(results: Sequence[tuple[int, float | None]], mode: Mode) -> list[int]:
     return [trial_id for _, trial_id in finite] + rest
 
 
-def promote(results: Sequence[tuple[int, float | None]], eta: int, mode: Mode) -> list[int]:
+def promote(results: Sequence[tuple[int, float | None]], eta: int, mode: Direction) -> list[int]:
     """The ids to promote from a finished rung: its best ``floor(n_i / eta)``, finite only."""
     if isinstance(eta, bool) or not isinstance(eta, int) or eta < 2:
         raise ValueError(f"eta must be an integer >= 2, got {eta!r}")

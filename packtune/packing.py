@@ -145,7 +145,7 @@ def split_in_two(units: Sequence[Unit]) -> tuple[list[Unit], list[Unit]]:
 
 
 @dataclass(frozen=True)
-class FusedArray:
+class PlannedArray:
     """Units of one ``(fusion_key, from_resource, to_resource)`` trained as one model."""
 
     fusion_key: str
@@ -160,7 +160,7 @@ class PlannedPack:
     """What one job runs on ``device``."""
 
     device: str
-    arrays: tuple[FusedArray, ...]
+    arrays: tuple[PlannedArray, ...]
 
     @property
     def estimated_bytes(self) -> int:
@@ -192,7 +192,7 @@ def _arrays(
     max_pack_size: int | None,
     largest_capacity: int,
     unplaceable: list[Unit],
-) -> list[FusedArray]:
+) -> list[PlannedArray]:
     arrays = []
     for (key, start, stop), members in groupby(
         sorted(units, key=_sort_key), key=attrgetter("group")
@@ -208,14 +208,14 @@ def _arrays(
             continue
         for first in range(0, len(group), limit):
             chunk = tuple(group[first : first + limit])
-            arrays.append(FusedArray(key, start, stop, chunk, model.bytes(len(chunk))))
+            arrays.append(PlannedArray(key, start, stop, chunk, model.bytes(len(chunk))))
     return arrays
 
 
 @dataclass
 class _OpenPack:
     device: Device
-    arrays: list[FusedArray]
+    arrays: list[PlannedArray]
 
     def trials(self) -> int:
         return sum(len(array.units) for array in self.arrays)

@@ -33,11 +33,11 @@ from pydantic_core import ErrorDetails
 from packtune.errors import SpecError
 from packtune.hyperband import Rung, plan_brackets, s_max, total_trials
 from packtune.space import Dimension, parse_space
+from packtune.workloads.base import RESERVED
 
 # A study bigger than this is almost certainly a unit mistake (steps for epochs).
 MAX_RESOURCE_LIMIT = 10_000
 MAX_TRIALS = 100_000
-RESERVED_PARAMS = frozenset({"seed", "data_seed"})
 
 
 def _printable(value: str) -> str:
@@ -189,7 +189,7 @@ def check_space(workload: str, raw: dict[str, Any]) -> None:
     parse_space(raw)
     params = _workloads()[workload].params
     for name in raw:
-        if name in RESERVED_PARAMS:
+        if name in RESERVED:
             raise SpecError(f"space.{name}", "is set by packtune for every trial; remove it")
         if name not in params:
             raise SpecError(

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from bench import _common
+from bench import recording
 
 
 @pytest.fixture(autouse=True)
 def results_untouched(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
     """Quick runs must not append to bench/HISTORY.md: point it at a file that must stay absent."""
-    monkeypatch.setattr(_common, "HISTORY_MD", tmp_path / "HISTORY.md")
+    monkeypatch.setattr(recording, "HISTORY_MD", tmp_path / "HISTORY.md")
     yield
     assert not (tmp_path / "HISTORY.md").exists()
 

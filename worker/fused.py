@@ -47,7 +47,7 @@ from worker.fused_group import Group
 from worker.fusion_guard import model_signature, partition, split_causes
 from worker.optim import OPTIMIZER_HYPER, build_optimizer
 
-Mode = Literal["auto", "vmap", "bmm", "serial"]
+StackMode = Literal["auto", "vmap", "bmm", "serial"]
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def _stack(
 
 
 def _forwards(
-    workload: Workload, template: nn.Module, part: list[int], mode: Mode
+    workload: Workload, template: nn.Module, part: list[int], mode: StackMode
 ) -> tuple[str, list[tuple[list[int], Forward]]]:
     """The mode a part of equal models runs in, and its stacks: ``(member indices, forward)``."""
     plan = bmm_plan(template)
@@ -179,7 +179,7 @@ class FusedArray:
         members: Sequence[tuple[Hashable, Mapping[str, Any]]],
         *,
         device: str | torch.device = "cpu",
-        mode: Mode = "auto",
+        mode: StackMode = "auto",
         states: Sequence[Mapping[str, Any] | None] | None = None,
         data: tuple[Split, Split] | None = None,
     ) -> None:

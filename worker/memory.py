@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from packtune.workloads.base import Split, Workload
-from worker.fused import FusedArray, Mode
+from worker.fused import FusedArray, StackMode
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def probe(
     device: str | torch.device = "cpu",
     ks: Sequence[int] = (1, 2),
     steps: int = 2,
-    mode: Mode = "auto",
+    mode: StackMode = "auto",
     data: tuple[Split, Split] | None = None,
 ) -> ProbeResult:
     """Measure peak memory and throughput of arrays of each size in ``ks``.

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from packtune.settings import Settings
-from service.metrics import DatabaseCollector
+from service.prometheus import DatabaseCollector
 
 router = APIRouter(tags=["system"])
 

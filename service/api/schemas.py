@@ -52,7 +52,7 @@ class Progress(BaseModel):
     total: int
 
 
-class TrialBrief(BaseModel):
+class BestTrial(BaseModel):
     id: int
     config: dict[str, Any]
     metrics: dict[str, Any]
@@ -93,7 +93,7 @@ class StudyPublic(BaseModel):
     progress: Progress
     trial_counts: dict[str, int]
     packs_running: int
-    best_trial: TrialBrief | None
+    best_trial: BestTrial | None
     best_so_far: LeaderboardEntry | None = None
 
 

@@ -17,7 +17,7 @@ Rungs can fill short of plan (trials that diverge are never promoted), so a
 completed study reports ``done = total`` rather than leave its bar unfilled.
 """
 
-from service.queries._common import Row
+from service.queries.rows import Row
 from service.queries.runs import (
     brackets,
     packs,

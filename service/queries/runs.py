@@ -17,7 +17,7 @@ from service.models import (
     Worker,
     WorkerStatus,
 )
-from service.queries._common import Row
+from service.queries.rows import Row
 
 # -- brackets -----------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from service.models import (
     Trial,
     TrialStatus,
 )
-from service.queries._common import UNIT_FINISHED, Row
+from service.queries.rows import UNIT_FINISHED, Row
 from service.queries.trials import top_trials, trials_by_id
 
 # -- studies ------------------------------------------------------------------------------

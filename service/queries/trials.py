@@ -15,7 +15,7 @@ from service.models import (
     Trial,
     TrialStatus,
 )
-from service.queries._common import Row
+from service.queries.rows import Row
 
 # -- trials -------------------------------------------------------------------------------
 

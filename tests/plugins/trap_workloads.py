@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from packtune.workloads.base import OPTIMIZER_PARAMS, Split
-from worker.workloads._common import ClassificationWorkload, device_name
 from worker.workloads.digits import N_CLASSES, N_TRAIN, digits_splits
+from worker.workloads.parts import ClassificationWorkload, device_name
 
 
 class _DigitsPlugin(ClassificationWorkload):

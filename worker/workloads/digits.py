@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from packtune.workloads.base import OPTIMIZER_PARAMS, OPTIMIZER_STRUCTURAL, Split
-from worker.workloads._common import ClassificationWorkload, activation, device_name, positive_int
+from worker.workloads.parts import ClassificationWorkload, activation, device_name, positive_int
 
 if TYPE_CHECKING:
     import numpy as np

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from packtune.workloads.base import OPTIMIZER_PARAMS, OPTIMIZER_STRUCTURAL, Split, Workload
-from worker.workloads._common import (
+from worker.workloads.parts import (
     activation,
     classification_metrics,
     device_name,
