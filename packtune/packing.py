@@ -37,8 +37,7 @@ from dataclasses import dataclass, field
 from itertools import groupby
 from operator import attrgetter
 
-HEADROOM = 0.9
-MIN_GAIN_PERCENT = 10  # Omnivore: double the array size while throughput grows by >= 10 %
+from packtune.tuning import HEADROOM, MIN_GAIN_PERCENT
 
 
 @dataclass(frozen=True)

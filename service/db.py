@@ -43,10 +43,7 @@ from sqlalchemy.pool import StaticPool
 
 from packtune.errors import StoreUnavailable
 from packtune.settings import get_settings
-
-SQLITE_BUSY_TIMEOUT_S = 30.0
-RETRY_SECONDS = 60.0
-"""How long :func:`retrying` keeps trying a transaction while the database is unavailable."""
+from packtune.tuning import RETRY_SECONDS, SQLITE_BUSY_TIMEOUT_S
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

@@ -18,6 +18,7 @@ from packtune.hyperband import promote, rank
 from packtune.rungs import rung_resource
 from packtune.space import fusion_key, parse_space, sample_config
 from packtune.spec import StoredSpec
+from packtune.tuning import SAMPLE_CHUNK
 from packtune.workloads import get_workload
 from service import store
 from service.models import (
@@ -41,11 +42,6 @@ FINAL = (
 
 # statuses that count as "finished the current rung" when deciding promotions
 RUNG_DONE = (TrialStatus.paused, TrialStatus.diverged, TrialStatus.failed)
-
-
-#: trials one call of :func:`start_study` samples at most (bounded work per scheduler tick:
-#: sampling and inserting 10,582 trials at once took ~2.5 s on PostgreSQL)
-SAMPLE_CHUNK = 2048
 
 
 def start_study(s: Session, study: Study) -> tuple[int, bool]:

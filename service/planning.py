@@ -21,24 +21,21 @@ from packtune.packing import (
 from packtune.rungs import rung_resource, unit_end
 from packtune.settings import Settings
 from packtune.spec import StoredSpec
+from packtune.tuning import (
+    DEFAULT_BASE_BYTES,
+    DEFAULT_PER_TRIAL_BYTES,
+    MAX_UNITS_PER_PLAN,
+    PROBE_UNITS,
+    QUEUE_DEPTH,
+)
 from service import store
 from service.models import PackStatus, Profile, Study, TrialStatus, Worker
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
-#: packs a device may have outstanding (one running, one waiting): keeps the queue short so
-#: that each plan uses the newest throughput and memory measurements
-QUEUE_DEPTH = 2
-#: memory model for a fusion key never probed on this device kind: small, so that the first
-#: pack (k <= 2 by the throughput rule) runs and its probe measures the truth
-DEFAULT_MEMORY = MemoryModel(base=256 * 2**20, per_trial=64 * 2**20)
+DEFAULT_MEMORY = MemoryModel(base=DEFAULT_BASE_BYTES, per_trial=DEFAULT_PER_TRIAL_BYTES)
 UNFINISHED = (PackStatus.pending, PackStatus.queued, PackStatus.running)
-#: units planned for a fusion key not yet run on the device kind (see ``_probe_first``)
-PROBE_UNITS = 2
-#: units one plan takes at most (in group order, so arrays stay whole but the last): on
-#: PostgreSQL planning 6,222 units in one transaction took ~1.1 s, mostly writing the packs
-MAX_UNITS_PER_PLAN = 2048
 
 
 def devices_of(workers: list[Worker], settings: Settings) -> dict[str, tuple[Device, str]]:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 from packtune.dispatcher import Dispatcher, JobState, job_id_for
 from packtune.errors import StoreUnavailable, StudyCannotRun
 from packtune.settings import Settings, get_settings
+from packtune.tuning import PLAN_NEXT_TICK
 from service import lifecycle, planning, store
 from service.db import DATABASE_ERRORS, get_sessionmaker, session_scope
 from service.models import (
@@ -53,10 +54,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LEASE = "scheduler"
-#: a tick whose rung decisions moved this many trials of a study leaves planning that
-#: study's packs to the next tick, which the loop runs at once: on PostgreSQL deciding
-#: and planning a 6,561-trial rung in one transaction took ~1.5 s, each half well under 1 s
-PLAN_NEXT_TICK = 1000
 
 
 @dataclass

@@ -30,6 +30,7 @@ from sqlalchemy.orm import Session
 from packtune.errors import StoreUnavailable
 from packtune.settings import get_settings
 from packtune.space import fusion_key, trial_seed
+from packtune.tuning import LARGER_PROBE_SIZES
 from packtune.workloads import get_workload
 from service import store
 from service.db import retrying
@@ -117,12 +118,6 @@ def _mark_done(job: ArrayJob, done: dict[int, str]) -> None:
             )  # fmt: skip
 
     retrying(write)
-
-
-#: Array sizes the first probe of a fusion key also times (beyond k=1, 2), where half the
-#: device's free memory holds them by the fitted line: the planner's throughput table then
-#: starts with them, instead of growing from 2 one doubling per finished pack.
-LARGER_PROBE_SIZES = (4, 8, 16)
 
 
 @functools.cache

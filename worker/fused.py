@@ -41,6 +41,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from packtune.tuning import CUDA_CHECK_EVERY
 from packtune.workloads.base import OPTIMIZER_PARAMS, Split, Workload
 from worker.fused_forward import Forward, bmm_forward, bmm_plan, single_forward, vmap_forward
 from worker.fused_group import Group
@@ -52,11 +53,6 @@ StackMode = Literal["auto", "vmap", "bmm", "serial"]
 log = logging.getLogger(__name__)
 
 _RNG_MIX = 6364136223846793005  # Knuth's MMIX multiplier, to fold member draws into one seed
-#: Steps between divergence checks on a GPU. A check reads the device (a synchronisation that
-#: stops the host from queueing the next steps); the first non-finite step of each member is
-#: recorded on the device meanwhile, so the recorded step is exact either way. On a CPU every
-#: step is checked: there the read costs nothing.
-CUDA_CHECK_EVERY = 16
 
 
 def hyper_tensors(configs: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:

@@ -17,13 +17,10 @@ import torch
 from torch import Tensor, nn
 from torch.func import vmap
 
+from packtune.tuning import LOOP_LOSS_MAX
 from packtune.workloads.base import Workload
 from worker.fused_forward import Forward
 from worker.optim import StackedOptimizer
-
-#: On a CPU, arrays up to this size compute their members' losses one call each: vmap's fixed
-#: cost per call exceeded a loop of k plain calls there (k=8: 236 vs 275 us with backward).
-LOOP_LOSS_MAX = 8
 
 
 class HostLosses:

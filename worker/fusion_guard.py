@@ -34,8 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
-#: Nesting followed into attribute values before giving up (then: "different").
-MAX_DEPTH = 8
+from packtune.tuning import GUARD_MAX_DEPTH
+
+MAX_DEPTH = GUARD_MAX_DEPTH
 #: Config keys that always differ between members and say nothing about a split's cause.
 _PER_MEMBER_KEYS = frozenset({"seed"})
 #: A class's own entries that say nothing about behaviour once an instance exists

@@ -40,6 +40,7 @@ from packtune.packing import MemoryModel, Unit, split_in_two
 from packtune.rungs import rung_resource
 from packtune.settings import get_settings
 from packtune.spec import StoredSpec
+from packtune.tuning import GPU_ARRAY_THREADS
 from service import store
 from service.db import retrying
 from service.models import PackStatus, StudyStatus, TrialStatus
@@ -152,10 +153,6 @@ def run_pack(pack_id: int) -> str:
 
     retrying(finish)
     return "completed"
-
-
-#: arrays of one pack trained at once on a GPU by default (threads launching kernels)
-GPU_ARRAY_THREADS = 4
 
 
 def array_threads(device: torch.device, arrays: int) -> int:

@@ -12,17 +12,13 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session, sessionmaker
 
 from packtune.settings import Settings
+from packtune.tuning import DB_SLOTS
 from service.db import session_scope
 
 
 def get_settings_dep(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
-
-
-#: Requests that may hold a database session at once; below the pool's 15 connections
-#: (SQLAlchemy's 5 + 10 overflow), leaving some for /healthz and /metrics.
-DB_SLOTS = 10
 
 
 async def db_slot(request: Request) -> AsyncIterator[None]:

@@ -15,6 +15,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Session
 
+from packtune.tuning import THROUGHPUT_SMOOTHING
 from service.models import (
     Lease,
     Profile,
@@ -23,10 +24,6 @@ from service.models import (
     utcnow,
 )
 from service.store._sql import fresh, insert_for
-
-THROUGHPUT_SMOOTHING = 0.5
-"""Weight of a new throughput reading in the per-k moving average (1.0 keeps the latest)."""
-
 
 # -- workers ------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from packtune.errors import Conflict
+from packtune.tuning import UPDATE_CHUNK
 from service.models import (
     Pack,
     PackStatus,
@@ -76,9 +77,6 @@ STUDY_FROM: Mapping[StudyStatus, frozenset[StudyStatus]] = {
 }
 FINISHED_PACK = frozenset({P.completed, P.failed, P.split, P.cancelled})
 FINISHED_STUDY = frozenset({S.completed, S.failed, S.cancelled})
-
-#: trial ids per UPDATE on SQLite (its bound-parameter limit is 32,766)
-UPDATE_CHUNK = 10_000
 
 
 E = TypeVar("E", TrialStatus, PackStatus, StudyStatus)

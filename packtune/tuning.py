@@ -1,0 +1,65 @@
+"""Every tuning constant of packtune, in one place.
+
+Each trades one cost against another; the figure that chose it is in
+docs/design.md ("Tuning constants"). The modules that use a constant import it
+from here by name, so a test may still override it on that module.
+Operators set behaviour through ``packtune.settings`` (``PACKTUNE_*``); these are
+not settings: changing one changes what the benchmarks measure.
+"""
+
+from __future__ import annotations
+
+# -- planning packs (packtune.packing, service.planning) ------------------------------------
+
+#: share of a device's free memory that a pack's estimated memory may fill
+HEADROOM = 0.9
+#: Omnivore's rule: double an array's size while trial-steps/s grow by at least this much (%)
+MIN_GAIN_PERCENT = 10
+#: packs a device may have outstanding (one running, one waiting), so that each plan uses
+#: the newest throughput and memory measurements
+QUEUE_DEPTH = 2
+#: memory model of a fusion key never probed on a device kind: small, so that its first pack
+#: (k <= 2 by the throughput rule) runs and its probe measures the truth
+DEFAULT_BASE_BYTES = 256 * 2**20
+DEFAULT_PER_TRIAL_BYTES = 64 * 2**20
+#: units planned for a fusion key not yet run on a device kind, while it is probed
+PROBE_UNITS = 2
+#: weight of a new throughput reading in the per-k moving average (1.0 keeps the latest)
+THROUGHPUT_SMOOTHING = 0.5
+
+# -- bounded scheduler ticks (service.lifecycle, service.planning, service.scheduler) -------
+
+#: trials one tick samples at most
+SAMPLE_CHUNK = 2048
+#: units one plan takes at most (in group order, so arrays stay whole but the last)
+MAX_UNITS_PER_PLAN = 2048
+#: a tick whose rung decisions moved this many trials of a study plans them at the next tick
+PLAN_NEXT_TICK = 1000
+#: trial ids per UPDATE on SQLite (its bound-parameter limit is 32,766)
+UPDATE_CHUNK = 10_000
+
+# -- the database (service.db, service.api) ---------------------------------------------------
+
+#: seconds a SQLite writer waits for the lock before it gives up
+SQLITE_BUSY_TIMEOUT_S = 30.0
+#: seconds service.db.retrying keeps trying a transaction while the database is unavailable
+RETRY_SECONDS = 60.0
+#: API requests that may hold a database session at once; below the pool's 15 connections
+#: (SQLAlchemy's 5 + 10 overflow), leaving some for /healthz and /metrics
+DB_SLOTS = 10
+
+# -- training (worker) ------------------------------------------------------------------------
+
+#: array sizes the first probe of a fusion key also times (beyond k=1, 2) where half the
+#: device's free memory holds them, so the throughput table starts with them
+LARGER_PROBE_SIZES = (4, 8, 16)
+#: arrays of one pack trained at once on a GPU by default (threads launching kernels)
+GPU_ARRAY_THREADS = 4
+#: steps between divergence checks on a GPU (a check synchronises with the device; the first
+#: non-finite step is recorded on the device meanwhile, so it is exact either way)
+CUDA_CHECK_EVERY = 16
+#: on a CPU, arrays up to this size compute their members' losses one call each
+LOOP_LOSS_MAX = 8
+#: nesting the fusion guard follows into a module's attribute values before it takes them as
+#: different (and trains the members apart)
+GUARD_MAX_DEPTH = 8
