@@ -3,7 +3,7 @@
 They are what ``train_test_split(range(1797), test_size=360, stratify=y, random_state=0)``
 returns (scikit-learn 1.9.1), in its order. Kept here so that loading the digits needs
 no scikit-learn import (~1.3 s), and so that the split stays the same whatever version of
-scikit-learn is installed; tests/test_workloads.py checks them against scikit-learn.
+scikit-learn is installed; tests/core/test_workloads.py checks them against scikit-learn.
 """
 
 TRAIN = (

@@ -23,8 +23,7 @@ import sqlalchemy as sa
 
 from service.db import make_engine, session_factory, session_scope
 from service.models import Measurement, Pack, PackMember, PackStatus, Profile
-from tests.e2e import free_port, packtune_env
-from tests.faults import (
+from tests.support.cluster import (
     Outcome,
     PostgresCluster,
     RedisServer,
@@ -37,6 +36,7 @@ from tests.faults import (
     wait_for,
     wait_study,
 )
+from tests.support.processes import free_port, packtune_env
 
 pytestmark = pytest.mark.slow
 

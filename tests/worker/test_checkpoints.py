@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.workloads_fixture import TinyMLP
+from tests.support.tiny_workloads import TinyMLP
 from worker.checkpoints import checkpoint_path, load_checkpoint, save_checkpoint
 from worker.fused import FusedArray, train
 

@@ -145,7 +145,7 @@ def imports_torch(code: str, database_url: str) -> bool:
         text=True,
         timeout=120,
         env={"PATH": "/usr/bin:/bin", "PACKTUNE_DATABASE_URL": database_url},
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
         check=False,
     )
     assert done.returncode == 0, done.stderr

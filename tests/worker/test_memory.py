@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.workloads_fixture import TinyCNN, TinyMLP
+from tests.support.tiny_workloads import TinyCNN, TinyMLP
 from worker.fused import FusedArray, train
 from worker.memory import probe
 

@@ -29,7 +29,7 @@ from pydantic import TypeAdapter
 
 from packtune.settings import ENV_PREFIX, Settings
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MAIN, WORKER = "docker-compose.yml", "docker-compose.worker.yml"
 COMPOSE_FILES = (MAIN, WORKER)
 SECRET_WORDS = ("PASSWORD", "TOKEN", "SECRET")

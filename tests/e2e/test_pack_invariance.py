@@ -1,7 +1,7 @@
 """A study's results never depend on how its trials were packed (real ``packtune serve``).
 
 For every built-in workload and for three plugin workloads that set fusion traps
-(``tests/plugins/trap_workloads.py``: a parameter missing from ``structural``, one
+(``tests/support/plugins/trap_workloads.py``: a parameter missing from ``structural``, one
 declared fusible but built as a Python value, one declared fusible and carried as a
 buffer), the same study runs packed and unpacked (``max_pack_size: 1``) through one
 ``packtune serve``; every trial matches its unpacked twin (same sample index) at every
@@ -19,11 +19,17 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e import check_hyperband, final_metrics, packtune_env, serving, wait_finished
+from tests.support.processes import (
+    check_hyperband,
+    final_metrics,
+    packtune_env,
+    serving,
+    wait_finished,
+)
 
 pytestmark = pytest.mark.slow
 
-PLUGINS = Path(__file__).parent / "plugins"
+PLUGINS = Path(__file__).resolve().parents[1] / "support" / "plugins"
 LR = {"type": "loguniform", "low": 0.01, "high": 0.5}
 #: Convolutions stacked by vmap round differently from one model's (a grouped convolution);
 #: at lr ~0.4 with momentum 0.9 a CNN's training is chaotic enough to grow that rounding into

@@ -30,7 +30,7 @@ from service.api.app import create_app
 from service.api.dashboard import STATIC
 from service.db import dispose_engines, make_engine, session_factory, session_scope, upgrade
 from service.models import PackStatus, StudyStatus, TrialStatus, utcnow
-from tests.e2e import packtune_env, serving, wait_finished
+from tests.support.processes import packtune_env, serving, wait_finished
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -42,7 +42,7 @@ CHROMIUM_ARGS = [
     "--disable-sync",
     "--no-first-run",
 ]
-ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 
 LIVE_SPEC: dict[str, Any] = {
     "name": "dashboard-live",

@@ -10,7 +10,7 @@ import pytest
 import sqlalchemy as sa
 import yaml
 
-from tests.e2e import packtune_env, serving
+from tests.support.processes import packtune_env, serving
 
 SMALL = {
     "name": "cli-small",

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e import (
+from tests.support.processes import (
     check_hyperband,
     final_metrics,
     packtune_env,

@@ -32,8 +32,8 @@ from packtune.spec import validate_spec
 from service import store
 from service.db import make_engine, session_factory, session_scope
 from service.models import Measurement, Pack, Study, Trial
-from tests.conftest import unavailable
-from tests.e2e import free_port, start
+from tests.support.processes import free_port, start
+from tests.support.services import unavailable
 
 T = TypeVar("T")
 

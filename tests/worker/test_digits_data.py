@@ -12,7 +12,7 @@ import torch
 
 from worker.workloads import digits
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _sklearn_reference() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

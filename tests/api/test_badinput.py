@@ -30,8 +30,8 @@ from service import store
 from service.api.app import create_app
 from service.db import make_engine, session_factory, session_scope, upgrade
 from service.models import PackStatus, TrialStatus
-from tests.e2e import packtune_env, serving
-from tests.faults import create_database, drop_database
+from tests.support.cluster import create_database, drop_database
+from tests.support.processes import packtune_env, serving
 
 SPEC: dict[str, Any] = {
     "name": "bad-input",

@@ -15,7 +15,7 @@ from service import store
 from service.api.app import create_app
 from service.db import dispose_engines, session_scope, upgrade
 from service.models import PackStatus, StudyStatus, TrialStatus, WorkerStatus
-from tests.e2e import imports_torch
+from tests.support.processes import imports_torch
 
 SPEC: dict[str, Any] = {
     "name": "m",

@@ -14,8 +14,8 @@ from torch import nn
 from packtune.space import fusion_key
 from packtune.workloads import get_workload
 from packtune.workloads.base import OPTIMIZER_HYPER, Workload
-from tests.plugins.trap_workloads import HiddenActMLP, MisdeclaredMLP, ScaledMLP
-from tests.workloads_fixture import TinyMLP
+from tests.support.plugins.trap_workloads import HiddenActMLP, MisdeclaredMLP, ScaledMLP
+from tests.support.tiny_workloads import TinyMLP
 from worker.fused import FusedArray, train
 from worker.fusion_guard import model_signature, partition, split_causes
 

@@ -4,7 +4,7 @@ These check that the benchmark scripts still work against the code they
 measure; they time nothing. The peers and plots parts need the ``bench``
 extra and skip without it. (``study_walltime --quick`` in its ``embedded``
 mode runs two ``packtune run``, ~10-20 s: it is left to
-``python -m bench.study_walltime --quick``; tests/test_e2e.py covers the same
+``python -m bench.study_walltime --quick``; tests/e2e/test_e2e.py covers the same
 path. Its ``serve`` mode, which the GPU figures rest on, is run here.)
 """
 

@@ -629,7 +629,7 @@ def test_a_finished_pack_is_not_finished_again(factory: Factory) -> None:
 
 def test_only_the_transitions_module_writes_a_status() -> None:
     """One owner for every status change: no other module assigns or updates ``status``."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     owner = root / "service" / "store" / "transitions.py"
     assigned = re.compile(r"\.status\s*=(?!=)|\.values\([^)]*\bstatus\s*=")
     offenders = [

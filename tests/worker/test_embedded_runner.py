@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from packtune.settings import get_settings
-from tests.e2e import children, gone, packtune_env
+from tests.support.processes import children, gone, packtune_env
 from worker.embedded import EmbeddedDispatcher
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from packtune.workloads.base import Workload
-from tests.workloads_fixture import TinyCNN, TinyMLP
+from tests.support.tiny_workloads import TinyCNN, TinyMLP
 from worker.fused import FusedArray, Report, train
 
 EPOCHS = 2

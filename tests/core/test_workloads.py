@@ -22,7 +22,7 @@ import packtune.workloads as workloads
 from packtune.workloads.base import OPTIMIZER_PARAMS, OPTIMIZER_STRUCTURAL, Workload
 from worker.workloads import digits, resnet, synthetic
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # Small configs keep the suite fast; they are still the real workloads.
 SMALL: dict[str, dict[str, Any]] = {

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e import children, free_port, gone, packtune_env, start, stop
-from tests.faults import wait_for
+from tests.support.cluster import wait_for
+from tests.support.processes import children, free_port, gone, packtune_env, start, stop
 
 pytestmark = [
     pytest.mark.slow,

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from service.api import deps
-from tests.e2e import packtune_env, serving
+from tests.support.processes import packtune_env, serving
 
 TOKEN = "s3cret-t0ken-for-tests"
 SPEC: dict[str, Any] = {

@@ -20,7 +20,7 @@ from service.db import alembic_config, make_engine, upgrade
 from service.models import Base
 
 PG_SCHEMA = "packtune_test_migrations"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HEAD = "0003"
 TABLES = {table.name for table in Base.metadata.sorted_tables}
 

@@ -1,0 +1,1 @@
+"""Helpers the tests share: processes, a services cluster, tiny workloads, plugins."""
