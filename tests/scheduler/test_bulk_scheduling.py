@@ -18,7 +18,7 @@ import pytest
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from packtune.dispatcher import JobState
+from bench.scheduler_scale import RecordingDispatcher
 from packtune.hyperband import promote
 from packtune.rungs import rung_resource
 from packtune.settings import Settings
@@ -145,32 +145,6 @@ def diverges(sample_index: int) -> bool:
     return sample_index % 11 == 4
 
 
-class Recording:
-    """Takes packs without running them; the test plays the workers."""
-
-    embedded_worker: str | None = None
-
-    def __init__(self) -> None:
-        self.jobs: set[str] = set()
-
-    def enqueue(self, pack_id: int, job_id: str) -> None:
-        self.jobs.add(job_id)
-
-    def state(self, job_id: str) -> tuple[JobState, str | None]:
-        return (JobState.queued if job_id in self.jobs else JobState.missing), None
-
-    notify = None
-
-    def start(self, workload: str | None = None) -> None:
-        pass
-
-    def runner_status(self) -> None:
-        return None
-
-    def close(self) -> None:
-        pass
-
-
 def fleet(s: Session) -> None:
     gpus = [{"index": g, "name": KIND, "memory_total": 8 * 10**9, "memory_free": 8 * 10**9}
             for g in range(2)]  # fmt: skip
@@ -253,7 +227,7 @@ def test_study_decisions_equal_promote_over_the_measurements(
             s, name=SPEC["name"], workload=SPEC["workload"], spec=SPEC, seed=0
         ).id
     settings = Settings(database_url=url, heartbeat_timeout=10**6)
-    scheduler = Scheduler(settings, factory=factory, dispatcher=Recording(), holder="t")  # type: ignore[arg-type]
+    scheduler = Scheduler(settings, factory=factory, dispatcher=RecordingDispatcher(), holder="t")  # type: ignore[arg-type]
     sampled = []
     try:
         for _ in range(200):
