@@ -124,9 +124,8 @@ def _mark_done(job: ArrayJob, done: dict[int, str]) -> None:
 def _settle_heap() -> None:
     """Collect once, then freeze what survives (imports, datasets) out of the collector's way.
 
-    The probe collects garbage before each array size; over a heap holding torch and
-    scikit-learn one full collection took ~0.2 s, most of a CPU probe. Frozen objects
-    are skipped by later collections, so those take milliseconds.
+    The probe collects garbage before each array size; frozen objects are skipped by
+    later collections, which then take milliseconds instead of most of a CPU probe.
     """
     gc.collect()
     gc.freeze()

@@ -58,8 +58,8 @@ def fresh(stmt: Select[Any]) -> Select[Any]:
 def id_in(
     s: Session, column: ColumnElement[int] | InstrumentedAttribute[int], ids: Sequence[int]
 ) -> ColumnElement[bool]:
-    """``column IN (ids)``; on PostgreSQL ``column = ANY(:ids)``, one array parameter: psycopg
-    spent ~0.1 s converting a statement with an expanded list of thousands of ids."""
+    """``column IN (ids)``; on PostgreSQL ``column = ANY(:ids)``, one array parameter (see
+    docs/design.md, "Data layer: what was measured")."""
     if is_postgres(s):
         return column == any_(literal(list(ids), postgresql.ARRAY(Integer)))
     return column.in_(list(ids))
@@ -76,9 +76,8 @@ def insert_rows(
     execute it with; the caller adds ``ON CONFLICT`` and ``RETURNING``.
 
     On PostgreSQL a single statement selecting from ``json_to_recordset()`` of one JSON
-    text parameter. A multi-row VALUES list (insertmanyvalues, as RETURNING needs) or an
-    executemany of thousands of rows took psycopg 0.5-0.8 s to convert and send, and
-    arrays per column ~0.15 s (it escapes each string of an array with a regex).
+    text parameter, the fastest of the ways measured (docs/design.md, "Data layer: what
+    was measured").
     """
     stmt = insert_for(s, model)
     if not is_postgres(s):
