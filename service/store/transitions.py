@@ -33,15 +33,7 @@ from sqlalchemy.orm import Session
 
 from packtune.errors import Conflict
 from packtune.tuning import UPDATE_CHUNK
-from service.models import (
-    Pack,
-    PackStatus,
-    Study,
-    StudyStatus,
-    Trial,
-    TrialStatus,
-    utcnow,
-)
+from service.models import Pack, PackStatus, Study, StudyStatus, Trial, TrialStatus, utcnow
 from service.store._sql import id_in, is_postgres
 
 T, P, S = TrialStatus, PackStatus, StudyStatus
