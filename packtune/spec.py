@@ -122,6 +122,7 @@ class StudySpec(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> StudySpec:
         check_space(self.workload, self.space)
+        check_objective(self.workload, self.objective)
         check_size(self.hyperband)
         return self
 
@@ -196,6 +197,17 @@ def check_space(workload: str, raw: dict[str, Any]) -> None:
                 f"space.{name}",
                 f"workload {workload!r} does not take this parameter; it takes {sorted(params)}",
             )
+
+
+def check_objective(workload: str, objective: Objective) -> None:
+    """The objective's metric is one the workload reports (when it declares them)."""
+    reported = _workloads()[workload].reported_metrics()
+    if reported is not None and objective.metric not in reported:
+        raise SpecError(
+            "objective.metric",
+            f"workload {workload!r} does not report {objective.metric!r}; "
+            f"it reports {sorted(reported)}",
+        )
 
 
 def check_size(hb: HyperbandSettings) -> None:

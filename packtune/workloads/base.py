@@ -91,6 +91,18 @@ class Workload(abc.ABC):
     params: Mapping[str, Any]
     structural: frozenset[str] = frozenset()
     fusible: frozenset[str] = frozenset()
+    #: the metrics the workload reports, each with the direction that is better ("min" or
+    #: "max"); the worker adds ``train_loss`` and ``val_loss`` to every workload's. None: not
+    #: declared (a study may then name any metric; it fails at its first measurement if the
+    #: workload never reports it).
+    reports: Mapping[str, str] | None = None
+
+    def reported_metrics(self) -> dict[str, str] | None:
+        """Every metric a trial of this workload records, with its better direction; None
+        when the workload does not declare its own."""
+        if self.reports is None:
+            return None
+        return {"train_loss": "min", "val_loss": "min", **self.reports}
 
     def fusible_params(self) -> frozenset[str]:
         """Parameters whose values may differ between the members of one fused array."""
@@ -161,5 +173,6 @@ class Workload(abc.ABC):
             "params": dict(self.params),
             "structural": sorted(self.structural_params()),
             "fusible": sorted(self.fusible_params()),
+            "metrics": self.reported_metrics(),
             "doc": (self.__doc__ or "").strip().splitlines()[0] if self.__doc__ else "",
         }

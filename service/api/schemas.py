@@ -172,6 +172,10 @@ class WorkloadPublic(BaseModel):
     fusible: list[str] = Field(
         description="Parameters that may differ inside one fused array (carried per member)."
     )
+    metrics: dict[str, Literal["min", "max"]] | None = Field(
+        description="Metrics a trial records, each with its better direction; null: the "
+        "workload does not declare them."
+    )
     doc: str
 
 

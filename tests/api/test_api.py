@@ -145,6 +145,7 @@ def test_cancel_of_an_unknown_study_is_404(client: TestClient) -> None:
         (spec(space={"lr": {"type": "gauss"}}), ["body", "space", "lr", "type"]),
         (spec(space={"depth": {"type": "int", "low": 1, "high": 3}}), ["body", "space", "depth"]),
         (spec(workload="nope"), ["body", "workload"]),
+        (spec(objective={"metric": "val_f1", "mode": "max"}), ["body", "objective", "metric"]),
         (spec(colour="red"), ["body", "colour"]),
         ({k: v for k, v in SPEC.items() if k != "workload"}, ["body", "workload"]),
     ],

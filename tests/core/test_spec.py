@@ -90,6 +90,7 @@ def test_defaults_fill_the_optional_parts() -> None:
         ("workload", ..., "workload", "required"),
         ("hyperband", ..., "hyperband", "required"),
         ("objective.mode", "best", "objective.mode", "'min' or 'max'"),
+        ("objective.metric", "val_acc", "objective.metric", "does not report 'val_acc'"),
         ("colour", "blue", "colour", "unknown key"),
         ("hyperband.speed", 2, "hyperband.speed", "unknown key"),
         ("name", "   ", "name", "at least 1 character"),

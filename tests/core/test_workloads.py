@@ -420,3 +420,24 @@ def test_data_and_model_on_cuda(name: str) -> None:
     model = _build(w, cfg, 0).cuda()
     with torch.no_grad():
         assert 0.0 <= w.metrics(model(val.x), val.y)["val_accuracy"] <= 1.0
+
+
+def test_workloads_declare_what_they_report_and_the_api_lists_it() -> None:
+    """Every built-in declares its metrics (the objective is checked against them); an
+    undeclared plugin reports None and any objective is accepted for it."""
+    found = workloads.registry()
+    assert found["digits-mlp"].reported_metrics() == {
+        "train_loss": "min",
+        "val_loss": "min",
+        "val_accuracy": "max",
+    }
+    assert {"val_accuracy", "val_r2"} <= set(found["synthetic-mlp"].reported_metrics() or {})
+    for name in NAMES:
+        described = found[name].describe()
+        assert described["metrics"] and described["metrics"]["val_loss"] == "min", name
+        assert set(described["structural"]) | set(described["fusible"]) == set(found[name].params)
+
+    class Undeclared(digits.DigitsMLP):
+        reports = None
+
+    assert Undeclared().reported_metrics() is None

@@ -48,6 +48,8 @@ def positive_int(config: Mapping[str, Any], key: str, minimum: int = 1) -> int:
 class ClassificationWorkload(Workload):
     """A workload whose outputs are logits and whose targets are int64 class labels."""
 
+    reports: Mapping[str, str] | None = {"val_accuracy": "max"}
+
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         import torch.nn.functional as F
 

@@ -78,6 +78,8 @@ class SyntheticMLP(Workload):
     """Student MLP on a seeded teacher-student task (sizes as parameters)."""
 
     name = "synthetic-mlp"
+    #: val_accuracy for task="classification", val_r2 for task="regression"
+    reports: Mapping[str, str] | None = {"val_accuracy": "max", "val_r2": "max"}
     params: Mapping[str, Any] = {
         "input_dim": 64,
         "hidden": 128,
