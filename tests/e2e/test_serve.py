@@ -27,7 +27,9 @@ SPEC = {
         "lr": {"type": "loguniform", "low": 0.01, "high": 0.3},
         "hidden": {"type": "choice", "values": [256]},
     },
-    "hyperband": {"max_resource": 9, "eta": 3},
+    # long enough that a pack is still training when the test looks (R=9 could finish
+    # between two polls on a fast machine); the tests stop serve long before its end
+    "hyperband": {"max_resource": 81, "eta": 3},
     "seed": 0,
 }
 
