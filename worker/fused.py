@@ -126,10 +126,11 @@ def _forwards(
 ) -> tuple[str, list[tuple[list[int], Forward]]]:
     """The mode a part of equal models runs in, and its stacks: ``(member indices, forward)``."""
     plan = bmm_plan(template)
-    if mode == "auto" and (len(part) == 1 or _is_stochastic(workload, template)):
-        mode = "serial"  # a stochastic member draws from its own stream alone, as when unpacked
-    elif mode == "auto":
-        mode = "bmm" if plan is not None else "vmap"
+    if mode == "auto":
+        if _is_stochastic(workload, template):
+            mode = "serial"  # each member draws from its own stream alone, as when unpacked
+        else:
+            mode = "bmm" if plan is not None else "serial" if len(part) == 1 else "vmap"
     if mode == "bmm" and plan is None:
         raise ValueError(f"{workload.name}'s model is not a hand-fusable Sequential")
     if mode == "serial":
