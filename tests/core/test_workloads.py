@@ -7,7 +7,6 @@ import math
 import pickle
 import subprocess
 import sys
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from torch.func import functional_call, stack_module_state, vmap
 
 import packtune.workloads as workloads
 from packtune.workloads.base import OPTIMIZER_PARAMS, OPTIMIZER_STRUCTURAL, Workload
+from tests.support.plugins import install_plugin, registered
 from worker.workloads import digits, resnet, synthetic
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,7 +50,7 @@ STRUCTURAL = {
         "task",
         "activation",
         "batch_size",
-    },
+    },  # fmt: skip
     "resnet-cifar": {"width", "blocks", "n_train", "n_val", "batch_size"},
 }
 NAMES = list(SMALL)
@@ -376,26 +376,15 @@ class Imposter(DigitsMLP):
 
 @pytest.fixture
 def plugin_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A throwaway installed distribution with two ``packtune.workloads`` entry points."""
+    """A throwaway installed distribution with three ``packtune.workloads`` entry points."""
     (tmp_path / "tiny_packtune_plugin.py").write_text(PLUGIN)
-    dist = tmp_path / "tiny_packtune_plugin-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: tiny-packtune-plugin\nVersion: 0.1\n"
-    )
-    (dist / "entry_points.txt").write_text(
-        textwrap.dedent("""
-        [packtune.workloads]
-        tiny = tiny_packtune_plugin:TinyWorkload
-        imposter = tiny_packtune_plugin:Imposter
-        broken = tiny_packtune_plugin:DoesNotExist
-    """)
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    workloads.registry.cache_clear()
-    yield tmp_path
-    workloads.registry.cache_clear()
-    sys.modules.pop("tiny_packtune_plugin", None)
+    install_plugin(tmp_path, "tiny_packtune_plugin", {
+        "tiny": "tiny_packtune_plugin:TinyWorkload",
+        "imposter": "tiny_packtune_plugin:Imposter",
+        "broken": "tiny_packtune_plugin:DoesNotExist",
+    })  # fmt: skip
+    with registered(monkeypatch, tmp_path, ("tiny_packtune_plugin",)):
+        yield tmp_path
 
 
 def test_a_workload_from_an_entry_point_is_registered(plugin_on_path: Path) -> None:

@@ -13,12 +13,13 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.support.plugins import HERE as PLUGIN_MODULES
+from tests.support.plugins import install_plugin
 from tests.support.processes import (
     check_hyperband,
     final_metrics,
@@ -29,7 +30,6 @@ from tests.support.processes import (
 
 pytestmark = pytest.mark.slow
 
-PLUGINS = Path(__file__).resolve().parents[1] / "support" / "plugins"
 LR = {"type": "loguniform", "low": 0.01, "high": 0.5}
 #: Convolutions stacked by vmap round differently from one model's (a grouped convolution);
 #: at lr ~0.4 with momentum 0.9 a CNN's training is chaotic enough to grow that rounding into
@@ -80,17 +80,14 @@ def spec(workload: str, packed: bool) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def plugin_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     """PYTHONPATH that installs the trap workloads as a distribution with entry points."""
-    root = tmp_path_factory.mktemp("plugin")
-    dist = root / "trap_workloads-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: trap-workloads\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text(
-        "[packtune.workloads]\n"
-        "hidden = trap_workloads:HiddenActMLP\n"
-        "misdeclared = trap_workloads:MisdeclaredMLP\n"
-        "scaled = trap_workloads:ScaledMLP\n"
+    root = install_plugin(tmp_path_factory.mktemp("plugin"), "trap_workloads", {
+        "hidden": "trap_workloads:HiddenActMLP",
+        "misdeclared": "trap_workloads:MisdeclaredMLP",
+        "scaled": "trap_workloads:ScaledMLP",
+    })  # fmt: skip
+    return os.pathsep.join(
+        filter(None, [str(root), str(PLUGIN_MODULES), os.environ.get("PYTHONPATH")])
     )
-    return os.pathsep.join(filter(None, [str(root), str(PLUGINS), os.environ.get("PYTHONPATH")]))
 
 
 @pytest.fixture(scope="module")

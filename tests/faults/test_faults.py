@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -36,6 +35,7 @@ from tests.support.cluster import (
     wait_for,
     wait_study,
 )
+from tests.support.plugins import install_plugin, registered
 from tests.support.processes import free_port, packtune_env
 
 pytestmark = pytest.mark.slow
@@ -430,24 +430,12 @@ TRIAL_FAULTS_SPEC: dict[str, Any] = {
 def faulty_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A throwaway installed distribution registering ``faulty-mlp`` as a workload, on the
     path of this process (``monkeypatch``) and of the processes it starts (``PYTHONPATH``)."""
-    import packtune.workloads as workloads
-
     root = tmp_path / "plugin"
     root.mkdir()
     (root / "faulty_packtune_plugin.py").write_text(FAULTY_PLUGIN)
-    dist = root / "faulty_packtune_plugin-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: faulty-packtune-plugin\nVersion: 0.1\n"
-    )
-    (dist / "entry_points.txt").write_text(
-        "[packtune.workloads]\nfaulty = faulty_packtune_plugin:FaultyMLP\n"
-    )
-    monkeypatch.syspath_prepend(str(root))
-    workloads.registry.cache_clear()
-    yield root
-    workloads.registry.cache_clear()
-    sys.modules.pop("faulty_packtune_plugin", None)
+    install_plugin(root, "faulty_packtune_plugin", {"faulty": "faulty_packtune_plugin:FaultyMLP"})
+    with registered(monkeypatch, root, ("faulty_packtune_plugin",)):
+        yield root
 
 
 def solo_curve(config: dict[str, Any], sample_index: int, to_resource: float) -> dict[float, float]:
