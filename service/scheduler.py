@@ -247,12 +247,11 @@ class Scheduler:
     @staticmethod
     def _fail(s: Session, pack: Pack) -> None:
         error = f"pack {pack.id} failed after {pack.attempts} attempts: {pack.error}"
-        ids = [m.trial_id for m in pack.members]
+        # only the members still at this pack's unit: one that finished it in an earlier
+        # attempt, or moved on to another pack since, is not this pack's to fail
+        ids = [m.trial_id for m in store.unfinished_members(s, pack)]
         store.move_pack(s, pack, PackStatus.failed)
-        store.move_trials(
-            s, ids, TrialStatus.failed,
-            only_from=(TrialStatus.queued, TrialStatus.running), error=error,
-        )  # fmt: skip
+        store.move_trials(s, ids, TrialStatus.failed, error=error)
 
     # -- the loop ---------------------------------------------------------------------------
 

@@ -84,11 +84,12 @@ def _claim(s: Session, pack_id: int, worker: str, device: torch.device) -> list[
         store.finish_pack(s, pack, PackStatus.cancelled, error=f"study {study.status}")
         return None
     groups: dict[tuple[str, float, float], list[MemberJob]] = defaultdict(list)
-    # members still queued, or running from an earlier run of this job; not those cancelled
-    # or finished meanwhile: one UPDATE, then one read of what they need
-    store.move_trials(s, [m.trial_id for m in pack.members], TrialStatus.running)
-    trials = {t.id: t for t in store.trials_by_id(s, [m.trial_id for m in pack.members])}
-    for m in pack.members:
+    # members still queued, or running from an earlier run of this job, at the unit's start;
+    # not those cancelled, finished by an earlier attempt, or moved on to another pack
+    members = store.unfinished_members(s, pack)
+    store.move_trials(s, [m.trial_id for m in members], TrialStatus.running)
+    trials = {t.id: t for t in store.trials_by_id(s, [m.trial_id for m in members])}
+    for m in members:
         trial = trials[m.trial_id]
         if trial.status != TrialStatus.running:
             continue
@@ -242,11 +243,9 @@ def _split_pack(
     pack = store.get_pack(s, pack_id)
     if pack.status == PackStatus.split:
         return  # an earlier try went through, but the connection broke before it heard so
-    statuses = {t.id: t.status for t in store.trials_by_id(s, [m.trial_id for m in pack.members])}
     units = [
         Unit(m.trial_id, m.fusion_key, m.from_resource, m.to_resource)
-        for m in pack.members
-        if statuses[m.trial_id] == TrialStatus.running
+        for m in store.unfinished_members(s, pack, (TrialStatus.running,))
     ]
     store.move_trials(s, [u.trial_id for u in units], TrialStatus.queued)
     workload = arrays[0].workload if arrays else ""
@@ -277,8 +276,8 @@ def _back_to_pending(pack_id: int, error: str) -> None:
 
     def write(s: Session) -> None:
         pack = store.get_pack(s, pack_id)
-        members = [m.trial_id for m in pack.members]
-        store.move_trials(s, members, TrialStatus.queued, only_from=(TrialStatus.running,))
+        members = [m.trial_id for m in store.unfinished_members(s, pack, (TrialStatus.running,))]
+        store.move_trials(s, members, TrialStatus.queued)
         store.move_pack(s, pack, PackStatus.pending, error=error)
 
     try:

@@ -43,6 +43,7 @@ from service.store.packs import (
     packs_per_device,
     packs_with_status,
     queue_pack,
+    unfinished_members,
 )
 from service.store.studies import (
     create_study,
@@ -85,6 +86,7 @@ from service.store.trials import (
 )
 
 __all__ = [
+    "unfinished_members",
     "worker_names",
     "profiles_of",
     "fusion_keys_of_packs",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -13,14 +14,10 @@ from sqlalchemy import (
 from sqlalchemy.orm import Session
 
 from packtune.errors import NotFound
-from service.models import (
-    Pack,
-    PackMember,
-    PackStatus,
-    utcnow,
-)
+from service.models import Pack, PackMember, PackStatus, TrialStatus, utcnow
 from service.store._sql import fresh, insert_rows, statuses
 from service.store.transitions import FINISHED_PACK, move_pack
+from service.store.trials import trials_by_id
 
 CLAIMABLE_PACK = (PackStatus.pending, PackStatus.queued)
 
@@ -140,3 +137,22 @@ def fusion_keys_of_packs(s: Session, study_id: int, status: Iterable[PackStatus]
         .distinct()
     )
     return set(rows)
+
+
+def unfinished_members(
+    s: Session,
+    pack: Pack,
+    status: Iterable[TrialStatus] = (TrialStatus.queued, TrialStatus.running),
+) -> list[PackMember]:
+    """The pack's members that are still its business: in ``status`` and still at the
+    unit's from-resource. A member that finished this pack's unit (an earlier attempt
+    recorded it) or has moved on to another pack is not, whatever its status says:
+    a retry must neither train it again nor fail it."""
+    trials = {t.id: t for t in trials_by_id(s, [m.trial_id for m in pack.members])}
+    wanted = set(status)
+    return [
+        m for m in pack.members
+        if m.trial_id in trials
+        and trials[m.trial_id].status in wanted
+        and math.isclose(trials[m.trial_id].resource_done, m.from_resource, abs_tol=1e-9)
+    ]  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -175,3 +176,60 @@ def test_out_of_memory_splits_the_pack_and_raises_the_memory_model(
             store.get_pack(s, hid).status = PackStatus.queued
         assert run_pack(hid) == "completed"
     assert {v[0] for v in snapshot(ids).values()} == {TrialStatus.paused}
+
+
+def _pack_for(trial_id: int, start: float, end: float) -> int:
+    """A pack of one member, queued, as the scheduler would plan the trial's next unit."""
+    with session_scope(get_sessionmaker()) as s:
+        trial = store.get_trial(s, trial_id)
+        pack = store.create_pack(
+            s, study_id=trial.study_id, members=[(trial_id, trial.fusion_key, start, end)]
+        )
+        return pack.id
+
+
+def test_a_retried_pack_leaves_alone_a_trial_that_moved_on(db: pytest.MonkeyPatch) -> None:
+    """Issue: a pack failed after one of its arrays had finished; the finished trial went
+    on (trained 1 -> 3 in another pack, then claimed by a third); the retry of the first
+    pack claimed it again, found its checkpoint at step 3 x spe instead of 0 and failed it.
+    The retry must train only the members still at its unit's start, and touch no other."""
+    pack_id, (moved, stayed) = make_pack([0.05, 0.1])
+    assert run_pack(_pack_for(moved, 0.0, 1.0)) == "completed"  # its first unit, elsewhere
+    with session_scope(get_sessionmaker()) as s:
+        store.move_trials(s, [moved], TrialStatus.pending, rung=1)  # promoted
+        store.move_trials(s, [moved], TrialStatus.queued)
+    assert run_pack(_pack_for(moved, 1.0, 3.0)) == "completed"
+    with session_scope(get_sessionmaker()) as s:  # and now a third pack trains it
+        store.move_trials(s, [moved], TrialStatus.pending)
+        store.move_trials(s, [moved], TrialStatus.queued)
+        store.move_trials(s, [moved], TrialStatus.running)
+    before = snapshot([moved])[moved]
+    assert before[:2] == (TrialStatus.running, 3.0)
+
+    assert run_pack(pack_id) == "completed"  # the retry of the first pack
+    assert snapshot([moved])[moved] == before  # not trained, not failed, not re-marked
+    status, done, _, error, points = snapshot([stayed])[stayed]
+    assert (status, done, error) == (TrialStatus.paused, 1.0, None)
+    assert [r for r, _ in points] == [1.0]
+
+
+def test_a_failed_pack_fails_only_the_members_still_at_its_unit(db: pytest.MonkeyPatch) -> None:
+    """A pack out of attempts fails its unfinished members, not one that moved on."""
+    from bench.scheduler_scale import RecordingDispatcher
+    from service.scheduler import Scheduler, TickReport
+
+    pack_id, (moved, stayed) = make_pack([0.05, 0.1])
+    assert run_pack(_pack_for(moved, 0.0, 1.0)) == "completed"
+    with session_scope(get_sessionmaker()) as s:  # promoted, and training in another pack
+        for to in (TrialStatus.pending, TrialStatus.queued, TrialStatus.running):
+            store.move_trials(s, [moved], to, rung=1)
+        pack = store.get_pack(s, pack_id)
+        store.move_pack(s, pack, PackStatus.pending, attempts=get_settings().max_attempts)
+
+    scheduler = Scheduler(get_settings(), get_sessionmaker(), RecordingDispatcher(), holder="t")
+    with session_scope(get_sessionmaker()) as s:
+        report = TickReport()
+        assert scheduler._dispatch(s, datetime.now(UTC), report) == []
+        assert report.failed_packs == 1
+    assert snapshot([stayed])[stayed][0] == TrialStatus.failed
+    assert snapshot([moved])[moved][:2] == (TrialStatus.running, 1.0)
