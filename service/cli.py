@@ -233,8 +233,11 @@ def worker(
             "(without Redis, `packtune serve` runs packs itself)"
         )
     _setup_logging()
-    from worker.main import run_all_gpus, run_worker
+    from worker.main import preflight, run_all_gpus, run_worker
 
+    problem = preflight()
+    if problem is not None:
+        fail(problem)
     try:
         if all_gpus:
             raise typer.Exit(run_all_gpus(burst=burst))

@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from importlib import resources
 from typing import Any, TypeVar
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
@@ -207,6 +207,13 @@ def session_scope(factory: sessionmaker[Session] | None = None) -> Iterator[Sess
         raise
     finally:
         session.close()
+
+
+def ping(factory: sessionmaker[Session] | None = None) -> None:
+    """``select 1``: returns when the database answers, raises one of
+    :data:`DATABASE_ERRORS` when it does not."""
+    with session_scope(factory) as s:
+        s.execute(text("select 1"))
 
 
 def retrying(

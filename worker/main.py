@@ -31,6 +31,29 @@ log = logging.getLogger(__name__)
 WORKER_NAME_ENV = "PACKTUNE_WORKER_NAME"
 
 
+def preflight() -> str | None:
+    """What stops this worker from doing its job, checked before it takes a pack: its
+    checkpoint folder must be writable (created if missing) and its database must answer.
+    None when both hold; else one line saying what is wrong."""
+    from service.db import DATABASE_ERRORS, ping
+
+    settings = get_settings()
+    folder = settings.checkpoint_dir
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".packtune-write-check-{os.getpid()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as exc:
+        return f"checkpoint folder {folder} is not writable: {exc.strerror or exc}"
+    try:
+        ping()
+    except DATABASE_ERRORS as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return f"cannot reach the database (PACKTUNE_DATABASE_URL): {first}"
+    return None
+
+
 def readings_with_headroom(index: int | None) -> list[dict[str, Any]]:
     """NVML readings; ``memory_available`` adds back what this process's torch holds
     (packs run one at a time, so the next pack may use it)."""

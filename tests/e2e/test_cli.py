@@ -134,3 +134,31 @@ def test_submit_watch_follows_a_study_to_the_end(env: dict[str, str], tmp_path: 
     assert result.returncode == 0, result.stderr
     assert "submitted" in result.stdout and "leaderboard" in result.stdout
     assert "completed" in result.stdout
+
+
+def test_a_worker_that_cannot_save_checkpoints_refuses_to_start(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """Its checkpoint folder is a file: one line naming the folder, exit 2, no traceback."""
+    blocker = tmp_path / "ckpt"
+    blocker.write_text("not a folder")
+    env = {**env, "PACKTUNE_REDIS_URL": "redis://127.0.0.1:6379/15",
+           "PACKTUNE_CHECKPOINT_DIR": str(blocker)}  # fmt: skip
+    result = packtune("worker", "--burst", env=env, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: checkpoint folder") and str(blocker) in lines[-1]
+    assert "Traceback" not in result.stderr
+
+
+def test_a_worker_that_cannot_reach_its_database_refuses_to_start(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    env = {**env, "PACKTUNE_REDIS_URL": "redis://127.0.0.1:6379/15",
+           "PACKTUNE_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+           "PACKTUNE_DATABASE_URL": "postgresql+psycopg://nobody@127.0.0.1:1/none"}  # fmt: skip
+    result = packtune("worker", "--burst", env=env, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: cannot reach the database (PACKTUNE_DATABASE_URL)")
+    assert "Traceback" not in result.stderr
