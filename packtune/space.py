@@ -48,6 +48,9 @@ from packtune.errors import SpecError
 
 Scalar = str | int | float | bool | None
 
+#: values one ``choice`` may list (a spec is stored with every study and shown by the API)
+MAX_CHOICES = 1_000
+
 
 @dataclass(frozen=True)
 class Uniform:
@@ -181,6 +184,8 @@ def _choice_values(values: Any, field: str) -> tuple[Scalar, ...]:
         raise SpecError(field, "must be a list")
     if not values:
         raise SpecError(field, "must not be empty")
+    if len(values) > MAX_CHOICES:
+        raise SpecError(field, f"has {len(values)} values; at most {MAX_CHOICES} are allowed")
     seen: set[str] = set()
     for position, value in enumerate(values):
         if value is not None and not isinstance(value, str | int | float):

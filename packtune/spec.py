@@ -14,6 +14,7 @@ no database, no torch (workloads are looked up by name only).
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -40,13 +41,28 @@ MAX_RESOURCE_LIMIT = 10_000
 MAX_TRIALS = 100_000
 
 
+def unprintable(value: str) -> str | None:
+    """The first character of ``value`` that has no place in a name, described; else None.
+
+    Control characters (C0 and C1, e.g. U+0085), format characters (bidi overrides and
+    isolates, zero-width spaces and joiners, U+FEFF) and line or paragraph separators can
+    make a name render as something else, or break a log line; a NUL cannot even be stored
+    in PostgreSQL text.
+    """
+    for c in value:
+        if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp"):
+            return f"U+{ord(c):04X} ({unicodedata.name(c, 'a control character')})"
+    return None
+
+
 def _printable(value: str) -> str:
-    if any(ord(c) < 32 or ord(c) == 127 for c in value):
-        raise ValueError("must not contain control characters")
+    bad = unprintable(value)
+    if bad is not None:
+        raise ValueError(f"must not contain control or invisible characters; found {bad}")
     return value
 
 
-# No control characters (a NUL cannot even be stored in PostgreSQL text).
+# No control or invisible characters (see :func:`unprintable`).
 Name = Annotated[
     str,
     StringConstraints(strip_whitespace=True, min_length=1, max_length=200),
@@ -190,6 +206,9 @@ def check_space(workload: str, raw: dict[str, Any]) -> None:
     parse_space(raw)
     params = _workloads()[workload].params
     for name in raw:
+        bad = unprintable(name)
+        if bad is not None:
+            raise SpecError(f"space.{name!r}", f"a parameter name must not contain {bad}")
         if name in RESERVED:
             raise SpecError(f"space.{name}", "is set by packtune for every trial; remove it")
         if name not in params:

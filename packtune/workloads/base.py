@@ -64,6 +64,13 @@ OPTIMIZER_HYPER = ("lr", "momentum", "weight_decay", "beta1", "beta2", "eps")
 RESERVED = frozenset({"seed", "data_seed"})
 
 
+def batch_order_seed(data_seed: int, epoch: int) -> int:
+    """The seed of one epoch's batch order: ``data_seed * 1_000_003 + epoch``, wrapped into
+    63 bits so that any study seed the spec admits (up to 2**63 - 1) seeds a generator
+    (torch's take at most 2**64 - 1); for seeds below ~9.2e12 it is the plain formula."""
+    return (data_seed * 1_000_003 + epoch) % 2**63
+
+
 @dataclass(frozen=True)
 class Split:
     """Inputs and targets of one split, already on the target device."""
@@ -161,7 +168,7 @@ class Workload(abc.ABC):
 
         cfg = self.resolve(config)
         n, bs = self.train_size(cfg), int(cfg["batch_size"])
-        gen = torch.Generator().manual_seed(int(cfg.get("data_seed", 0)) * 1_000_003 + epoch)
+        gen = torch.Generator().manual_seed(batch_order_seed(int(cfg.get("data_seed", 0)), epoch))
         perm = torch.randperm(n, generator=gen)
         for step in range(self.steps_per_epoch(cfg)):
             yield perm[step * bs : (step + 1) * bs]

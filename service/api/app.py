@@ -19,6 +19,7 @@ Errors, all as ``{"detail": ...}``:
 from __future__ import annotations
 
 import gc
+import logging
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -30,12 +31,15 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import Engine
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from packtune.errors import PacktuneError, SpecError
+from packtune.errors import PacktuneError, SpecError, StoreUnavailable
 from packtune.settings import Settings, get_settings
 from service.api import dashboard, metrics, routes, system
 from service.api.cache import ReadCache
 from service.db import get_sessionmaker, make_engine, read_only, session_factory
 
+log = logging.getLogger(__name__)
+#: what a client is told when the database cannot be reached (the log has the details)
+UNAVAILABLE = "the database is unavailable; try again shortly"
 MAX_BODY_BYTES = 1 << 20
 
 
@@ -96,6 +100,9 @@ async def _packtune_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, PacktuneError)
     if isinstance(exc, SpecError):
         return JSONResponse(status_code=422, content={"detail": [spec_error_detail(exc)]})
+    if isinstance(exc, StoreUnavailable):  # the driver's text names the database's host
+        log.warning("%s", exc)
+        return JSONResponse(status_code=exc.status_code, content={"detail": UNAVAILABLE})
     return JSONResponse(status_code=exc.status_code, content={"detail": str(exc)})
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -15,11 +16,14 @@ from service.api.deps import SessionDep, SettingsDep
 from service.api.schemas import Health, ListOf, WorkerPublic, WorkloadPublic
 from service.db import session_scope
 
+log = logging.getLogger(__name__)
+
 router = APIRouter()
 
 
-@router.get(
+@router.api_route(
     "/healthz",
+    methods=["GET", "HEAD"],
     response_model=Health,
     response_model_exclude_none=True,
     tags=["system"],
@@ -31,7 +35,9 @@ def healthz(request: Request) -> Any:
         with session_scope(request.app.state.read_sessionmaker) as s:
             s.execute(text("select 1"))
     except (PacktuneError, SQLAlchemyError) as exc:
-        return JSONResponse(status_code=503, content={"status": "unavailable", "detail": str(exc)})
+        log.warning("healthz: %s", exc)  # the driver's text names the database's host
+        detail = "the database cannot be reached"
+        return JSONResponse(status_code=503, content={"status": "unavailable", "detail": detail})
     return {"status": "ok"}
 
 

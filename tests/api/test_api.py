@@ -269,6 +269,8 @@ def test_healthz(client: TestClient) -> None:
     response = client.get("/healthz")
     assert response.status_code == 200
     assert response.json() == {"status": "ok"}
+    head = client.head("/healthz")  # load balancers probe with HEAD
+    assert head.status_code == 200 and head.content == b""
 
 
 def test_an_unreachable_database_is_503(clean_env: pytest.MonkeyPatch) -> None:
@@ -282,7 +284,9 @@ def test_an_unreachable_database_is_503(clean_env: pytest.MonkeyPatch) -> None:
         assert health.json()["status"] == "unavailable"
         listing = c.get("/api/studies")
         assert listing.status_code == 503
-        assert "database unavailable" in listing.json()["detail"]
+        assert "database is unavailable" in listing.json()["detail"]
+        for body in (health.text, listing.text):  # the host and port stay in the log
+            assert "127.0.0.1" not in body and "port" not in body and "nobody" not in body
 
 
 def test_the_app_freezes_what_it_was_built_from(client: TestClient) -> None:

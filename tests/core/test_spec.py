@@ -95,6 +95,10 @@ def test_defaults_fill_the_optional_parts() -> None:
         ("hyperband.speed", 2, "hyperband.speed", "unknown key"),
         ("name", "   ", "name", "at least 1 character"),
         ("name", "x" * 201, "name", "at most 200"),
+        ("name", "study\u0085two", "name", "U+0085"),
+        ("name", "evil\u202egnp.exe", "name", "U+202E (RIGHT-TO-LEFT OVERRIDE)"),
+        ("name", "zero\u200bwidth", "name", "U+200B (ZERO WIDTH SPACE)"),
+        ("space.hidden.values", list(range(1001)), "space.hidden.values", "at most 1000"),
         ("seed", -1, "seed", "greater than or equal to 0"),
         ("packing.max_pack_size", 0, "packing.max_pack_size", "greater than or equal to 1"),
         ("packing.enabled", "yes", "packing.enabled", "boolean"),
@@ -140,3 +144,26 @@ def test_a_stored_spec_is_read_once_into_typed_fields_with_the_specs_defaults() 
     assert [len(b) for b in bare.brackets] == [3, 2, 1]
     with pytest.raises(dataclasses.FrozenInstanceError):
         bare.seed = 1  # type: ignore[misc]
+
+
+def test_a_parameter_name_with_an_invisible_character_is_rejected() -> None:
+    spec = copy.deepcopy(GOOD)
+    spec["space"]["l\u200dr"] = spec["space"].pop("lr")
+    error = rejected(spec)
+    assert error.field.startswith("space.") and "U+200D" in error.message
+
+
+def test_every_admitted_seed_orders_batches_without_overflow() -> None:
+    """A seed up to the spec's bound seeds the batch order (it overflowed above ~1.8e13);
+    ordinary seeds keep exactly the order they had."""
+    import torch
+
+    from packtune.workloads.base import batch_order_seed
+    from worker.workloads.digits import DigitsMLP
+
+    assert batch_order_seed(7, 3) == 7 * 1_000_003 + 3
+    for seed in (2**45, 2**63 - 1):
+        assert 0 <= batch_order_seed(seed, 26) < 2**63
+        first = next(iter(DigitsMLP().batch_indices({"data_seed": seed}, 26)))
+        assert first.dtype == torch.int64 and len(first) == 64
+    assert validate_spec({**GOOD, "seed": 2**63 - 1}).seed == 2**63 - 1
