@@ -39,6 +39,12 @@ class StoreUnavailable(PacktuneError):
     status_code = 503
 
 
+class QueueUnavailable(PacktuneError):
+    """The job queue (Redis) cannot be reached; the scheduler waits for it, saying so once."""
+
+    status_code = 503
+
+
 class StudyCannotRun(PacktuneError):
     """A stored study that can never run as it is: its workload is no longer registered, or
     its space no longer fits the workload. The scheduler fails the study with this text."""

@@ -8,14 +8,28 @@ announcement costs a tick, nothing else: the database is the truth.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from packtune.dispatcher import JOB_FUNC, JobState
+from packtune.errors import QueueUnavailable
 from packtune.settings import Settings
 from service.bus import WakeListener, wake_channel
 
 log = logging.getLogger(__name__)
+
+
+@contextmanager
+def _queue_errors() -> Iterator[None]:
+    """Redis's connection trouble as :class:`~packtune.errors.QueueUnavailable`."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    try:
+        yield
+    except (RedisConnectionError, RedisTimeoutError) as exc:
+        raise QueueUnavailable(f"Redis: {exc}") from exc
 
 
 class RQDispatcher:
@@ -47,23 +61,25 @@ class RQDispatcher:
 
     def enqueue(self, pack_id: int, job_id: str) -> None:
         self.start()
-        self.queue.enqueue_call(
-            JOB_FUNC,
-            args=(pack_id,),
-            job_id=job_id,
-            timeout=self.job_timeout,
-            result_ttl=24 * 3600,
-            failure_ttl=7 * 24 * 3600,
-            description=f"pack {pack_id}",
-        )
+        with _queue_errors():
+            self.queue.enqueue_call(
+                JOB_FUNC,
+                args=(pack_id,),
+                job_id=job_id,
+                timeout=self.job_timeout,
+                result_ttl=24 * 3600,
+                failure_ttl=7 * 24 * 3600,
+                description=f"pack {pack_id}",
+            )
 
     def state(self, job_id: str) -> tuple[JobState, str | None]:
         from rq.exceptions import NoSuchJobError
         from rq.job import Job, JobStatus
 
         try:
-            job = Job.fetch(job_id, connection=self.redis)
-            status = job.get_status(refresh=True)
+            with _queue_errors():
+                job = Job.fetch(job_id, connection=self.redis)
+                status = job.get_status(refresh=True)
         except NoSuchJobError:
             return JobState.missing, None
         if status == JobStatus.FINISHED:

@@ -32,7 +32,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from packtune.dispatcher import Dispatcher, JobState, job_id_for
-from packtune.errors import StoreUnavailable, StudyCannotRun
+from packtune.errors import QueueUnavailable, StoreUnavailable, StudyCannotRun
 from packtune.settings import Settings, get_settings
 from packtune.tuning import PLAN_NEXT_TICK
 from service import lifecycle, planning, store
@@ -65,6 +65,7 @@ class TickReport:
     requeued: int = 0
     failed_packs: int = 0
     deferred: int = 0  # studies whose planning waits for the next tick (run at once)
+    queue_error: str | None = None  # the job queue could not be reached
     finished_studies: list[int] = field(default_factory=list)
 
 
@@ -89,6 +90,7 @@ class Scheduler:
         self.wake = threading.Event()
         # since when (monotonic) every tick has reached the database; None after a failure
         self.connected_since: float | None = None
+        self.queue_outage = False  # the last tick found the job queue unreachable
         self.dispatcher.notify = self.wake.set  # a job's end wakes the loop at once
 
     # -- one tick ---------------------------------------------------------------------------
@@ -121,7 +123,9 @@ class Scheduler:
         for pack_id, job_id in to_enqueue:
             try:
                 self.dispatcher.enqueue(pack_id, job_id)
-            except Exception as exc:  # e.g. Redis down: the next tick re-dispatches
+            except QueueUnavailable as exc:  # the next tick re-dispatches
+                report.queue_error = str(exc)
+            except Exception as exc:
                 log.warning("could not enqueue pack %s: %s", pack_id, exc)
         return report
 
@@ -270,6 +274,10 @@ class Scheduler:
             self.wake.clear()
             try:
                 report = self.tick()
+                self._queue_outage(report.queue_error)
+            except QueueUnavailable as exc:  # one line per outage, not a traceback per tick
+                self._queue_outage(str(exc))
+                report = TickReport()
             except StoreUnavailable as exc:
                 self.connected_since = None
                 log.warning("scheduler tick failed, trying again: %s", exc)
@@ -284,6 +292,14 @@ class Scheduler:
             busy = report.dispatched or report.planned or report.requeued or report.deferred
             wait = 0.0 if busy else max(0.0, interval - (time.monotonic() - started))
             self.wake.wait(wait)  # a finished pack (embedded runner, or RQ workers' notice)
+
+    def _queue_outage(self, error: str | None) -> None:
+        """Say once that the job queue is gone (``error``), and once that it is back."""
+        if error is not None and not self.queue_outage:
+            log.warning("the job queue is unavailable (%s); waiting for it", error)
+        elif error is None and self.queue_outage:
+            log.warning("the job queue is back")
+        self.queue_outage = error is not None
 
     def _finished(self, study_id: int) -> bool:
         with session_scope(self.factory) as s:

@@ -138,18 +138,27 @@ def run_worker(gpu: int | None = None, name: str | None = None, burst: bool = Fa
     beat = Heartbeat(name, gpu, settings.heartbeat_interval)
     beat.start()
     log.info("worker %s listening on %s", name, settings.queue_name)
-    delay = 1.0
+    delay, outage = 1.0, False
     try:
         while True:
-            # a new RQ name each time: Redis may still hold the last one's registration
-            rq_worker = PackWorker([queue], connection=redis, name=f"{name}-{uuid.uuid4().hex[:8]}")
             try:
+                # a new RQ name each time: Redis may still hold the last one's registration.
+                # Made inside the try: RQ's constructor already talks to Redis, and a worker
+                # re-made while Redis was still down used to exit
+                rq_worker = PackWorker(
+                    [queue], connection=redis, name=f"{name}-{uuid.uuid4().hex[:8]}"
+                )
+                if outage:
+                    log.warning("Redis is back; listening on %s", settings.queue_name)
+                    outage, delay = False, 1.0
                 rq_worker.work(burst=burst, with_scheduler=False)
                 return
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 # RQ gives up on a Redis error outside its dequeue wait (e.g. in its own
-                # heartbeat); a restarting Redis must not end the worker
-                log.warning("lost Redis (%s); listening again in %.0f s", exc, delay)
+                # heartbeat); a restarting Redis must not end the worker. One line per outage.
+                if not outage:
+                    log.warning("lost Redis (%s); trying again until it is back", exc)
+                outage = True
                 time.sleep(delay)
                 delay = min(2 * delay, 10.0)
     finally:

@@ -36,7 +36,7 @@ from tests.support.cluster import (
     wait_study,
 )
 from tests.support.plugins import install_plugin, registered
-from tests.support.processes import free_port, packtune_env
+from tests.support.processes import free_port, packtune_env, start, stop
 
 pytestmark = pytest.mark.slow
 
@@ -514,3 +514,80 @@ def test_a_diverging_trial_and_a_raising_one_are_isolated(
         for r, v in alone.items():
             assert got.curves[i][r] == pytest.approx(v, rel=1e-4, abs=1e-6), (i, r)
     print(f"{len(mates)} pack-mates of faulty trials match their solo runs")
+
+
+def test_a_worker_outlives_a_redis_that_is_down_and_resumes(tmp_path: Path) -> None:
+    """Issue: a worker whose Redis was down when it (re)made its RQ worker exited with a
+    traceback. It waits, says so once, and takes work when Redis is back."""
+    from redis import Redis
+    from rq import Worker
+
+    server = RedisServer(tmp_path)  # not started yet: Redis is down
+    url = server.url
+    env = packtune_env(
+        database_url=f"sqlite:///{tmp_path / 'packtune.db'}", redis_url=url,
+        queue_name="outage", checkpoint_dir=tmp_path / "ckpt",
+    )  # fmt: skip
+    log = tmp_path / "worker.log"
+    assert start(["db", "upgrade"], env, log).wait(60) == 0
+    worker = start(["worker", "--name", "patient"], env, log)
+    try:
+        wait_for(
+            lambda: "lost Redis" in log.read_text() or worker.poll() is not None,
+            60, "the worker to notice",
+        )  # fmt: skip
+        time.sleep(3)  # several retries later
+        assert worker.poll() is None, log.read_text()[-2000:]
+        assert log.read_text().count("lost Redis") == 1  # one line per outage
+        server.start()
+        redis = Redis.from_url(url)
+        wait_for(
+            lambda: any(w.name.startswith("patient-") for w in Worker.all(connection=redis)),
+            60, "the worker to register with Redis",
+        )  # fmt: skip
+        assert "Redis is back" in log.read_text()
+        assert "Traceback" not in log.read_text()
+    finally:
+        stop(worker)
+        server.stop()
+
+
+def test_the_scheduler_says_once_that_redis_is_down_and_once_that_it_is_back(
+    tmp_path: Path,
+) -> None:
+    """Issue: with Redis down the scheduler logged a traceback every tick. It logs one line
+    per outage, and one when Redis is back."""
+    from service import store
+    from service.models import PackStatus as Status
+
+    server = RedisServer(tmp_path)  # not started: Redis is down
+    url = f"sqlite:///{tmp_path / 'packtune.db'}"
+    env = packtune_env(
+        database_url=url, redis_url=server.url, queue_name="gone", scheduler_interval=0.2
+    )
+    log = tmp_path / "scheduler.log"
+    assert start(["db", "upgrade"], env, log).wait(60) == 0
+    engine = make_engine(url)
+    with session_scope(session_factory(engine)) as s:  # a pack whose job the tick asks about
+        study = store.create_study(s, name="q", workload="digits-mlp", spec={}, seed=0)
+        store.add_trials(s, study.id, [{"sample_index": 0, "bracket": 0, "config": {},
+                                        "fusion_key": "k"}])  # fmt: skip
+        trial = store.trials_of(s, study.id)[0]
+        pack = store.create_pack(s, study_id=study.id, members=[(trial.id, "k", 0.0, 1.0)])
+        assert store.move_pack(s, pack, Status.queued, job_id="pack-1-1", attempts=1)
+    engine.dispose()
+    scheduler = start(["scheduler"], env, log)
+    try:
+        wait_for(
+            lambda: "job queue is unavailable" in log.read_text() or scheduler.poll() is not None,
+            60, "the scheduler to notice",
+        )  # fmt: skip
+        time.sleep(2)  # about ten more ticks
+        text = log.read_text()
+        assert text.count("job queue is unavailable") == 1, text[-3000:]
+        assert "Traceback" not in text
+        server.start()
+        wait_for(lambda: "job queue is back" in log.read_text(), 30, "the scheduler to hear")
+    finally:
+        stop(scheduler)
+        server.stop()
