@@ -54,6 +54,26 @@ def preflight() -> str | None:
     return None
 
 
+def reclaim(name: str) -> list[int]:
+    """Re-queue the packs a previous process of this worker name died training.
+
+    A worker name outlives its process (``--gpu N`` fixes it, and a container restart
+    policy starts the same name again at once): its heartbeats go on, so the scheduler
+    would see the dead process's pack as running until the job's timeout. One process
+    per name is the contract, so a pack running under this name when it starts is dead.
+    """
+    from service import store
+    from service.db import retrying
+
+    moved = retrying(
+        lambda s: store.requeue_packs_of(s, name, f"worker {name} restarted while training it")
+    )
+    if moved:
+        log.warning("worker %s restarted: packs %s it was training go back to the queue",
+                    name, moved)  # fmt: skip
+    return moved
+
+
 def readings_with_headroom(index: int | None) -> list[dict[str, Any]]:
     """NVML readings; ``memory_available`` adds back what this process's torch holds
     (packs run one at a time, so the next pack may use it)."""
@@ -134,6 +154,7 @@ def run_worker(gpu: int | None = None, name: str | None = None, burst: bool = Fa
     assert settings.redis_url is not None
     redis = Redis.from_url(settings.redis_url)
     queue = Queue(settings.queue_name, connection=redis)
+    reclaim(name)  # what a previous incarnation of this name died holding
     send_heartbeat(name, gpu, busy=False)  # fail fast on a bad database URL
     beat = Heartbeat(name, gpu, settings.heartbeat_interval)
     beat.start()

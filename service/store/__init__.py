@@ -43,6 +43,7 @@ from service.store.packs import (
     packs_per_device,
     packs_with_status,
     queue_pack,
+    requeue_packs_of,
     unfinished_members,
 )
 from service.store.studies import (
@@ -86,6 +87,7 @@ from service.store.trials import (
 )
 
 __all__ = [
+    "requeue_packs_of",
     "unfinished_members",
     "worker_names",
     "profiles_of",

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 from packtune.errors import NotFound
 from service.models import Pack, PackMember, PackStatus, TrialStatus, utcnow
 from service.store._sql import fresh, insert_rows, statuses
-from service.store.transitions import FINISHED_PACK, move_pack
+from service.store.transitions import FINISHED_PACK, move_pack, move_trials
 from service.store.trials import trials_by_id
 
 CLAIMABLE_PACK = (PackStatus.pending, PackStatus.queued)
@@ -156,3 +156,18 @@ def unfinished_members(
         and trials[m.trial_id].status in wanted
         and math.isclose(trials[m.trial_id].resource_done, m.from_resource, abs_tol=1e-9)
     ]  # fmt: skip
+
+
+def requeue_packs_of(s: Session, worker_name: str, reason: str) -> list[int]:
+    """Put back to ``pending`` every pack ``running`` on ``worker_name``, with its members
+    still at the unit's start back to ``queued``: a worker starting under a name learns
+    that its previous incarnation died holding them (its heartbeat name lives on, so the
+    scheduler would wait for the job's timeout). Returns the packs' ids."""
+    stmt = select(Pack).where(Pack.status == PackStatus.running, Pack.worker_name == worker_name)
+    moved = []
+    for pack in list(s.scalars(fresh(stmt))):
+        members = [m.trial_id for m in unfinished_members(s, pack, (TrialStatus.running,))]
+        if move_pack(s, pack, PackStatus.pending, error=reason):
+            move_trials(s, members, TrialStatus.queued)
+            moved.append(pack.id)
+    return moved

@@ -591,3 +591,29 @@ def test_the_scheduler_says_once_that_redis_is_down_and_once_that_it_is_back(
     finally:
         stop(scheduler)
         server.stop()
+
+
+def test_a_worker_restarted_under_its_name_requeues_its_pack_at_once(
+    cluster: Services, database: str, reference: Outcome
+) -> None:
+    """Issue: a worker killed and started again under the same name (a container restart
+    policy, ``--gpu N``) kept its name heartbeating, so its dead pack stayed "running" until
+    the job timeout (an hour). The new process re-queues it at start; the study ends as
+    the undisturbed one."""
+    start_all(cluster, workers=1)
+    engine = make_engine(database)
+    try:
+        study_id = submit(engine, SPEC)
+        pack_id, victim = wait_for(
+            lambda: running_mid_unit(engine, resumed=False), 90, "a pack half way", every=0.05
+        )
+        cluster.kill(victim)
+        cluster.start(victim, "worker", "--name", victim)  # at once, under the same name
+        assert wait_study(engine, study_id, STUDY_TIMEOUT, cluster) == "completed"
+    finally:
+        engine.dispose()
+    got = outcome(database, study_id)
+    assert_same_outcome(got, reference)
+    pack = next(p for p in got.packs if p.id == pack_id)
+    assert (pack.status, pack.attempts) == ("completed", 2), pack
+    assert pack.error is not None and f"worker {victim} restarted" in pack.error
