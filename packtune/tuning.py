@@ -58,6 +58,8 @@ GPU_ARRAY_THREADS = 4
 #: steps between divergence checks on a GPU (a check synchronises with the device; the first
 #: non-finite step is recorded on the device meanwhile, so it is exact either way)
 CUDA_CHECK_EVERY = 16
+#: seconds between a running pack's looks at its study: a cancel stops it within about this
+CANCEL_CHECK_SECONDS = 1.0
 #: on a CPU, arrays up to this size compute their members' losses one call each
 LOOP_LOSS_MAX = 8
 #: nesting the fusion guard follows into a module's attribute values before it takes them as

@@ -50,6 +50,10 @@ GLOBAL_RNG = threading.RLock()
 NOT_A_TRIAL_FAULT = (StoreUnavailable, SQLAlchemyError, torch.cuda.OutOfMemoryError)
 
 
+class PackCancelled(Exception):
+    """The pack's study was cancelled while it trained: it stopped at a step boundary."""
+
+
 class TrialError(Exception):
     """The workload or the training code raised for this array."""
 
@@ -195,7 +199,12 @@ def _structural_parts(job: ArrayJob) -> list[list[MemberJob]]:
 
 
 def run_array(
-    job: ArrayJob, device: torch.device, kind: str, checkpoint_dir: Path, shared: bool = False
+    job: ArrayJob,
+    device: torch.device,
+    kind: str,
+    checkpoint_dir: Path,
+    shared: bool = False,
+    stop: threading.Event | None = None,
 ) -> None:
     """Train ``job``'s members from its from- to its to-resource, recording as it goes.
 
@@ -212,7 +221,9 @@ def run_array(
             len(parts),
         )  # fmt: skip
         for part in parts:
-            run_array(dataclasses.replace(job, members=part), device, kind, checkpoint_dir, True)
+            run_array(
+                dataclasses.replace(job, members=part), device, kind, checkpoint_dir, True, stop
+            )
         return
     configs = {m.trial_id: job.config(m) for m in job.members}
     first = workload.resolve(next(iter(configs.values())))
@@ -273,12 +284,14 @@ def run_array(
     started = time.perf_counter()
     try:
         with GLOBAL_RNG if array.stochastic else nullcontext():
-            train(array, to_step, on_report=record)
+            train(array, to_step, on_report=record, stop=stop)
     except NOT_A_TRIAL_FAULT:
         raise
     except Exception as exc:
         raise TrialError(exc) from exc
     seconds = time.perf_counter() - started
+    if stop is not None and stop.is_set():
+        raise PackCancelled(f"pack {job.pack_id}: its study was cancelled")
     saved = {
         _id(key): str(save_checkpoint(checkpoint_dir, job.study_id, key, array.member_state(key)))
         for key in array.keys

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -365,7 +366,10 @@ class Report:
 
 
 def train(
-    array: FusedArray, to_step: int, on_report: Callable[[Report], None] | None = None
+    array: FusedArray,
+    to_step: int,
+    on_report: Callable[[Report], None] | None = None,
+    stop: threading.Event | None = None,
 ) -> list[Report]:
     """Train ``array`` from its current step to global step ``to_step``.
 
@@ -373,11 +377,13 @@ def train(
     ``s // steps_per_epoch``, so stopping and resuming at any step is exact.
     At each epoch boundary and at ``to_step`` the members are evaluated; the
     report's ``train_loss`` is the mean step loss of the epoch's steps run in
-    this call.
+    this call. ``stop`` set (e.g. the study was cancelled) ends training at the next
+    step boundary, without evaluating the epoch begun: the reports so far stand.
     """
     if to_step < array.step:
         raise ValueError(f"array is at step {array.step}, past to_step={to_step}")
-    spe, reports = array.steps_per_epoch, []
+    spe = array.steps_per_epoch
+    reports: list[Report] = []
     while array.step < to_step and array.groups:
         epoch = array.step // spe
         batches = list(array.workload.batch_indices(array.config, epoch))
@@ -385,6 +391,8 @@ def train(
         diverged_before = set(array.diverged)
         array.reset_train_loss()
         while array.step < end and array.groups:
+            if stop is not None and stop.is_set():
+                return reports
             array.train_step(batches[array.step - epoch * spe])
         array.check_divergence()
         train_loss, evaluated = array.train_loss(array.step - start), array.evaluate()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 import traceback
 from collections import defaultdict
@@ -40,11 +41,18 @@ from packtune.packing import MemoryModel, Unit, split_in_two
 from packtune.rungs import rung_resource
 from packtune.settings import get_settings
 from packtune.spec import StoredSpec
-from packtune.tuning import GPU_ARRAY_THREADS
+from packtune.tuning import CANCEL_CHECK_SECONDS, GPU_ARRAY_THREADS
 from service import store
 from service.db import retrying
 from service.models import PackStatus, StudyStatus, TrialStatus
-from worker.execute import ArrayJob, MemberJob, TrialError, is_profiled, run_array
+from worker.execute import (
+    ArrayJob,
+    MemberJob,
+    PackCancelled,
+    TrialError,
+    is_profiled,
+    run_array,
+)
 
 log = logging.getLogger(__name__)
 
@@ -131,11 +139,17 @@ def run_pack(pack_id: int) -> str:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
+    watch = CancelWatch(arrays[0].study_id) if arrays else None
     try:
         size = sum(len(a.members) for a in arrays)
         if settings.oom_above is not None and size > settings.oom_above:
             raise InjectedOutOfMemory(f"injected: {size} trials > PACKTUNE_OOM_ABOVE")
-        _run_arrays(arrays, device, kind, settings.checkpoint_dir)
+        _run_arrays(arrays, device, kind, settings.checkpoint_dir, watch.stop if watch else None)
+    except PackCancelled as exc:
+        log.info("%s; stopped at a step boundary", exc)
+        retrying(lambda s: store.finish_pack(s, store.get_pack(s, pack_id), PackStatus.cancelled,
+                                             error="its study was cancelled"))  # fmt: skip
+        return "cancelled"
     except torch.cuda.OutOfMemoryError as exc:
         _split(pack_id, arrays, kind, device, f"{type(exc).__name__}: {exc}")
         return "split"
@@ -143,6 +157,9 @@ def run_pack(pack_id: int) -> str:
         log.exception("pack %s failed", pack_id)
         _back_to_pending(pack_id, f"{type(exc).__name__}: {exc}")
         return "failed"
+    finally:
+        if watch is not None:
+            watch.close()
     peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
     seconds = time.perf_counter() - started
 
@@ -173,7 +190,13 @@ def array_threads(device: torch.device, arrays: int) -> int:
     return max(1, min(arrays, (os.cpu_count() or 1) // max(1, torch.get_num_threads())))
 
 
-def _run_arrays(arrays: list[ArrayJob], device: torch.device, kind: str, ckpt_dir: Any) -> None:
+def _run_arrays(
+    arrays: list[ArrayJob],
+    device: torch.device,
+    kind: str,
+    ckpt_dir: Any,
+    stop: threading.Event | None = None,
+) -> None:
     """Train the pack's arrays, several at once where :func:`array_threads` allows and every
     fusion key's memory is already measured (a probe measures the device's peak memory,
     which another array training beside it would distort; so does the pack's first run of
@@ -182,10 +205,12 @@ def _run_arrays(arrays: list[ArrayJob], device: torch.device, kind: str, ckpt_di
     threads = array_threads(device, len(arrays))
     if threads <= 1 or not all(is_profiled(a, kind) for a in arrays):
         for array in arrays:
-            _run_isolating(array, device, kind, ckpt_dir)
+            _run_isolating(array, device, kind, ckpt_dir, stop=stop)
         return
     with ThreadPoolExecutor(threads, thread_name_prefix="packtune-array") as pool:
-        futures = [pool.submit(_run_isolating, a, device, kind, ckpt_dir, True) for a in arrays]
+        futures = [
+            pool.submit(_run_isolating, a, device, kind, ckpt_dir, True, stop) for a in arrays
+        ]
     errors = [exc for f in futures if (exc := f.exception()) is not None]
     oom = [exc for exc in errors if isinstance(exc, torch.cuda.OutOfMemoryError)]
     if errors:
@@ -193,11 +218,16 @@ def _run_arrays(arrays: list[ArrayJob], device: torch.device, kind: str, ckpt_di
 
 
 def _run_isolating(
-    array: ArrayJob, device: torch.device, kind: str, ckpt_dir: Any, shared: bool = False
+    array: ArrayJob,
+    device: torch.device,
+    kind: str,
+    ckpt_dir: Any,
+    shared: bool = False,
+    stop: threading.Event | None = None,
 ) -> None:
     """Run an array; if the workload raises, run its members one by one to find the culprit."""
     try:
-        run_array(array, device, kind, ckpt_dir, shared)
+        run_array(array, device, kind, ckpt_dir, shared, stop)
     except TrialError as exc:
         if len(array.members) == 1:
             _fail_trial(array.members[0].trial_id, exc.text)
@@ -205,9 +235,36 @@ def _run_isolating(
         log.warning("array of %d raised (%s); isolating members", len(array.members), exc.text)
         for member in array.members:
             try:
-                run_array(array.alone(member), device, kind, ckpt_dir, shared)
+                run_array(array.alone(member), device, kind, ckpt_dir, shared, stop)
             except TrialError as solo:
                 _fail_trial(member.trial_id, solo.text)
+
+
+class CancelWatch:
+    """Sets ``stop`` once the study is cancelled (or ended otherwise), read every
+    :data:`~packtune.tuning.CANCEL_CHECK_SECONDS` in a thread of its own, so that a running
+    pack stops at its next step boundary instead of training to its end."""
+
+    def __init__(self, study_id: int) -> None:
+        self.study_id, self.stop, self._closed = study_id, threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, name="packtune-cancel", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        ended = (StudyStatus.cancelled, StudyStatus.failed, StudyStatus.completed)
+        while not self._closed.wait(CANCEL_CHECK_SECONDS):
+            try:
+                status = retrying(lambda s: store.get_study(s, self.study_id).status)
+            except Exception as exc:  # the database is away: train on, look again later
+                log.debug("cancel watch: %s", exc)
+                continue
+            if status in ended:
+                self.stop.set()
+                return
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=5)
 
 
 def _fail_trial(trial_id: int, error: str) -> None:

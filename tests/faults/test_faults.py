@@ -36,7 +36,7 @@ from tests.support.cluster import (
     wait_study,
 )
 from tests.support.plugins import install_plugin, registered
-from tests.support.processes import free_port, packtune_env, start, stop
+from tests.support.processes import free_port, packtune_env, serving, start, stop
 
 pytestmark = pytest.mark.slow
 
@@ -617,3 +617,47 @@ def test_a_worker_restarted_under_its_name_requeues_its_pack_at_once(
     pack = next(p for p in got.packs if p.id == pack_id)
     assert (pack.status, pack.attempts) == ("completed", 2), pack
     assert pack.error is not None and f"worker {victim} restarted" in pack.error
+
+
+LONG_UNIT_SPEC: dict[str, Any] = {
+    "name": "long-unit",
+    "workload": "synthetic-mlp",
+    "space": {
+        "hidden": {"type": "choice", "values": [512]},
+        "n_train": {"type": "choice", "values": [32768]},
+    },
+    # one bracket, one trial, one unit of 9 epochs (512 steps each): ~10 s or more
+    "hyperband": {"max_resource": 9, "min_resource": 9, "eta": 3},
+    "seed": 1,
+}
+
+
+def test_cancel_stops_a_running_pack_at_the_next_step(tmp_path: Path) -> None:
+    """Issue: a cancel stopped queued packs, but running ones trained to their end. A
+    running pack now stops within about a second, keeping the epochs already measured."""
+    env = packtune_env(
+        database_url=f"sqlite:///{tmp_path / 'packtune.db'}",
+        checkpoint_dir=tmp_path / "ckpt", scheduler_interval=0.2, torch_threads=1,
+    )  # fmt: skip
+    log = tmp_path / "serve.log"
+    with serving(env, log) as url:
+        assert httpx.post(f"{url}/api/studies", json=LONG_UNIT_SPEC, timeout=30).status_code == 201
+
+        def measured() -> int:
+            curves = httpx.get(f"{url}/api/studies/1/curves", timeout=10).json()["data"]
+            return sum(len(c["points"]) for c in curves)
+
+        wait_for(lambda: measured() >= 1, 120, "the first epoch to be measured")
+        cancelled_at = time.monotonic()
+        assert httpx.post(f"{url}/api/studies/1/cancel", timeout=30).status_code == 200
+
+        def pack_ended() -> str | None:
+            packs = httpx.get(f"{url}/api/studies/1/packs", timeout=10).json()["data"]
+            return packs[0]["status"] if packs[0]["status"] != "running" else None
+
+        assert wait_for(pack_ended, 60, "the running pack to end") == "cancelled"
+        stopped_after = time.monotonic() - cancelled_at
+        points = measured()
+    print(f"the pack stopped {stopped_after:.1f} s after the cancel, {points} epochs measured")
+    assert stopped_after < 6, stopped_after
+    assert 1 <= points < 9  # what was measured stays; the rest was never trained
