@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from itertools import groupby
 from operator import attrgetter
 
-from packtune.tuning import HEADROOM, MIN_GAIN_PERCENT
+from packtune.tuning import HEADROOM, MIN_GAIN_PERCENT, RETRY_BACKOFF_MAX_S
 
 
 @dataclass(frozen=True)
@@ -286,3 +286,12 @@ def plan_packs(
     plan.packs = [PlannedPack(pack.device.name, tuple(pack.arrays)) for pack in open_packs]
     plan.deferred = sorted(deferred, key=_sort_key)
     return plan
+
+
+def retry_delay(base: float, attempt: int, jitter: float) -> float:
+    """Seconds before retrying a pack whose ``attempt``-th attempt failed: ``base`` doubled
+    per attempt up to :data:`~packtune.tuning.RETRY_BACKOFF_MAX_S`, scaled by ``jitter``
+    (0..1, drawn by the caller) into its upper half, so that packs failed together do not
+    all come back at once."""
+    capped = min(RETRY_BACKOFF_MAX_S, base * 2 ** max(0, attempt - 1))
+    return capped * (0.5 + 0.5 * jitter)

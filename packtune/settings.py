@@ -46,7 +46,16 @@ class Settings(BaseSettings):
     queue_name: str = Field(default="packtune", min_length=1, description="RQ queue name.")
     job_timeout: int = Field(default=3600, gt=0, description="RQ job timeout per pack, seconds.")
     max_attempts: int = Field(
-        default=3, ge=1, description="Attempts per pack before its trials fail."
+        default=3,
+        ge=1,
+        description="Attempts per pack before its trials fail; attempts ended by a fault that "
+        "is not the trials' (storage, database, job queue, a worker gone) do not count.",
+    )
+    retry_backoff: float = Field(
+        default=2.0,
+        ge=0,
+        description="Seconds before a failed pack's first retry, doubled each attempt (up to "
+        "60 s) with jitter; 0 retries at once.",
     )
     scheduler_interval: float = Field(
         default=0.5, gt=0, description="Seconds between scheduler ticks."

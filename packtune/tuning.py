@@ -27,6 +27,12 @@ PROBE_UNITS = 2
 #: weight of a new throughput reading in the per-k moving average (1.0 keeps the latest)
 THROUGHPUT_SMOOTHING = 0.5
 
+#: longest wait before a failed pack is tried again (settings.retry_backoff doubles up to it)
+RETRY_BACKOFF_MAX_S = 60.0
+#: attempts ended by faults that are not the trials' a pack may take beyond max_attempts
+#: (bounded, so that a trial that kills its worker every time still ends)
+MAX_FAULTS = 10
+
 # -- bounded scheduler ticks (service.lifecycle, service.planning, service.scheduler) -------
 
 #: trials one tick samples at most

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -33,8 +34,9 @@ from typing import TYPE_CHECKING
 
 from packtune.dispatcher import Dispatcher, JobState, job_id_for
 from packtune.errors import QueueUnavailable, StoreUnavailable, StudyCannotRun
+from packtune.packing import retry_delay
 from packtune.settings import Settings, get_settings
-from packtune.tuning import PLAN_NEXT_TICK
+from packtune.tuning import MAX_FAULTS, PLAN_NEXT_TICK
 from service import lifecycle, planning, store
 from service.db import DATABASE_ERRORS, get_sessionmaker, session_scope
 from service.models import (
@@ -142,28 +144,28 @@ class Scheduler:
     def _reconcile(self, s: Session, live: set[str], report: TickReport) -> None:
         for pack in store.packs_with_status(s, (PackStatus.queued, PackStatus.running)):
             if pack.job_id is None:
-                self._requeue(s, pack, "dispatched without a job id", report)
+                self._requeue(s, pack, "dispatched without a job id", report, fault=True)
                 continue
             state, error = self.dispatcher.state(pack.job_id)
             if state == JobState.failed:
-                self._requeue(s, pack, error or "job failed", report)
+                self._requeue(s, pack, error or "job failed", report, fault=False)
             elif state == JobState.missing:
                 if self._running_on_live_worker(pack, live):
                     continue  # e.g. Redis restarted under a running job: its worker goes on
-                self._requeue(s, pack, "job vanished from the queue", report)
+                self._requeue(s, pack, "job vanished from the queue", report, fault=True)
             elif state == JobState.finished:
                 s.refresh(pack)  # the job ended: its own status is the truth
                 if pack.status in (PackStatus.queued, PackStatus.running):
-                    self._requeue(s, pack, "job ended without finishing the pack", report)
+                    reason = "job ended without finishing the pack"
+                    self._requeue(s, pack, reason, report, fault=True)
             elif (
                 pack.status == PackStatus.running
                 and pack.worker_name is not None
                 and pack.worker_name not in live
                 and pack.worker_name != self.dispatcher.embedded_worker
             ):
-                self._requeue(
-                    s, pack, f"worker {pack.worker_name} stopped sending heartbeats", report
-                )
+                reason = f"worker {pack.worker_name} stopped sending heartbeats"
+                self._requeue(s, pack, reason, report, fault=True)
 
     def _running_on_live_worker(self, pack: Pack, live: set[str]) -> bool:
         """The pack is running on an RQ worker that still sends heartbeats.
@@ -177,10 +179,13 @@ class Scheduler:
             and pack.worker_name != self.dispatcher.embedded_worker
         )
 
-    @staticmethod
-    def _requeue(s: Session, pack: Pack, reason: str, report: TickReport) -> None:
-        log.info("pack %s back to pending: %s", pack.id, reason)
-        if store.move_pack(s, pack, PackStatus.pending, error=reason):
+    def _requeue(
+        self, s: Session, pack: Pack, reason: str, report: TickReport, *, fault: bool
+    ) -> None:
+        """Back to pending for a later attempt (backoff); ``fault``: not the trials' doing."""
+        delay = retry_delay(self.settings.retry_backoff, pack.attempts, random.random())
+        log.info("pack %s back to pending (retry in %.1f s): %s", pack.id, delay, reason)
+        if store.retry_pack(s, pack, error=reason, fault=fault, delay=delay):
             report.requeued += 1
 
     def _advance_alone(
@@ -235,7 +240,12 @@ class Scheduler:
     def _dispatch(self, s: Session, now: datetime, report: TickReport) -> list[tuple[int, str]]:
         out: list[tuple[int, str]] = []
         for pack in store.packs_with_status(s, PackStatus.pending):
-            if pack.attempts >= self.settings.max_attempts:
+            if pack.retry_after is not None and pack.retry_after > now:
+                continue  # backing off after a failed attempt
+            counted = pack.attempts - pack.faults
+            if counted >= self.settings.max_attempts or (
+                pack.attempts >= self.settings.max_attempts + MAX_FAULTS
+            ):
                 self._fail(s, pack)
                 report.failed_packs += 1
                 continue

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -36,14 +37,14 @@ from typing import Any
 import torch
 from sqlalchemy.orm import Session
 
-from packtune.errors import StoreUnavailable
-from packtune.packing import MemoryModel, Unit, split_in_two
+from packtune.errors import QueueUnavailable, StoreUnavailable
+from packtune.packing import MemoryModel, Unit, retry_delay, split_in_two
 from packtune.rungs import rung_resource
 from packtune.settings import get_settings
 from packtune.spec import StoredSpec
 from packtune.tuning import CANCEL_CHECK_SECONDS, GPU_ARRAY_THREADS
 from service import store
-from service.db import retrying
+from service.db import DATABASE_ERRORS, retrying
 from service.models import PackStatus, StudyStatus, TrialStatus
 from worker.execute import (
     ArrayJob,
@@ -155,7 +156,7 @@ def run_pack(pack_id: int) -> str:
         return "split"
     except Exception as exc:
         log.exception("pack %s failed", pack_id)
-        _back_to_pending(pack_id, f"{type(exc).__name__}: {exc}")
+        _back_to_pending(pack_id, exc)
         return "failed"
     finally:
         if watch is not None:
@@ -328,14 +329,23 @@ def _split_pack(
     store.finish_pack(s, pack, PackStatus.split, error=error)
 
 
-def _back_to_pending(pack_id: int, error: str) -> None:
-    """A failure that is not a trial's own: let the scheduler try the pack again."""
+#: what fails a pack through no fault of its trials: storage (a full or read-only checkpoint
+#: folder), the database, the job queue. Such attempts do not count toward max_attempts.
+NOT_THE_TRIALS: tuple[type[BaseException], ...] = (OSError, *DATABASE_ERRORS, QueueUnavailable)
+
+
+def _back_to_pending(pack_id: int, exc: BaseException) -> None:
+    """A failure that is not a trial's own: let the scheduler try the pack again, after a
+    backoff; a fault of :data:`NOT_THE_TRIALS` does not use up an attempt."""
+    error = f"{type(exc).__name__}: {exc}"
+    fault = isinstance(exc, NOT_THE_TRIALS)
 
     def write(s: Session) -> None:
         pack = store.get_pack(s, pack_id)
         members = [m.trial_id for m in store.unfinished_members(s, pack, (TrialStatus.running,))]
         store.move_trials(s, members, TrialStatus.queued)
-        store.move_pack(s, pack, PackStatus.pending, error=error)
+        delay = retry_delay(get_settings().retry_backoff, pack.attempts, random.random())
+        store.retry_pack(s, pack, error=error, fault=fault, delay=delay)
 
     try:
         retrying(write)

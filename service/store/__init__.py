@@ -44,6 +44,7 @@ from service.store.packs import (
     packs_with_status,
     queue_pack,
     requeue_packs_of,
+    retry_pack,
     unfinished_members,
 )
 from service.store.studies import (
@@ -87,6 +88,7 @@ from service.store.trials import (
 )
 
 __all__ = [
+    "retry_pack",
     "requeue_packs_of",
     "unfinished_members",
     "worker_names",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import (
@@ -167,7 +168,18 @@ def requeue_packs_of(s: Session, worker_name: str, reason: str) -> list[int]:
     moved = []
     for pack in list(s.scalars(fresh(stmt))):
         members = [m.trial_id for m in unfinished_members(s, pack, (TrialStatus.running,))]
-        if move_pack(s, pack, PackStatus.pending, error=reason):
+        if retry_pack(s, pack, error=reason, fault=True, delay=0.0):
             move_trials(s, members, TrialStatus.queued)
             moved.append(pack.id)
     return moved
+
+
+def retry_pack(s: Session, pack: Pack | int, *, error: str, fault: bool, delay: float) -> bool:
+    """Back to ``pending`` for another attempt, not dispatched before ``delay`` seconds;
+    ``fault``: the attempt ended in a fault that is not the trials' (it does not count
+    toward ``max_attempts``). False when the pack had moved on (finished, cancelled)."""
+    retry_after = utcnow() + timedelta(seconds=delay) if delay > 0 else None
+    values: dict[str, Any] = {"error": error, "retry_after": retry_after}
+    if fault:
+        values["faults"] = Pack.faults + 1
+    return move_pack(s, pack, PackStatus.pending, **values)

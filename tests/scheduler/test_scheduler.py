@@ -8,6 +8,7 @@ lose jobs or fail them to exercise re-dispatch.
 from __future__ import annotations
 
 import logging
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -83,6 +84,8 @@ class SyncDispatcher:
 @pytest.fixture
 def db(embedded_db: pytest.MonkeyPatch) -> None:
     embedded_db.setenv("PACKTUNE_WORKER_NAME", "sync@test")  # the name SyncDispatcher reports
+    embedded_db.setenv("PACKTUNE_RETRY_BACKOFF", "0")  # retries at once, unless a test says
+    get_settings.cache_clear()
 
 
 def new_study(spec: dict[str, Any] = SPEC) -> int:
@@ -307,3 +310,32 @@ def test_an_unexpected_error_in_one_study_is_logged_and_undone(
         assert sum(store.count_trials_by_status(s, broken).values()) == 0
         assert store.get_study(s, healthy).status is StudyStatus.running
     assert packs(healthy) and not packs(broken)
+
+
+def test_a_failed_pack_waits_before_its_retry_and_faults_do_not_count(
+    db: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job lost with Redis is retried after a backoff, not at the next tick, and its
+    attempt is a fault, not the trials'; a job that failed is an attempt that counts."""
+    monkeypatch.setenv("PACKTUNE_RETRY_BACKOFF", "30")
+    get_settings.cache_clear()
+    study_id = new_study()
+    dispatcher = SyncDispatcher(run=False)
+    sched = scheduler(dispatcher)
+    sched.tick()
+    sent = len(dispatcher.enqueued)
+    dispatcher.lose()
+    assert sched.tick().requeued == sent
+    assert sched.tick().dispatched == 0  # backing off: 15-30 s for the first retry
+    waiting = packs(study_id)
+    assert all(p.status == PackStatus.pending and p.faults == 1 for p in waiting)
+    now = datetime.now(UTC)
+    assert all(
+        timedelta(seconds=14) < p.retry_after - now <= timedelta(seconds=30)  # type: ignore[operator]
+        for p in waiting
+    )
+    with session_scope(get_sessionmaker()) as s:  # time passes
+        for p in store.packs_of(s, study_id):
+            p.retry_after = None
+    assert sched.tick().dispatched == sent  # attempt 2; the lost one did not count
+    assert all(p.attempts - p.faults == 1 for p in packs(study_id))
