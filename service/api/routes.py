@@ -77,6 +77,20 @@ def cancel_study(
     return queries.study_summary(s, study_id)
 
 
+@writes.post("/{study_id}/retry", response_model=StudyPublic, responses=problems(404, 409))
+def retry_study(
+    study_id: StudyId, s: SessionDep, settings: SettingsDep, background: BackgroundTasks
+) -> dict[str, Any]:
+    """Run a failed study again once the cause is fixed: its failed trials whose rung is
+    still open go back to pending, resuming from their checkpoints; 409 for a study that is
+    not failed."""
+    study = store.get_study(s, study_id)
+    s.refresh(study, with_for_update=True)
+    store.retry_study(s, study)
+    background.add_task(bus.study_changed, settings)
+    return queries.study_summary(s, study_id)
+
+
 @router.get("", response_model=ListOf[StudyPublic])
 def list_studies(s: SessionDep, limit: Limit = 50, offset: Offset = 0) -> dict[str, Any]:
     """Studies, newest first."""

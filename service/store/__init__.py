@@ -67,6 +67,7 @@ from service.store.transitions import (
     move_study_packs,
     move_study_trials,
     move_trials,
+    retry_study,
 )
 from service.store.trials import (
     TrialBrief,
@@ -88,6 +89,7 @@ from service.store.trials import (
 )
 
 __all__ = [
+    "retry_study",
     "retry_pack",
     "requeue_packs_of",
     "unfinished_members",

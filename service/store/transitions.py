@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, TypeVar
 
-from sqlalchemy import update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from packtune.errors import Conflict
@@ -180,3 +180,43 @@ def move_study(s: Session, study: Study, to: StudyStatus, *, error: str | None =
     s.refresh(study)  # the statement flushed pending changes first: nothing is lost
     if moved is None:
         raise Conflict(f"study {study.id} is {study.status.value}; it cannot become {to.value}")
+
+
+def retry_study(s: Session, study: Study) -> list[int]:
+    """The one way out of ``failed``: a failed study's failed trials go back to ``pending``
+    (their checkpoints and measurements kept) where nobody of their bracket has moved past
+    their rung, and the study runs again. Returns the trials; :class:`Conflict` when the
+    study is not failed or has no trial that can run again (a rung decided without a trial
+    cannot be decided again with it)."""
+    if study.status is not StudyStatus.failed:
+        raise Conflict(f"study {study.id} is {study.status.value}; only a failed study is retried")
+    rungs = s.execute(
+        select(Trial.bracket, func.max(Trial.rung))
+        .where(Trial.study_id == study.id)
+        .group_by(Trial.bracket)
+    )
+    top = {bracket: rung for bracket, rung in rungs}
+    failed = s.execute(
+        select(Trial.id, Trial.bracket, Trial.rung).where(
+            Trial.study_id == study.id, Trial.status == TrialStatus.failed
+        )
+    ).all()
+    ids = [tid for tid, bracket, rung in failed if rung == top[bracket]]
+    if not ids:
+        raise Conflict(f"study {study.id} has no failed trial whose rung is still open")
+    for start in range(0, len(ids), UPDATE_CHUNK):
+        s.execute(
+            update(Trial)
+            .where(id_in(s, Trial.id, ids[start : start + UPDATE_CHUNK]),
+                   Trial.status == TrialStatus.failed)
+            .values(status=TrialStatus.pending, error=None),
+            execution_options={"synchronize_session": False},
+        )  # fmt: skip
+    s.execute(
+        update(Study)
+        .where(Study.id == study.id, Study.status == StudyStatus.failed)
+        .values(status=StudyStatus.running, finished_at=None, error=None),
+        execution_options={"synchronize_session": False},
+    )
+    s.refresh(study)
+    return ids

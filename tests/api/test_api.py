@@ -240,7 +240,11 @@ def test_without_a_token_posts_are_open_and_every_post_is_guarded(client: TestCl
     paths = client.get("/openapi.json").json()["paths"]
     operations = [(path, method, op) for path, ops in paths.items() for method, op in ops.items()]
     posts = [(path, op) for path, method, op in operations if method == "post"]
-    assert {path for path, _ in posts} == {"/api/studies", "/api/studies/{study_id}/cancel"}
+    assert {path for path, _ in posts} == {
+        "/api/studies",
+        "/api/studies/{study_id}/cancel",
+        "/api/studies/{study_id}/retry",
+    }
     for path, op in posts:
         assert op.get("security") == [{"HTTPBearer": []}], path
     assert all("security" not in op for _, method, op in operations if method == "get")
@@ -630,3 +634,34 @@ def test_reads_cost_a_bounded_number_of_queries_for_any_study_size(client: TestC
         assert big["count"] == 3000 and len(big["data"]) == 3000
     finally:
         sa.event.remove(engine, "before_cursor_execute", count)
+
+
+def test_a_failed_study_is_retried_where_its_rungs_are_still_open(client: TestClient) -> None:
+    """POST /retry: failed trials whose bracket has not moved past them go back to pending
+    (measurements kept) and the study runs again; a trial whose rung was decided without it
+    stays failed; a study that is not failed is a 409."""
+    from service import lifecycle
+
+    study_id = client.post("/api/studies", json=spec()).json()["id"]
+    assert client.post(f"/api/studies/{study_id}/retry").status_code == 409  # pending
+    with session_scope(client.app.state.sessionmaker) as s:  # type: ignore[attr-defined]
+        study = store.get_study(s, study_id)
+        lifecycle.start_study(s, study)
+        trials = store.trials_of(s, study_id)
+        ids = [t.id for t in trials]
+        for to in (TrialStatus.queued, TrialStatus.running, TrialStatus.failed):
+            store.move_trials(s, ids, to, error="disk full")
+        store.set_trials(s, ids[:1], rung=1)  # one bracket moved past the others at rung 0
+        same_bracket = [t.id for t in trials if t.bracket == trials[0].bracket][1:]
+        store.move_study(s, study, StudyStatus.failed, error="no trial reached max_resource")
+    retried = client.post(f"/api/studies/{study_id}/retry")
+    assert retried.status_code == 200, retried.text
+    assert retried.json()["status"] == "running"
+    with session_scope(client.app.state.sessionmaker) as s:  # type: ignore[attr-defined]
+        status = {t.id: (t.status, t.error) for t in store.trials_of(s, study_id)}
+    assert status[ids[0]] == (TrialStatus.pending, None)  # its rung 1 is still open
+    for tid in same_bracket:
+        assert status[tid] == (TrialStatus.failed, "disk full")  # its bracket moved past it
+    others = [tid for tid in ids if tid != ids[0] and tid not in same_bracket]
+    assert others and all(status[tid] == (TrialStatus.pending, None) for tid in others)
+    assert client.post(f"/api/studies/{study_id}/retry").status_code == 409  # running now
