@@ -36,7 +36,14 @@ from tests.support.cluster import (
     wait_study,
 )
 from tests.support.plugins import install_plugin, registered
-from tests.support.processes import free_port, packtune_env, serving, start, stop
+from tests.support.processes import (
+    free_port,
+    packtune_env,
+    serving,
+    start,
+    stop,
+    wait_finished,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -661,3 +668,59 @@ def test_cancel_stops_a_running_pack_at_the_next_step(tmp_path: Path) -> None:
     print(f"the pack stopped {stopped_after:.1f} s after the cancel, {points} epochs measured")
     assert stopped_after < 6, stopped_after
     assert 1 <= points < 9  # what was measured stays; the rest was never trained
+
+
+FLAKY_PLUGIN = '''
+import os
+from pathlib import Path
+
+from worker.workloads.digits import DigitsMLP
+
+
+class FlakyMLP(DigitsMLP):
+    """digits-mlp whose models cannot be built while the file $FLAKY_FILE exists."""
+
+    name = "flaky-mlp"
+
+    def build_model(self, config):
+        if Path(os.environ["FLAKY_FILE"]).exists():
+            raise RuntimeError("the model store is unavailable")
+        return super().build_model(config)
+'''
+
+
+def test_a_failed_study_runs_again_once_the_cause_is_fixed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every trial fails while a cause lasts, so the study fails; once it is fixed,
+    POST /retry runs the failed trials again and the study completes."""
+    root = tmp_path / "plugin"
+    root.mkdir()
+    (root / "flaky_packtune_plugin.py").write_text(FLAKY_PLUGIN)
+    install_plugin(root, "flaky_packtune_plugin", {"flaky": "flaky_packtune_plugin:FlakyMLP"})
+    cause = tmp_path / "store-is-down"
+    cause.write_text("")
+    env = packtune_env(
+        database_url=f"sqlite:///{tmp_path / 'packtune.db'}",
+        checkpoint_dir=tmp_path / "ckpt", scheduler_interval=0.2,
+    )  # fmt: skip
+    env["FLAKY_FILE"] = str(cause)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    spec = {
+        "name": "flaky", "workload": "flaky-mlp",
+        "space": {"lr": {"type": "loguniform", "low": 0.01, "high": 0.3}},
+        "hyperband": {"max_resource": 3, "eta": 3}, "seed": 2,
+    }  # fmt: skip
+    log = tmp_path / "serve.log"
+    with serving(env, log) as url, registered(monkeypatch, root, ("flaky_packtune_plugin",)):
+        assert httpx.post(f"{url}/api/studies", json=spec, timeout=30).status_code == 201
+        failed = wait_finished(url, 1, timeout=120, log=log)
+        assert failed["status"] == "failed", failed
+        cause.unlink()  # fixed
+        retried = httpx.post(f"{url}/api/studies/1/retry", timeout=30)
+        assert retried.status_code == 200, retried.text
+        done = wait_finished(url, 1, timeout=120, log=log)
+        trials = httpx.get(f"{url}/api/studies/1/trials", timeout=30).json()["data"]
+    assert done["status"] == "completed", done
+    assert done["best_trial"] is not None
+    assert {t["status"] for t in trials} <= {"completed", "stopped"}
