@@ -85,7 +85,10 @@ class StudyPublic(BaseModel):
     status: StudyStatus
     seed: int
     objective: Objective
-    spec: dict[str, Any]
+    spec: dict[str, Any] | None = Field(
+        default=None,
+        description="The study's spec: in GET /api/studies/{id}; null in the list of studies.",
+    )
     error: str | None
     created_at: datetime
     started_at: datetime | None

@@ -36,10 +36,12 @@ def study_summary(s: Session, study_id: int) -> Row:
 def list_studies(s: Session, limit: int, offset: int) -> tuple[list[Row], int]:
     """A page of studies, newest first, and how many there are."""
     rows, count = store.list_studies(s, limit=limit, offset=offset)
-    return _summaries(s, list(rows)), count
+    return _summaries(s, list(rows), with_spec=False), count
 
 
-def _summaries(s: Session, studies: list[Study]) -> list[Row]:
+def _summaries(s: Session, studies: list[Study], with_spec: bool = True) -> list[Row]:
+    """Each study's summary; ``with_spec``: its whole spec too (a study's own page needs it;
+    a list of studies does not, and a large search space would be repeated in every row)."""
     ids = [study.id for study in studies]
     counts: dict[int, dict[str, int]] = defaultdict(dict)
     done: dict[int, int] = defaultdict(int)
@@ -80,7 +82,7 @@ def _summaries(s: Session, studies: list[Study]) -> list[Row]:
                 "status": study.status.value,
                 "seed": study.seed,
                 "objective": {"metric": metric, "mode": mode},
-                "spec": study.spec,
+                "spec": study.spec if with_spec else None,
                 "error": study.error,
                 "created_at": study.created_at,
                 "started_at": study.started_at,

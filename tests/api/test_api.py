@@ -665,3 +665,14 @@ def test_a_failed_study_is_retried_where_its_rungs_are_still_open(client: TestCl
     others = [tid for tid in ids if tid != ids[0] and tid not in same_bracket]
     assert others and all(status[tid] == (TrialStatus.pending, None) for tid in others)
     assert client.post(f"/api/studies/{study_id}/retry").status_code == 409  # running now
+
+
+def test_the_study_list_leaves_out_the_spec_and_a_study_has_it(client: TestClient) -> None:
+    """A search space can be large (a 1,000-value choice); the list shows summaries and the
+    spec is one GET away."""
+    big = spec(space={"hidden": {"type": "choice", "values": list(range(1, 1001))}})
+    study_id = client.post("/api/studies", json=big).json()["id"]
+    (row,) = client.get("/api/studies").json()["data"]
+    assert row["id"] == study_id and row["spec"] is None and row["progress"]["total"] > 0
+    one = client.get(f"/api/studies/{study_id}").json()
+    assert len(one["spec"]["space"]["hidden"]["values"]) == 1000
