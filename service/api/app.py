@@ -21,6 +21,7 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -89,6 +90,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
     app.add_middleware(ReadCache, ttl=settings.read_cache_seconds)
+    if settings.api_token is not None:  # outermost: before any byte of a body is read
+        app.add_middleware(WritesNeedToken, token=settings.api_token.get_secret_value())
     return app
 
 
@@ -132,6 +135,28 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
             entry["ctx"] = {key: _plain(value) for key, value in ctx.items()}
         detail.append(entry)  # the input is not echoed: it may be large or not JSON-safe
     return JSONResponse(status_code=422, content={"detail": detail})
+
+
+class WritesNeedToken:
+    """With a token set, a request that may write (any method but GET, HEAD and OPTIONS)
+    without ``Authorization: Bearer <token>`` is answered 401 before its body is read: a
+    client without the token learns nothing of how its body would have been judged. (The
+    routes check the token again, and declare it in the OpenAPI document.)"""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app, self.expected = app, token.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] not in ("GET", "HEAD", "OPTIONS"):
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(given, self.expected):
+                response = JSONResponse(
+                    status_code=401, content={"detail": "missing or wrong bearer token"},
+                    headers={"WWW-Authenticate": "Bearer"},
+                )  # fmt: skip
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class BodyLimit:

@@ -88,6 +88,21 @@ def test_writes_without_the_token_are_401(live: str, how: str) -> None:
     assert count(live) == before
 
 
+def test_a_body_is_not_judged_before_the_token(live: str) -> None:
+    """Issue: malformed JSON without a token was a 422 (the body was parsed first). Without
+    the token any write is a 401, whatever its body; with it, the body is judged."""
+    bodies = [b"{not json", b'{"name": 1}', b"x" * 100]
+    for body in bodies:
+        refused = httpx.post(f"{live}/api/studies", content=body, timeout=30,
+                             headers={"Content-Type": "application/json"})  # fmt: skip
+        assert refused.status_code == 401, (body, refused.text)
+    judged = httpx.post(
+        f"{live}/api/studies", content=b"{not json", timeout=30,
+        headers={"Content-Type": "application/json", "Authorization": f"bearer {TOKEN}"},
+    )  # fmt: skip
+    assert judged.status_code == 422
+
+
 def test_the_token_opens_writes_and_reads_stay_open(live: str) -> None:
     auth = {"Authorization": f"Bearer {TOKEN}"}
     created = httpx.post(f"{live}/api/studies", json=SPEC, headers=auth, timeout=30)
