@@ -21,9 +21,9 @@ log = logging.getLogger(__name__)
 router = APIRouter()
 
 
-@router.api_route(
+@router.head("/healthz", include_in_schema=False)  # load balancers probe with HEAD
+@router.get(
     "/healthz",
-    methods=["GET", "HEAD"],
     response_model=Health,
     response_model_exclude_none=True,
     tags=["system"],
