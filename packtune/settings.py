@@ -100,6 +100,12 @@ class Settings(BaseSettings):
         ge=1,
         description="Fault injection: packs with more trials than this raise CUDA out-of-memory.",
     )
+    body_timeout: float = Field(
+        default=10.0,
+        gt=0,
+        description="Seconds the API waits for each part of a request's body before it "
+        "answers 408 (slow clients); headers are the reverse proxy's to bound.",
+    )
     read_cache_seconds: float = Field(
         default=1.0,
         ge=0,

@@ -18,6 +18,7 @@ Errors, all as ``{"detail": ...}``:
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import math
@@ -88,7 +89,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(dashboard.router)
     app.add_exception_handler(PacktuneError, _packtune_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES, timeout=settings.body_timeout)
     app.add_middleware(ReadCache, ttl=settings.read_cache_seconds)
     if settings.api_token is not None:  # outermost: before any byte of a body is read
         app.add_middleware(WritesNeedToken, token=settings.api_token.get_secret_value())
@@ -166,14 +167,42 @@ class BodyLimit:
     (chunked) is read up to the limit and then replayed to the app.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout: float) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout = timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        started = body_done = False
+
+        async def timed() -> Message:
+            """Each part of the body within the timeout; later calls (a server telling of a
+            disconnect while the response streams) wait as long as they need."""
+            nonlocal body_done
+            if body_done:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout)
+            except TimeoutError:
+                raise _SlowBody from None
+            body_done = message["type"] != "http.request" or not message.get("more_body")
+            return message
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self._limited(scope, timed, sending)
+        except _SlowBody:
+            if not started:
+                await _reject(send, 408, f"request body not received within {self.timeout:g} s")
+
+    async def _limited(self, scope: Scope, receive: Receive, send: Send) -> None:
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None:
             if not declared.isdigit():
@@ -207,6 +236,12 @@ class BodyLimit:
             return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
 
         await self.app(scope, replay, send)
+
+
+class _SlowBody(BaseException):
+    """A part of the request body did not arrive in time. A BaseException, so that the
+    framework's own handling of body errors (a 400 for any Exception while reading the
+    body) lets it through to :class:`BodyLimit`, which answers 408."""
 
 
 async def _reject(send: Send, status: int, detail: str) -> None:

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import socket
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -293,3 +294,24 @@ def test_still_serving_after_all_that(live: str, tmp_path: Path) -> None:
     listing = httpx.get(f"{live}/api/studies", timeout=10).json()
     assert listing["count"] >= 2
     assert httpx.get(f"{live}/healthz", timeout=10).json() == {"status": "ok"}
+
+
+def test_a_body_that_does_not_come_is_408_not_a_held_connection(tmp_path: Path) -> None:
+    """A client that declares a body and sends part of it (slowloris) is answered 408 once a
+    part is late; the server goes on serving others."""
+    import socket
+
+    env = packtune_env(database_url=f"sqlite:///{tmp_path / 'packtune.db'}", body_timeout=1)
+    with serving(env, tmp_path / "serve.log") as live:
+        host, port = live.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(
+                b"POST /api/studies HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+            )
+            started = time.monotonic()
+            answer = sock.recv(4096)
+            waited = time.monotonic() - started
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert 0.5 < waited < 5, waited
+        assert httpx.get(f"{live}/healthz", timeout=10).status_code == 200
