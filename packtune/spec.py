@@ -33,7 +33,7 @@ from pydantic_core import ErrorDetails
 
 from packtune.errors import SpecError
 from packtune.hyperband import Rung, plan_brackets, s_max, total_trials
-from packtune.space import Dimension, parse_space
+from packtune.space import Choice, Dimension, parse_space
 from packtune.workloads.base import RESERVED
 
 # A study bigger than this is almost certainly a unit mistake (steps for epochs).
@@ -138,6 +138,7 @@ class StudySpec(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> StudySpec:
         check_space(self.workload, self.space)
+        check_bounds(self.workload, self.space)
         check_objective(self.workload, self.objective)
         check_size(self.hyperband)
         return self
@@ -216,6 +217,34 @@ def check_space(workload: str, raw: dict[str, Any]) -> None:
                 f"space.{name}",
                 f"workload {workload!r} does not take this parameter; it takes {sorted(params)}",
             )
+
+
+def check_bounds(workload: str, raw: dict[str, Any]) -> None:
+    """Every value the space can give a bounded parameter is within the workload's bounds."""
+    bounds = _workloads()[workload].bounds
+    for name, dimension in parse_space(raw).items():
+        if name not in bounds:
+            continue
+        low, high = bounds[name]
+        if isinstance(dimension, Choice):
+            for i, value in enumerate(dimension.values):
+                if (
+                    isinstance(value, int | float)
+                    and not isinstance(value, bool)
+                    and not (low <= value <= high)
+                ):
+                    raise SpecError(
+                        f"space.{name}.values",
+                        f"value {value!r} (position {i}) is outside what {workload} takes: "
+                        f"{low:g} to {high:g}",
+                    )
+            continue
+        for end, value in (("low", dimension.low), ("high", dimension.high)):  # type: ignore[union-attr]
+            if not low <= value <= high:
+                raise SpecError(
+                    f"space.{name}.{end}",
+                    f"{value!r} is outside what {workload} takes: {low:g} to {high:g}",
+                )
 
 
 def check_objective(workload: str, objective: Objective) -> None:

@@ -66,12 +66,31 @@ def hyper_tensors(configs: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
     }
 
 
+def _suspects(config: Mapping[str, Any]) -> str:
+    """The parameters most likely at fault: numbers too large for any layer (beyond 2**31),
+    else every parameter but the seeds."""
+    params = {k: v for k, v in config.items() if k not in ("seed", "data_seed")}
+    huge = {
+        k: v
+        for k, v in params.items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and abs(v) >= 2**31
+    }
+    shown = huge or params
+    return ", ".join(f"{k}={v!r}" for k, v in sorted(shown.items()))
+
+
 def _build_model(
     workload: Workload, config: Mapping[str, Any], state: Mapping[str, Any] | None
 ) -> nn.Module:
     """One member's model, initialised exactly as a plain run of ``config`` would be."""
     torch.manual_seed(int(config["seed"]))
-    model = workload.build_model(config)
+    try:
+        model = workload.build_model(config)
+    except Exception as exc:  # name what was asked for: the trial's error says it
+        raise ValueError(
+            f"{workload.name} could not build the model of {_suspects(config)}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
     if state is not None:
         model.load_state_dict({**state["params"], **state["buffers"]})
     return model.train()

@@ -103,6 +103,9 @@ class Workload(abc.ABC):
     #: declared (a study may then name any metric; it fails at its first measurement if the
     #: workload never reports it).
     reports: Mapping[str, str] | None = None
+    #: inclusive (low, high) limits of numeric parameters the workload can build: a study
+    #: whose space reaches outside them is a 422 naming the bound, not trials that fail
+    bounds: Mapping[str, tuple[float, float]] = {}
 
     def reported_metrics(self) -> dict[str, str] | None:
         """Every metric a trial of this workload records, with its better direction; None

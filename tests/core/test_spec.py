@@ -167,3 +167,19 @@ def test_every_admitted_seed_orders_batches_without_overflow() -> None:
         first = next(iter(DigitsMLP().batch_indices({"data_seed": seed}, 26)))
         assert first.dtype == torch.int64 and len(first) == 64
     assert validate_spec({**GOOD, "seed": 2**63 - 1}).seed == 2**63 - 1
+
+
+@pytest.mark.parametrize(
+    ("space", "field"),
+    [
+        ({"hidden": {"type": "choice", "values": [64, 2**70]}}, "space.hidden.values"),
+        ({"hidden": {"type": "int", "low": 16, "high": 1e308}}, "space.hidden.high"),
+        ({"layers": {"type": "int", "low": -1, "high": 2}}, "space.layers.low"),
+        ({"dropout": {"type": "uniform", "low": 0.0, "high": 1.5}}, "space.dropout.high"),
+    ],
+)
+def test_values_a_workload_cannot_build_are_rejected_by_its_bounds(
+    space: dict[str, Any], field: str
+) -> None:
+    error = rejected({**GOOD, "space": space})
+    assert error.field == field and "outside what digits-mlp takes" in error.message

@@ -214,3 +214,16 @@ def test_a_model_that_depends_on_the_seed_is_named_as_such() -> None:
     assert split_causes(configs, parts) == ["seed"]
     configs[1]["lr"] = 0.2
     assert split_causes(configs, parts) == ["lr"]
+
+
+def test_a_model_that_cannot_be_built_names_the_parameter() -> None:
+    """A workload without bounds asked for 2**70 hidden units: the trial's error says so."""
+
+    class Unbounded(HiddenActMLP):
+        name = "unbounded"
+        bounds: dict[str, tuple[float, float]] = {}
+
+    with pytest.raises(
+        ValueError, match=r"could not build the model of hidden=1180591620717411303424"
+    ):
+        FusedArray(Unbounded(), [member("a", 1, hidden=2**70)])

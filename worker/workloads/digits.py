@@ -111,6 +111,10 @@ class DigitsMLP(ClassificationWorkload):
         frozenset({"hidden", "layers", "batch_norm", "dropout", "activation", "batch_size"})
         | OPTIMIZER_STRUCTURAL
     )
+    bounds: Mapping[str, tuple[float, float]] = {
+        "hidden": (1, 65_536), "layers": (0, 64), "dropout": (0, 0.999),
+        "batch_size": (1, N_TRAIN),
+    }  # fmt: skip
 
     def build_model(self, config: Mapping[str, Any]) -> nn.Module:
         from torch import nn
@@ -158,6 +162,7 @@ class DigitsCNN(ClassificationWorkload):
         **OPTIMIZER_PARAMS,
     }
     structural = frozenset({"channels", "batch_norm", "batch_size"}) | OPTIMIZER_STRUCTURAL
+    bounds: Mapping[str, tuple[float, float]] = {"channels": (1, 4096), "batch_size": (1, N_TRAIN)}
 
     def build_model(self, config: Mapping[str, Any]) -> nn.Module:
         from torch import nn

@@ -118,6 +118,10 @@ class ResNetCifar(ClassificationWorkload):
     structural = frozenset({"width", "blocks", "n_train", "n_val", "batch_size"}) | (
         OPTIMIZER_STRUCTURAL
     )
+    bounds: Mapping[str, tuple[float, float]] = {
+        "width": (1, 1024), "blocks": (1, 64), "n_train": (1, 50_000), "n_val": (1, 10_000),
+        "batch_size": (1, 50_000),
+    }  # fmt: skip
 
     def build_model(self, config: Mapping[str, Any]) -> nn.Module:
         from worker.workloads.resnet_model import ResNet

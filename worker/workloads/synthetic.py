@@ -109,6 +109,12 @@ class SyntheticMLP(Workload):
         | OPTIMIZER_STRUCTURAL
     )
 
+    bounds: Mapping[str, tuple[float, float]] = {
+        "input_dim": (1, 65_536), "hidden": (1, 65_536), "layers": (0, 64),
+        "output_dim": (1, 65_536), "n_train": (1, 10_000_000), "n_val": (1, 10_000_000),
+        "batch_size": (1, 10_000_000),
+    }  # fmt: skip
+
     def build_model(self, config: Mapping[str, Any]) -> nn.Module:
         from torch import nn
 
