@@ -100,6 +100,11 @@ class Settings(BaseSettings):
         ge=1,
         description="Fault injection: packs with more trials than this raise CUDA out-of-memory.",
     )
+    disk_full_while: Path | None = Field(
+        default=None,
+        description="Fault injection: while this file exists, saving a checkpoint fails as on "
+        "a full disk (ENOSPC).",
+    )
     body_timeout: float = Field(
         default=10.0,
         gt=0,

@@ -19,6 +19,7 @@ accepts; anything else makes loading fail loudly instead of executing.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 from collections.abc import Mapping
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from packtune.settings import get_settings
 
 
 def checkpoint_path(directory: str | os.PathLike[str], study_id: object, trial_id: object) -> Path:
@@ -47,6 +50,9 @@ def save_checkpoint(
     directory: str | os.PathLike[str], study_id: object, trial_id: object, state: Mapping[str, Any]
 ) -> Path:
     """Write ``state`` atomically as the trial's checkpoint; returns its path."""
+    full = get_settings().disk_full_while
+    if full is not None and full.exists():  # fault injection (PACKTUNE_DISK_FULL_WHILE)
+        raise OSError(errno.ENOSPC, "No space left on device (injected)", str(directory))
     path = checkpoint_path(directory, study_id, trial_id)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

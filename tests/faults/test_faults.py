@@ -724,3 +724,34 @@ def test_a_failed_study_runs_again_once_the_cause_is_fixed(
     assert done["status"] == "completed", done
     assert done["best_trial"] is not None
     assert {t["status"] for t in trials} <= {"completed", "stopped"}
+
+
+def test_a_disk_full_for_a_while_costs_time_not_trials(
+    cluster: Services, database: str, reference: Outcome, tmp_path: Path
+) -> None:
+    """Issue: the three attempts of a pack went within seconds, so a storage fault of 14 s
+    failed the whole study. Here saving checkpoints fails as on a full disk
+    (PACKTUNE_DISK_FULL_WHILE) until the packs have failed a few times: they back off, the
+    faults do not use up their attempts, and once the disk has room the study ends exactly
+    as the undisturbed one."""
+    full = tmp_path / "disk-full"
+    full.write_text("")
+    cluster.env["PACKTUNE_DISK_FULL_WHILE"] = str(full)
+    start_all(cluster)
+    engine = make_engine(database)
+
+    def most_faults() -> int:
+        with engine.connect() as conn:
+            return int(conn.execute(sa.select(sa.func.max(Pack.faults))).scalar() or 0)
+
+    try:
+        study_id = submit(engine, SPEC)
+        wait_for(lambda: most_faults() >= 3, 120, "a pack to fail three times")
+        full.unlink()  # the disk was enlarged
+        assert wait_study(engine, study_id, STUDY_TIMEOUT, cluster) == "completed"
+    finally:
+        engine.dispose()
+    got = outcome(database, study_id)
+    assert_same_outcome(got, reference)
+    assert not [i for i, t in got.trials.items() if t["status"] == "failed"]
+    assert "No space left on device (injected)" in cluster.tail(200_000)
