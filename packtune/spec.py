@@ -151,9 +151,11 @@ class StudySpec(_Strict):
         return total_trials(self.brackets())
 
     def brackets(self) -> list[list[Rung]]:
-        """Hyperband's plan for this spec (see :func:`packtune.hyperband.plan_brackets`)."""
+        """Hyperband's plan for this spec: the same cached plan as :attr:`StoredSpec.brackets`."""
+        from packtune.rungs import plan  # packtune.rungs reads StoredSpec: imported here
+
         hb = self.hyperband
-        return plan_brackets(hb.max_resource, hb.eta, hb.min_resource)
+        return plan(float(hb.max_resource), int(hb.eta), float(hb.min_resource))
 
 
 @dataclass(frozen=True)

@@ -7,14 +7,13 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
 from packtune.errors import PacktuneError
 from service import queries
 from service.api.deps import SessionDep, SettingsDep
 from service.api.schemas import Health, ListOf, WorkerPublic, WorkloadPublic
-from service.db import session_scope
+from service.db import ping
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +31,7 @@ router = APIRouter()
 def healthz(request: Request) -> Any:
     """200 when the database answers ``select 1``; 503 otherwise."""
     try:
-        with session_scope(request.app.state.read_sessionmaker) as s:
-            s.execute(text("select 1"))
+        ping(request.app.state.read_sessionmaker)
     except (PacktuneError, SQLAlchemyError) as exc:
         log.warning("healthz: %s", exc)  # the driver's text names the database's host
         detail = "the database cannot be reached"
