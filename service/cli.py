@@ -247,6 +247,51 @@ def worker(
 
 
 @app.command()
+def check(
+    workload: Annotated[str, typer.Argument(help="A registered workload's name.")],
+    spec: Annotated[
+        Path | None, typer.Option(help="A study spec whose space the members are drawn from.")
+    ] = None,
+    members: Annotated[int, typer.Option(min=2, max=64, help="Members fused together.")] = 4,
+    steps: Annotated[int, typer.Option(min=1, max=1000, help="Steps trained and timed.")] = 5,
+) -> None:
+    """Check how WORKLOAD fuses: structural and fusible parameters, fused vs one by one,
+    the forward each stack takes, step time for k = 1, 2, 4, 8. Exit 1 where fusion would be
+    wrong or impossible."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from packtune.workloads import registry
+
+    if workload not in registry():
+        fail(f"unknown workload {workload!r}; known: {sorted(registry())}")
+    body = load_spec_file(spec) if spec is not None else None
+    if body is not None and body["workload"] != workload:
+        fail(f"{spec} is a study of {body['workload']!r}, not {workload!r}")
+    space = body["space"] if body is not None else None
+    from worker.check import check as run_check
+    from worker.jobs import pick_device
+
+    report = run_check(workload, space, members=members, steps=steps, device=str(pick_device()))
+    console = Console()
+    console.print(f"[bold]{workload}[/]: structural {', '.join(report.structural)}")
+    console.print(f"fusible (may differ inside one array): {', '.join(report.fusible)}")
+    stacks = "; ".join(f"{mode} x{len(keys)}" for keys, mode in report.stacks)
+    console.print(f"{members} members, {steps} steps: stacks {stacks}")
+    verdict = "exact" if report.exact else "[red]NOT exact[/]"
+    console.print(f"fused vs one by one: largest parameter difference "
+                  f"{report.max_difference:.3g} ({verdict})")  # fmt: skip
+    table = Table("k", "ms per step", "trial-steps/s")
+    for k, ms in report.step_ms.items():
+        table.add_row(str(k), f"{ms:.2f}", f"{1000 * k / ms:.0f}" if ms > 0 else "-")
+    console.print(table)
+    for line in report.warnings:
+        console.print(f"[yellow]warning:[/] {line}")
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
 def submit(
     spec: Annotated[Path, typer.Argument(help="Study spec (YAML or JSON).")],
     url: Annotated[str, typer.Option(help="packtune API base URL.")] = "http://127.0.0.1:8000",

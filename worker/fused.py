@@ -229,16 +229,22 @@ class FusedArray:
         }
         self.groups: list[Group] = []
         modes: list[str] = []
+        piece_counts: list[int] = []
         for part in parts:
             template = copy.deepcopy(models[part[0]]).to("meta")
             part_mode, pieces = _forwards(workload, template, part, mode)
             modes.append(part_mode)
+            piece_counts.append(len(pieces))
             self.groups += [
                 self._group([keys[i] for i in idx], [models[i] for i in idx],
                             [configs[i] for i in idx], [states[i] for i in idx], fwd, template)
                 for idx, fwd in pieces
             ]  # fmt: skip
         self.mode = modes[0]
+        #: each stack's members and the forward it runs (what ``packtune check`` reports)
+        self.stacks = [(list(group.keys), mode) for group, mode in zip(
+            self.groups, [m for m, pieces in zip(modes, piece_counts, strict=True)
+                          for _ in range(pieces)], strict=True)]  # fmt: skip
         self.stochastic = any(group.stochastic for group in self.groups)
         self.train_split, self.val_split = data or workload.data(self.config, self.device)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -162,3 +163,34 @@ def test_a_worker_that_cannot_reach_its_database_refuses_to_start(
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: cannot reach the database (PACKTUNE_DATABASE_URL)")
     assert "Traceback" not in result.stderr
+
+
+def test_check_says_how_a_workload_fuses(env: dict[str, str], tmp_path: Path) -> None:
+    result = packtune("check", "digits-mlp", "--steps", "3", env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "structural" in out and "fusible" in out and "lr" in out
+    assert "stacks bmm x4" in out and "(exact)" in out
+    for k in ("1", "2", "4", "8"):
+        assert f"│ {k} " in out  # a step time for each array size
+
+
+def test_check_fails_where_fusion_is_impossible(env: dict[str, str], tmp_path: Path) -> None:
+    """The misdeclared trap plugin (an activation declared fusible but built as a Python
+    value): members are stacked apart, the warning names the parameter, exit 1."""
+    from tests.support.plugins import HERE, install_plugin
+
+    root = install_plugin(tmp_path / "dist", "trap_workloads",
+                          {"misdeclared": "trap_workloads:MisdeclaredMLP"})  # fmt: skip
+    env = {**env, "PYTHONPATH": os.pathsep.join([str(root), str(HERE)])}
+    spec = write(tmp_path / "trap.yaml", {
+        "name": "trap", "workload": "misdeclared-mlp", "seed": 0,
+        "space": {"act": {"type": "choice", "values": ["relu", "tanh"]}},
+        "hyperband": {"max_resource": 3, "eta": 3},
+    })  # fmt: skip
+    result = packtune("check", "misdeclared-mlp", "--spec", str(spec), "--steps", "2",
+                      env=env, cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "(parameter 'act')" in " ".join(result.stdout.split())
+    unknown = packtune("check", "no-such-workload", env=env, cwd=tmp_path)
+    assert unknown.returncode == 2 and unknown.stderr.startswith("error: unknown workload")

@@ -1,0 +1,123 @@
+"""``packtune check WORKLOAD``: know before you run whether and how a workload fuses.
+
+Builds a few members from a spec's space (or from the workload's defaults with a spread
+of learning rates), holding the structural parameters at one value so that they share a
+fusion key, trains them a few steps as one fused array and each one alone, and reports:
+which parameters are structural and fusible, how far fused training is from one-by-one
+training (the largest parameter difference), which forward each stack took (``bmm``:
+hand-fused; ``vmap``; ``serial``: one by one), the step time for k = 1, 2, 4, 8, and any
+warning (the fusion guard's, vmap's fallbacks). The check fails where fusion would be
+wrong (a difference beyond float rounding) or impossible (members the guard stacked apart).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from packtune.space import parse_space, sample_config, trial_seed
+from packtune.workloads import get_workload
+from packtune.workloads.base import Workload
+from worker.fused import FusedArray, train
+
+#: relative and absolute tolerance of "equal to float rounding" after a few steps
+RTOL, ATOL = 1e-4, 1e-5
+
+
+@dataclass
+class CheckReport:
+    workload: str
+    structural: list[str]
+    fusible: list[str]
+    members: list[dict[str, Any]]
+    max_difference: float = 0.0
+    exact: bool = True
+    stacks: list[tuple[list[Any], str]] = field(default_factory=list)
+    step_ms: dict[int, float] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    split: bool = False  # the fusion guard stacked members apart
+
+    @property
+    def ok(self) -> bool:
+        """Fusion is exact and possible: no difference beyond float rounding, and no member
+        stacked apart by the guard (a stochastic model's one-member stacks are by design)."""
+        return self.exact and not self.split
+
+
+def member_configs(
+    workload: Workload, space: Mapping[str, Any] | None, k: int, seed: int = 0
+) -> list[dict[str, Any]]:
+    """``k`` configs of one fusion key: sampled from ``space`` with the structural values of
+    the first sample, or the defaults with learning rates spread over a decade."""
+    if space:
+        dims = parse_space(dict(space))
+        samples = [sample_config(dims, seed, i) for i in range(k)]
+        structural = workload.structural_params()
+        shared = {key: v for key, v in samples[0].items() if key in structural}
+        configs = [{**sample, **shared} for sample in samples]
+    else:
+        base = float(workload.params.get("lr", 0.05))
+        configs = [{"lr": base * 10 ** (i / max(1, k - 1) - 0.5)} for i in range(k)]
+    return [
+        {**config, "seed": trial_seed(seed, i), "data_seed": seed}
+        for i, config in enumerate(configs)
+    ]
+
+
+def _params(array: FusedArray, key: Any) -> dict[str, torch.Tensor]:
+    return dict(array.member_state(key)["params"])
+
+
+def check(
+    name: str,
+    space: Mapping[str, Any] | None = None,
+    *,
+    members: int = 4,
+    steps: int = 5,
+    ks: Sequence[int] = (1, 2, 4, 8),
+    device: str = "cpu",
+) -> CheckReport:
+    """Run the check of workload ``name`` (see the module docstring)."""
+    workload = get_workload(name)
+    configs = member_configs(workload, space, max(members, max(ks)))
+    report = CheckReport(
+        workload=name,
+        structural=sorted(workload.structural_params()),
+        fusible=sorted(workload.fusible_params()),
+        members=[{k: v for k, v in c.items() if k not in ("data_seed",)} for c in configs],
+    )
+    data = workload.data(workload.resolve(configs[0]), device)
+    chosen = [(i, configs[i]) for i in range(members)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fused = FusedArray(workload, chosen, device=device, data=data)
+        train(fused, steps)
+        report.stacks = fused.stacks
+        if fused.warning:
+            report.split = True
+            report.warnings.append(fused.warning)
+        for key, config in chosen:
+            alone = FusedArray(workload, [(key, config)], device=device, data=data)
+            train(alone, steps)
+            mine, ref = _params(fused, key), _params(alone, key)
+            for pname, tensor in ref.items():
+                diff = float((mine[pname].float() - tensor.float()).abs().max())
+                report.max_difference = max(report.max_difference, diff)
+                if not torch.allclose(mine[pname].float(), tensor.float(), RTOL, ATOL):
+                    report.exact = False
+        for k in ks:
+            array = FusedArray(workload, [(i, configs[i]) for i in range(k)], device=device,
+                               data=data)  # fmt: skip
+            train(array, 1)  # warm-up: first-call costs out of the timing
+            started = time.perf_counter()
+            train(array, 1 + steps)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            report.step_ms[k] = 1000 * (time.perf_counter() - started) / steps
+    report.warnings += sorted({str(w.message) for w in caught})
+    return report
