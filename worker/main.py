@@ -33,9 +33,12 @@ WORKER_NAME_ENV = "PACKTUNE_WORKER_NAME"
 
 def preflight() -> str | None:
     """What stops this worker from doing its job, checked before it takes a pack: its
-    checkpoint folder must be writable (created if missing) and its database must answer.
-    None when both hold; else one line saying what is wrong."""
-    from service.db import DATABASE_ERRORS, ping
+    checkpoint folder must be writable (created if missing), its database must answer, and
+    when live workers run on other hosts the folder must be the one they share (each host
+    leaves a ``.packtune-host-<name>`` marker in it; another host's marker must show here).
+    None when all hold; else one line saying what is wrong."""
+    from service import store
+    from service.db import DATABASE_ERRORS, ping, retrying
 
     settings = get_settings()
     folder = settings.checkpoint_dir
@@ -51,6 +54,16 @@ def preflight() -> str | None:
     except DATABASE_ERRORS as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return f"cannot reach the database (PACKTUNE_DATABASE_URL): {first}"
+    host = socket.gethostname()
+    (folder / f".packtune-host-{host}").write_text(host)
+    live = retrying(lambda s: store.live_workers(s, settings.heartbeat_timeout))
+    others = sorted({w.host for w in live if w.host and w.host != host})
+    unseen = [h for h in others if not (folder / f".packtune-host-{h}").exists()]
+    if unseen:
+        return (
+            f"checkpoint folder {folder} is not shared with the workers on "
+            f"{', '.join(unseen)}: mount the same folder on every host (e.g. NFS)"
+        )
     return None
 
 

@@ -194,3 +194,25 @@ def test_check_fails_where_fusion_is_impossible(env: dict[str, str], tmp_path: P
     assert "(parameter 'act')" in " ".join(result.stdout.split())
     unknown = packtune("check", "no-such-workload", env=env, cwd=tmp_path)
     assert unknown.returncode == 2 and unknown.stderr.startswith("error: unknown workload")
+
+
+def test_a_worker_whose_checkpoints_are_not_shared_refuses_to_start(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """A live worker on another host and no sign of it in this worker's checkpoint folder:
+    the folders are not the same storage, so a pack resumed here would miss its
+    checkpoints. One line, exit 2."""
+    from service import store
+    from service.db import make_engine, session_factory, session_scope, upgrade
+
+    url = env["PACKTUNE_DATABASE_URL"]
+    upgrade(url)
+    engine = make_engine(url)
+    with session_scope(session_factory(engine)) as s:
+        store.heartbeat(s, name="far", host="other-host", device_kind="cpu", gpus=[])
+    engine.dispose()
+    env = {**env, "PACKTUNE_REDIS_URL": "redis://127.0.0.1:6379/15"}
+    result = packtune("worker", "--burst", env=env, cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert "is not shared with the workers on other-host" in last
