@@ -48,3 +48,14 @@ def test_the_design_names_modules_and_functions_that_exist() -> None:
         else:
             missing.append(dotted)
     assert not missing, missing
+
+
+def test_every_file_the_docs_name_exists() -> None:
+    """``packtune/hyperband.py`` in the README or a design document is a file of the repo."""
+    missing = []
+    for doc in [ROOT / "README.md", ROOT / "bench" / "README.md", *(ROOT / "docs").glob("*.md")]:
+        for path in re.findall(r"`((?:packtune|service|worker|tests|bench|migrations)/[\w/.-]+)`",
+                               doc.read_text()):  # fmt: skip
+            if not (ROOT / path.rstrip("/")).exists():
+                missing.append(f"{doc.name}: {path}")
+    assert not missing, missing
