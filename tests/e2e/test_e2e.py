@@ -103,7 +103,7 @@ def embedded_packed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     )
     log = tmp / "serve.log"
     with serving(env, log) as url:
-        return run_study(url, SPEC, log)
+        return {**run_study(url, SPEC, log), "checkpoint_dir": tmp / "ckpt"}
 
 
 def test_embedded_study_completes_as_hyperband_says(embedded_packed: dict[str, Any]) -> None:
@@ -163,3 +163,25 @@ def test_postgres_redis_scheduler_and_two_workers(
     used = {p["worker"] for p in result["packs"]}
     assert used <= {"w1", "w2"}, used
     same_metrics(embedded_packed, result)
+
+
+def test_the_best_model_can_be_taken_away(embedded_packed: dict[str, Any]) -> None:
+    """docs/workloads.md, "Taking a trained model away": the best trial's checkpoint loads
+    into the workload's model, which scores on the validation split what the study says."""
+    import torch
+
+    from packtune.workloads import get_workload
+    from worker.checkpoints import checkpoint_path, load_checkpoint
+
+    summary = embedded_packed["summary"]
+    best = summary["best_trial"]
+    path = checkpoint_path(embedded_packed["checkpoint_dir"], summary["id"], best["id"])
+    state = load_checkpoint(path)
+    assert state is not None
+    workload = get_workload(summary["workload"])
+    model = workload.build_model(state["config"])
+    model.load_state_dict({**state["params"], **state["buffers"]})
+    _, val = workload.data(state["config"])
+    with torch.no_grad():
+        loss = float(workload.loss(model.eval()(val.x), val.y))
+    assert loss == pytest.approx(best["metrics"]["val_loss"], rel=1e-5)
