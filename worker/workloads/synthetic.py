@@ -92,22 +92,10 @@ class SyntheticMLP(Workload):
         "batch_size": 64,
         **OPTIMIZER_PARAMS,
     }
-    structural = (
-        frozenset(
-            {
-                "input_dim",
-                "hidden",
-                "layers",
-                "output_dim",
-                "n_train",
-                "n_val",
-                "task",
-                "activation",
-                "batch_size",
-            }
-        )
-        | OPTIMIZER_STRUCTURAL
-    )
+    structural = OPTIMIZER_STRUCTURAL | {
+        "input_dim", "hidden", "layers", "output_dim", "n_train", "n_val", "task",
+        "activation", "batch_size",
+    }  # fmt: skip
 
     bounds: Mapping[str, tuple[float, float]] = {
         "input_dim": (1, 65_536), "hidden": (1, 65_536), "layers": (0, 64),
