@@ -55,7 +55,8 @@ def registry() -> dict[str, Workload]:
             continue
         if workload.name in found:
             log.warning(
-                "workload %s from entry point %s shadows a built-in; ignored",
+                "workload %s from entry point %s is registered already (a built-in or an "
+                "earlier entry point); ignored",
                 workload.name,
                 ep.name,
             )
