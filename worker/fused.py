@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from packtune.tuning import CUDA_CHECK_EVERY
 from packtune.workloads.base import OPTIMIZER_PARAMS, Split, Workload
 from worker.fused_forward import Forward, bmm_forward, bmm_plan, single_forward, vmap_forward
-from worker.fused_group import Group
+from worker.fused_group import Group, Stack
 from worker.fusion_guard import model_signature, partition, split_causes
 from worker.optim import OPTIMIZER_HYPER, build_optimizer
 
@@ -142,12 +142,12 @@ def _stack(
 
 
 def _forwards(
-    workload: Workload, template: nn.Module, part: list[int], mode: StackMode
+    workload: Workload, template: nn.Module, part: list[int], mode: StackMode, stochastic: bool
 ) -> tuple[str, list[tuple[list[int], Forward]]]:
     """The mode a part of equal models runs in, and its stacks: ``(member indices, forward)``."""
     plan = bmm_plan(template)
     if mode == "auto":
-        if _is_stochastic(workload, template):
+        if stochastic:
             mode = "serial"  # each member draws from its own stream alone, as when unpacked
         else:
             mode = "bmm" if plan is not None else "serial" if len(part) == 1 else "vmap"
@@ -228,23 +228,17 @@ class FusedArray:
             for key, config, state in zip(keys, configs, states, strict=True)
         }
         self.groups: list[Group] = []
-        modes: list[str] = []
-        piece_counts: list[int] = []
         for part in parts:
             template = copy.deepcopy(models[part[0]]).to("meta")
-            part_mode, pieces = _forwards(workload, template, part, mode)
-            modes.append(part_mode)
-            piece_counts.append(len(pieces))
+            stochastic = _is_stochastic(workload, template)
+            part_mode, pieces = _forwards(workload, template, part, mode, stochastic)
             self.groups += [
                 self._group([keys[i] for i in idx], [models[i] for i in idx],
-                            [configs[i] for i in idx], [states[i] for i in idx], fwd, template)
+                            [configs[i] for i in idx], [states[i] for i in idx],
+                            Stack(fwd, template, stochastic, part_mode))
                 for idx, fwd in pieces
             ]  # fmt: skip
-        self.mode = modes[0]
-        #: each stack's members and the forward it runs (what ``packtune check`` reports)
-        self.stacks = [(list(group.keys), mode) for group, mode in zip(
-            self.groups, [m for m, pieces in zip(modes, piece_counts, strict=True)
-                          for _ in range(pieces)], strict=True)]  # fmt: skip
+        self.mode = self.groups[0].mode
         self.stochastic = any(group.stochastic for group in self.groups)
         self.train_split, self.val_split = data or workload.data(self.config, self.device)
 
@@ -254,8 +248,7 @@ class FusedArray:
         models: list[nn.Module],
         configs: list[Mapping[str, Any]],
         states: list[Mapping[str, Any] | None],
-        forward: Forward,
-        template: nn.Module,
+        stack: Stack,
     ) -> Group:
         params, buffers = _stack(models, self.device)
         optimizer = build_optimizer(
@@ -263,8 +256,12 @@ class FusedArray:
             nesterov=bool(self.config.get("nesterov", False)),
             states=[s["optimizer"] if s else None for s in states],
         )  # fmt: skip
-        stochastic = _is_stochastic(self.workload, template)
-        return Group(keys, params, buffers, optimizer, forward, template, stochastic)
+        return Group(keys, params, buffers, optimizer, stack)
+
+    @property
+    def stacks(self) -> list[tuple[list[Hashable], str]]:
+        """Each stack's members and the forward it runs (what ``packtune check`` reports)."""
+        return [(list(group.keys), group.mode) for group in self.groups]
 
     @property
     def keys(self) -> list[Hashable]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -77,11 +78,20 @@ class DeviceLosses:
         self.sums, self.bad = self.sums[idx], self.bad[idx]
 
 
+@dataclass(frozen=True)
+class Stack:
+    """How a group runs: ``forward`` over the stacked tensors with ``template`` (the
+    meta-device module whose train/eval mode is the stack's), whether training draws random
+    numbers, and the forward's name (``bmm``, ``vmap`` or ``serial``)."""
+
+    forward: Forward
+    template: nn.Module
+    stochastic: bool
+    mode: str
+
+
 class Group:
     """Members trained as one stack: all of an array's (fused) or one (serial).
-
-    ``template`` is the meta-device module ``forward`` runs with the stacked tensors (its
-    train/eval mode is the stack's); ``stochastic``: training draws random numbers.
 
     ``losses`` records each member's summed step losses (for the epoch's train
     loss) and the first step whose loss was not finite (for divergence).
@@ -93,13 +103,11 @@ class Group:
         params: dict[str, Tensor],
         buffers: dict[str, Tensor],
         optimizer: StackedOptimizer,
-        forward: Forward,
-        template: nn.Module,
-        stochastic: bool = False,
+        stack: Stack,
     ) -> None:
         self.keys, self.params, self.buffers = keys, params, buffers
-        self.optimizer, self.forward = optimizer, forward
-        self.template, self.stochastic = template, stochastic
+        self.optimizer, self.forward = optimizer, stack.forward
+        self.template, self.stochastic, self.mode = stack.template, stack.stochastic, stack.mode
         device = next(iter(params.values())).device
         self.on_host = device.type == "cpu"
         self.losses = HostLosses(len(keys)) if self.on_host else DeviceLosses(len(keys), device)
