@@ -32,6 +32,7 @@ from packtune.settings import get_settings
 from packtune.space import fusion_key, trial_seed
 from packtune.tuning import LARGER_PROBE_SIZES
 from packtune.workloads import get_workload
+from packtune.workloads.base import Workload
 from service import store
 from service.db import retrying
 from service.models import TrialStatus
@@ -182,11 +183,10 @@ def _ensure_profile(
     retrying(write)
 
 
-def _structural_parts(job: ArrayJob) -> list[list[MemberJob]]:
+def _structural_parts(workload: Workload, job: ArrayJob) -> list[list[MemberJob]]:
     """``job``'s members grouped by their structural values under the workload's definition
     now: one group, unless the trials were sampled when it declared fewer parameters
     structural (their stored fusion key then joins trials that must not share an array)."""
-    workload = get_workload(job.workload)
     structural = workload.structural_params()
     parts: dict[str, list[MemberJob]] = {}
     for m in job.members:
@@ -212,7 +212,7 @@ def run_array(
     then not its own, so it records no throughput reading.
     """
     workload = get_workload(job.workload)
-    parts = _structural_parts(job)
+    parts = _structural_parts(workload, job)
     if len(parts) > 1:
         log.warning(
             "pack %s: trials %s share the fusion key %s but not every structural parameter "

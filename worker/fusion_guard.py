@@ -19,7 +19,7 @@ equal when they are made by the same code with equal closed-over values and
 class attributes (``__init__`` aside: what it made is in the instance's
 attributes, compared above): one template then serves them all. Anything this module
 cannot compare by value (an object with identity semantics only, or nesting
-deeper than :data:`MAX_DEPTH`) is taken as different, so an unsure case costs
+deeper than :data:`~packtune.tuning.GUARD_MAX_DEPTH`) is taken as different, so an unsure case costs
 speed (separate stacks), never correctness.
 """
 
@@ -36,7 +36,6 @@ from torch import nn
 
 from packtune.tuning import GUARD_MAX_DEPTH
 
-MAX_DEPTH = GUARD_MAX_DEPTH
 #: Config keys that always differ between members and say nothing about a split's cause.
 _PER_MEMBER_KEYS = frozenset({"seed"})
 #: A class's own entries that say nothing about behaviour once an instance exists
@@ -94,7 +93,7 @@ def _attribute(key: str, value: Any, names: Mapping[int, str]) -> Hashable:
 
 def _value(value: Any, names: Mapping[int, str], depth: int) -> Hashable:
     """A hashable stand-in for ``value`` that equals another's when they behave the same."""
-    if depth > MAX_DEPTH:
+    if depth > GUARD_MAX_DEPTH:
         return _Opaque()
     deeper = functools.partial(_value, names=names, depth=depth + 1)
     if value is None or isinstance(value, bool | int | str | bytes):
@@ -168,7 +167,7 @@ def _class(cls: type, depth: int) -> Hashable:
     object per call) by its code: name, bases and every attribute of its own."""
     if "<locals>" not in cls.__qualname__:
         return ("class", cls)
-    if depth > MAX_DEPTH:
+    if depth > GUARD_MAX_DEPTH:
         return _Opaque()
     own = tuple(
         (key, _value(value, {}, depth + 1))

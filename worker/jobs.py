@@ -342,10 +342,8 @@ def _back_to_pending(pack_id: int, exc: BaseException) -> None:
 
     def write(s: Session) -> None:
         pack = store.get_pack(s, pack_id)
-        members = [m.trial_id for m in store.unfinished_members(s, pack, (TrialStatus.running,))]
-        store.move_trials(s, members, TrialStatus.queued)
         delay = retry_delay(get_settings().retry_backoff, pack.attempts, random.random())
-        store.retry_pack(s, pack, error=error, fault=fault, delay=delay)
+        store.requeue_pack(s, pack, error=error, fault=fault, delay=delay)
 
     try:
         retrying(write)

@@ -43,6 +43,7 @@ from service.store.packs import (
     packs_per_device,
     packs_with_status,
     queue_pack,
+    requeue_pack,
     requeue_packs_of,
     retry_pack,
     unfinished_members,
@@ -89,6 +90,7 @@ from service.store.trials import (
 )
 
 __all__ = [
+    "requeue_pack",
     "retry_study",
     "retry_pack",
     "requeue_packs_of",

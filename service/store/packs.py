@@ -165,13 +165,19 @@ def requeue_packs_of(s: Session, worker_name: str, reason: str) -> list[int]:
     that its previous incarnation died holding them (its heartbeat name lives on, so the
     scheduler would wait for the job's timeout). Returns the packs' ids."""
     stmt = select(Pack).where(Pack.status == PackStatus.running, Pack.worker_name == worker_name)
-    moved = []
-    for pack in list(s.scalars(fresh(stmt))):
-        members = [m.trial_id for m in unfinished_members(s, pack, (TrialStatus.running,))]
-        if retry_pack(s, pack, error=reason, fault=True, delay=0.0):
-            move_trials(s, members, TrialStatus.queued)
-            moved.append(pack.id)
-    return moved
+    packs = list(s.scalars(fresh(stmt)))
+    return [p.id for p in packs if requeue_pack(s, p, error=reason, fault=True, delay=0.0)]
+
+
+def requeue_pack(s: Session, pack: Pack, *, error: str, fault: bool, delay: float) -> bool:
+    """A running pack's attempt is over without finishing: the pack waits for a retry
+    (:func:`retry_pack`) and its members still at the unit's start, running, are queued
+    again. False when the pack had moved on (then its members are left alone)."""
+    members = [m.trial_id for m in unfinished_members(s, pack, (TrialStatus.running,))]
+    if not retry_pack(s, pack, error=error, fault=fault, delay=delay):
+        return False
+    move_trials(s, members, TrialStatus.queued)
+    return True
 
 
 def retry_pack(s: Session, pack: Pack | int, *, error: str, fault: bool, delay: float) -> bool:
