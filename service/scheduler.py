@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import socket
 import threading
 import time
@@ -34,7 +33,6 @@ from typing import TYPE_CHECKING
 
 from packtune.dispatcher import Dispatcher, JobState, job_id_for
 from packtune.errors import QueueUnavailable, StoreUnavailable, StudyCannotRun
-from packtune.packing import retry_delay
 from packtune.settings import Settings, get_settings
 from packtune.tuning import MAX_FAULTS, PLAN_NEXT_TICK
 from service import lifecycle, planning, store
@@ -183,9 +181,10 @@ class Scheduler:
         self, s: Session, pack: Pack, reason: str, report: TickReport, *, fault: bool
     ) -> None:
         """Back to pending for a later attempt (backoff); ``fault``: not the trials' doing."""
-        delay = retry_delay(self.settings.retry_backoff, pack.attempts, random.random())
-        log.info("pack %s back to pending (retry in %.1f s): %s", pack.id, delay, reason)
-        if store.retry_pack(s, pack, error=reason, fault=fault, delay=delay):
+        log.info("pack %s back to pending: %s", pack.id, reason)
+        if store.retry_pack(
+            s, pack, error=reason, fault=fault, backoff=self.settings.retry_backoff
+        ):
             report.requeued += 1
 
     def _advance_alone(

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import socket
 import threading
 import time
@@ -38,7 +37,7 @@ import torch
 from sqlalchemy.orm import Session
 
 from packtune.errors import QueueUnavailable, StoreUnavailable
-from packtune.packing import MemoryModel, Unit, retry_delay, split_in_two
+from packtune.packing import MemoryModel, Unit, split_in_two
 from packtune.rungs import rung_resource
 from packtune.settings import get_settings
 from packtune.spec import StoredSpec
@@ -342,8 +341,7 @@ def _back_to_pending(pack_id: int, exc: BaseException) -> None:
 
     def write(s: Session) -> None:
         pack = store.get_pack(s, pack_id)
-        delay = retry_delay(get_settings().retry_backoff, pack.attempts, random.random())
-        store.requeue_pack(s, pack, error=error, fault=fault, delay=delay)
+        store.requeue_pack(s, pack, error=error, fault=fault, backoff=get_settings().retry_backoff)
 
     try:
         retrying(write)

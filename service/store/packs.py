@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
@@ -15,6 +16,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import Session
 
 from packtune.errors import NotFound
+from packtune.packing import retry_delay
 from service.models import Pack, PackMember, PackStatus, TrialStatus, utcnow
 from service.store._sql import fresh, insert_rows, statuses
 from service.store.transitions import FINISHED_PACK, move_pack, move_trials
@@ -166,24 +168,26 @@ def requeue_packs_of(s: Session, worker_name: str, reason: str) -> list[int]:
     scheduler would wait for the job's timeout). Returns the packs' ids."""
     stmt = select(Pack).where(Pack.status == PackStatus.running, Pack.worker_name == worker_name)
     packs = list(s.scalars(fresh(stmt)))
-    return [p.id for p in packs if requeue_pack(s, p, error=reason, fault=True, delay=0.0)]
+    return [p.id for p in packs if requeue_pack(s, p, error=reason, fault=True, backoff=0.0)]
 
 
-def requeue_pack(s: Session, pack: Pack, *, error: str, fault: bool, delay: float) -> bool:
+def requeue_pack(s: Session, pack: Pack, *, error: str, fault: bool, backoff: float) -> bool:
     """A running pack's attempt is over without finishing: the pack waits for a retry
     (:func:`retry_pack`) and its members still at the unit's start, running, are queued
     again. False when the pack had moved on (then its members are left alone)."""
     members = [m.trial_id for m in unfinished_members(s, pack, (TrialStatus.running,))]
-    if not retry_pack(s, pack, error=error, fault=fault, delay=delay):
+    if not retry_pack(s, pack, error=error, fault=fault, backoff=backoff):
         return False
     move_trials(s, members, TrialStatus.queued)
     return True
 
 
-def retry_pack(s: Session, pack: Pack | int, *, error: str, fault: bool, delay: float) -> bool:
-    """Back to ``pending`` for another attempt, not dispatched before ``delay`` seconds;
-    ``fault``: the attempt ended in a fault that is not the trials' (it does not count
-    toward ``max_attempts``). False when the pack had moved on (finished, cancelled)."""
+def retry_pack(s: Session, pack: Pack, *, error: str, fault: bool, backoff: float) -> bool:
+    """Back to ``pending`` for another attempt, not dispatched before
+    :func:`~packtune.packing.retry_delay` of ``backoff`` seconds after its attempts so far
+    (0: at once); ``fault``: the attempt ended in a fault that is not the trials' (it does not
+    count toward ``max_attempts``). False when the pack had moved on (finished, cancelled)."""
+    delay = retry_delay(backoff, pack.attempts, random.random())
     retry_after = utcnow() + timedelta(seconds=delay) if delay > 0 else None
     values: dict[str, Any] = {"error": error, "retry_after": retry_after}
     if fault:
