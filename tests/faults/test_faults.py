@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -620,6 +621,9 @@ def test_a_worker_restarted_under_its_name_requeues_its_pack_at_once(
     finally:
         engine.dispose()
     got = outcome(database, study_id)
+    # every unit trained by one pack, once: no retry took a trial that had moved on
+    units = [(m, a, b) for p in got.packs if p.status == "completed" for m, a, b in p.members]
+    assert len(units) == len(set(units)), got.packs
     assert_same_outcome(got, reference)
     pack = next(p for p in got.packs if p.id == pack_id)
     assert (pack.status, pack.attempts) == ("completed", 2), pack
@@ -752,6 +756,115 @@ def test_a_disk_full_for_a_while_costs_time_not_trials(
     finally:
         engine.dispose()
     got = outcome(database, study_id)
+    # every unit trained by one pack, once: no retry took a trial that had moved on
+    units = [(m, a, b) for p in got.packs if p.status == "completed" for m, a, b in p.members]
+    assert len(units) == len(set(units)), got.packs
     assert_same_outcome(got, reference)
     assert not [i for i, t in got.trials.items() if t["status"] == "failed"]
     assert "No space left on device (injected)" in cluster.tail(200_000)
+
+
+# Seed 24 samples relu for the three trials of bracket s=1 (sample indices 0-2) and for
+# index 3 of bracket s=0, tanh for index 4 (asserted below, so that a change of sampling
+# fails loudly): packs over the span 0 -> 1 hold a relu array and a tanh array.
+MOVED_ON_SPEC: dict[str, Any] = {
+    "name": "moved-on",
+    "workload": "digits-mlp",
+    "space": {
+        "activation": {"type": "choice", "values": ["relu", "tanh"]},
+        "lr": {"type": "loguniform", "low": 0.01, "high": 0.3},
+    },
+    "hyperband": {"max_resource": 3, "min_resource": 1, "eta": 3},
+    "seed": 24,
+}
+
+
+def undisturbed(spec: dict[str, Any], tmp: Path) -> Outcome:
+    """``spec`` run by ``packtune run`` (SQLite, packs in a child process)."""
+    tmp.mkdir()
+    (tmp / "spec.json").write_text(json.dumps(spec))
+    url = f"sqlite:///{tmp / 'packtune.db'}"
+    env = packtune_env(database_url=url, checkpoint_dir=tmp / "ckpt", **COMMON)
+    Services(env, tmp / "run.log").run("run", str(tmp / "spec.json"))
+    return outcome(url, 1)
+
+
+def training_elsewhere(engine: sa.Engine, pack_id: int) -> tuple[int, str] | None:
+    """(trial id, worker) of a member of pack ``pack_id`` that is being trained on a later
+    unit by another, running pack."""
+    own = sa.select(PackMember.trial_id).where(PackMember.pack_id == pack_id)
+    with engine.connect() as conn:
+        row = conn.execute(
+            sa.select(PackMember.trial_id, Pack.worker_name)
+            .join(Pack, Pack.id == PackMember.pack_id)
+            .where(
+                Pack.id != pack_id,
+                Pack.status == PackStatus.running,
+                PackMember.trial_id.in_(own),
+                PackMember.from_resource > 0,
+            )
+            .limit(1)
+        ).first()
+    return (int(row[0]), str(row[1])) if row else None
+
+
+def test_a_retried_pack_leaves_alone_the_trials_that_moved_on(
+    cluster: Services, database: str, tmp_path: Path
+) -> None:
+    """Issue (defect 1, data loss): a pack failed after one of its arrays had finished; the
+    finished trials went on in other packs, the pack's retry claimed them again, failed on
+    "checkpoint at step N, expected 0", and once out of attempts marked them failed.
+
+    Here the tanh trial's checkpoint cannot be written (a directory stands where its file
+    goes: a real storage fault), so the first pack fails after its relu array finished and
+    is retried at once, again and again. A relu trial of it moves on to its next unit in
+    another pack; while that pack trains, its worker is frozen (SIGSTOP) until the first
+    pack has been retried more often than a trial's own errors may fail it
+    (``max_attempts``), so that the retries surely meet the moved-on trial. Then the storage
+    has room again: the study must end exactly as an undisturbed run."""
+    reference = undisturbed(MOVED_ON_SPEC, tmp_path / "reference")
+    cluster.env["PACKTUNE_RETRY_BACKOFF"] = "0"  # the failing pack comes back at once
+    cluster.env["PACKTUNE_HEARTBEAT_TIMEOUT"] = "15"  # the frozen worker is not dead
+    tanh_id = 5  # a fresh database: trial ids follow sample indices from 1
+    blocker = tmp_path / "ckpt" / "study-1" / f"trial-{tanh_id}.pt"
+    blocker.mkdir(parents=True)
+    start_all(cluster)
+    engine = make_engine(database)
+
+    def attempts(pack_id: int) -> tuple[int, str]:
+        with engine.connect() as conn:
+            query = sa.select(Pack.attempts, Pack.status).where(Pack.id == pack_id)
+            count, status = conn.execute(query).one()
+        return int(count), str(getattr(status, "value", status))
+
+    try:
+        study_id = submit(engine, MOVED_ON_SPEC)
+        assert study_id == 1
+        moved, worker = wait_for(
+            lambda: training_elsewhere(engine, 1), 60, "a trial of pack 1 to move on", every=0.02
+        )
+        frozen = cluster.procs[worker]
+        frozen.send_signal(signal.SIGSTOP)
+        try:
+            before, _ = attempts(1)
+            max_attempts = 3  # the default
+            wait_for(lambda: attempts(1)[0] > before + max_attempts or attempts(1)[1] == "failed",
+                     30, "pack 1 to be retried")  # fmt: skip
+        finally:
+            frozen.send_signal(signal.SIGCONT)
+        blocker.rmdir()  # the disk has room again
+        assert wait_study(engine, study_id, STUDY_TIMEOUT, cluster) == "completed"
+    finally:
+        engine.dispose()
+    got = outcome(database, study_id)
+    acts = [got.trials[i]["config"]["activation"] for i in range(5)]
+    assert acts == ["relu", "relu", "relu", "relu", "tanh"], acts  # the premise
+    assert got.trials[4]["id"] == tanh_id
+    first = got.packs[0]
+    assert first.id == 1 and {4, moved - 1} <= {m for m, _, _ in first.members}, first
+    assert first.status == "completed" and first.attempts >= 3, first
+    assert "IsADirectoryError" in (first.error or ""), first
+    # every unit trained by one pack, once: no retry took a trial that had moved on
+    units = [(m, a, b) for p in got.packs if p.status == "completed" for m, a, b in p.members]
+    assert len(units) == len(set(units)), got.packs
+    assert_same_outcome(got, reference)
