@@ -199,14 +199,15 @@ def _choice_values(values: Any, field: str) -> tuple[Scalar, ...]:
     return tuple(values)
 
 
-def _rng(label: str) -> random.Random:
+def seeded_rng(label: str) -> random.Random:
+    """A `random.Random` seeded by a SHA-256 of ``label``: the same stream on any machine."""
     digest = hashlib.sha256(label.encode()).digest()
     return random.Random(int.from_bytes(digest[:8], "big"))
 
 
 def sample_config(space: Mapping[str, Dimension], seed: int, index: int) -> dict[str, Any]:
     """The config of the study's ``index``-th trial: same inputs, same config, anywhere."""
-    rng = _rng(f"{seed}:{index}")
+    rng = seeded_rng(f"{seed}:{index}")
     return {name: space[name].sample(rng) for name in sorted(space)}
 
 

@@ -33,12 +33,15 @@ from pydantic_core import ErrorDetails
 
 from packtune.errors import SpecError
 from packtune.hyperband import Rung, plan_brackets, s_max, total_trials
+from packtune.sampling import RANDOM_FRACTION, SamplerName
 from packtune.space import Choice, Dimension, parse_space
 from packtune.workloads.base import RESERVED
 
 # A study bigger than this is almost certainly a unit mistake (steps for epochs).
 MAX_RESOURCE_LIMIT = 10_000
 MAX_TRIALS = 100_000
+#: iterations of a study whose budget is time, trials or a target (not a count)
+MAX_ITERATIONS = 1_000
 
 
 def unprintable(value: str) -> str | None:
@@ -116,6 +119,44 @@ class PackingSettings(_Strict):
     align_rungs: bool = True
 
 
+class SamplerSettings(_Strict):
+    """How configurations are drawn (:mod:`packtune.sampling`): ``tpe`` (model-based, the
+    default) or ``random``; ``random_fraction`` of the model-based draws stay random."""
+
+    name: SamplerName = "tpe"
+    random_fraction: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = RANDOM_FRACTION
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value
+
+
+class Budget(_Strict):
+    """How much a study may spend: Hyperband's outer loop is repeated (each iteration's
+    sampler learning from every earlier one) until the first of these is reached.
+
+    ``max_iterations`` left out is 1 when no other budget is set, else as many as the other
+    budgets allow (at most :data:`MAX_ITERATIONS`). ``max_trials`` counts sampled trials: an
+    iteration's bracket is started only if all of its trials fit. ``max_seconds`` counts
+    from the study's start; ``target`` is an objective value that, once reached at
+    ``max_resource``, ends the study. A study ended by ``max_seconds`` or ``target`` stops
+    its running packs and completes with the best trial so far (``stop_reason`` says why).
+    """
+
+    max_iterations: Annotated[int, Field(ge=1)] | None = None
+    max_trials: Annotated[int, Field(ge=1)] | None = None
+    max_seconds: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    target: Annotated[float, Field(allow_inf_nan=False)] | None = None
+
+    def iterations(self) -> int:
+        """The most iterations this budget allows."""
+        if self.max_iterations is not None:
+            return self.max_iterations
+        others = (self.max_trials, self.max_seconds, self.target)
+        return 1 if all(v is None for v in others) else MAX_ITERATIONS
+
+
 class StudySpec(_Strict):
     """A tuning study; ``examples/*.yaml`` are examples, docs/design.md says what happens to one."""
 
@@ -125,6 +166,8 @@ class StudySpec(_Strict):
     space: dict[str, Any]
     hyperband: HyperbandSettings
     packing: PackingSettings = PackingSettings()
+    sampler: SamplerSettings = SamplerSettings()
+    budget: Budget = Budget()
     seed: Annotated[int, Field(ge=0, le=2**63 - 1)] = 0
 
     @field_validator("workload")
@@ -140,7 +183,7 @@ class StudySpec(_Strict):
         check_space(self.workload, self.space)
         check_bounds(self.workload, self.space)
         check_objective(self.workload, self.objective)
-        check_size(self.hyperband)
+        check_size(self.hyperband, self.budget)
         return self
 
     def dimensions(self) -> dict[str, Dimension]:
@@ -174,10 +217,17 @@ class StoredSpec:
     packing: PackingSettings
     space: Mapping[str, Any]
     seed: int
+    sampler: SamplerSettings
+    budget: Budget
 
     @classmethod
     def of(cls, spec: Mapping[str, Any]) -> StoredSpec:
         hb = dict(spec.get("hyperband") or {})
+        sampler = spec.get("sampler")
+        if isinstance(sampler, str):
+            sampler = {"name": sampler}
+        # a study stored before samplers existed was sampled at random
+        sampler = sampler if sampler is not None else {"name": "random"}
         return cls(
             workload=str(spec.get("workload", "")),
             objective=Objective.model_construct(**(spec.get("objective") or {})),
@@ -187,6 +237,8 @@ class StoredSpec:
             packing=PackingSettings.model_construct(**(spec.get("packing") or {})),
             space=spec.get("space") or {},
             seed=int(spec.get("seed", 0)),
+            sampler=SamplerSettings.model_construct(**sampler),
+            budget=Budget.model_construct(**(spec.get("budget") or {})),
         )
 
     @property
@@ -260,11 +312,12 @@ def check_objective(workload: str, objective: Objective) -> None:
         )
 
 
-def check_size(hb: HyperbandSettings) -> None:
+def check_size(hb: HyperbandSettings, budget: Budget | None = None) -> None:
     """Reject settings whose plan samples more than :data:`MAX_TRIALS` trials.
 
     The top bracket alone samples ``eta**s_max`` trials, so that is checked
     before the plan is built (a tiny ``min_resource`` would make it enormous).
+    With a budget, the trials of every iteration count (up to ``max_trials``).
     """
     top = s_max(hb.max_resource, hb.eta, hb.min_resource)
     trials = hb.eta**top
@@ -275,6 +328,17 @@ def check_size(hb: HyperbandSettings) -> None:
             "hyperband",
             f"these settings sample {trials} trials, more than {MAX_TRIALS}; "
             "raise min_resource or eta, or lower max_resource",
+        )
+    if budget is None or budget.max_iterations is None:
+        return
+    total = trials * budget.max_iterations
+    if budget.max_trials is not None:
+        total = min(total, budget.max_trials)
+    if total > MAX_TRIALS:
+        raise SpecError(
+            "budget.max_iterations",
+            f"{budget.max_iterations} iterations of {trials} trials sample {total} trials, "
+            f"more than {MAX_TRIALS}; lower it or set budget.max_trials",
         )
 
 

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import math
 import random
+from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
 
 from packtune.errors import SpecError, StudyCannotRun
 from packtune.hyperband import promote, rank
+from packtune.iterations import Slot, cutoff, rungs_upto, slots
 from packtune.rungs import rung_resource
-from packtune.space import fusion_key, parse_space, sample_config
+from packtune.sampling import Observation, suggest
+from packtune.space import Dimension, fusion_key, parse_space
 from packtune.spec import StoredSpec
 from packtune.tuning import SAMPLE_CHUNK
 from packtune.workloads import get_workload
@@ -44,11 +48,7 @@ FINAL = (
 RUNG_DONE = (TrialStatus.paused, TrialStatus.diverged, TrialStatus.failed)
 
 
-def start_study(s: Session, study: Study) -> tuple[int, bool]:
-    """Sample the study's next :data:`SAMPLE_CHUNK` trials (deterministic from the seed, in
-    sample-index order, bracket by bracket); once every trial of every bracket is there, mark
-    the study running. Returns (trials inserted, whether sampling is complete)."""
-    spec = StoredSpec.of(study.spec)
+def _space_of(study: Study, spec: StoredSpec) -> tuple[Any, dict[str, Dimension]]:
     try:
         workload = get_workload(study.workload)
         space = parse_space(spec.space)
@@ -56,28 +56,148 @@ def start_study(s: Session, study: Study) -> tuple[int, bool]:
             workload.resolve({name: space[name].sample(random.Random(0))})
     except (KeyError, SpecError) as exc:
         raise StudyCannotRun(str(exc).strip("'\"")) from exc
-    brackets = spec.brackets
-    s_max = len(brackets) - 1
-    slots = [s_max - j for j, rungs in enumerate(brackets) for _ in range(rungs[0].n)]
-    have = sum(store.count_trials_by_status(s, study.id).values())
-    rows, structural = [], workload.structural_params()
-    for index in range(have, min(len(slots), have + SAMPLE_CHUNK)):
-        config = sample_config(space, study.seed, index)
-        resolved = workload.resolve(config)
-        rows.append(
-            {
-                "sample_index": index,
-                "bracket": slots[index],
-                "rung": 0,
-                "config": config,
-                "fusion_key": fusion_key(workload.name, resolved, structural),
-            }
-        )
-    inserted = store.add_trials(s, study.id, rows)
-    complete = have + len(rows) >= len(slots)
-    if complete:
+    return workload, space
+
+
+def sample_due(s: Session, study: Study) -> tuple[int, bool]:
+    """Sample every bracket whose turn has come (:mod:`packtune.iterations`: in order, each
+    once the rungs it learns from are settled), about :data:`SAMPLE_CHUNK` trials a call at
+    most; the first trials mark the study running. Returns (trials inserted, whether some
+    bracket within the budget is still to be sampled)."""
+    spec = StoredSpec.of(study.spec)
+    workload, space = _space_of(study, spec)
+    done = sum(store.count_trials_by_status(s, study.id).values())  # sampled so far
+    inserted = taken = 0  # trials new in the database; trials drawn (a retry finds some)
+    more = False
+    for slot in slots(spec.brackets, spec.budget.iterations(), spec.budget.max_trials):
+        end = slot.first + slot.n
+        if end <= done:
+            continue
+        if done == slot.first and slot.g > 0 and not _due(s, study, spec, slot):
+            more = True
+            break
+        while done < end:
+            # chunks cut at fixed offsets from the bracket's start (a model draws a chunk
+            # as one batch: the same draws whatever the ticks), each whole in one tick
+            offset = (done - slot.first) // SAMPLE_CHUNK + 1
+            stop = min(end, slot.first + offset * SAMPLE_CHUNK)
+            if taken + stop - done > SAMPLE_CHUNK:
+                break
+            inserted += _sample(s, study, spec, workload, space, slot, range(done, stop))
+            taken += stop - done
+            done = stop
+        if done < end:
+            more = True
+            break
+    if inserted and study.status == StudyStatus.pending:
         store.move_study(s, study, StudyStatus.running)
-    return inserted, complete
+    return inserted, more
+
+
+def _due(s: Session, study: Study, spec: StoredSpec, slot: Slot) -> bool:
+    """Whether bracket ``slot`` (not the study's first) may be sampled now."""
+    progress = store.rung_counts(s, study.id)
+    if spec.sampler.name == "random":
+        if slot.s != len(spec.brackets) - 1:
+            return True  # an iteration's brackets start together
+        # the next iteration once every trial of the previous one has started training
+        return not any(
+            counts[(0, st)]
+            for (iteration, _), counts in progress.items()
+            if iteration == slot.iteration - 1
+            for st in (TrialStatus.pending, TrialStatus.queued)
+        )
+    return all(
+        _settled(counts, top)
+        for (iteration, bracket), counts in progress.items()
+        if (top := _top_rung(spec, iteration, bracket, slot)) is not None
+    )
+
+
+def _top_rung(spec: StoredSpec, iteration: int, bracket: int, slot: Slot) -> int | None:
+    """The highest rung of bracket ``(iteration, bracket)`` that ``slot`` learns from, or
+    None (not an earlier bracket, or none of its rungs is low enough)."""
+    if (iteration, -bracket) >= (slot.iteration, -slot.s):
+        return None
+    rungs = rungs_upto(spec.brackets, bracket, cutoff(spec.brackets, _previous_s(spec, slot)))
+    return rungs[-1] if rungs else None
+
+
+def _settled(counts: Counter[tuple[int, TrialStatus]], top: int) -> bool:
+    """Rungs 0..``top`` of a bracket are measured and will not change: no trial at or below
+    ``top`` is still to train, and none below it waits for its rung's decision."""
+    for (rung, status), n in counts.items():
+        if not n:
+            continue
+        if status in ACTIVE and rung <= top:
+            return False
+        if status == TrialStatus.paused and rung < top:
+            return False
+    return True
+
+
+def _sample(
+    s: Session,
+    study: Study,
+    spec: StoredSpec,
+    workload: Any,
+    space: dict[str, Dimension],
+    slot: Slot,
+    indices: range,
+) -> int:
+    observations = (
+        _observations(s, study, spec, slot) if spec.sampler.name == "tpe" and slot.g else []
+    )
+    configs = suggest(
+        space, observations, seed=study.seed, indices=list(indices),
+        mode=spec.objective.mode, sampler=spec.sampler.name,
+        random_fraction=spec.sampler.random_fraction,
+    )  # fmt: skip
+    structural = workload.structural_params()
+    rows = [
+        {
+            "sample_index": index,
+            "iteration": slot.iteration,
+            "bracket": slot.s,
+            "rung": 0,
+            "config": config,
+            "fusion_key": fusion_key(workload.name, workload.resolve(config), structural),
+        }
+        for index, config in zip(indices, configs, strict=True)
+    ]
+    return store.add_trials(s, study.id, rows)
+
+
+def _observations(s: Session, study: Study, spec: StoredSpec, slot: Slot) -> list[Observation]:
+    """The results bracket ``slot`` learns from: every earlier bracket's settled rungs up
+    to the cutoff, in a fixed order (diverged trials as ``None``; failed ones left out)."""
+    limit = cutoff(spec.brackets, _previous_s(spec, slot))
+    metric = spec.objective.metric
+    out: list[Observation] = []
+    trials = [
+        t for t in store.trials_of(s, study.id)
+        if (t.iteration, -t.bracket) < (slot.iteration, -slot.s)
+    ]  # fmt: skip
+    by_resource: dict[float, list[Any]] = {}
+    for t in trials:
+        for rung in rungs_upto(spec.brackets, t.bracket, limit):
+            if t.rung >= rung and not (t.rung == rung and t.status == TrialStatus.failed):
+                by_resource.setdefault(rung_resource(spec, t.bracket, rung), []).append((t, rung))
+    for resource in sorted(by_resource):
+        members = by_resource[resource]
+        values = store.values_at(s, study.id, [t.id for t, _ in members], resource, metric)
+        for t, rung in sorted(members, key=lambda m: m[0].sample_index):
+            value = values.get(t.id)
+            if value is None and not (t.rung == rung and t.status == TrialStatus.diverged):
+                continue  # not measured there (a trial failed before it): nothing to learn
+            out.append(Observation(config=dict(t.config), resource=resource, value=value))
+    return out
+
+
+def _previous_s(spec: StoredSpec, slot: Slot) -> int:
+    """The ``s`` of the bracket sampled just before ``slot``."""
+    s_max = len(spec.brackets) - 1
+    return 0 if slot.s == s_max else slot.s + 1
 
 
 def _measured_at(trial: store.TrialBrief, resource: float) -> bool:
@@ -101,10 +221,10 @@ def advance_brackets(s: Session, study: Study) -> Advance:
     spec = StoredSpec.of(study.spec)
     eta, metric, mode = int(spec.hyperband.eta), spec.objective.metric, spec.objective.mode
     out = Advance()
-    for bracket, counts in store.brackets_summary(s, study.id).items():
+    for (iteration, bracket), counts in store.brackets_summary(s, study.id).items():
         if any(counts[st] for st in ACTIVE) or not counts[TrialStatus.paused]:
             continue
-        trials = store.trial_briefs(s, study.id, bracket=bracket)
+        trials = store.trial_briefs(s, study.id, iteration=iteration, bracket=bracket)
         paused = [t for t in trials if t.status == TrialStatus.paused]
         rung = paused[0].rung
         if rung >= bracket:  # last rung of this bracket: done
@@ -118,16 +238,18 @@ def advance_brackets(s: Session, study: Study) -> Advance:
         missing = [t.id for t in contenders if t.id not in values]
         if missing:  # rows written before the trials kept their objective
             values |= store.values_at(
-                s, study.id, missing, resource, metric, bracket=bracket, rung=rung
-            )
+                s, study.id, missing, resource, metric,
+                iteration=iteration, bracket=bracket, rung=rung,
+            )  # fmt: skip
         for t in contenders:  # diverged and failed trials rank last
             if t.status != TrialStatus.paused:
                 values[t.id] = None
         results = [(t.id, values[t.id]) for t in contenders]
         chosen = set(promote(results, eta, mode))
         store.record_promotions(
-            s, study.id, bracket, rung, [(tid, values[tid]) for tid in sorted(chosen)]
-        )
+            s, study.id, bracket, rung, [(tid, values[tid]) for tid in sorted(chosen)],
+            iteration=iteration,
+        )  # fmt: skip
         promoted = [t.id for t in paused if t.id in chosen]
         stopped = [t.id for t in paused if t.id not in chosen]
         store.move_trials(s, promoted, TrialStatus.pending, rung=rung + 1)
@@ -155,23 +277,54 @@ def best_trial(s: Session, study: Study) -> tuple[int, float] | None:
     return None
 
 
-def finish_if_done(s: Session, study: Study) -> bool:
-    """Mark the study completed (with its best trial) or failed once no trial can move."""
+def finish_if_done(s: Session, study: Study, more: bool = False) -> bool:
+    """Mark the study completed (with its best trial) or failed once no trial can move and
+    no bracket is still to be sampled (``more``)."""
     counts = store.count_trials_by_status(s, study.id)
-    if not counts or any(counts.get(st, 0) for st in (*ACTIVE, TrialStatus.paused)):
+    if more or not counts or any(counts.get(st, 0) for st in (*ACTIVE, TrialStatus.paused)):
         return False
+    _complete(s, study)
+    return True
+
+
+def _complete(s: Session, study: Study, reason: str | None = None) -> None:
     best = best_trial(s, study)
     if best is None:
-        store.move_study(
-            s,
-            study,
-            StudyStatus.failed,
-            error="no trial reached max_resource with a finite objective value",
-        )
+        error = "no trial reached max_resource with a finite objective value"
+        if reason is not None:
+            error = f"the budget ({reason}) ran out before any trial reached max_resource"
+        store.move_study(s, study, StudyStatus.failed, error=error, stop_reason=reason)
     else:
         study.best_trial_id = best[0]
-        store.move_study(s, study, StudyStatus.completed)
-    return True
+        store.move_study(s, study, StudyStatus.completed, stop_reason=reason)
+
+
+def budget_spent(s: Session, study: Study, now: datetime) -> str | None:
+    """The budget that ends the study now, if any: ``max_seconds`` since it started, or
+    ``target`` reached by a trial at ``max_resource`` (``max_iterations`` and
+    ``max_trials`` end it by sampling no more)."""
+    budget = StoredSpec.of(study.spec).budget
+    if budget.max_seconds is not None and study.started_at is not None:
+        if (now - study.started_at).total_seconds() >= budget.max_seconds:
+            return "max_seconds"
+    if budget.target is not None:
+        best = best_trial(s, study)
+        mode = StoredSpec.of(study.spec).objective.mode
+        if best is not None and (
+            best[1] <= budget.target if mode == "min" else best[1] >= budget.target
+        ):
+            return "target"
+    return None
+
+
+def stop_for_budget(s: Session, study: Study, reason: str) -> None:
+    """End a study whose budget is spent: what can still move is cancelled (running packs
+    stop at their next step), and the study completes with its best trial so far."""
+    store.move_study_trials(s, study.id, TrialStatus.cancelled)
+    store.move_study_packs(
+        s, study.id, PackStatus.cancelled, only_from=(PackStatus.pending, PackStatus.queued)
+    )
+    _complete(s, study, reason)
 
 
 def cancel_rest(s: Session, study: Study) -> int:

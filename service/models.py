@@ -133,6 +133,8 @@ class Study(Base):
         nullable=True,
     )
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # why a study with a budget stopped before its last iteration (e.g. "max_seconds")
+    stop_reason: Mapped[str | None] = mapped_column(String(200), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
@@ -147,7 +149,7 @@ class Trial(Base):
     __table_args__ = (
         UniqueConstraint("study_id", "sample_index", name="uq_trials_study_sample"),
         Index("ix_trials_study_status_rung", "study_id", "status", "rung"),
-        Index("ix_trials_study_bracket_rung", "study_id", "bracket", "rung"),
+        Index("ix_trials_study_bracket_rung", "study_id", "iteration", "bracket", "rung"),
         Index("ix_trials_study_measured", "study_id", "measured_resource", "objective"),
         Index("ix_trials_study_id", "study_id", "id"),
     )
@@ -155,6 +157,8 @@ class Trial(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     study_id: Mapped[int] = mapped_column(ForeignKey("studies.id", ondelete="CASCADE"))
     sample_index: Mapped[int] = mapped_column(Integer)  # position in the study's seeded stream
+    # the Hyperband iteration (0, 1, ...: the outer loop repeated) and the bracket's s in it
+    iteration: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     bracket: Mapped[int] = mapped_column(Integer)  # Hyperband's s
     rung: Mapped[int] = mapped_column(Integer, default=0)  # current rung i
     config: Mapped[dict[str, Any]] = mapped_column(JSON)
@@ -188,6 +192,7 @@ class RungPromotion(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     study_id: Mapped[int] = mapped_column(ForeignKey("studies.id", ondelete="CASCADE"))
     trial_id: Mapped[int] = mapped_column(ForeignKey("trials.id", ondelete="CASCADE"))
+    iteration: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     bracket: Mapped[int] = mapped_column(Integer)
     rung: Mapped[int] = mapped_column(Integer)
     value: Mapped[float | None] = mapped_column(Float, nullable=True)  # objective when promoted

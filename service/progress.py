@@ -26,6 +26,27 @@ def _best(summary: dict[str, Any], metric: str) -> str:
     return f"best: trial {best['id']} {metric}={shown}"
 
 
+def budget_text(summary: dict[str, Any]) -> str:
+    """The budget and what is used of it, e.g. ``tpe · iteration 2/3 · 61 trials · 40/600 s``."""
+    budget = summary.get("budget") or {}
+    if not budget:
+        return ""
+    parts = [str(budget.get("sampler", ""))]
+    top = budget.get("max_iterations")
+    parts.append(f"iteration {budget.get('iterations', 0)}" + (f"/{top}" if top else ""))
+    trials = f"{budget.get('trials', 0)}"
+    if budget.get("max_trials"):
+        trials += f"/{budget['max_trials']}"
+    parts.append(f"{trials} trials")
+    if budget.get("max_seconds"):
+        parts.append(f"{budget.get('seconds') or 0:.0f}/{budget['max_seconds']:g} s")
+    if budget.get("target") is not None:
+        parts.append(f"target {budget['target']:g}")
+    if budget.get("stop_reason"):
+        parts.append(f"stopped: {budget['stop_reason']}")
+    return " · ".join(parts)
+
+
 def watch(
     fetch: Callable[[], dict[str, Any]],
     *,
@@ -45,10 +66,13 @@ def watch(
         TextColumn("units"),
         TextColumn("{task.fields[packs]} packs running"),
         TextColumn("{task.fields[best]}"),
+        TextColumn("[dim]{task.fields[budget]}"),
         TimeElapsedColumn(),
     )
     with Progress(*columns, console=console, transient=False) as bar:
-        task = bar.add_task(summary.get("name", "study"), total=None, packs=0, best="best: -")
+        task = bar.add_task(
+            summary.get("name", "study"), total=None, packs=0, best="best: -", budget=""
+        )
         while True:
             progress = summary.get("progress") or {}
             bar.update(
@@ -57,6 +81,7 @@ def watch(
                 completed=progress.get("done", 0),
                 packs=summary.get("packs_running", 0),
                 best=_best(summary, metric),
+                budget=budget_text(summary),
                 description=f"{summary.get('name', 'study')} [{summary.get('status')}]",
             )
             if summary.get("status") in FINISHED or (until is not None and until()):

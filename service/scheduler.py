@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from packtune.dispatcher import Dispatcher, JobState, job_id_for
 from packtune.errors import QueueUnavailable, StoreUnavailable, StudyCannotRun
 from packtune.settings import Settings, get_settings
-from packtune.tuning import MAX_FAULTS, PLAN_NEXT_TICK
+from packtune.tuning import MAX_FAULTS, PLAN_NEXT_TICK, SAMPLE_CHUNK
 from service import lifecycle, planning, store
 from service.db import DATABASE_ERRORS, get_sessionmaker, session_scope
 from service.models import (
@@ -213,14 +213,20 @@ class Scheduler:
         workers: list[Worker],
         report: TickReport,
     ) -> None:
-        if study.status == StudyStatus.pending:
-            inserted, complete = lifecycle.start_study(s, study)
-            report.started += inserted > 0
-            if not complete:  # bounded work per tick: the next tick samples on
-                report.deferred += 1
-                return
         advanced = lifecycle.advance_brackets(s, study)
-        if lifecycle.finish_if_done(s, study):
+        was_pending = study.status == StudyStatus.pending
+        inserted, more = lifecycle.sample_due(s, study)
+        report.started += was_pending and inserted > 0
+        reason = lifecycle.budget_spent(s, study, _now()) if not was_pending else None
+        if reason is not None:
+            log.info("study %s: its budget is spent (%s); stopping it", study.id, reason)
+            lifecycle.stop_for_budget(s, study, reason)
+            report.finished_studies.append(study.id)
+            return
+        if inserted >= SAMPLE_CHUNK:  # bounded work per tick: the next tick goes on
+            report.deferred += 1
+            return
+        if lifecycle.finish_if_done(s, study, more):
             report.finished_studies.append(study.id)
             return
         if advanced.promoted + advanced.stopped + advanced.completed >= PLAN_NEXT_TICK:

@@ -27,7 +27,7 @@ def test_every_document_named_in_the_code_exists() -> None:
 
 
 def test_the_design_names_modules_and_functions_that_exist() -> None:
-    """Every dotted name the design cites (``service.lifecycle.start_study``) resolves."""
+    """Every dotted name the design cites (``service.lifecycle.sample_due``) resolves."""
     text = (ROOT / "docs" / "design.md").read_text()
     names = set(re.findall(r"`((?:packtune|service|worker)(?:\.\w+)+)", text))
     assert len(names) > 20

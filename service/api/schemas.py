@@ -61,6 +61,7 @@ class BestTrial(BaseModel):
 class TrialPublic(BaseModel):
     id: int
     sample_index: int
+    iteration: int
     bracket: int
     rung: int
     status: TrialStatus
@@ -76,6 +77,20 @@ class TrialPublic(BaseModel):
 class LeaderboardEntry(TrialPublic):
     rank: int
     value: float | None  # the objective at ``measured_resource``; null when not finite
+
+
+class BudgetPublic(BaseModel):
+    """What the study may spend and has spent (``null``: no such limit)."""
+
+    sampler: str
+    max_iterations: int | None
+    iterations: int = Field(description="Hyperband iterations started")
+    max_trials: int | None
+    trials: int = Field(description="trials sampled")
+    max_seconds: float | None
+    seconds: float | None = Field(description="since the study started (to its end)")
+    target: float | None
+    stop_reason: str | None = Field(description="the budget that ended the study, if one did")
 
 
 class StudyPublic(BaseModel):
@@ -94,6 +109,7 @@ class StudyPublic(BaseModel):
     started_at: datetime | None
     finished_at: datetime | None
     progress: Progress
+    budget: BudgetPublic
     trial_counts: dict[str, int]
     packs_running: int
     best_trial: BestTrial | None
@@ -114,6 +130,7 @@ class RungPublic(BaseModel):
 
 
 class BracketPublic(BaseModel):
+    iteration: int
     s: int
     rungs: list[RungPublic]
 

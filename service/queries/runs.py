@@ -23,7 +23,9 @@ from service.queries.rows import Row
 
 
 def brackets(s: Session, study_id: int) -> list[Row]:
-    """Each bracket ``s`` (highest first) with its planned rungs and the trials in each.
+    """Each bracket (iteration by iteration, highest ``s`` first) with its planned rungs and
+    the trials in each; the first iteration's brackets are listed before any is sampled,
+    a later iteration's once it has trials.
 
     A trial is in rung ``i`` if it reached it (its current rung is ``i`` or
     later). At its current rung it shows its status; rungs it has left show
@@ -35,37 +37,45 @@ def brackets(s: Session, study_id: int) -> list[Row]:
     """
     study = store.get_study(s, study_id)
     plan = StoredSpec.of(study.spec).brackets
-    members: dict[tuple[int, int], list[Row]] = defaultdict(list)
+    members: dict[tuple[int, int, int], list[Row]] = defaultdict(list)
     stmt = (
-        select(Trial.id, Trial.bracket, Trial.rung, type_coerce(Trial.status, String))
+        select(
+            Trial.id, Trial.iteration, Trial.bracket, Trial.rung, type_coerce(Trial.status, String)
+        )
         .where(Trial.study_id == study_id)
         .order_by(Trial.id)
     )
-    for trial_id, bracket_s, current, status in s.execute(stmt):
+    started = {0}
+    for trial_id, iteration, bracket_s, current, status in s.execute(stmt):
+        started.add(iteration)
         for i in range(current):
-            members[(bracket_s, i)].append(
+            members[(iteration, bracket_s, i)].append(
                 {"trial_id": trial_id, "status": "paused", "promoted": True}
             )
-        members[(bracket_s, current)].append(
+        members[(iteration, bracket_s, current)].append(
             {"trial_id": trial_id, "status": status, "promoted": False}
         )
     out = []
-    for index, rungs in enumerate(plan):
-        bracket_s = len(plan) - 1 - index
-        out.append(
-            {
-                "s": bracket_s,
-                "rungs": [
-                    {
-                        "rung": i,
-                        "n": rung.n,
-                        "resource": rung.resource,
-                        "trials": members[(bracket_s, i)],
-                    }
-                    for i, rung in enumerate(rungs)
-                ],
-            }
-        )
+    for iteration in sorted(started):
+        for index, rungs in enumerate(plan):
+            bracket_s = len(plan) - 1 - index
+            if iteration and not any(members[(iteration, bracket_s, i)] for i in range(len(rungs))):
+                continue
+            out.append(
+                {
+                    "iteration": iteration,
+                    "s": bracket_s,
+                    "rungs": [
+                        {
+                            "rung": i,
+                            "n": rung.n,
+                            "resource": rung.resource,
+                            "trials": members[(iteration, bracket_s, i)],
+                        }
+                        for i, rung in enumerate(rungs)
+                    ],
+                }
+            )
     return out
 
 

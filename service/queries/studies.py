@@ -17,6 +17,7 @@ from service.models import (
     StudyStatus,
     Trial,
     TrialStatus,
+    utcnow,
 )
 from service.queries.rows import UNIT_FINISHED, Row
 from service.queries.trials import top_trials, trials_by_id
@@ -66,12 +67,24 @@ def _summaries(s: Session, studies: list[Study], with_spec: bool = True) -> list
     )
     for study_id, n in s.execute(packs_stmt):
         running[study_id] = n
+    iterations_stmt = (
+        select(Trial.study_id, func.max(Trial.iteration))
+        .where(Trial.study_id.in_(ids))
+        .group_by(Trial.study_id)
+    )
+    iterations = {study_id: int(top) + 1 for study_id, top in s.execute(iterations_stmt)}
     best = trials_by_id(s, [st.best_trial_id for st in studies if st.best_trial_id is not None])
     out = []
     for study in studies:
         spec = StoredSpec.of(study.spec)
         metric, mode = spec.objective.metric, spec.objective.mode
-        total = total_units(spec.brackets)
+        started = iterations.get(study.id, 0)
+        budget = spec.budget
+        # every iteration a count allows; with only time, trials or a target: those started
+        planned = budget.max_iterations if budget.max_iterations is not None else 1
+        if budget.max_iterations is None and budget.iterations() > 1:
+            planned = max(1, started)
+        total = total_units(spec.brackets) * planned
         finished = total if study.status == StudyStatus.completed else min(done[study.id], total)
         best_row = best.get(study.best_trial_id) if study.best_trial_id is not None else None
         out.append(
@@ -88,12 +101,32 @@ def _summaries(s: Session, studies: list[Study], with_spec: bool = True) -> list
                 "started_at": study.started_at,
                 "finished_at": study.finished_at,
                 "progress": {"done": finished, "total": total},
+                "budget": _budget(study, spec, started, sum(counts[study.id].values())),
                 "trial_counts": counts[study.id],
                 "packs_running": running[study.id],
                 "best_trial": _brief(best_row) if best_row else None,
             }
         )
     return out
+
+
+def _budget(study: Study, spec: StoredSpec, iterations: int, trials: int) -> Row:
+    budget = spec.budget
+    seconds = None
+    if study.started_at is not None:
+        end = study.finished_at or utcnow()
+        seconds = round((end - study.started_at).total_seconds(), 3)
+    return {
+        "sampler": spec.sampler.name,
+        "max_iterations": budget.max_iterations,
+        "iterations": iterations,
+        "max_trials": budget.max_trials,
+        "trials": trials,
+        "max_seconds": budget.max_seconds,
+        "seconds": seconds,
+        "target": budget.target,
+        "stop_reason": study.stop_reason,
+    }
 
 
 def _brief(trial: Row) -> Row:

@@ -26,6 +26,7 @@ def _trial_select() -> Select[Any]:
         Trial.id,
         Trial.study_id,
         Trial.sample_index,
+        Trial.iteration,
         Trial.bracket,
         Trial.rung,
         Trial.status,
@@ -62,6 +63,7 @@ def _trial_row(row: Any) -> Row:
     return {
         "id": row.id,
         "sample_index": row.sample_index,
+        "iteration": row.iteration,
         "bracket": row.bracket,
         "rung": row.rung,
         "status": TrialStatus(row.status).value,

@@ -158,10 +158,18 @@ def move_study_packs(
     return int(getattr(result, "rowcount", 0) or 0)
 
 
-def move_study(s: Session, study: Study, to: StudyStatus, *, error: str | None = None) -> None:
+def move_study(
+    s: Session,
+    study: Study,
+    to: StudyStatus,
+    *,
+    error: str | None = None,
+    stop_reason: str | None = None,
+) -> None:
     """Move a study ``to``: the move to running stamps ``started_at``, a final status
-    ``finished_at``. :class:`~packtune.errors.Conflict` when it may not go there (it is
-    finished already, or a pending study was asked to complete)."""
+    ``finished_at``; ``stop_reason``: the budget that ended it. :class:`~packtune.errors.
+    Conflict` when it may not go there (it is finished already, or a pending study was
+    asked to complete)."""
     now = utcnow()
     values: dict[str, Any] = {"status": to}
     if to is StudyStatus.running and study.started_at is None:
@@ -170,6 +178,8 @@ def move_study(s: Session, study: Study, to: StudyStatus, *, error: str | None =
         values["finished_at"] = now
     if error is not None:
         values["error"] = error
+    if stop_reason is not None:
+        values["stop_reason"] = stop_reason
     stmt = (
         update(Study)
         .where(Study.id == study.id, Study.status.in_(_guard(STUDY_FROM, to, None)))
@@ -191,17 +201,17 @@ def retry_study(s: Session, study: Study) -> list[int]:
     if study.status is not StudyStatus.failed:
         raise Conflict(f"study {study.id} is {study.status.value}; only a failed study is retried")
     rungs = s.execute(
-        select(Trial.bracket, func.max(Trial.rung))
+        select(Trial.iteration, Trial.bracket, func.max(Trial.rung))
         .where(Trial.study_id == study.id)
-        .group_by(Trial.bracket)
+        .group_by(Trial.iteration, Trial.bracket)
     )
-    top = {bracket: rung for bracket, rung in rungs}
+    top = {(iteration, bracket): rung for iteration, bracket, rung in rungs}
     failed = s.execute(
-        select(Trial.id, Trial.bracket, Trial.rung).where(
+        select(Trial.id, Trial.iteration, Trial.bracket, Trial.rung).where(
             Trial.study_id == study.id, Trial.status == TrialStatus.failed
         )
     ).all()
-    ids = [tid for tid, bracket, rung in failed if rung == top[bracket]]
+    ids = [tid for tid, it, bracket, rung in failed if rung == top[(it, bracket)]]
     if not ids:
         raise Conflict(f"study {study.id} has no failed trial whose rung is still open")
     for start in range(0, len(ids), UPDATE_CHUNK):

@@ -67,11 +67,15 @@ def trials_of(
     status: TrialStatus | Iterable[TrialStatus] | None = None,
     bracket: int | None = None,
     rung: int | None = None,
+    iteration: int | None = None,
 ) -> list[Trial]:
-    """A study's trials in id order, optionally filtered by status(es), bracket and rung."""
+    """A study's trials in id order, optionally filtered by status(es), iteration, bracket
+    and rung."""
     stmt = select(Trial).where(Trial.study_id == study_id)
     if status is not None:
         stmt = stmt.where(Trial.status.in_(statuses(status)))
+    if iteration is not None:
+        stmt = stmt.where(Trial.iteration == iteration)
     if bracket is not None:
         stmt = stmt.where(Trial.bracket == bracket)
     if rung is not None:
@@ -94,6 +98,7 @@ class TrialBrief(NamedTuple):
     """A trial's scheduling state, without its config: what rung decisions and planning read."""
 
     id: int
+    iteration: int
     bracket: int
     rung: int
     status: TrialStatus
@@ -109,6 +114,7 @@ def trial_briefs(
     *,
     status: TrialStatus | Iterable[TrialStatus] | None = None,
     bracket: int | None = None,
+    iteration: int | None = None,
 ) -> list[TrialBrief]:
     """:func:`trials_of` as plain rows of :class:`TrialBrief` columns, in id order (no
     configs: what a scheduler tick needs of thousands of trials)."""
@@ -116,24 +122,43 @@ def trial_briefs(
     stmt = stmt.where(Trial.study_id == study_id)
     if status is not None:
         stmt = stmt.where(Trial.status.in_(statuses(status)))
+    if iteration is not None:
+        stmt = stmt.where(Trial.iteration == iteration)
     if bracket is not None:
         stmt = stmt.where(Trial.bracket == bracket)
     return [TrialBrief(*row) for row in s.execute(stmt.order_by(Trial.id))]
 
 
-def brackets_summary(s: Session, study_id: int) -> dict[int, Counter[TrialStatus]]:
-    """Trials per status in each bracket of the study, brackets in order of their first trial."""
+def brackets_summary(s: Session, study_id: int) -> dict[tuple[int, int], Counter[TrialStatus]]:
+    """Trials per status in each bracket ``(iteration, s)`` of the study, brackets in order
+    of their first trial."""
     stmt = (
-        select(Trial.bracket, Trial.status, func.count(), func.min(Trial.id))
+        select(Trial.iteration, Trial.bracket, Trial.status, func.count(), func.min(Trial.id))
         .where(Trial.study_id == study_id)
-        .group_by(Trial.bracket, Trial.status)
+        .group_by(Trial.iteration, Trial.bracket, Trial.status)
     )
-    first: dict[int, int] = {}
-    counts: dict[int, Counter[TrialStatus]] = {}
-    for bracket, status, n, lowest in s.execute(stmt):
-        first[bracket] = min(lowest, first.get(bracket, lowest))
-        counts.setdefault(bracket, Counter())[TrialStatus(status)] = n
+    first: dict[tuple[int, int], int] = {}
+    counts: dict[tuple[int, int], Counter[TrialStatus]] = {}
+    for iteration, bracket, status, n, lowest in s.execute(stmt):
+        key = (iteration, bracket)
+        first[key] = min(lowest, first.get(key, lowest))
+        counts.setdefault(key, Counter())[TrialStatus(status)] = n
     return {b: counts[b] for b in sorted(counts, key=first.__getitem__)}
+
+
+def rung_counts(
+    s: Session, study_id: int
+) -> dict[tuple[int, int], Counter[tuple[int, TrialStatus]]]:
+    """Trials per (rung, status) in each bracket ``(iteration, s)`` of the study."""
+    stmt = (
+        select(Trial.iteration, Trial.bracket, Trial.rung, Trial.status, func.count())
+        .where(Trial.study_id == study_id)
+        .group_by(Trial.iteration, Trial.bracket, Trial.rung, Trial.status)
+    )
+    out: dict[tuple[int, int], Counter[tuple[int, TrialStatus]]] = {}
+    for iteration, bracket, rung, status, n in s.execute(stmt):
+        out.setdefault((iteration, bracket), Counter())[(rung, TrialStatus(status))] = n
+    return out
 
 
 def set_trials(s: Session, ids: Sequence[int], **values: Any) -> None:
@@ -250,14 +275,16 @@ def record_promotions(
     bracket: int,
     rung: int,
     items: Sequence[tuple[int, float | None]],
+    iteration: int = 0,
 ) -> int:
     """Record (trial id, objective value) pairs promoted out of ``rung``; returns the new ones."""
     if not items:
         return 0
     rows = [
-        {"study_id": study_id, "trial_id": trial_id, "bracket": bracket, "rung": rung, "value": v}
+        {"study_id": study_id, "trial_id": trial_id, "iteration": iteration,
+         "bracket": bracket, "rung": rung, "value": v}
         for trial_id, v in items
-    ]
+    ]  # fmt: skip
     stmt, params = insert_rows(s, RungPromotion, rows)
     stmt = stmt.on_conflict_do_nothing(index_elements=["trial_id", "rung"])
     return len(s.execute(stmt.returning(RungPromotion.id), params).all())
@@ -267,7 +294,9 @@ def promotions_of(s: Session, study_id: int) -> list[RungPromotion]:
     stmt = (
         select(RungPromotion)
         .where(RungPromotion.study_id == study_id)
-        .order_by(RungPromotion.bracket, RungPromotion.rung, RungPromotion.id)
+        .order_by(
+            RungPromotion.iteration, RungPromotion.bracket, RungPromotion.rung, RungPromotion.id
+        )
     )
     return list(s.scalars(stmt))
 
@@ -282,6 +311,7 @@ def values_at(
     bracket: int | None = None,
     rung: int | None = None,
     status: TrialStatus | None = None,
+    iteration: int | None = None,
 ) -> dict[int, float | None]:
     """Each of the trials ``ids``' ``metric`` measured at ``resource`` (None when missing).
 
@@ -293,6 +323,8 @@ def values_at(
     if not values:
         return values
     where = [Trial.study_id == study_id]
+    if iteration is not None:
+        where.append(Trial.iteration == iteration)
     if bracket is not None:
         where.append(Trial.bracket == bracket)
     if rung is not None:

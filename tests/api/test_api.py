@@ -642,11 +642,12 @@ def test_a_failed_study_is_retried_where_its_rungs_are_still_open(client: TestCl
     stays failed; a study that is not failed is a 409."""
     from service import lifecycle
 
-    study_id = client.post("/api/studies", json=spec()).json()["id"]
+    # every bracket sampled at once (a model-based sampler waits for results)
+    study_id = client.post("/api/studies", json=spec(sampler="random")).json()["id"]
     assert client.post(f"/api/studies/{study_id}/retry").status_code == 409  # pending
     with session_scope(client.app.state.sessionmaker) as s:  # type: ignore[attr-defined]
         study = store.get_study(s, study_id)
-        lifecycle.start_study(s, study)
+        lifecycle.sample_due(s, study)
         trials = store.trials_of(s, study_id)
         ids = [t.id for t in trials]
         for to in (TrialStatus.queued, TrialStatus.running, TrialStatus.failed):

@@ -162,7 +162,7 @@ def fill_finished_study(url: str, spec: dict[str, Any]) -> int:
             study = store.create_study(
                 s, name=spec["name"], workload=spec["workload"], spec=spec, seed=spec["seed"]
             )
-            lifecycle.start_study(s, study)
+            lifecycle.sample_due(s, study)
             study.started_at = began
             shape = {
                 t.id: (rng.uniform(0.05, 0.6), rng.uniform(0.5, 2.0), rng.uniform(0.01, 1.0))

@@ -62,7 +62,9 @@ HYPERBAND = {"max_resource": 9, "min_resource": 1, "eta": 3}
 #: Relative tolerance per workload: MLPs stack exactly (bmm: equal to the bit here); vmap's
 #: stacked convolutions and BatchNorm round differently (seen: up to 4e-5 absolute after 9
 #: epochs of the ResNet at lr 0.02; at lr 0.08 chaos grows it to 0.2 by epoch 9).
-REL = {"digits-cnn": 1e-3, "resnet-cifar": 1e-3}
+# vmap's convolution rounds otherwise than k single convolutions; over 3 epochs of SGD the
+# difference grew to 3.5e-3 (relative) for the highest learning rates the sampler chose
+REL = {"digits-cnn": 5e-3, "resnet-cifar": 1e-3}
 
 
 def spec(workload: str, packed: bool) -> dict[str, Any]:

@@ -40,10 +40,11 @@ export class BracketsPanel {
     const eta = feed.summary.spec.hyperband.eta;
     const nodes = feed.brackets.map((bracket) => {
       const key = JSON.stringify(bracket);
-      const old = this.rows.get(bracket.s);
+      const id = `${bracket.iteration}:${bracket.s}`;
+      const old = this.rows.get(id);
       if (old && old.key === key) return old.node;
       const node = this.renderBracket(bracket, eta, feed);
-      this.rows.set(bracket.s, { key, node });
+      this.rows.set(id, { key, node });
       return node;
     });
     if (nodes.some((node, i) => this.list.children[i] !== node)) this.list.replaceChildren(...nodes);
@@ -73,9 +74,10 @@ export class BracketsPanel {
       );
     });
     const done = bracket.rungs.at(-1).trials.filter((t) => t.status === "completed").length;
-    return h("div", { class: "bracket", "data-s": bracket.s },
+    const several = feed.brackets.some((b) => b.iteration > 0);
+    return h("div", { class: "bracket", "data-s": bracket.s, "data-iteration": bracket.iteration },
       h("div", { class: "bracket-head" },
-        h("b", {}, `s = ${bracket.s}`),
+        h("b", {}, several ? `iteration ${bracket.iteration + 1} · s = ${bracket.s}` : `s = ${bracket.s}`),
         h("span", { class: "muted" }, `${first.n} trials from ${fmtNum(first.resource)} ${unit(feed.summary)}`),
         h("span", { class: "muted" }, `η = ${eta}`),
         done ? h("span", { class: "done" }, "✓ finished") : null),
@@ -92,7 +94,8 @@ export class BracketsPanel {
     const rung = Number(cell.dataset.rung);
     const trial = this.feed.trials.get(id);
     if (!trial) return;
-    const bracket = this.feed.brackets.find((b) => b.s === trial.bracket);
+    const bracket = this.feed.brackets.find(
+      (b) => b.s === trial.bracket && b.iteration === (trial.iteration ?? 0));
     const resource = bracket?.rungs[rung]?.resource;
     const metric = this.feed.summary.objective.metric;
     const point = (this.feed.curves.get(id) ?? []).find((p) => p.resource === resource);

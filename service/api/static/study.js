@@ -124,6 +124,7 @@ export class StudyView {
           ` · packing ${packing.enabled === false ? "off" : "on"}` +
           (packing.max_pack_size ? ` (at most ${packing.max_pack_size} per pack)` : "")),
         progressBar(s.progress, s.status),
+        s.budget ? h("div", { class: "muted budget", "data-testid": "budget" }, budgetText(s.budget)) : null,
         h("div", { class: "kpis" },
           kpi("elapsed", fmtSeconds(elapsed(s))),
           kpi("trials", total),
@@ -164,4 +165,16 @@ export class StudyView {
 function kpi(label, value, note = "") {
   return h("div", { class: "kpi" }, h("div", { class: "kpi-value" }, value),
     h("div", { class: "kpi-label" }, label), note ? h("div", { class: "kpi-note" }, note) : null);
+}
+
+// The sampler, the budget and how much of it is used, e.g.
+// "sampler tpe · iteration 2 of 3 · 61 trials · 40 s of 600 s".
+export function budgetText(b) {
+  const parts = [`sampler ${b.sampler}`];
+  parts.push(`iteration ${b.iterations}` + (b.max_iterations ? ` of ${b.max_iterations}` : ""));
+  parts.push(`${b.trials}` + (b.max_trials ? ` of ${b.max_trials}` : "") + " trials");
+  if (b.max_seconds) parts.push(`${fmtSeconds(b.seconds ?? 0)} of ${fmtSeconds(b.max_seconds)}`);
+  if (b.target !== null && b.target !== undefined) parts.push(`target ${fmtNum(b.target)}`);
+  if (b.stop_reason) parts.push(`stopped by ${b.stop_reason}`);
+  return parts.join(" · ");
 }

@@ -1,0 +1,86 @@
+"""A study's brackets across repeated Hyperband iterations, and when each may be sampled.
+
+A study runs Hyperband's outer loop ``budget.iterations()`` times. Its brackets form one
+sequence, iteration by iteration, highest ``s`` first (:class:`Slot`); the ``g``-th
+bracket's trials have the sample indices after those of every earlier bracket, so a
+trial's index, and with it its random draws, never depends on timing.
+
+**Waves** (model-based sampling). A bracket drawn from a model should see results; packs
+want many ready trials. The rule here: bracket ``g > 0`` is sampled once every earlier
+bracket has *settled* every rung whose resource is at most :func:`cutoff` ``(g)`` -- the
+first rung resource of bracket ``g - 1`` (the largest rung resource below
+``max_resource`` when that is ``max_resource`` itself). Its model then sees exactly the
+results of those rungs: the same set whatever the packing, the number of workers, or a
+scheduler restart, because a settled rung never changes. The first bracket of an
+iteration therefore starts as soon as the cheap rungs of the previous iteration are
+settled, so iterations overlap, and within one iteration each bracket starts one rung
+after the previous one (the first rung of an aggressive bracket is short), keeping
+several brackets' trials ready together.
+
+The ``random`` sampler needs no results: an iteration's brackets start together (as a
+single Hyperband iteration always did), and the next iteration once every trial of the
+previous one has started training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from packtune.hyperband import Rung
+
+
+@dataclass(frozen=True)
+class Slot:
+    """The ``g``-th bracket of a study: bracket ``s`` of iteration ``iteration``, whose
+    ``n`` trials take the sample indices ``first, first + 1, ...``."""
+
+    g: int
+    iteration: int
+    s: int
+    n: int
+    first: int
+
+    @property
+    def indices(self) -> range:
+        return range(self.first, self.first + self.n)
+
+
+def slots(
+    brackets: Sequence[Sequence[Rung]], iterations: int, max_trials: int | None = None
+) -> Iterator[Slot]:
+    """Every bracket of a study in order: ``iterations`` times the Hyperband plan
+    ``brackets`` (highest ``s`` first), stopping before the first bracket whose trials
+    would not all fit in ``max_trials``."""
+    s_max = len(brackets) - 1
+    g = first = 0
+    for iteration in range(iterations):
+        for j, rungs in enumerate(brackets):
+            n = rungs[0].n
+            if max_trials is not None and first + n > max_trials:
+                return
+            yield Slot(g=g, iteration=iteration, s=s_max - j, n=n, first=first)
+            g += 1
+            first += n
+
+
+def first_rung(brackets: Sequence[Sequence[Rung]], s: int) -> float:
+    """The resource of bracket ``s``'s first rung."""
+    return float(brackets[len(brackets) - 1 - s][0].resource)
+
+
+def cutoff(brackets: Sequence[Sequence[Rung]], previous_s: int) -> float:
+    """The largest rung resource whose results a bracket sampled after bracket
+    ``previous_s`` waits for (see the module docstring)."""
+    top = float(brackets[-1][0].resource)  # max_resource: bracket s=0 has one rung
+    resource = first_rung(brackets, previous_s)
+    if resource < top:
+        return resource
+    below = sorted({float(r.resource) for b in brackets for r in b if r.resource < top})
+    return below[-1] if below else top
+
+
+def rungs_upto(brackets: Sequence[Sequence[Rung]], s: int, resource: float) -> list[int]:
+    """The rungs of bracket ``s`` whose resource is at most ``resource``."""
+    rungs = brackets[len(brackets) - 1 - s]
+    return [i for i, r in enumerate(rungs) if float(r.resource) <= resource * (1 + 1e-12)]

@@ -1,0 +1,221 @@
+"""Model-based sampling in the real scheduler: brackets start in waves, the configurations
+do not depend on packing, timing or a restart, and budgets repeat or end the study.
+
+Training is replaced by a known function of the config (``loss``), written as the workers
+would write it, so that every study here runs in a fraction of a second per tick on
+SQLite and PostgreSQL alike. The real processes (RQ workers, embedded runs) are in
+tests/e2e/test_samplers.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from bench.scheduler_scale import RecordingDispatcher
+from packtune.rungs import rung_resource
+from packtune.settings import Settings
+from packtune.spec import StoredSpec, validate_spec
+from service import store
+from service.db import make_engine, session_factory, session_scope, upgrade
+from service.models import Pack, PackMember, PackStatus, Study, StudyStatus, Trial, TrialStatus
+from service.scheduler import Scheduler
+
+Factory = sessionmaker[Session]
+
+# R=9, eta=3: brackets s=2 (9 trials, rungs at 1, 3, 9), s=1 (5 at 3, 9), s=0 (3 at 9)
+SPEC: dict[str, Any] = {
+    "name": "waves",
+    "workload": "digits-mlp",
+    "objective": {"metric": "val_loss", "mode": "min"},
+    "space": {
+        "lr": {"type": "loguniform", "low": 1e-4, "high": 1.0},
+        "momentum": {"type": "uniform", "low": 0.0, "high": 0.95},
+    },
+    "hyperband": {"max_resource": 9, "min_resource": 1, "eta": 3},
+    "seed": 5,
+}
+
+
+def loss(config: dict[str, Any], resource: float) -> float:
+    """Best near lr = 0.01, momentum = 0.9; lower with more resource."""
+    return (math.log10(config["lr"]) + 2) ** 2 + (config["momentum"] - 0.9) ** 2 + 1 / resource
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def factory(request: pytest.FixtureRequest) -> Iterator[Factory]:
+    name = "sqlite_url" if request.param == "sqlite" else "fresh_postgres"
+    url: str = request.getfixturevalue(name)
+    upgrade(url)
+    engine = make_engine(url)
+    yield session_factory(engine)
+    engine.dispose()
+
+
+def train_queued(s: Session, limit: int | None = None) -> int:
+    """What workers would do with up to ``limit`` queued packs: measure each member at its
+    unit's end, pause it at its rung (pending again short of it); complete the pack."""
+    packs = list(s.scalars(select(Pack).where(Pack.status == PackStatus.queued).order_by(Pack.id)))
+    for pack in packs[:limit]:
+        for member in s.scalars(select(PackMember).where(PackMember.pack_id == pack.id)):
+            trial = s.get(Trial, member.trial_id)
+            assert trial is not None
+            spec = StoredSpec.of(trial.study.spec)
+            r = member.to_resource
+            store.record_measurement(s, trial.id, r, {"val_loss": loss(trial.config, r)})
+            at_rung = r >= rung_resource(spec, trial.bracket, trial.rung) - 1e-9
+            status = TrialStatus.paused if at_rung else TrialStatus.pending
+            s.execute(update(Trial).where(Trial.id == trial.id)
+                      .values(status=status, resource_done=r))  # fmt: skip
+        s.execute(update(Pack).where(Pack.id == pack.id).values(status=PackStatus.completed))
+    return len(packs[:limit])
+
+
+def new_scheduler(factory: Factory) -> Scheduler:
+    settings = Settings(database_url="sqlite://", heartbeat_timeout=10**6)
+    return Scheduler(settings, factory=factory, dispatcher=RecordingDispatcher(), holder="t")  # type: ignore[arg-type]
+
+
+def run_study(
+    factory: Factory,
+    spec: dict[str, Any],
+    *,
+    packs_per_tick: int | None = None,
+    restart_at: int | None = None,
+    on_tick: Any = None,
+) -> int:
+    """Create and drive a study to its end; returns its id."""
+    spec = validate_spec(spec).model_dump(mode="json")  # as the API stores it
+    with session_scope(factory) as s:
+        study_id = store.create_study(
+            s, name=spec["name"], workload=spec["workload"], spec=spec, seed=spec["seed"]
+        ).id
+        store.heartbeat(s, name="w", host="h", device_kind="cpu", gpus=[])
+    scheduler = new_scheduler(factory)
+    try:
+        for tick in range(2000):
+            if tick == restart_at:  # a scheduler killed and started again
+                scheduler.close()
+                scheduler = new_scheduler(factory)
+            report = scheduler.tick()
+            if on_tick is not None:
+                on_tick(tick)
+            with session_scope(factory) as s:
+                train_queued(s, packs_per_tick)
+            if study_id in report.finished_studies:
+                return study_id
+    finally:
+        scheduler.close()
+    raise AssertionError("the study did not finish in 2000 ticks")
+
+
+def configs(factory: Factory, study_id: int) -> dict[int, tuple[int, int, dict[str, Any]]]:
+    with session_scope(factory) as s:
+        rows = s.execute(
+            select(Trial.sample_index, Trial.iteration, Trial.bracket, Trial.config).where(
+                Trial.study_id == study_id
+            )
+        )
+        return {i: (it, b, dict(c)) for i, it, b, c in rows}
+
+
+def study_row(factory: Factory, study_id: int) -> Study:
+    with session_scope(factory) as s:
+        study = store.get_study(s, study_id)
+        s.expunge(study)
+        return study
+
+
+def test_brackets_start_in_waves_and_learn_from_the_settled_rungs(factory: Factory) -> None:
+    """Only the first bracket is sampled at once; the next one once the first rung of the one
+    before it is measured; its draws favour the region the results point to."""
+    spec = {**SPEC, "budget": {"max_iterations": 3}}
+    seen: list[list[int]] = []
+
+    def count_brackets(_: int) -> None:
+        with session_scope(factory) as s:
+            rows = s.execute(select(Trial.iteration, Trial.bracket, Trial.rung, Trial.status))
+            seen.append(sorted({(it, b) for it, b, _, _ in rows}))
+
+    study_id = run_study(factory, spec, on_tick=count_brackets)
+    assert seen[0] == [(0, 2)]  # the first tick: bracket s=2 of iteration 0 alone
+    assert [len(x) for x in seen] == sorted(len(x) for x in seen)  # one wave after another
+    got = configs(factory, study_id)
+    assert len(got) == 3 * 17
+    assert [got[i][:2] for i in (0, 9, 14, 17, 34)] == [(0, 2), (0, 1), (0, 0), (1, 2), (2, 2)]
+    study = study_row(factory, study_id)
+    assert study.status == StudyStatus.completed and study.stop_reason is None
+    # the later iterations, drawn from a model, sit nearer the optimum than the first
+    first = [loss(c, 9) for i, (it, _, c) in got.items() if it == 0]
+    last = [loss(c, 9) for i, (it, _, c) in got.items() if it == 2]
+    assert sorted(last)[len(last) // 2] < sorted(first)[len(first) // 2]
+
+
+def test_the_configs_do_not_depend_on_packing_timing_or_a_restart(factory: Factory) -> None:
+    spec = {**SPEC, "budget": {"max_iterations": 2}}
+    packed = configs(factory, run_study(factory, spec))
+    one_by_one = {**spec, "packing": {"enabled": False}}
+    slow = configs(factory, run_study(factory, one_by_one, packs_per_tick=1, restart_at=7))
+    assert packed == slow
+    assert len(packed) == 34
+
+
+def test_random_sampling_starts_an_iterations_brackets_together(factory: Factory) -> None:
+    spec = {**SPEC, "sampler": "random", "budget": {"max_iterations": 2}}
+    firsts: list[int] = []
+
+    def count(_: int) -> None:
+        with session_scope(factory) as s:
+            firsts.append(len(list(s.scalars(select(Trial.id)))))
+
+    run_study(factory, spec, on_tick=count)
+    assert firsts[0] == 17  # every bracket of the first iteration at once
+    assert firsts[-1] == 34
+
+
+def test_max_trials_stops_before_a_bracket_that_does_not_fit(factory: Factory) -> None:
+    spec = {**SPEC, "budget": {"max_trials": 30}}  # 17, then 9 of iteration 1 (26); 5 more: 31
+    got = configs(factory, run_study(factory, spec))
+    assert len(got) == 26
+    assert {got[i][:2] for i in range(17, 26)} == {(1, 2)}
+
+
+def test_a_target_reached_ends_the_study_with_its_best_trial(factory: Factory) -> None:
+    # reached by some trial at max_resource within the first iterations
+    spec = {**SPEC, "budget": {"target": 0.6}}
+    study_id = run_study(factory, spec)
+    study = study_row(factory, study_id)
+    assert (study.status, study.stop_reason) == (StudyStatus.completed, "target")
+    with session_scope(factory) as s:
+        best = store.get_trial(s, study.best_trial_id or 0)
+        assert loss(best.config, 9) <= 0.6
+        left = store.count_trials_by_status(s, study_id)
+        assert left[TrialStatus.pending] == left[TrialStatus.queued] == 0
+        assert not s.scalars(
+            select(Pack.id).where(Pack.study_id == study_id, Pack.status == PackStatus.queued)
+        ).all()
+
+
+def test_max_seconds_ends_the_study(factory: Factory) -> None:
+    spec = {**SPEC, "budget": {"max_seconds": 3600}}
+
+    def an_hour_later(tick: int) -> None:
+        if tick == 3:
+            with session_scope(factory) as s:
+                study = s.scalars(select(Study)).one()
+                assert study.started_at is not None
+                study.started_at -= timedelta(hours=1)
+
+    study_id = run_study(factory, spec, on_tick=an_hour_later)
+    study = study_row(factory, study_id)
+    assert study.stop_reason == "max_seconds"
+    assert study.status in (StudyStatus.completed, StudyStatus.failed)
+    with session_scope(factory) as s:
+        counts = store.count_trials_by_status(s, study_id)
+    assert counts[TrialStatus.cancelled] > 0
