@@ -33,8 +33,9 @@ pytestmark = pytest.mark.slow
 LR = {"type": "loguniform", "low": 0.01, "high": 0.5}
 #: Convolutions stacked by vmap round differently from one model's (a grouped convolution);
 #: at lr ~0.4 with momentum 0.9 a CNN's training is chaotic enough to grow that rounding into
-#: a different curve within an epoch or two, so the CNNs are compared where training is stable.
-CNN_LR = {"type": "loguniform", "low": 0.005, "high": 0.1}
+#: a different curve within an epoch or two, so the CNNs are compared where training is stable
+#: (on an AMD EPYC, lr 0.058 already drifted 2.5% apart by epoch 8; on an Intel Xeon, < 1e-3).
+CNN_LR = {"type": "loguniform", "low": 0.005, "high": 0.03}
 RESNET_LR = {"type": "loguniform", "low": 0.002, "high": 0.03}
 ACT = {"type": "choice", "values": ["relu", "tanh"]}
 
@@ -62,9 +63,7 @@ HYPERBAND = {"max_resource": 9, "min_resource": 1, "eta": 3}
 #: Relative tolerance per workload: MLPs stack exactly (bmm: equal to the bit here); vmap's
 #: stacked convolutions and BatchNorm round differently (seen: up to 4e-5 absolute after 9
 #: epochs of the ResNet at lr 0.02; at lr 0.08 chaos grows it to 0.2 by epoch 9).
-# vmap's convolution rounds otherwise than k single convolutions; over 3 epochs of SGD the
-# difference grew to 3.5e-3 (relative) for the highest learning rates the sampler chose
-REL = {"digits-cnn": 5e-3, "resnet-cifar": 1e-3}
+REL = {"digits-cnn": 1e-3, "resnet-cifar": 1e-3}
 
 
 def spec(workload: str, packed: bool) -> dict[str, Any]:
@@ -75,6 +74,7 @@ def spec(workload: str, packed: bool) -> dict[str, Any]:
         "space": SPACES[workload],
         "hyperband": HYPERBAND,
         "packing": {"enabled": True, "max_pack_size": None if packed else 1},
+        # the default sampler, tpe: the same configs must come out packed and unpacked
         "seed": 5,
     }
 

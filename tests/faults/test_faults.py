@@ -430,6 +430,9 @@ TRIAL_FAULTS_SPEC: dict[str, Any] = {
     },
     "hyperband": {"max_resource": 9, "min_resource": 1, "eta": 3},
     "packing": {"enabled": True, "max_pack_size": None},
+    # drawn at random, all brackets at once: faulty trials share packs with healthy ones (a
+    # model would learn to avoid them, and its waves would pack them apart)
+    "sampler": "random",
     "seed": 0,
 }
 
@@ -775,6 +778,7 @@ MOVED_ON_SPEC: dict[str, Any] = {
         "lr": {"type": "loguniform", "low": 0.01, "high": 0.3},
     },
     "hyperband": {"max_resource": 3, "min_resource": 1, "eta": 3},
+    "sampler": "random",  # the draws above, every bracket at once
     "seed": 24,
 }
 

@@ -325,6 +325,7 @@ def outcome(url: str, study_id: int, metric: str = "val_loss") -> Outcome:
                 trials={
                     t.sample_index: {
                         "status": _value(t.status),
+                        "iteration": t.iteration,
                         "bracket": t.bracket,
                         "rung": t.rung,
                         "resource": t.resource_done,
@@ -342,7 +343,8 @@ def outcome(url: str, study_id: int, metric: str = "val_loss") -> Outcome:
 
 
 def assert_same_outcome(got: Outcome, want: Outcome) -> float:
-    """Same statuses and rungs per trial, same curves to float rounding, same best trial.
+    """Same configs (sampled from the same results), statuses and rungs per trial, same
+    curves to float rounding, same best trial.
 
     Returns the largest difference of the objective seen (for the report).
     """
@@ -350,7 +352,7 @@ def assert_same_outcome(got: Outcome, want: Outcome) -> float:
     assert sorted(got.trials) == sorted(want.trials)
     for i, trial in want.trials.items():
         mine = got.trials[i]
-        for key in ("status", "bracket", "rung", "resource", "config"):
+        for key in ("status", "iteration", "bracket", "rung", "resource", "config"):
             assert mine[key] == trial[key], (i, key, mine[key], trial[key])
     largest = 0.0
     for i, curve in want.curves.items():

@@ -1,0 +1,327 @@
+"""Benchmark f: the best model per second -- best val_loss reached against wall time, packtune's
+samplers side by side with Optuna's default (TPE + HyperbandPruner), over several seeds.
+
+Every system gets the same workload, search space and budget of trial-epochs: those of
+one Hyperband iteration of the spec (R=27, eta=3: 49 trials, 423 trial-epochs for
+``examples/digits-mlp.yaml``).
+
+- ``packtune-tpe``: ``packtune run`` (embedded, packed), ``sampler: tpe`` (the default);
+- ``packtune-random``: the same with ``sampler: random`` (the former default);
+- ``optuna``: ``TPESampler(seed)`` with ``HyperbandPruner(min_resource, max_resource,
+  reduction_factor=eta)``, Optuna's defaults otherwise, trials trained one by one in one
+  process by a plain ``torch.optim`` loop (:mod:`bench._plain`), as many trials as fit the
+  same trial-epoch budget.
+
+Each run is a fresh process (its imports count, as a user pays them). Time runs from the
+moment the process is started; a run's curve is the best val_loss of the trials that
+reached ``max_resource`` so far. Runs alternate (rotated per seed). Reported: median and
+spread over seeds of the best-so-far at common times, each system's final median best, and
+how long each takes to reach Optuna's final median best.
+
+    python -m bench.quality                 # 5 seeds; HISTORY.md, results/quality_cpu.json
+    python -m bench.quality --quick         # a tiny study, one seed; writes nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from bench import recording
+from bench._study import ROOT, cli, load_spec, service_env
+from bench.peers import hyperband_trials, trial_config
+
+SYSTEMS = ("packtune-tpe", "packtune-random", "optuna")
+
+
+def best_so_far(events: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(seconds, value) events -> the running minimum, one point per improvement."""
+    out: list[tuple[float, float]] = []
+    best = math.inf
+    for t, v in sorted(events):
+        if math.isfinite(v) and v < best:
+            best = v
+            out.append((t, v))
+    return out
+
+
+def value_at(curve: list[tuple[float, float]], t: float) -> float:
+    """The best-so-far at time ``t`` (inf before the first result)."""
+    value = math.inf
+    for when, v in curve:
+        if when > t:
+            break
+        value = v
+    return value
+
+
+def first_time(curve: list[tuple[float, float]], target: float) -> float | None:
+    """When the curve first reaches ``target`` (None if never)."""
+    for when, v in curve:
+        if v <= target:
+            return when
+    return None
+
+
+# -- the systems --------------------------------------------------------------------------
+
+
+def run_packtune(spec: dict[str, Any], sampler: str, workdir: Path) -> dict[str, Any]:
+    import yaml
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec = {**spec, "sampler": sampler, "budget": {"max_iterations": 1}}
+    path = workdir / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    url = f"sqlite:///{workdir / 'packtune.db'}"
+    env = service_env(database_url=url, checkpoint_dir=workdir / "ckpt")
+    started = time.time()
+    proc = subprocess.run(cli("run", str(path), "--top", "1"), env=env, cwd=workdir,
+                          capture_output=True, text=True)  # fmt: skip
+    wall = time.time() - started
+    if proc.returncode != 0:
+        raise RuntimeError(f"packtune run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    max_r = float(spec["hyperband"]["max_resource"])
+    with sqlite3.connect(workdir / "packtune.db") as db:
+        rows = db.execute(
+            "SELECT m.created_at, m.metrics, m.resource FROM measurements m "
+            "JOIN trials t ON t.id = m.trial_id WHERE t.study_id = 1"
+        ).fetchall()
+    events = []
+    for created, metrics, resource in rows:
+        if abs(float(resource) - max_r) < 1e-9:
+            when = datetime.fromisoformat(created).replace(tzinfo=UTC).timestamp() - started
+            events.append((when, float(json.loads(metrics).get("val_loss", math.nan))))
+    _, trial_epochs = hyperband_trials(spec)
+    return {"wall": wall, "curve": best_so_far(events), "trial_epochs": trial_epochs,
+            "completed": len(events)}  # fmt: skip
+
+
+def run_optuna(spec: dict[str, Any], budget: float, threads: int, started: float) -> dict[str, Any]:
+    """In the child process: Optuna's default TPE with its Hyperband pruner, until ``budget``
+    trial-epochs are spent."""
+    import optuna
+    import torch
+
+    from bench._plain import PlainRun
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    torch.set_num_threads(threads)
+    hb = spec["hyperband"]
+    max_r, eta = int(hb["max_resource"]), int(hb.get("eta", 3))
+    epochs = 0
+    events: list[tuple[float, float]] = []
+
+    def suggest(trial: optuna.Trial, name: str, p: dict[str, Any]) -> Any:
+        if p["type"] == "choice":
+            return trial.suggest_categorical(name, p["values"])
+        if p["type"] == "int":
+            return trial.suggest_int(name, p["low"], p["high"], log=bool(p.get("log")))
+        return trial.suggest_float(name, p["low"], p["high"], log=p["type"] == "loguniform")
+
+    def objective(trial: optuna.Trial) -> float:
+        nonlocal epochs
+        config = {name: suggest(trial, name, p) for name, p in spec["space"].items()}
+        run = PlainRun.build(
+            spec["workload"], trial_config(spec, config, trial.number), torch.device("cpu")
+        )
+        value = math.nan
+        for epoch in range(max_r):
+            if epochs >= budget:
+                raise optuna.TrialPruned()  # the budget is spent
+            run.epoch(epoch)
+            epochs += 1
+            value = run.val_loss()
+            trial.report(value, epoch + 1)
+            if trial.should_prune():
+                raise optuna.TrialPruned()
+        events.append((time.time() - started, value))
+        return value
+
+    def stop(study: optuna.Study, _: Any) -> None:
+        if epochs >= budget:
+            study.stop()
+
+    study = optuna.create_study(
+        direction="minimize",
+        sampler=optuna.samplers.TPESampler(seed=int(spec.get("seed", 0))),
+        pruner=optuna.pruners.HyperbandPruner(
+            min_resource=int(hb.get("min_resource", 1)), max_resource=max_r,
+            reduction_factor=eta),
+    )  # fmt: skip
+    study.optimize(objective, callbacks=[stop])
+    return {"curve": best_so_far(events), "trial_epochs": epochs, "trials": len(study.trials),
+            "completed": len(events)}  # fmt: skip
+
+
+def run_optuna_child(spec: dict[str, Any], workdir: Path, threads: int) -> dict[str, Any]:
+    path = workdir / "spec.json"
+    workdir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(spec))
+    _, budget = hyperband_trials(spec)
+    started = time.time()
+    command = [sys.executable, "-m", "bench.quality", "--child", "--spec", str(path),
+               "--threads", str(threads), "--started", repr(started),
+               "--budget", repr(budget)]  # fmt: skip
+    proc = subprocess.run(command, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, cwd=workdir)  # fmt: skip
+    wall = time.time() - started
+    if proc.returncode != 0:
+        raise RuntimeError(f"optuna failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    row: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    row["curve"] = [tuple(p) for p in row["curve"]]
+    return {"wall": wall, **row}
+
+
+# -- measuring and reporting --------------------------------------------------------------
+
+
+def measure(args: argparse.Namespace, spec: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.systems}
+    with tempfile.TemporaryDirectory(prefix="packtune-quality-") as tmp:
+        for k, seed in enumerate(args.seeds):
+            seeded = {**spec, "seed": seed}
+            order = args.systems[k % len(args.systems) :] + args.systems[: k % len(args.systems)]
+            for name in order:
+                workdir = Path(tmp) / f"{name}-{seed}"
+                if name == "optuna":
+                    row = run_optuna_child(seeded, workdir, args.threads)
+                else:
+                    row = run_packtune(seeded, name.split("-", 1)[1], workdir)
+                row["seed"] = seed
+                row["load"] = recording.load_average()
+                runs[name].append(row)
+                final = row["curve"][-1][1] if row["curve"] else math.nan
+                print(f"{name} seed {seed}: {row['wall']:.1f} s, best {final:.4f}, "
+                      f"{row['trial_epochs']:.0f} trial-epochs", flush=True)  # fmt: skip
+    return runs
+
+
+def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Medians over seeds: final best, wall, the best-so-far at common times, and the time to
+    reach Optuna's final median best."""
+    final = {n: recording.median([r["curve"][-1][1] if r["curve"] else math.inf for r in rs])
+             for n, rs in runs.items()}  # fmt: skip
+    wall = {n: recording.median([r["wall"] for r in rs]) for n, rs in runs.items()}
+    horizon = max(r["wall"] for rs in runs.values() for r in rs)
+    times = [horizon * i / 20 for i in range(1, 21)]
+    at = {
+        n: [recording.median([value_at(r["curve"], t) for r in rs]) for t in times]
+        for n, rs in runs.items()
+    }
+    out: dict[str, Any] = {"final_best": final, "wall": wall, "times": times, "median_at": at}
+    if "optuna" in runs:
+        target = final["optuna"]
+        reach: dict[str, float | None] = {}
+        for name, rs in runs.items():
+            got = [first_time(r["curve"], target) for r in rs]
+            finite = [g for g in got if g is not None]
+            # median over seeds; a seed that never got there counts as never
+            reach[name] = (recording.median([g if g is not None else math.inf for g in got])
+                           if finite else None)  # fmt: skip
+        out["time_to_optuna_best"] = reach
+        out["optuna_wall"] = wall["optuna"]
+        # at Optuna's median wall time: each system's median best-so-far
+        out["at_optuna_wall"] = {
+            n: recording.median([value_at(r["curve"], wall["optuna"]) for r in rs])
+            for n, rs in runs.items()
+        }
+    return out
+
+
+def report(summary: dict[str, Any]) -> list[str]:
+    rows = []
+    for name in summary["final_best"]:
+        reach = (summary.get("time_to_optuna_best") or {}).get(name)
+        rows.append([
+            name, f"{summary['wall'][name]:.1f}", f"{summary['final_best'][name]:.4f}",
+            f"{summary.get('at_optuna_wall', {}).get(name, math.nan):.4f}",
+            "never" if reach is None or not math.isfinite(reach) else f"{reach:.1f}",
+        ])  # fmt: skip
+    header = ["system", "wall (s, median)", "final best val_loss (median)",
+              "best at Optuna's wall (median)", "s to Optuna's final median best"]  # fmt: skip
+    return recording.table(header, rows)
+
+
+def plot(runs: dict[str, list[dict[str, Any]]], summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    times = summary["times"]
+    for name, rs in runs.items():
+        lows = [min(value_at(r["curve"], t) for r in rs) for t in times]
+        highs = [max(value_at(r["curve"], t) for r in rs) for t in times]
+        median = summary["median_at"][name]
+        line = ax.plot(times, median, label=f"{name} (median of {len(rs)} seeds)")[0]
+        ok = [i for i, h in enumerate(highs) if math.isfinite(h)]
+        ax.fill_between([times[i] for i in ok], [lows[i] for i in ok], [highs[i] for i in ok],
+                        color=line.get_color(), alpha=0.15)  # fmt: skip
+    ax.set_xlabel("seconds since the process started")
+    ax.set_ylabel("best val_loss at max_resource so far")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", type=Path, default=ROOT / "examples" / "digits-mlp.yaml")
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    parser.add_argument("--quick", action="store_true", help="a tiny study; writes nothing")
+    parser.add_argument("--out-dir", type=Path, default=None)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--started", type=float, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--budget", type=float, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:  # Optuna's run in this fresh process; one JSON line out
+        spec = json.loads(args.spec.read_text())
+        print(json.dumps(run_optuna(spec, args.budget, args.threads, args.started)))
+        return
+    spec = load_spec(args.spec)
+    if args.quick:
+        spec["hyperband"] = {"max_resource": 3, "min_resource": 1, "eta": 3}
+        args.seeds = args.seeds[:1]
+    load = recording.load_average()
+    runs = measure(args, spec)
+    summary = summarise(runs)
+    lines = report(summary)
+    print("\n".join(lines))
+    if args.quick:
+        return
+    info = recording.machine("cpu")
+    data = {"machine": info, "spec": spec, "seeds": args.seeds, "runs": runs,
+            "summary": summary, "command": recording.command_line(),
+            "date": recording.now()}  # fmt: skip
+    recording.save_json("quality_cpu", data, args.out_dir)
+    with_plot = ""
+    try:
+        plot(runs, summary, recording.BENCH_DIR / "plots" / "quality_cpu.png")
+        with_plot = "; plot: bench/plots/quality_cpu.png"
+    except ImportError:
+        with_plot = "; no plot (matplotlib is not installed)"
+    recording.append_section(
+        "f. best val_loss against wall time: packtune's samplers and Optuna (TPE + Hyperband)",
+        info, [*lines, "", f"seeds {args.seeds}{with_plot}"], load,
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
