@@ -18,7 +18,7 @@ reached ``max_resource`` so far. Runs alternate (rotated per seed). Reported: me
 spread over seeds of the best-so-far at common times, each system's final median best, and
 how long each takes to reach Optuna's final median best.
 
-    python -m bench.quality                 # 5 seeds; HISTORY.md, results/quality_cpu.json
+    python -m bench.quality                 # 10 seeds; HISTORY.md, results/quality_cpu.json
     python -m bench.quality --quick         # a tiny study, one seed; writes nothing
 """
 
@@ -76,11 +76,16 @@ def first_time(curve: list[tuple[float, float]], target: float) -> float | None:
 # -- the systems --------------------------------------------------------------------------
 
 
-def run_packtune(spec: dict[str, Any], sampler: str, workdir: Path) -> dict[str, Any]:
+def run_packtune(
+    spec: dict[str, Any], sampler: str, workdir: Path, random_fraction: float | None = None
+) -> dict[str, Any]:
     import yaml
 
     workdir.mkdir(parents=True, exist_ok=True)
-    spec = {**spec, "sampler": sampler, "budget": {"max_iterations": 1}}
+    settings: dict[str, Any] = {"name": sampler}
+    if random_fraction is not None and sampler == "tpe":
+        settings["random_fraction"] = random_fraction
+    spec = {**spec, "sampler": settings, "budget": {"max_iterations": 1}}
     path = workdir / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))
     url = f"sqlite:///{workdir / 'packtune.db'}"
@@ -197,7 +202,7 @@ def measure(args: argparse.Namespace, spec: dict[str, Any]) -> dict[str, list[di
                 if name == "optuna":
                     row = run_optuna_child(seeded, workdir, args.threads)
                 else:
-                    row = run_packtune(seeded, name.split("-", 1)[1], workdir)
+                    row = run_packtune(seeded, name.split("-", 1)[1], workdir, args.random_fraction)
                 row["seed"] = seed
                 row["load"] = recording.load_average()
                 runs[name].append(row)
@@ -214,7 +219,7 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
              for n, rs in runs.items()}  # fmt: skip
     wall = {n: recording.median([r["wall"] for r in rs]) for n, rs in runs.items()}
     horizon = max(r["wall"] for rs in runs.values() for r in rs)
-    times = [horizon * i / 20 for i in range(1, 21)]
+    times = [horizon * i / 100 for i in range(1, 101)]
     at = {
         n: [recording.median([value_at(r["curve"], t) for r in rs]) for t in times]
         for n, rs in runs.items()
@@ -222,13 +227,13 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     out: dict[str, Any] = {"final_best": final, "wall": wall, "times": times, "median_at": at}
     if "optuna" in runs:
         target = final["optuna"]
+        fine = [horizon * i / 400 for i in range(1, 401)]
         reach: dict[str, float | None] = {}
         for name, rs in runs.items():
-            got = [first_time(r["curve"], target) for r in rs]
-            finite = [g for g in got if g is not None]
-            # median over seeds; a seed that never got there counts as never
-            reach[name] = (recording.median([g if g is not None else math.inf for g in got])
-                           if finite else None)  # fmt: skip
+            # when the median (over seeds) best-so-far first reaches Optuna's final median
+            curve = [recording.median([value_at(r["curve"], t) for r in rs]) for t in fine]
+            reach[name] = next((t for t, v in zip(fine, curve, strict=True) if v <= target),
+                               None)  # fmt: skip
         out["time_to_optuna_best"] = reach
         out["optuna_wall"] = wall["optuna"]
         # at Optuna's median wall time: each system's median best-so-far
@@ -283,8 +288,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spec", type=Path, default=ROOT / "examples" / "digits-mlp.yaml")
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(range(10)))
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    parser.add_argument("--random-fraction", type=float, default=None,
+                        help="packtune-tpe: sampler.random_fraction")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="a tiny study; writes nothing")
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

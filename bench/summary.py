@@ -108,6 +108,31 @@ def peer_rows() -> Iterator[Row]:
             )  # fmt: skip
 
 
+def quality_rows() -> Iterator[Row]:
+    """Best val_loss against wall time: packtune's model-based sampler against Optuna's."""
+    for _, (path, data) in sorted(newest("quality_*.json").items()):
+        summary = data["summary"]
+        final, wall = summary["final_best"], summary["wall"]
+        if "optuna" not in final or "packtune-tpe" not in final:
+            continue
+        seeds = len(data["runs"]["optuna"])
+        at = summary["at_optuna_wall"]
+        yield Row(
+            f"f. median best val_loss at Optuna's wall time ({seeds} seeds), packtune tpe",
+            f"{at['packtune-tpe']:.4f} vs Optuna {at['optuna']:.4f} (random: "
+            f"{at.get('packtune-random', float('nan')):.4f})",
+            "<= Optuna's", at["packtune-tpe"] <= at["optuna"], path, data,
+        )  # fmt: skip
+        reach = summary["time_to_optuna_best"].get("packtune-tpe")
+        half = 0.5 * wall["optuna"]
+        shown = "never" if reach is None else f"{reach:.1f} s"
+        yield Row(
+            "f. time to Optuna's final median best, packtune tpe",
+            f"{shown} (Optuna's wall {wall['optuna']:.1f} s)",
+            "<= half Optuna's wall", reach is not None and reach <= half, path, data,
+        )  # fmt: skip
+
+
 def scheduler_rows() -> Iterator[Row]:
     """The scheduler's worst tick over a study of ~10,000 trials, per database."""
     for _, (path, data) in sorted(newest("scheduler_scale*.json").items()):
@@ -148,7 +173,14 @@ def machine_of(data: dict[str, Any]) -> str:
 
 
 def render() -> str:
-    rows = [*fused_rows(), *study_rows(), *peer_rows(), *scheduler_rows(), *load_rows()]
+    rows = [
+        *fused_rows(),
+        *study_rows(),
+        *peer_rows(),
+        *quality_rows(),
+        *scheduler_rows(),
+        *load_rows(),
+    ]
     lines = [
         "# Benchmark results",
         "",

@@ -20,6 +20,11 @@ several brackets' trials ready together.
 The ``random`` sampler needs no results: an iteration's brackets start together (as a
 single Hyperband iteration always did), and the next iteration once every trial of the
 previous one has started training.
+
+With ``scheduler: asha`` an iteration is one batch of as many trials as a Hyperband
+iteration samples, all on the ladder of Hyperband's most aggressive bracket
+(:func:`asha_slots`, :func:`asha_ladder`); a batch learns from the first rung of the
+batches before it.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from packtune.hyperband import Rung
+from packtune.hyperband import Rung, total_trials
 
 
 @dataclass(frozen=True)
@@ -84,3 +89,25 @@ def rungs_upto(brackets: Sequence[Sequence[Rung]], s: int, resource: float) -> l
     """The rungs of bracket ``s`` whose resource is at most ``resource``."""
     rungs = brackets[len(brackets) - 1 - s]
     return [i for i, r in enumerate(rungs) if float(r.resource) <= resource * (1 + 1e-12)]
+
+
+def asha_slots(
+    brackets: Sequence[Sequence[Rung]], iterations: int, max_trials: int | None = None
+) -> Iterator[Slot]:
+    """ASHA's batches: per iteration, :func:`~packtune.hyperband.total_trials` trials on
+    the ladder of bracket ``s_max`` (the last batch cut to what ``max_trials`` leaves)."""
+    s_max = len(brackets) - 1
+    per = total_trials(brackets)
+    first = 0
+    for iteration in range(iterations):
+        n = per if max_trials is None else min(per, max_trials - first)
+        if n <= 0:
+            return
+        yield Slot(g=iteration, iteration=iteration, s=s_max, n=n, first=first)
+        first += n
+
+
+def asha_ladder(brackets: Sequence[Sequence[Rung]], eta: int, n: int) -> list[Rung]:
+    """The rungs ``n`` trials climb under ASHA: bracket ``s_max``'s resources, with the
+    ``floor(n / eta**i)`` trials that synchronous halving would keep (ASHA may keep more)."""
+    return [Rung(n // eta**i, rung.resource) for i, rung in enumerate(brackets[0])]

@@ -4,9 +4,9 @@
 (:func:`~packtune.space.sample_config`). ``tpe`` is BOHB's idea (Falkner et al., ICML
 2018) on Optuna's Tree-structured Parzen Estimator: a density-ratio model fitted to the
 results measured at the largest rung resource with enough observations, from which a
-whole bracket's configurations are drawn at once (Optuna's "constant liar" spreads a
-batch drawn before any of it is measured). A fraction of draws stays random, for
-exploration, and so does every draw while too few results exist.
+batch of configurations is drawn at once (Optuna's "constant liar" spreads a batch drawn
+before any of it is measured). A fraction of draws stays random, for exploration, and so
+does every draw while too few results exist.
 
 Optuna is used through its ask-and-tell interface over an in-memory study that holds only
 what the caller passes in, so a draw is a pure function of (space, observations, seed,
@@ -27,8 +27,9 @@ from packtune.space import Choice, Dimension, Int, LogUniform, Uniform, sample_c
 
 SamplerName = Literal["tpe", "random"]
 
-#: BOHB's default share of random draws among model-based ones
-RANDOM_FRACTION = 1 / 3
+#: the share of random draws among model-based ones: BOHB's 1/3 ended worse on bench f
+#: (digits-mlp, 10 seeds, median best val_loss: 1/3 0.1031, 0.2 0.0991, 0.1 0.0990)
+RANDOM_FRACTION = 0.2
 
 
 @dataclass(frozen=True)

@@ -167,6 +167,9 @@ class StudySpec(_Strict):
     hyperband: HyperbandSettings
     packing: PackingSettings = PackingSettings()
     sampler: SamplerSettings = SamplerSettings()
+    #: ``hyperband``: synchronous halving per bracket; ``asha``: asynchronous promotions
+    #: (:mod:`packtune.asha`) on the ladder of the most aggressive bracket
+    scheduler: Literal["hyperband", "asha"] = "hyperband"
     budget: Budget = Budget()
     seed: Annotated[int, Field(ge=0, le=2**63 - 1)] = 0
 
@@ -219,6 +222,7 @@ class StoredSpec:
     seed: int
     sampler: SamplerSettings
     budget: Budget
+    scheduler: Literal["hyperband", "asha"] = "hyperband"
 
     @classmethod
     def of(cls, spec: Mapping[str, Any]) -> StoredSpec:
@@ -239,6 +243,7 @@ class StoredSpec:
             seed=int(spec.get("seed", 0)),
             sampler=SamplerSettings.model_construct(**sampler),
             budget=Budget.model_construct(**(spec.get("budget") or {})),
+            scheduler="asha" if spec.get("scheduler") == "asha" else "hyperband",
         )
 
     @property

@@ -37,6 +37,9 @@ MAX_FAULTS = 10
 
 #: trials one tick samples at most
 SAMPLE_CHUNK = 2048
+#: a model-based bracket is drawn in this many waves, each after the first rung of the one
+#: before (service.lifecycle.wave_size): 3 measured best on bench f (quality.py)
+WAVES_PER_BRACKET = 3
 #: units one plan takes at most (in group order, so arrays stay whole but the last)
 MAX_UNITS_PER_PLAN = 2048
 #: a tick whose rung decisions moved this many trials of a study plans them at the next tick

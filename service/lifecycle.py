@@ -11,18 +11,20 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from packtune.asha import known_prefix, promotions
 from packtune.errors import SpecError, StudyCannotRun
 from packtune.hyperband import promote, rank
-from packtune.iterations import Slot, cutoff, rungs_upto, slots
+from packtune.iterations import Slot, asha_slots, cutoff, rungs_upto, slots
 from packtune.rungs import rung_resource
-from packtune.sampling import Observation, suggest
+from packtune.sampling import Observation, min_points, suggest
 from packtune.space import Dimension, fusion_key, parse_space
 from packtune.spec import StoredSpec
-from packtune.tuning import SAMPLE_CHUNK
+from packtune.tuning import SAMPLE_CHUNK, WAVES_PER_BRACKET
 from packtune.workloads import get_workload
 from service import store
 from service.models import (
@@ -69,19 +71,24 @@ def sample_due(s: Session, study: Study) -> tuple[int, bool]:
     done = sum(store.count_trials_by_status(s, study.id).values())  # sampled so far
     inserted = taken = 0  # trials new in the database; trials drawn (a retry finds some)
     more = False
-    for slot in slots(spec.brackets, spec.budget.iterations(), spec.budget.max_trials):
+    for slot in study_slots(spec):
         end = slot.first + slot.n
         if end <= done:
             continue
         if done == slot.first and slot.g > 0 and not _due(s, study, spec, slot):
             more = True
             break
+        size = wave_size(spec, space, slot)
         while done < end:
             # chunks cut at fixed offsets from the bracket's start (a model draws a chunk
-            # as one batch: the same draws whatever the ticks), each whole in one tick
-            offset = (done - slot.first) // SAMPLE_CHUNK + 1
-            stop = min(end, slot.first + offset * SAMPLE_CHUNK)
+            # as one batch: the same draws whatever the ticks), each whole in one tick;
+            # a model's chunk after the first waits for the first rung of those before it
+            offset = (done - slot.first) // size + 1
+            stop = min(end, slot.first + offset * size)
             if taken + stop - done > SAMPLE_CHUNK:
+                break
+            waits = spec.sampler.name == "tpe" and done > slot.first
+            if waits and not _wave_settled(s, study, slot, done):
                 break
             inserted += _sample(s, study, spec, workload, space, slot, range(done, stop))
             taken += stop - done
@@ -92,6 +99,32 @@ def sample_due(s: Session, study: Study) -> tuple[int, bool]:
     if inserted and study.status == StudyStatus.pending:
         store.move_study(s, study, StudyStatus.running)
     return inserted, more
+
+
+def wave_size(spec: StoredSpec, space: dict[str, Dimension], slot: Slot) -> int:
+    """Trials of ``slot`` drawn together: with a model, about a third of the bracket (at
+    least what a model needs), so that the bracket's later draws learn from its earlier
+    ones' first rung, as a sequential sampler learns from every trial; else all at once."""
+    if spec.sampler.name != "tpe":
+        return SAMPLE_CHUNK
+    return min(SAMPLE_CHUNK, max(min_points(space), -(-slot.n // WAVES_PER_BRACKET)))
+
+
+def _wave_settled(s: Session, study: Study, slot: Slot, upto: int) -> bool:
+    """The trials of ``slot`` before sample index ``upto`` have all been measured at its
+    first rung (or diverged or failed there)."""
+    return not store.count_trials(
+        s, study.id, iteration=slot.iteration, bracket=slot.s, rung=0, status=ACTIVE,
+        index_from=slot.first, index_to=upto,
+    )  # fmt: skip
+
+
+def study_slots(spec: StoredSpec) -> Iterator[Slot]:
+    """The study's brackets (Hyperband) or batches (ASHA), in sampling order."""
+    iterations, max_trials = spec.budget.iterations(), spec.budget.max_trials
+    if spec.scheduler == "asha":
+        return asha_slots(spec.brackets, iterations, max_trials)
+    return slots(spec.brackets, iterations, max_trials)
 
 
 def _due(s: Session, study: Study, spec: StoredSpec, slot: Slot) -> bool:
@@ -145,9 +178,11 @@ def _sample(
     slot: Slot,
     indices: range,
 ) -> int:
-    observations = (
-        _observations(s, study, spec, slot) if spec.sampler.name == "tpe" and slot.g else []
-    )
+    observations = []
+    if spec.sampler.name == "tpe":
+        if slot.g:
+            observations = _observations(s, study, spec, slot)
+        observations += _own_observations(s, study, spec, slot, indices.start)
     configs = suggest(
         space, observations, seed=study.seed, indices=list(indices),
         mode=spec.objective.mode, sampler=spec.sampler.name,
@@ -194,9 +229,33 @@ def _observations(s: Session, study: Study, spec: StoredSpec, slot: Slot) -> lis
     return out
 
 
+def _own_observations(
+    s: Session, study: Study, spec: StoredSpec, slot: Slot, upto: int
+) -> list[Observation]:
+    """The first-rung results of ``slot``'s trials drawn before sample index ``upto``."""
+    if upto <= slot.first:
+        return []
+    resource = rung_resource(spec, slot.s, 0)
+    trials = [
+        t for t in store.trials_of(s, study.id, iteration=slot.iteration, bracket=slot.s)
+        if slot.first <= t.sample_index < upto
+    ]  # fmt: skip
+    values = store.values_at(s, study.id, [t.id for t in trials], resource,
+                             spec.objective.metric)  # fmt: skip
+    out = []
+    for t in sorted(trials, key=lambda t: t.sample_index):
+        value = values.get(t.id)
+        if value is None and t.status != TrialStatus.diverged:
+            continue
+        out.append(Observation(config=dict(t.config), resource=resource, value=value))
+    return out
+
+
 def _previous_s(spec: StoredSpec, slot: Slot) -> int:
-    """The ``s`` of the bracket sampled just before ``slot``."""
+    """The ``s`` of the bracket sampled just before ``slot`` (ASHA: every batch is s_max)."""
     s_max = len(spec.brackets) - 1
+    if spec.scheduler == "asha":
+        return s_max
     return 0 if slot.s == s_max else slot.s + 1
 
 
@@ -219,11 +278,16 @@ def advance_brackets(s: Session, study: Study) -> Advance:
     rows (no configs), and written back with bulk UPDATEs.
     """
     spec = StoredSpec.of(study.spec)
+    if spec.scheduler == "asha":
+        return advance_asha(s, study, spec)
     eta, metric, mode = int(spec.hyperband.eta), spec.objective.metric, spec.objective.mode
     out = Advance()
+    planned = {len(spec.brackets) - 1 - j: rungs[0].n for j, rungs in enumerate(spec.brackets)}
     for (iteration, bracket), counts in store.brackets_summary(s, study.id).items():
         if any(counts[st] for st in ACTIVE) or not counts[TrialStatus.paused]:
             continue
+        if sum(counts.values()) < planned[bracket]:
+            continue  # drawn in waves: the rest of the bracket is still to be sampled
         trials = store.trial_briefs(s, study.id, iteration=iteration, bracket=bracket)
         paused = [t for t in trials if t.status == TrialStatus.paused]
         rung = paused[0].rung
@@ -258,6 +322,65 @@ def advance_brackets(s: Session, study: Study) -> Advance:
         out.stopped += len(stopped)
     s.flush()
     return out
+
+
+def advance_asha(s: Session, study: Study, spec: StoredSpec) -> Advance:
+    """ASHA's decisions (:func:`packtune.asha.promotions`): every rung's known prefix of
+    results, in sample-index order, promotes its best ``floor(m / eta)`` as they come;
+    the top rung's trials complete. Once nothing trains and nothing more will be sampled,
+    the trials still waiting at a lower rung are stopped."""
+    eta, metric, mode = int(spec.hyperband.eta), spec.objective.metric, spec.objective.mode
+    s_max = len(spec.brackets) - 1
+    top = s_max  # the ladder of bracket s_max has rungs 0..s_max
+    out = Advance()
+    briefs = sorted(store.trial_briefs(s, study.id), key=lambda t: t.sample_index)
+    paused_top = [t.id for t in briefs if t.status == TrialStatus.paused and t.rung >= top]
+    store.move_trials(s, paused_top, TrialStatus.completed)
+    out.completed += len(paused_top)
+    for rung in range(top):
+        reached = [t for t in briefs if t.rung >= rung and t.status != TrialStatus.cancelled]
+        if not any(t.rung == rung and t.status == TrialStatus.paused for t in reached):
+            continue  # nobody waits here for a decision
+        resource = rung_resource(spec, s_max, rung)
+        above = [t.id for t in reached if t.rung > rung]
+        values = store.values_at(s, study.id, above, resource, metric) if above else {}
+        results = []
+        for t in reached:
+            if t.rung > rung:
+                results.append((t.id, values.get(t.id), True))
+            elif t.status in (TrialStatus.paused, TrialStatus.stopped, TrialStatus.completed):
+                value = t.objective if _measured_at(t, resource) else None
+                if value is None and not _measured_at(t, resource):
+                    value = store.values_at(s, study.id, [t.id], resource, metric)[t.id]
+                results.append((t.id, value, True))
+            elif t.status in (TrialStatus.diverged, TrialStatus.failed):
+                results.append((t.id, None, True))
+            else:  # still training toward this rung: the decisions after it wait
+                results.append((t.id, None, False))
+        chosen = promotions(known_prefix(results), eta, mode)
+        waiting = [t for t in reached if t.rung == rung and t.status == TrialStatus.paused]
+        promoted = [t.id for t in waiting if t.id in chosen]
+        if promoted:
+            value_of = {tid: v for tid, v, _ in results}
+            store.record_promotions(
+                s, study.id, s_max, rung, [(tid, value_of[tid]) for tid in promoted],
+                iteration=0,
+            )  # fmt: skip
+            store.move_trials(s, promoted, TrialStatus.pending, rung=rung + 1)
+            out.promoted += len(promoted)
+    if out.promoted == 0 and not _more_to_come(s, study, spec, briefs):
+        rest = [t.id for t in briefs if t.status == TrialStatus.paused and t.rung < top]
+        store.move_trials(s, rest, TrialStatus.stopped)
+        out.stopped += len(rest)
+    s.flush()
+    return out
+
+
+def _more_to_come(s: Session, study: Study, spec: StoredSpec, briefs: list[Any]) -> bool:
+    """Some trial is still training, or more trials will be sampled."""
+    if any(t.status in ACTIVE for t in briefs):
+        return True
+    return sum(slot.n for slot in study_slots(spec)) > len(briefs)
 
 
 def best_trial(s: Session, study: Study) -> tuple[int, float] | None:

@@ -8,6 +8,8 @@ from datetime import UTC, datetime
 from sqlalchemy import String, func, select, type_coerce
 from sqlalchemy.orm import Session, selectinload
 
+from packtune.hyperband import total_trials
+from packtune.iterations import asha_ladder
 from packtune.spec import StoredSpec
 from service import store
 from service.models import (
@@ -36,7 +38,12 @@ def brackets(s: Session, study_id: int) -> list[Row]:
     strings (a study of 10,000 trials answers in tens of milliseconds).
     """
     study = store.get_study(s, study_id)
-    plan = StoredSpec.of(study.spec).brackets
+    spec = StoredSpec.of(study.spec)
+    plan = spec.brackets
+    shown = list(enumerate(plan))  # (index j, rungs): bracket s = len(plan) - 1 - j
+    if spec.scheduler == "asha":  # one ladder, bracket s_max's, of a whole iteration's trials
+        n = total_trials(plan)
+        shown = [(0, asha_ladder(plan, int(spec.hyperband.eta), n))]
     members: dict[tuple[int, int, int], list[Row]] = defaultdict(list)
     stmt = (
         select(
@@ -57,7 +64,7 @@ def brackets(s: Session, study_id: int) -> list[Row]:
         )
     out = []
     for iteration in sorted(started):
-        for index, rungs in enumerate(plan):
+        for index, rungs in shown:
             bracket_s = len(plan) - 1 - index
             if iteration and not any(members[(iteration, bracket_s, i)] for i in range(len(rungs))):
                 continue

@@ -7,7 +7,8 @@ from collections import defaultdict
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from packtune.hyperband import total_units
+from packtune.hyperband import total_trials, total_units
+from packtune.iterations import asha_ladder
 from packtune.spec import StoredSpec
 from service import store
 from service.models import (
@@ -84,7 +85,12 @@ def _summaries(s: Session, studies: list[Study], with_spec: bool = True) -> list
         planned = budget.max_iterations if budget.max_iterations is not None else 1
         if budget.max_iterations is None and budget.iterations() > 1:
             planned = max(1, started)
-        total = total_units(spec.brackets) * planned
+        units = total_units(spec.brackets)
+        if spec.scheduler == "asha":  # at least what synchronous halving would keep
+            n = total_trials(spec.brackets)
+            ladder = asha_ladder(spec.brackets, int(spec.hyperband.eta), n)
+            units = sum(rung.n for rung in ladder)
+        total = units * planned
         finished = total if study.status == StudyStatus.completed else min(done[study.id], total)
         best_row = best.get(study.best_trial_id) if study.best_trial_id is not None else None
         out.append(

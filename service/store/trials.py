@@ -94,10 +94,32 @@ def count_trials_by_status(s: Session, study_id: int | None = None) -> dict[Tria
     return counts
 
 
+def count_trials(
+    s: Session,
+    study_id: int,
+    *,
+    iteration: int,
+    bracket: int,
+    rung: int,
+    status: Iterable[TrialStatus],
+    index_from: int,
+    index_to: int,
+) -> int:
+    """Trials of one bracket at ``rung`` in ``status`` whose sample index is in
+    ``[index_from, index_to)``."""
+    stmt = select(func.count()).select_from(Trial).where(
+        Trial.study_id == study_id, Trial.iteration == iteration, Trial.bracket == bracket,
+        Trial.rung == rung, Trial.status.in_(statuses(status)),
+        Trial.sample_index >= index_from, Trial.sample_index < index_to,
+    )  # fmt: skip
+    return int(s.scalar(stmt) or 0)
+
+
 class TrialBrief(NamedTuple):
     """A trial's scheduling state, without its config: what rung decisions and planning read."""
 
     id: int
+    sample_index: int
     iteration: int
     bracket: int
     rung: int

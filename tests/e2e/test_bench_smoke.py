@@ -67,6 +67,20 @@ def test_peers_quick_optuna(capsys: pytest.CaptureFixture[str]) -> None:
     assert "| optuna |" in capsys.readouterr().out
 
 
+def test_quality_quick_all_systems(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench f: packtune's two samplers and Optuna run the same tiny study to the end, each
+    with a best-so-far curve from its own clock."""
+    from bench import quality
+
+    quality.main(["--quick"])
+    out = capsys.readouterr().out
+    for name in quality.SYSTEMS:
+        assert f"| {name} |" in out
+        line = next(x for x in out.splitlines() if x.startswith(f"| {name} |"))
+        best = float(line.split("|")[3])
+        assert 0 < best < 5, line  # a finite val_loss was reached at max_resource
+
+
 def test_plots_from_quick_results(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     from bench import fused_throughput, plots

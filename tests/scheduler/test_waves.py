@@ -24,6 +24,7 @@ from packtune.settings import Settings
 from packtune.spec import StoredSpec, validate_spec
 from service import store
 from service.db import make_engine, session_factory, session_scope, upgrade
+from service.lifecycle import ACTIVE
 from service.models import Pack, PackMember, PackStatus, Study, StudyStatus, Trial, TrialStatus
 from service.scheduler import Scheduler
 
@@ -151,6 +152,17 @@ def test_brackets_start_in_waves_and_learn_from_the_settled_rungs(factory: Facto
     assert [got[i][:2] for i in (0, 9, 14, 17, 34)] == [(0, 2), (0, 1), (0, 0), (1, 2), (2, 2)]
     study = study_row(factory, study_id)
     assert study.status == StudyStatus.completed and study.stop_reason is None
+    # every bracket kept Hyperband's shape though drawn in waves: n_i trials reached rung i
+    plan = StoredSpec.of(validate_spec(spec).model_dump(mode="json")).brackets
+    with session_scope(factory) as s:
+        rows = s.execute(select(Trial.iteration, Trial.bracket, Trial.rung)).all()
+    for iteration in range(3):
+        for j, rungs in enumerate(plan):
+            bracket = len(plan) - 1 - j
+            reached = [r for it, b, r in rows if (it, b) == (iteration, bracket)]
+            assert [sum(r >= i for r in reached) for i in range(len(rungs))] == [
+                rung.n for rung in rungs
+            ], (iteration, bracket)
     # the later iterations, drawn from a model, sit nearer the optimum than the first
     first = [loss(c, 9) for i, (it, _, c) in got.items() if it == 0]
     last = [loss(c, 9) for i, (it, _, c) in got.items() if it == 2]
@@ -219,3 +231,45 @@ def test_max_seconds_ends_the_study(factory: Factory) -> None:
     with session_scope(factory) as s:
         counts = store.count_trials_by_status(s, study_id)
     assert counts[TrialStatus.cancelled] > 0
+
+
+# -- ASHA ---------------------------------------------------------------------------------
+
+
+def test_asha_promotes_as_results_come_and_ends_deterministically(factory: Factory) -> None:
+    """scheduler: asha: 17 trials (one Hyperband iteration's worth) climb bracket s=2's
+    ladder (1, 3, 9); a rung's results promote as they arrive, in sample-index order, so a
+    promotion happens before the rung is full, the study completes with a trial at
+    max_resource, and packing or a restart changes nothing."""
+    spec = {**SPEC, "scheduler": "asha", "budget": {"max_iterations": 2}}
+    early: list[bool] = []
+
+    def promoted_before_full(_: int) -> None:
+        with session_scope(factory) as s:
+            rows = s.execute(select(Trial.rung, Trial.status)).all()
+        at_rung0_training = any(r == 0 and st in ACTIVE for r, st in rows)
+        early.append(at_rung0_training and any(r >= 1 for r, _ in rows))
+
+    packed = run_study(factory, spec, on_tick=promoted_before_full)
+    got = configs(factory, packed)
+    assert len(got) == 34 and {(it, b) for it, b, _ in got.values()} == {(0, 2), (1, 2)}
+    study = study_row(factory, packed)
+    assert study.status == StudyStatus.completed and study.best_trial_id is not None
+    with session_scope(factory) as s:
+        rows = s.execute(
+            select(Trial.sample_index, Trial.rung, Trial.status).where(Trial.study_id == packed)
+        ).all()
+        promoted = [(p.rung, p.trial_id) for p in store.promotions_of(s, packed)]
+    assert any(early), "no promotion happened while rung 0 was still training"
+    reached = [sum(r >= i for _, r, _ in rows) for i in range(3)]
+    assert reached[0] == 34 and reached[1] >= 34 // 3 and reached[2] >= 34 // 9 >= 1
+    assert {st for _, r, st in rows if r == 2} <= {TrialStatus.completed}
+    assert {st for _, r, st in rows if r < 2} <= {TrialStatus.stopped}
+    # the same promotions unpacked, one pack per tick, with a restart half way
+    slow = run_study(factory, {**spec, "packing": {"enabled": False}}, packs_per_tick=1,
+                     restart_at=9)  # fmt: skip
+    assert configs(factory, slow) == got
+    with session_scope(factory) as s:
+        index = dict(s.execute(select(Trial.id, Trial.sample_index)).all())
+        again = [(p.rung, p.trial_id) for p in store.promotions_of(s, slow)]
+    assert sorted((r, index[t]) for r, t in again) == sorted((r, index[t]) for r, t in promoted)
