@@ -7,6 +7,8 @@ one Hyperband iteration of the spec (R=27, eta=3: 49 trials, 423 trial-epochs fo
 
 - ``packtune-tpe``: ``packtune run`` (embedded, packed), ``sampler: tpe`` (the default);
 - ``packtune-random``: the same with ``sampler: random`` (the former default);
+- ``packtune-asha``: ``scheduler: asha`` with ``sampler: tpe``, two iterations (98 trials
+  climbing bracket s_max's ladder: about as many trial-epochs as the others);
 - ``optuna``: ``TPESampler(seed)`` with ``HyperbandPruner(min_resource, max_resource,
   reduction_factor=eta)``, Optuna's defaults otherwise, trials trained one by one in one
   process by a plain ``torch.optim`` loop (:mod:`bench._plain`), as many trials as fit the
@@ -41,7 +43,7 @@ from bench import recording
 from bench._study import ROOT, cli, load_spec, service_env
 from bench.peers import hyperband_trials, trial_config
 
-SYSTEMS = ("packtune-tpe", "packtune-random", "optuna")
+SYSTEMS = ("packtune-tpe", "packtune-random", "packtune-asha", "optuna")
 
 
 def best_so_far(events: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -77,15 +79,18 @@ def first_time(curve: list[tuple[float, float]], target: float) -> float | None:
 
 
 def run_packtune(
-    spec: dict[str, Any], sampler: str, workdir: Path, random_fraction: float | None = None
+    spec: dict[str, Any], system: str, workdir: Path, random_fraction: float | None = None
 ) -> dict[str, Any]:
     import yaml
 
     workdir.mkdir(parents=True, exist_ok=True)
+    sampler = "random" if system == "packtune-random" else "tpe"
     settings: dict[str, Any] = {"name": sampler}
     if random_fraction is not None and sampler == "tpe":
         settings["random_fraction"] = random_fraction
     spec = {**spec, "sampler": settings, "budget": {"max_iterations": 1}}
+    if system == "packtune-asha":
+        spec = {**spec, "scheduler": "asha", "budget": {"max_iterations": 2}}
     path = workdir / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))
     url = f"sqlite:///{workdir / 'packtune.db'}"
@@ -103,12 +108,12 @@ def run_packtune(
             "JOIN trials t ON t.id = m.trial_id WHERE t.study_id = 1"
         ).fetchall()
     events = []
+    epochs = len(rows)  # one measurement per trained epoch
     for created, metrics, resource in rows:
         if abs(float(resource) - max_r) < 1e-9:
             when = datetime.fromisoformat(created).replace(tzinfo=UTC).timestamp() - started
             events.append((when, float(json.loads(metrics).get("val_loss", math.nan))))
-    _, trial_epochs = hyperband_trials(spec)
-    return {"wall": wall, "curve": best_so_far(events), "trial_epochs": trial_epochs,
+    return {"wall": wall, "curve": best_so_far(events), "trial_epochs": epochs,
             "completed": len(events)}  # fmt: skip
 
 
@@ -244,16 +249,18 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return out
 
 
-def report(summary: dict[str, Any]) -> list[str]:
+def report(summary: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> list[str]:
     rows = []
     for name in summary["final_best"]:
         reach = (summary.get("time_to_optuna_best") or {}).get(name)
+        epochs = recording.median([r["trial_epochs"] for r in runs[name]])
         rows.append([
-            name, f"{summary['wall'][name]:.1f}", f"{summary['final_best'][name]:.4f}",
+            name, f"{epochs:.0f}", f"{summary['wall'][name]:.1f}",
+            f"{summary['final_best'][name]:.4f}",
             f"{summary.get('at_optuna_wall', {}).get(name, math.nan):.4f}",
             "never" if reach is None or not math.isfinite(reach) else f"{reach:.1f}",
         ])  # fmt: skip
-    header = ["system", "wall (s, median)", "final best val_loss (median)",
+    header = ["system", "trial-epochs", "wall (s, median)", "final best val_loss (median)",
               "best at Optuna's wall (median)", "s to Optuna's final median best"]  # fmt: skip
     return recording.table(header, rows)
 
@@ -309,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     load = recording.load_average()
     runs = measure(args, spec)
     summary = summarise(runs)
-    lines = report(summary)
+    lines = report(summary, runs)
     print("\n".join(lines))
     if args.quick:
         return

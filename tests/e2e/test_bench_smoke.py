@@ -77,7 +77,7 @@ def test_quality_quick_all_systems(capsys: pytest.CaptureFixture[str]) -> None:
     for name in quality.SYSTEMS:
         assert f"| {name} |" in out
         line = next(x for x in out.splitlines() if x.startswith(f"| {name} |"))
-        best = float(line.split("|")[3])
+        best = float(line.split("|")[4])
         assert 0 < best < 5, line  # a finite val_loss was reached at max_resource
 
 
