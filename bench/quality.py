@@ -7,8 +7,8 @@ one Hyperband iteration of the spec (R=27, eta=3: 49 trials, 423 trial-epochs fo
 
 - ``packtune-tpe``: ``packtune run`` (embedded, packed), ``sampler: tpe`` (the default);
 - ``packtune-random``: the same with ``sampler: random`` (the former default);
-- ``packtune-asha``: ``scheduler: asha`` with ``sampler: tpe``, two iterations (98 trials
-  climbing bracket s_max's ladder: about as many trial-epochs as the others);
+- ``packtune-asha``: ``scheduler: asha`` with ``sampler: tpe``: the same 49 trials on bracket
+  s_max's ladder, promoted as results come (about as many trial-epochs as the others);
 - ``optuna``: ``TPESampler(seed)`` with ``HyperbandPruner(min_resource, max_resource,
   reduction_factor=eta)``, Optuna's defaults otherwise, trials trained one by one in one
   process by a plain ``torch.optim`` loop (:mod:`bench._plain`), as many trials as fit the
@@ -90,7 +90,7 @@ def run_packtune(
         settings["random_fraction"] = random_fraction
     spec = {**spec, "sampler": settings, "budget": {"max_iterations": 1}}
     if system == "packtune-asha":
-        spec = {**spec, "scheduler": "asha", "budget": {"max_iterations": 2}}
+        spec = {**spec, "scheduler": "asha"}
     path = workdir / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))
     url = f"sqlite:///{workdir / 'packtune.db'}"
@@ -207,7 +207,7 @@ def measure(args: argparse.Namespace, spec: dict[str, Any]) -> dict[str, list[di
                 if name == "optuna":
                     row = run_optuna_child(seeded, workdir, args.threads)
                 else:
-                    row = run_packtune(seeded, name.split("-", 1)[1], workdir, args.random_fraction)
+                    row = run_packtune(seeded, name, workdir, args.random_fraction)
                 row["seed"] = seed
                 row["load"] = recording.load_average()
                 runs[name].append(row)
