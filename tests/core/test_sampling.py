@@ -146,15 +146,17 @@ def test_slots_cover_consecutive_indices_iteration_by_iteration(
         assert first + per_iteration[len(got) % len(brackets)] > max_trials
 
 
-def test_a_bracket_waits_for_the_first_rung_of_the_one_before_it() -> None:
+def test_a_bracket_waits_for_the_first_rung_of_the_one_before_it_up_to_the_second_rung() -> None:
     brackets = plan_brackets(27, 3)  # s = 3, 2, 1, 0: first rungs at 1, 3, 9, 27
-    assert [cutoff(brackets, s) for s in (3, 2, 1)] == [1.0, 3.0, 9.0]
-    # after the s=0 bracket (one rung, at max_resource) the next iteration waits for
-    # the rungs below it only, so that iterations overlap
-    assert cutoff(brackets, 0) == 9.0
+    # the first rung of the bracket before, but never above the second-lowest rung (3)
+    assert [cutoff(brackets, s) for s in (3, 2, 1)] == [1.0, 3.0, 3.0]
+    # after the s=0 bracket (one rung, at max_resource) the next iteration waits for the
+    # low rungs only, so that iterations overlap
+    assert cutoff(brackets, 0) == 3.0
     assert rungs_upto(brackets, 3, 3.0) == [0, 1]
     assert rungs_upto(brackets, 0, 9.0) == []
     single = plan_brackets(5, 3)  # s_max = 1: rungs at 5/3 and 5
     assert cutoff(single, 0) == pytest.approx(5 / 3)
+    assert cutoff(single, 1) == pytest.approx(5 / 3)
     only = plan_brackets(1, 3)  # one bracket of one rung: each iteration waits for the last
     assert cutoff(only, 0) == 1.0
