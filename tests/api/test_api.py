@@ -677,3 +677,31 @@ def test_the_study_list_leaves_out_the_spec_and_a_study_has_it(client: TestClien
     assert row["id"] == study_id and row["spec"] is None and row["progress"]["total"] > 0
     one = client.get(f"/api/studies/{study_id}").json()
     assert len(one["spec"]["space"]["hidden"]["values"]) == 1000
+
+
+def test_a_study_shows_its_sampler_budget_and_iteration(any_client: TestClient) -> None:
+    """The budget and how much of it is used, in the study; each trial's iteration."""
+    from service import lifecycle
+
+    body = spec(budget={"max_iterations": 2, "max_trials": 30}, scheduler="hyperband")
+    created = any_client.post("/api/studies", json=body)
+    assert created.status_code == 201, created.text
+    study_id = created.json()["id"]
+    assert created.json()["budget"] == {
+        "sampler": "tpe", "max_iterations": 2, "iterations": 0, "max_trials": 30,
+        "trials": 0, "max_seconds": None, "seconds": None, "target": None, "stop_reason": None,
+    }  # fmt: skip
+    with session_scope(any_client.app.state.sessionmaker) as s:  # type: ignore[attr-defined]
+        lifecycle.sample_due(s, store.get_study(s, study_id))
+    got = any_client.get(f"/api/studies/{study_id}").json()
+    budget = got["budget"]
+    # R=9: 9 + 5 + 3 trials an iteration; a model draws the first bracket in waves of a
+    # third of it, at least d + 3 = 5 (two parameters here)
+    assert (budget["iterations"], budget["trials"]) == (1, 5), budget
+    assert budget["seconds"] is not None and budget["seconds"] >= 0
+    assert got["progress"]["total"] == 2 * (9 + 3 + 1 + 5 + 1 + 3)  # two iterations' units
+    trials = any_client.get(f"/api/studies/{study_id}/trials").json()["data"]
+    assert {(t["iteration"], t["bracket"]) for t in trials} == {(0, 2)}
+    bad = any_client.post("/api/studies", json=spec(budget={"max_seconds": 0}))
+    assert bad.status_code == 422
+    assert bad.json()["detail"][0]["loc"] == ["body", "budget", "max_seconds"]

@@ -87,6 +87,7 @@ DOM_STATE = """() => {
     promoted: q('[data-panel=brackets] .cell.s-promoted').length,
     packs: q('[data-panel=timeline] g.pack').length,
     params: q('[data-panel=params] path.pc').length,
+    budget: document.querySelector('[data-testid=budget]')?.textContent ?? null,
   };
 }"""
 
@@ -312,6 +313,8 @@ def test_a_running_study_is_shown_live(service: dict[str, Any], page: Any) -> No
     assert final["packs"] == packs["count"]
     assert final["cells"] == summary["progress"]["total"] == 69  # R=27, eta=3
     assert final["curves"] == final["params"] == 49
+    # the sampler and the budget, and how much of it was used
+    assert final["budget"] == "sampler tpe · iteration 1 · 49 trials", final["budget"]
 
 
 def test_hover_links_a_pack_to_its_trials(service: dict[str, Any], page: Any) -> None:

@@ -64,6 +64,12 @@ def test_defaults_fill_the_optional_parts() -> None:
     assert (spec.hyperband.min_resource, spec.hyperband.eta) == (1, 3)
     assert spec.packing.enabled is True and spec.packing.max_pack_size is None
     assert spec.seed == 0
+    assert (spec.sampler.name, spec.scheduler) == ("tpe", "hyperband")
+    assert spec.budget.iterations() == 1  # no budget: one Hyperband iteration
+    assert validate_spec({**GOOD, "budget": {"max_seconds": 60}}).budget.iterations() > 1
+    assert validate_spec({**GOOD, "sampler": "random"}).sampler.name == "random"
+    # a study stored before samplers existed keeps being sampled as it was: at random
+    assert StoredSpec.of({"hyperband": {"max_resource": 9}}).sampler.name == "random"
 
 
 @pytest.mark.parametrize(
@@ -102,6 +108,20 @@ def test_defaults_fill_the_optional_parts() -> None:
         ("seed", -1, "seed", "greater than or equal to 0"),
         ("packing.max_pack_size", 0, "packing.max_pack_size", "greater than or equal to 1"),
         ("packing.enabled", "yes", "packing.enabled", "boolean"),
+        ("sampler", "bohb", "sampler.name", "'tpe' or 'random'"),
+        (
+            "sampler",
+            {"name": "tpe", "random_fraction": 1.5},
+            "sampler.random_fraction",
+            "less than or equal to 1",
+        ),
+        ("scheduler", "pbt", "scheduler", "'hyperband' or 'asha'"),
+        ("budget", {"max_iterations": 0}, "budget.max_iterations", "greater than or equal to 1"),
+        ("budget", {"max_seconds": -5}, "budget.max_seconds", "greater than 0"),
+        ("budget", {"max_trials": "many"}, "budget.max_trials", "integer"),
+        ("budget", {"target": float("nan")}, "budget.target", "finite"),
+        ("budget", {"max_iterations": 5000}, "budget.max_iterations", f"more than {MAX_TRIALS}"),
+        ("budget", {"deadline": 3}, "budget.deadline", "unknown key"),
     ],
 )
 def test_each_rule_names_its_field(path: str, value: Any, field: str, words: str) -> None:
