@@ -63,7 +63,9 @@ HYPERBAND = {"max_resource": 9, "min_resource": 1, "eta": 3}
 #: Relative tolerance per workload: MLPs stack exactly (bmm: equal to the bit here); vmap's
 #: stacked convolutions and BatchNorm round differently (seen: up to 4e-5 absolute after 9
 #: epochs of the ResNet at lr 0.02; at lr 0.08 chaos grows it to 0.2 by epoch 9).
-REL = {"digits-cnn": 1e-3, "resnet-cifar": 1e-3}
+#: The trap plugins' models are not plain Sequentials, so they stack through vmap rather
+#: than bmm: equal to float rounding, which depends on k (seen: 3.5e-5 after 8 epochs).
+REL = {"digits-cnn": 1e-3, "resnet-cifar": 1e-3, "misdeclared-mlp": 1e-4, "scaled-mlp": 1e-4}
 
 
 def spec(workload: str, packed: bool) -> dict[str, Any]:
