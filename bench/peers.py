@@ -80,11 +80,29 @@ def run_packtune(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     }
 
 
-def run_optuna(spec: dict[str, Any], threads: int) -> dict[str, Any]:
-    import optuna
+def optuna_run(spec: dict[str, Any], trial: Any) -> Any:
+    """An Optuna trial's config drawn from the spec's space, built as a plain
+    :class:`bench._plain.PlainRun` on the CPU."""
     import torch
 
     from bench._plain import PlainRun
+
+    def suggest(name: str, p: dict[str, Any]) -> Any:
+        if p["type"] == "choice":
+            return trial.suggest_categorical(name, p["values"])
+        if p["type"] == "int":
+            return trial.suggest_int(name, p["low"], p["high"], log=bool(p.get("log")))
+        return trial.suggest_float(name, p["low"], p["high"], log=p["type"] == "loguniform")
+
+    config = {name: suggest(name, p) for name, p in spec["space"].items()}
+    return PlainRun.build(
+        spec["workload"], trial_config(spec, config, trial.number), torch.device("cpu")
+    )
+
+
+def run_optuna(spec: dict[str, Any], threads: int) -> dict[str, Any]:
+    import optuna
+    import torch
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     torch.set_num_threads(threads)
@@ -94,19 +112,9 @@ def run_optuna(spec: dict[str, Any], threads: int) -> dict[str, Any]:
     epochs = 0
     start = time.perf_counter()
 
-    def suggest(trial: optuna.Trial, name: str, p: dict[str, Any]) -> Any:
-        if p["type"] == "choice":
-            return trial.suggest_categorical(name, p["values"])
-        if p["type"] == "int":
-            return trial.suggest_int(name, p["low"], p["high"], log=bool(p.get("log")))
-        return trial.suggest_float(name, p["low"], p["high"], log=p["type"] == "loguniform")
-
     def objective(trial: optuna.Trial) -> float:
         nonlocal epochs
-        config = {name: suggest(trial, name, p) for name, p in spec["space"].items()}
-        run = PlainRun.build(
-            spec["workload"], trial_config(spec, config, trial.number), torch.device("cpu")
-        )
+        run = optuna_run(spec, trial)
         value = float("nan")
         for epoch in range(max_r):
             run.epoch(epoch)

@@ -41,7 +41,7 @@ from typing import Any
 
 from bench import recording
 from bench._study import ROOT, cli, load_spec, service_env
-from bench.peers import hyperband_trials, trial_config
+from bench.peers import hyperband_trials, optuna_run
 
 SYSTEMS = ("packtune-tpe", "packtune-random", "packtune-asha", "optuna")
 
@@ -123,8 +123,6 @@ def run_optuna(spec: dict[str, Any], budget: float, threads: int, started: float
     import optuna
     import torch
 
-    from bench._plain import PlainRun
-
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     torch.set_num_threads(threads)
     hb = spec["hyperband"]
@@ -132,19 +130,9 @@ def run_optuna(spec: dict[str, Any], budget: float, threads: int, started: float
     epochs = 0
     events: list[tuple[float, float]] = []
 
-    def suggest(trial: optuna.Trial, name: str, p: dict[str, Any]) -> Any:
-        if p["type"] == "choice":
-            return trial.suggest_categorical(name, p["values"])
-        if p["type"] == "int":
-            return trial.suggest_int(name, p["low"], p["high"], log=bool(p.get("log")))
-        return trial.suggest_float(name, p["low"], p["high"], log=p["type"] == "loguniform")
-
     def objective(trial: optuna.Trial) -> float:
         nonlocal epochs
-        config = {name: suggest(trial, name, p) for name, p in spec["space"].items()}
-        run = PlainRun.build(
-            spec["workload"], trial_config(spec, config, trial.number), torch.device("cpu")
-        )
+        run = optuna_run(spec, trial)
         value = math.nan
         for epoch in range(max_r):
             if epochs >= budget:
