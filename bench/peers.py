@@ -100,14 +100,26 @@ def optuna_run(spec: dict[str, Any], trial: Any) -> Any:
     )
 
 
+def optuna_study(spec: dict[str, Any], sampler: Any) -> Any:
+    """An Optuna study minimising val_loss with ``sampler`` and the spec's Hyperband as
+    ``HyperbandPruner(min_resource, max_resource, reduction_factor=eta)``."""
+    import optuna
+
+    hb = spec["hyperband"]
+    pruner = optuna.pruners.HyperbandPruner(
+        min_resource=int(hb.get("min_resource", 1)), max_resource=int(hb["max_resource"]),
+        reduction_factor=int(hb.get("eta", 3)),
+    )  # fmt: skip
+    return optuna.create_study(direction="minimize", sampler=sampler, pruner=pruner)
+
+
 def run_optuna(spec: dict[str, Any], threads: int) -> dict[str, Any]:
     import optuna
     import torch
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     torch.set_num_threads(threads)
-    hb = spec["hyperband"]
-    max_r, eta = int(hb["max_resource"]), int(hb.get("eta", 3))
+    max_r = int(spec["hyperband"]["max_resource"])
     n_trials, _ = hyperband_trials(spec)
     epochs = 0
     start = time.perf_counter()
@@ -125,13 +137,7 @@ def run_optuna(spec: dict[str, Any], threads: int) -> dict[str, Any]:
                 raise optuna.TrialPruned()
         return value
 
-    study = optuna.create_study(
-        direction="minimize",
-        sampler=optuna.samplers.RandomSampler(seed=int(spec.get("seed", 0))),
-        pruner=optuna.pruners.HyperbandPruner(
-            min_resource=int(hb.get("min_resource", 1)), max_resource=max_r,
-            reduction_factor=eta),
-    )  # fmt: skip
+    study = optuna_study(spec, optuna.samplers.RandomSampler(seed=int(spec.get("seed", 0))))
     study.optimize(objective, n_trials=n_trials)
     wall = time.perf_counter() - start
     completed = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]

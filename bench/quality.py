@@ -2,7 +2,7 @@
 samplers side by side with Optuna's default (TPE + HyperbandPruner), over several seeds.
 
 Every system gets the same workload, search space and budget of trial-epochs: those of
-one Hyperband iteration of the spec (R=27, eta=3: 49 trials, 423 trial-epochs for
+one Hyperband iteration of the spec (R=27, eta=3: 49 trials, 357 trial-epochs for
 ``examples/digits-mlp.yaml``).
 
 - ``packtune-tpe``: ``packtune run`` (embedded, packed), ``sampler: tpe`` (the default);
@@ -41,7 +41,7 @@ from typing import Any
 
 from bench import recording
 from bench._study import ROOT, cli, load_spec, service_env
-from bench.peers import hyperband_trials, optuna_run
+from bench.peers import hyperband_trials, optuna_run, optuna_study
 
 SYSTEMS = ("packtune-tpe", "packtune-random", "packtune-asha", "optuna")
 
@@ -125,8 +125,7 @@ def run_optuna(spec: dict[str, Any], budget: float, threads: int, started: float
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     torch.set_num_threads(threads)
-    hb = spec["hyperband"]
-    max_r, eta = int(hb["max_resource"]), int(hb.get("eta", 3))
+    max_r = int(spec["hyperband"]["max_resource"])
     epochs = 0
     events: list[tuple[float, float]] = []
 
@@ -150,13 +149,7 @@ def run_optuna(spec: dict[str, Any], budget: float, threads: int, started: float
         if epochs >= budget:
             study.stop()
 
-    study = optuna.create_study(
-        direction="minimize",
-        sampler=optuna.samplers.TPESampler(seed=int(spec.get("seed", 0))),
-        pruner=optuna.pruners.HyperbandPruner(
-            min_resource=int(hb.get("min_resource", 1)), max_resource=max_r,
-            reduction_factor=eta),
-    )  # fmt: skip
+    study = optuna_study(spec, optuna.samplers.TPESampler(seed=int(spec.get("seed", 0))))
     study.optimize(objective, callbacks=[stop])
     return {"curve": best_so_far(events), "trial_epochs": epochs, "trials": len(study.trials),
             "completed": len(events)}  # fmt: skip
