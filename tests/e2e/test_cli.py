@@ -216,3 +216,36 @@ def test_a_worker_whose_checkpoints_are_not_shared_refuses_to_start(
     assert result.returncode == 2, result.stdout + result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert "is not shared with the workers on other-host" in last
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_example_spec_is_valid(path: Path) -> None:
+    from packtune.spec import validate_spec
+
+    validate_spec(yaml.safe_load(path.read_text()))
+
+
+def test_the_asha_example_runs_its_budget_to_the_end(env: dict[str, str], tmp_path: Path) -> None:
+    """examples/digits-mlp-asha.yaml through ``packtune run`` (real training, the embedded
+    runner): three batches of 49 trials on one ladder, stopped by max_trials, the budget
+    shown on the progress line, every trial at R completed and the others stopped."""
+    result = packtune("run", str(EXAMPLES / "digits-mlp-asha.yaml"), "--top", "3", env=env,
+                      cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "tpe · iteration 3 · 147/147 trials" in result.stdout, result.stdout[-2000:]
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'packtune.db'}")
+    with engine.connect() as conn:
+        trials = conn.execute(sa.text("SELECT iteration, bracket, rung, status FROM trials")).all()
+        study = conn.execute(sa.text("SELECT status, stop_reason FROM studies")).one()
+        promoted = conn.execute(sa.text("SELECT COUNT(*) FROM rung_promotions")).scalar_one()
+    engine.dispose()
+    assert study == ("completed", None)  # max_trials ends it by sampling no more
+    assert len(trials) == 147 and {(it, b) for it, b, _, _ in trials} == {(0, 3), (1, 3), (2, 3)}
+    at_r = [t for t in trials if t[2] == 3]
+    assert at_r and {t[3] for t in at_r} == {"completed"}
+    assert {t[3] for t in trials if t[2] < 3} == {"stopped"}
+    # ASHA keeps at least what synchronous halving would: floor(49 / 3) per batch at rung 1
+    assert sum(t[2] >= 1 for t in trials) >= 3 * (49 // 3) and promoted >= 3 * (49 // 3)
