@@ -8,14 +8,16 @@ trial's index, and with it its random draws, never depends on timing.
 **Waves** (model-based sampling). A bracket drawn from a model should see results; packs
 want many ready trials. The rule here: bracket ``g > 0`` is sampled once every earlier
 bracket has *settled* every rung whose resource is at most :func:`cutoff` ``(g)`` -- the
-first rung resource of bracket ``g - 1``, capped at the study's second-lowest rung
-resource (:data:`~packtune.tuning.WAIT_RUNGS`), or the largest rung resource below
+first rung resource of bracket ``g - 1``, capped at the study's lowest rung resource
+(:data:`~packtune.tuning.WAIT_RUNGS`), or the largest rung resource below
 ``max_resource`` when that is all there is. Its model then sees exactly the results of
 those rungs: the same set whatever the packing, the number of workers, or a scheduler
-restart, because a settled rung never changes. The first bracket of an iteration
-therefore starts as soon as the cheap rungs of the previous iteration are settled, so
-iterations overlap, and within one iteration the later brackets start after the first
-two rungs of the aggressive ones, keeping several brackets' trials ready together.
+restart, because a settled rung never changes. Within one iteration, the later brackets
+therefore all start together once the aggressive bracket's first rung is settled (one
+epoch in, for R=27), so that their long chains of rungs overlap instead of queueing
+behind each other; the aggressive bracket itself is drawn in waves (the caller's
+``wave_size``). The next iteration's first bracket also waits until every trial of the
+previous iteration has started training, so that sampling never runs ahead of training.
 
 The ``random`` sampler needs no results: an iteration's brackets start together (as a
 single Hyperband iteration always did), and the next iteration once every trial of the
@@ -78,8 +80,8 @@ def first_rung(brackets: Sequence[Sequence[Rung]], s: int) -> float:
 def cutoff(brackets: Sequence[Sequence[Rung]], previous_s: int) -> float:
     """The largest rung resource whose results a bracket sampled after bracket
     ``previous_s`` waits for (see the module docstring): that bracket's first rung, but no
-    higher than the study's second-lowest rung resource (the largest rung resource below
-    ``max_resource`` when that is all there is)."""
+    higher than the study's rung resource of index ``WAIT_RUNGS`` (the largest rung
+    resource below ``max_resource`` when that is all there is)."""
     grid = sorted({float(r.resource) for b in brackets for r in b})
     top = grid[-1]  # max_resource: bracket s=0 has one rung
     resource = min(first_rung(brackets, previous_s), grid[min(WAIT_RUNGS, len(grid) - 1)])

@@ -37,16 +37,19 @@ MAX_FAULTS = 10
 
 #: trials one tick samples at most
 SAMPLE_CHUNK = 2048
-#: a model-based bracket is drawn in this many waves, each after the first rung of the one
-#: before (service.lifecycle.wave_size); on bench f (digits-mlp, 10 seeds) one wave ended
-#: at a median best val_loss of 0.1024, three at 0.0991
+#: an iteration's first bracket (whose first rung is the study's lowest resource) is drawn
+#: from a model in this many waves, each after the first rung of the one before; its other
+#: brackets are drawn at once (service.lifecycle.wave_size). Measured on this 2-core AMD
+#: EPYC, digits-mlp, 10 seeds (median best val_loss at the study's end; bench b serve,
+#: packed over unpacked, side by side with random sampling's): waves in every bracket
+#: 0.1011 and 2.43x (random 3.22x); in the first bracket only 0.1001 and 2.33x (random
+#: 2.72x): the later brackets' long chains start one epoch after the first wave
 WAVES_PER_BRACKET = 3
 #: a model-based bracket waits for earlier brackets' rungs up to the study's rung resource
 #: of this index (0: the lowest), or its predecessor's first rung if lower
-#: (packtune.iterations.cutoff). Measured on this 2-core AMD EPYC (bench f, 10 seeds;
-#: bench b serve, packed over unpacked): no cap 0.0991 and 1.77x, 1: 0.0982 and 2.02x,
-#: 0: 0.1011 and 2.43x (random sampling: 0.1113 and 3.22x)
-WAIT_RUNGS = 1
+#: (packtune.iterations.cutoff). Same machine and figures: 1 gave 0.0982 and 2.02x with
+#: waves in every bracket, 0.1024 with waves in the first only; 0 gives 0.1001 and 2.33x
+WAIT_RUNGS = 0
 #: units one plan takes at most (in group order, so arrays stay whole but the last)
 MAX_UNITS_PER_PLAN = 2048
 #: a tick whose rung decisions moved this many trials of a study plans them at the next tick

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from packtune.asha import known_prefix, promotions
 from packtune.errors import SpecError, StudyCannotRun
 from packtune.hyperband import promote, rank
-from packtune.iterations import Slot, asha_slots, cutoff, rungs_upto, slots
+from packtune.iterations import Slot, asha_slots, cutoff, first_rung, rungs_upto, slots
 from packtune.rungs import rung_resource
 from packtune.sampling import Observation, min_points, suggest
 from packtune.space import Dimension, fusion_key, parse_space
@@ -102,12 +102,20 @@ def sample_due(s: Session, study: Study) -> tuple[int, bool]:
 
 
 def wave_size(spec: StoredSpec, space: dict[str, Dimension], slot: Slot) -> int:
-    """Trials of ``slot`` drawn together: with a model, about a third of the bracket (at
-    least what a model needs), so that the bracket's later draws learn from its earlier
-    ones' first rung, as a sequential sampler learns from every trial; else all at once."""
-    if spec.sampler.name != "tpe":
+    """Trials of ``slot`` drawn together. With a model, a bracket whose first rung is the
+    study's lowest resource is drawn in :data:`WAVES_PER_BRACKET` waves (at least what a
+    model needs each), so that its later draws learn from its earlier ones' first rung as a
+    sequential sampler learns from every trial, at one cheap rung of waiting per wave; any
+    other bracket at once, so that its long chain of rungs starts early. Without a model,
+    all at once."""
+    if spec.sampler.name != "tpe" or first_rung(spec.brackets, slot.s) > _lowest(spec):
         return SAMPLE_CHUNK
     return min(SAMPLE_CHUNK, max(min_points(space), -(-slot.n // WAVES_PER_BRACKET)))
+
+
+def _lowest(spec: StoredSpec) -> float:
+    """The study's lowest rung resource."""
+    return min(float(r.resource) for b in spec.brackets for r in b)
 
 
 def _wave_settled(s: Session, study: Study, slot: Slot, upto: int) -> bool:
@@ -128,18 +136,20 @@ def study_slots(spec: StoredSpec) -> Iterator[Slot]:
 
 
 def _due(s: Session, study: Study, spec: StoredSpec, slot: Slot) -> bool:
-    """Whether bracket ``slot`` (not the study's first) may be sampled now."""
+    """Whether bracket ``slot`` (not the study's first) may be sampled now: an iteration's
+    first bracket once every trial of the previous iteration has started training (so that
+    sampling never runs ahead of training, whose cheap units would otherwise take every
+    pack); with a model, once the rungs it learns from are settled too."""
     progress = store.rung_counts(s, study.id)
+    if slot.s == len(spec.brackets) - 1 and any(
+        counts[(0, st)]
+        for (iteration, _), counts in progress.items()
+        if iteration == slot.iteration - 1
+        for st in (TrialStatus.pending, TrialStatus.queued)
+    ):
+        return False
     if spec.sampler.name == "random":
-        if slot.s != len(spec.brackets) - 1:
-            return True  # an iteration's brackets start together
-        # the next iteration once every trial of the previous one has started training
-        return not any(
-            counts[(0, st)]
-            for (iteration, _), counts in progress.items()
-            if iteration == slot.iteration - 1
-            for st in (TrialStatus.pending, TrialStatus.queued)
-        )
+        return True  # an iteration's brackets start together
     return all(
         _settled(counts, top)
         for (iteration, bracket), counts in progress.items()

@@ -146,13 +146,14 @@ def test_slots_cover_consecutive_indices_iteration_by_iteration(
         assert first + per_iteration[len(got) % len(brackets)] > max_trials
 
 
-def test_a_bracket_waits_for_the_first_rung_of_the_one_before_it_up_to_the_second_rung() -> None:
+def test_a_bracket_waits_for_the_lowest_rung_of_the_brackets_before_it() -> None:
     brackets = plan_brackets(27, 3)  # s = 3, 2, 1, 0: first rungs at 1, 3, 9, 27
-    # the first rung of the bracket before, but never above the second-lowest rung (3)
-    assert [cutoff(brackets, s) for s in (3, 2, 1)] == [1.0, 3.0, 3.0]
+    # the first rung of the bracket before, but never above the lowest rung (WAIT_RUNGS = 0)
+    assert [cutoff(brackets, s) for s in (3, 2, 1)] == [1.0, 1.0, 1.0]
     # after the s=0 bracket (one rung, at max_resource) the next iteration waits for the
     # low rungs only, so that iterations overlap
-    assert cutoff(brackets, 0) == 3.0
+    assert cutoff(brackets, 0) == 1.0
+    assert rungs_upto(brackets, 2, 1.0) == []  # so bracket s=2 holds up none after it
     assert rungs_upto(brackets, 3, 3.0) == [0, 1]
     assert rungs_upto(brackets, 0, 9.0) == []
     single = plan_brackets(5, 3)  # s_max = 1: rungs at 5/3 and 5

@@ -3,8 +3,9 @@ do not depend on packing, timing or a restart, and budgets repeat or end the stu
 
 Training is replaced by a known function of the config (``loss``), written as the workers
 would write it, so that every study here runs in a fraction of a second per tick on
-SQLite and PostgreSQL alike. The real processes (RQ workers, embedded runs) are in
-tests/e2e/test_samplers.py.
+SQLite and PostgreSQL alike. With real processes, the same configurations come out packed
+and unpacked (tests/e2e/test_pack_invariance.py) and on RQ workers through a killed
+scheduler or worker (tests/faults/test_faults.py).
 """
 
 from __future__ import annotations
@@ -134,19 +135,28 @@ def study_row(factory: Factory, study_id: int) -> Study:
 
 
 def test_brackets_start_in_waves_and_learn_from_the_settled_rungs(factory: Factory) -> None:
-    """Only the first bracket is sampled at once; the next one once the first rung of the one
-    before it is measured; its draws favour the region the results point to."""
+    """The first bracket is sampled in waves; the others at once, together, when its first
+    rung is measured; the next iteration when every trial of the one before has started;
+    the later draws favour the region the results point to."""
     spec = {**SPEC, "budget": {"max_iterations": 3}}
-    seen: list[list[int]] = []
+    seen: list[list[tuple[int, int]]] = []
+    waiting = (TrialStatus.pending, TrialStatus.queued)
 
     def count_brackets(_: int) -> None:
         with session_scope(factory) as s:
             rows = s.execute(select(Trial.iteration, Trial.bracket, Trial.rung, Trial.status))
-            seen.append(sorted({(it, b) for it, b, _, _ in rows}))
+            rows = rows.all()
+        now = sorted({(it, b) for it, b, _, _ in rows})
+        for it in {it for it, _ in now} - {it for it, _ in (seen[-1] if seen else [])}:
+            # an iteration starts once every trial of the one before has started training
+            assert not [r for r in rows if r[0] == it - 1 and r[2] == 0 and r[3] in waiting]
+        seen.append(now)
 
     study_id = run_study(factory, spec, on_tick=count_brackets)
-    assert seen[0] == [(0, 2)]  # the first tick: bracket s=2 of iteration 0 alone
+    assert seen[0] == [(0, 2)]  # the first tick: part of bracket s=2 of iteration 0 alone
     assert [len(x) for x in seen] == sorted(len(x) for x in seen)  # one wave after another
+    # the later brackets of an iteration start together, after its first bracket's waves
+    assert [x for x in seen if (0, 1) in x][0][:3] == [(0, 0), (0, 1), (0, 2)]
     got = configs(factory, study_id)
     assert len(got) == 3 * 17
     assert [got[i][:2] for i in (0, 9, 14, 17, 34)] == [(0, 2), (0, 1), (0, 0), (1, 2), (2, 2)]
