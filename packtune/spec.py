@@ -34,8 +34,10 @@ from pydantic_core import ErrorDetails
 from packtune.errors import SpecError
 from packtune.hyperband import Rung, plan_brackets, s_max, total_trials
 from packtune.sampling import RANDOM_FRACTION, SamplerName
+from packtune.schedules import LIMITS as SCHEDULE_LIMITS
+from packtune.schedules import SCHEDULES
 from packtune.space import Choice, Dimension, parse_space
-from packtune.workloads.base import RESERVED
+from packtune.workloads.base import OPTIMIZERS, RESERVED
 
 # A study bigger than this is almost certainly a unit mistake (steps for epochs).
 MAX_RESOURCE_LIMIT = 10_000
@@ -185,6 +187,7 @@ class StudySpec(_Strict):
     def _consistent(self) -> StudySpec:
         check_space(self.workload, self.space)
         check_bounds(self.workload, self.space)
+        check_training(self.workload, self.space)
         check_objective(self.workload, self.objective)
         check_size(self.hyperband, self.budget)
         return self
@@ -304,6 +307,42 @@ def check_bounds(workload: str, raw: dict[str, Any]) -> None:
                     f"space.{name}.{end}",
                     f"{value!r} is outside what {workload} takes: {low:g} to {high:g}",
                 )
+
+
+#: the shared training parameters that take a name, and the names each takes
+TRAINING_NAMES: dict[str, tuple[str, ...]] = {"optimizer": OPTIMIZERS, "schedule": SCHEDULES}
+#: the shared numeric training parameters, and the (low, high) each may take
+TRAINING_LIMITS: dict[str, tuple[float, float]] = {
+    **{name: (low, high) for name, low, high in SCHEDULE_LIMITS},
+    "clip_norm": (0.0, float("inf")),
+    "alpha": (0.0, 1.0),
+    "rho": (0.0, 1.0),
+}
+
+
+def check_training(workload: str, raw: dict[str, Any]) -> None:
+    """The space gives the shared training parameters (optimizer, schedule, clipping) only
+    values the fused optimizer knows, where the workload takes them."""
+    params = _workloads()[workload].params
+    for name, dimension in parse_space(raw).items():
+        if name not in params:
+            continue
+        if name in TRAINING_NAMES:
+            known = TRAINING_NAMES[name]
+            values = dimension.values if isinstance(dimension, Choice) else (None,)
+            for value in values:
+                if value not in known:
+                    raise SpecError(f"space.{name}", f"{value!r} is not one of {', '.join(known)}")
+        elif name in TRAINING_LIMITS:
+            low, high = TRAINING_LIMITS[name]
+            ends = dimension.values if isinstance(dimension, Choice) else (
+                dimension.low, dimension.high,  # type: ignore[union-attr]
+            )  # fmt: skip
+            for value in ends:
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise SpecError(f"space.{name}", f"{value!r} is not a number")
+                if not low <= value <= high:
+                    raise SpecError(f"space.{name}", f"{value!r} is outside {low:g} to {high:g}")
 
 
 def check_objective(workload: str, objective: Objective) -> None:

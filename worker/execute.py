@@ -80,6 +80,7 @@ class ArrayJob:
     study_seed: int
     workload: str
     metric: str  # the study's objective metric
+    max_resource: float  # the study's, the horizon of a trial's learning-rate schedule
     fusion_key: str
     from_resource: float
     to_resource: float
@@ -93,6 +94,7 @@ class ArrayJob:
             **m.config,
             "seed": trial_seed(self.study_seed, m.sample_index),
             "data_seed": self.study_seed,
+            "max_epochs": self.max_resource,
         }
 
 

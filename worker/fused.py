@@ -42,6 +42,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from packtune.schedules import SCHEDULE_PARAMS, Schedule, schedule_of
 from packtune.tuning import CUDA_CHECK_EVERY
 from packtune.workloads.base import OPTIMIZER_PARAMS, Split, Workload
 from worker.fused_forward import Forward, bmm_forward, bmm_plan, single_forward, vmap_forward
@@ -57,13 +58,21 @@ _RNG_MIX = 6364136223846793005  # Knuth's MMIX multiplier, to fold member draws 
 
 
 def hyper_tensors(configs: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
-    """The fusible optimizer hyperparameters of ``configs`` as ``[k]`` float64 tensors."""
+    """The fusible optimizer hyperparameters of ``configs`` as ``[k]`` float64 tensors (the
+    schedule's aside: :func:`schedules`)."""
     return {
         key: torch.tensor(
             [float(c.get(key, OPTIMIZER_PARAMS[key])) for c in configs], dtype=torch.float64
         )
         for key in OPTIMIZER_HYPER
+        if key not in SCHEDULE_PARAMS
     }
+
+
+def schedules(configs: Sequence[Mapping[str, Any]], steps_per_epoch: int) -> list[Schedule]:
+    """Each config's learning-rate schedule, over ``max_epochs`` (the study's
+    ``max_resource``, which the worker adds to a trial's config; 1 where absent)."""
+    return [schedule_of(c, steps_per_epoch, float(c.get("max_epochs", 1.0))) for c in configs]
 
 
 def _suspects(config: Mapping[str, Any]) -> str:
@@ -255,6 +264,7 @@ class FusedArray:
             str(self.config["optimizer"]), params, hyper_tensors(configs),
             nesterov=bool(self.config.get("nesterov", False)),
             states=[s["optimizer"] if s else None for s in states],
+            schedules=schedules(configs, self.steps_per_epoch),
         )  # fmt: skip
         return Group(keys, params, buffers, optimizer, stack)
 

@@ -118,6 +118,7 @@ def _claim(s: Session, pack_id: int, worker: str, device: torch.device) -> list[
             study_seed=study.seed,
             workload=study.workload,
             metric=spec.objective.metric,
+            max_resource=float(spec.hyperband.max_resource),
             fusion_key=key,
             from_resource=start,
             to_resource=end,

@@ -1,11 +1,12 @@
 """Optimizers over stacked parameters: one ``[k, ...]`` tensor holds k trials.
 
 ``torch.optim`` takes one learning rate per parameter group and rejects the
-per-trial ``[k]`` tensors a fused array needs, so SGD, Adam and AdamW are
-written here for stacked parameters. Each hyperparameter is a ``[k]`` float64
-tensor; per-member scalars (bias corrections, step sizes) are computed from
-Python floats, like torch.optim's, then cast to the parameter's dtype as
-``[k, 1]`` tensors that broadcast over one member's row.
+per-trial ``[k]`` tensors a fused array needs, so SGD, Adam, AdamW, RMSprop,
+Adagrad and Adadelta are written here for stacked parameters. Each
+hyperparameter is a ``[k]`` float64 tensor; per-member scalars (bias
+corrections, step sizes) are computed from Python floats, like torch.optim's,
+then cast to the parameter's dtype as ``[k, 1]`` tensors that broadcast over
+one member's row.
 
 The optimizer moves its parameters into one ``[k, N]`` buffer per dtype
 (:mod:`worker.flat`; the tensors stay the caller's objects) and keeps its
@@ -19,6 +20,12 @@ The update rules follow torch.optim's single-tensor implementations step for
 step (SGD with dampening 0; Adam's L2 weight decay added to the gradient;
 AdamW's decoupled decay), so each member matches its own ``torch.optim`` run
 to float rounding. Nothing here reads a device tensor: a step is pure tensor work.
+
+Per member too: a learning-rate schedule (:mod:`packtune.schedules`; the
+member's ``lr`` times the factor of its own step count, recomputed each step
+when any member's schedule is not constant) and gradient clipping by the
+norm over all of a member's gradients (``clip_norm``, 0: off), as
+``torch.nn.utils.clip_grad_norm_`` does for one model before its step.
 
 Every member carries its own ``step`` count, so a resumed trial (step 30) and
 a fresh one (step 0) can share an array. (One count per member: torch.optim's
@@ -36,7 +43,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from packtune.schedules import Schedule
 from packtune.workloads.base import OPTIMIZER_HYPER as OPTIMIZER_HYPER
+from packtune.workloads.base import OPTIMIZERS
 from worker.flat import flatten_
 
 MemberState = dict[str, Any]
@@ -71,12 +80,15 @@ class StackedOptimizer(abc.ABC):
 
     hyper_keys: tuple[str, ...] = ()
     state_keys: tuple[str, ...] = ()
+    #: whether :meth:`_update_members` (torch's fused CPU kernels) exists for this rule
+    member_kernels = False
 
     def __init__(
         self,
         params: Mapping[str, Tensor],
         hyper: Mapping[str, Tensor],
         states: Sequence[MemberState | None] | None = None,
+        schedules: Sequence[Schedule] | None = None,
     ) -> None:
         first = next(iter(params.values()))
         k, device = first.shape[0], first.device
@@ -87,6 +99,12 @@ class StackedOptimizer(abc.ABC):
             key: torch.as_tensor(hyper[key], dtype=torch.float64, device=device).reshape(k)
             for key in self.hyper_keys
         }
+        clip = hyper.get("clip_norm")
+        self.clip_norm = [0.0] * k if clip is None else [float(c) for c in torch.as_tensor(clip)]
+        self.base_lr = self.hyper["lr"].tolist()
+        self.schedules = list(schedules) if schedules is not None else [Schedule()] * k
+        if len(self.schedules) != k:
+            raise ValueError(f"{len(self.schedules)} schedules for an array of {k}")
         states = list(states) if states is not None else [None] * k
         if len(states) != k:
             raise ValueError(f"{len(states)} member states for an array of {k}")
@@ -106,7 +124,10 @@ class StackedOptimizer(abc.ABC):
         (float64 for the bias corrections on a GPU; float32, torch.optim's, for the fused
         kernels on a CPU)."""
         self.values = {key: v.tolist() for key, v in self.hyper.items()}
-        self.by_member = device.type == "cpu" and FUSED_KERNELS
+        self.by_member = device.type == "cpu" and FUSED_KERNELS and self.member_kernels
+        self.scheduled = not all(schedule.constant for schedule in self.schedules)
+        self.clipping = any(c > 0 for c in self.clip_norm)
+        self.clip_column = torch.tensor(self.clip_norm, dtype=torch.float64, device=device)
         dtype = torch.float32 if self.by_member else torch.float64
         self.step_tensor = torch.tensor(self.steps, dtype=dtype, device=device)
         self.step_rows = list(self.step_tensor.unbind(0))
@@ -147,31 +168,79 @@ class StackedOptimizer(abc.ABC):
     @torch.no_grad()
     def step(self) -> None:
         """One update of every member that has a gradient."""
+        if self.scheduled:
+            self._schedule()
         self.steps = [s + 1 for s in self.steps]
         self.step_tensor += 1
-        for (stack, buffer), grads, slots, rows in zip(
-            self.stacks, self.grads, self.flat_state, self.rows, strict=True
-        ):
-            const = self.constants[stack.dtype, stack.device]
-            per_step = Columns(stack.dtype, stack.device)
+        # every stack's gradients first (one flat buffer each where all are present; else
+        # per parameter), so that clipping sees a member's whole gradient
+        gathered: list[Tensor | list[Tensor | None]] = []
+        for (stack, _), grads in zip(self.stacks, self.grads, strict=True):
             given = [self.params[name].grad for name in stack.names]
             present = [g for g in given if g is not None]
             if len(present) == len(given):
-                grad = stack.pack(present, grads)
+                gathered.append(stack.pack(present, grads))
+            else:  # torch.optim skips parameters without a gradient
+                gathered.append(
+                    [None if g is None else g.reshape(stack.k, -1).clone() for g in given]
+                )
+        if self.clipping:
+            self._clip(gathered)
+        for (stack, buffer), grad, slots, rows in zip(
+            self.stacks, gathered, self.flat_state, self.rows, strict=True
+        ):
+            const = self.constants[stack.dtype, stack.device]
+            per_step = Columns(stack.dtype, stack.device)
+            if isinstance(grad, Tensor):
                 if self.by_member:
                     self._update_members(rows)
                 else:
                     self._update(buffer, grad, slots, const, per_step)
                 continue
-            for cols, g in zip(stack.spans, given, strict=True):
-                if g is not None:  # torch.optim skips parameters without a gradient
+            for cols, g in zip(stack.spans, grad, strict=True):
+                if g is not None:
                     self._update(
                         buffer[:, cols],
-                        g.reshape(stack.k, -1).clone(),
+                        g,
                         {key: t[:, cols] for key, t in slots.items()},
                         const,
                         per_step,
                     )
+
+    def _schedule(self) -> None:
+        """Every member's learning rate for this step: its base ``lr`` times its schedule's
+        factor at its own step count (the columns that depend on it are per step)."""
+        lr = [
+            base * schedule.factor(int(step))
+            for base, schedule, step in zip(self.base_lr, self.schedules, self.steps, strict=True)
+        ]
+        self.values["lr"] = lr
+        self.hyper["lr"] = torch.tensor(lr, dtype=torch.float64).to(
+            self.hyper["lr"].device, non_blocking=True
+        )
+
+    def _clip(self, gathered: Sequence[Tensor | list[Tensor | None]]) -> None:
+        """Scale each member's gradients so that their norm (over every parameter) is at most
+        its ``clip_norm``, as ``torch.nn.utils.clip_grad_norm_`` (a 0 leaves it alone)."""
+        squares = []
+        for grad in gathered:
+            parts = [grad] if isinstance(grad, Tensor) else [g for g in grad if g is not None]
+            squares += [g.double().square().sum(dim=1) for g in parts]
+        if not squares:
+            return
+        norm = torch.stack(squares).sum(dim=0).sqrt()
+        clip = self.clip_column
+        coef = torch.where(clip > 0, (clip / (norm + 1e-6)).clamp(max=1.0), 1.0)
+        for grad in gathered:
+            parts = [grad] if isinstance(grad, Tensor) else [g for g in grad if g is not None]
+            for g in parts:
+                g.mul_(coef.to(g.dtype).view(-1, 1))
+
+    def _lr(
+        self, const: Columns, per_step: Columns, name: str, values: Callable[[], Any]
+    ) -> Tensor:
+        """A column computed from ``lr``: for the array's life, or per step when scheduled."""
+        return (per_step if self.scheduled else const).get(name, values)
 
     @abc.abstractmethod
     def _update_members(self, rows: list[tuple[Tensor, Tensor, Slots]]) -> None:
@@ -201,6 +270,9 @@ class StackedOptimizer(abc.ABC):
         """Keep members ``keep`` (in that order); ``params`` are the array's new leaves."""
         index = torch.as_tensor(list(keep), dtype=torch.long, device=self.hyper["lr"].device)
         self.hyper = {key: v[index] for key, v in self.hyper.items()}
+        self.base_lr = [self.base_lr[i] for i in keep]
+        self.schedules = [self.schedules[i] for i in keep]
+        self.clip_norm = [self.clip_norm[i] for i in keep]
         self.steps = [self.steps[i] for i in keep]
         self._count_on(index.device)
         flat_state = [{key: t[index] for key, t in slots.items()} for slots in self.flat_state]
@@ -212,6 +284,7 @@ class StackedSGD(StackedOptimizer):
 
     hyper_keys = ("lr", "momentum", "weight_decay")
     state_keys = ("momentum_buffer",)
+    member_kernels = True
 
     def __init__(self, *args: Any, nesterov: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -240,7 +313,7 @@ class StackedSGD(StackedOptimizer):
             update = grad.addcmul_(buf, momentum)
         else:
             update = buf
-        p.addcmul_(update, const.get("-lr", lambda: -h["lr"]))
+        p.addcmul_(update, self._lr(const, per_step, "-lr", lambda: -h["lr"]))
 
     def _update_members(self, rows: list[tuple[Tensor, Tensor, Slots]]) -> None:
         lr, momentum, wd = (self.values[key] for key in ("lr", "momentum", "weight_decay"))
@@ -260,6 +333,7 @@ class StackedAdam(StackedOptimizer):
 
     hyper_keys = ("lr", "beta1", "beta2", "eps", "weight_decay")
     state_keys = ("exp_avg", "exp_avg_sq")
+    member_kernels = True
 
     def __init__(self, *args: Any, decoupled: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -271,7 +345,9 @@ class StackedAdam(StackedOptimizer):
         h = self.hyper
         if self.decoupled:
             if self.decay:  # multiplying by 1 - lr * 0 would change nothing
-                p.mul_(const.get("1-lr*wd", lambda: 1 - h["lr"] * h["weight_decay"]))
+                p.mul_(
+                    self._lr(const, per_step, "1-lr*wd", lambda: 1 - h["lr"] * h["weight_decay"])
+                )
         elif self.decay:
             grad.addcmul_(p, const.get("wd", lambda: h["weight_decay"]))
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
@@ -312,6 +388,78 @@ class StackedAdam(StackedOptimizer):
         )
 
 
+class StackedRMSprop(StackedOptimizer):
+    """``torch.optim.RMSprop`` (not centered), per-member lr, alpha, eps, weight decay and
+    momentum (a member with momentum 0 updates as torch.optim's plain rule)."""
+
+    hyper_keys = ("lr", "alpha", "eps", "weight_decay", "momentum")
+    state_keys = ("square_avg", "momentum_buffer")
+
+    def _update(
+        self, p: Tensor, grad: Tensor, state: Slots, const: Columns, per_step: Columns
+    ) -> None:
+        h = self.hyper
+        if self.decay:
+            grad.addcmul_(p, const.get("wd", lambda: h["weight_decay"]))
+        square_avg, buf = state["square_avg"], state["momentum_buffer"]
+        square_avg.mul_(const.get("alpha", lambda: h["alpha"]))
+        square_avg.addcmul_(grad, grad * const.get("1-alpha", lambda: 1 - h["alpha"]))
+        avg = square_avg.sqrt().add_(const.get("eps", lambda: h["eps"]))
+        buf.mul_(const.get("momentum", lambda: h["momentum"])).addcdiv_(grad, avg)
+        p.addcmul_(buf, self._lr(const, per_step, "-lr", lambda: -h["lr"]))
+
+    def _update_members(self, rows: list[tuple[Tensor, Tensor, Slots]]) -> None:
+        raise NotImplementedError  # no fused CPU kernel: member_kernels is False
+
+
+class StackedAdagrad(StackedOptimizer):
+    """``torch.optim.Adagrad`` (no lr decay, accumulator starting at 0), per-member lr, eps
+    and weight decay. (torch.optim's default eps is 1e-10; packtune's shared ``eps`` default
+    is 1e-8: set it in the space to match.)"""
+
+    hyper_keys = ("lr", "eps", "weight_decay")
+    state_keys = ("sum",)
+
+    def _update(
+        self, p: Tensor, grad: Tensor, state: Slots, const: Columns, per_step: Columns
+    ) -> None:
+        h = self.hyper
+        if self.decay:
+            grad.addcmul_(p, const.get("wd", lambda: h["weight_decay"]))
+        total = state["sum"]
+        total.addcmul_(grad, grad)
+        std = total.sqrt().add_(const.get("eps", lambda: h["eps"]))
+        p.addcmul_(grad.div_(std), self._lr(const, per_step, "-lr", lambda: -h["lr"]))
+
+    def _update_members(self, rows: list[tuple[Tensor, Tensor, Slots]]) -> None:
+        raise NotImplementedError  # no fused CPU kernel: member_kernels is False
+
+
+class StackedAdadelta(StackedOptimizer):
+    """``torch.optim.Adadelta``, per-member lr, rho, eps and weight decay."""
+
+    hyper_keys = ("lr", "rho", "eps", "weight_decay")
+    state_keys = ("square_avg", "acc_delta")
+
+    def _update(
+        self, p: Tensor, grad: Tensor, state: Slots, const: Columns, per_step: Columns
+    ) -> None:
+        h = self.hyper
+        if self.decay:
+            grad.addcmul_(p, const.get("wd", lambda: h["weight_decay"]))
+        rho, eps = const.get("rho", lambda: h["rho"]), const.get("eps", lambda: h["eps"])
+        one_minus_rho = const.get("1-rho", lambda: 1 - h["rho"])
+        square_avg, acc_delta = state["square_avg"], state["acc_delta"]
+        square_avg.mul_(rho).addcmul_(grad, grad * one_minus_rho)
+        std = square_avg.add(eps).sqrt_()
+        delta = acc_delta.add(eps).sqrt_().div_(std).mul_(grad)
+        acc_delta.mul_(rho).addcmul_(delta, delta * one_minus_rho)
+        p.addcmul_(delta, self._lr(const, per_step, "-lr", lambda: -h["lr"]))
+
+    def _update_members(self, rows: list[tuple[Tensor, Tensor, Slots]]) -> None:
+        raise NotImplementedError  # no fused CPU kernel: member_kernels is False
+
+
 def build_optimizer(
     name: str,
     params: Mapping[str, Tensor],
@@ -319,17 +467,28 @@ def build_optimizer(
     *,
     nesterov: bool = False,
     states: Sequence[MemberState | None] | None = None,
+    schedules: Sequence[Schedule] | None = None,
 ) -> StackedOptimizer:
-    """The stacked optimizer called ``name`` (``sgd``, ``adam`` or ``adamw``).
+    """The stacked optimizer called ``name`` (one of :data:`OPTIMIZERS`).
 
     ``hyper`` values should be float64 (or Python floats): a float32 tensor
-    has already rounded ``lr=0.1`` to 0.10000000149.
+    has already rounded ``lr=0.1`` to 0.10000000149. ``hyper["clip_norm"]``,
+    when given, clips each member's gradient norm (0: not that member).
     ``states`` optionally gives each member's exported state (``None`` for a
     fresh member), so an array can resume trials that trained elsewhere.
+    ``schedules`` gives each member's learning-rate schedule (constant if omitted).
     ``params`` are moved into the optimizer's flat buffers (:mod:`worker.flat`).
     """
+    kwargs: dict[str, Any] = {"states": states, "schedules": schedules}
     if name == "sgd":
-        return StackedSGD(params, hyper, states, nesterov=nesterov)
+        return StackedSGD(params, hyper, nesterov=nesterov, **kwargs)
     if name in ("adam", "adamw"):
-        return StackedAdam(params, hyper, states, decoupled=name == "adamw")
-    raise ValueError(f"unknown optimizer {name!r}; expected sgd, adam or adamw")
+        return StackedAdam(params, hyper, decoupled=name == "adamw", **kwargs)
+    rules: dict[str, type[StackedOptimizer]] = {
+        "rmsprop": StackedRMSprop,
+        "adagrad": StackedAdagrad,
+        "adadelta": StackedAdadelta,
+    }
+    if name in rules:
+        return rules[name](params, hyper, **kwargs)
+    raise ValueError(f"unknown optimizer {name!r}; expected one of {', '.join(OPTIMIZERS)}")

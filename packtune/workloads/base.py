@@ -10,11 +10,16 @@ their methods.
 
 Config keys every built-in workload shares (see :data:`OPTIMIZER_PARAMS`):
 
-- ``optimizer`` (structural): ``"sgd"``, ``"adam"`` or ``"adamw"``
+- ``optimizer`` (structural): one of :data:`OPTIMIZERS` (``sgd``, ``adam``,
+  ``adamw``, ``rmsprop``, ``adagrad``, ``adadelta``), torch.optim's rules
 - ``nesterov`` (structural): SGD only
 - ``batch_size`` (structural)
-- ``lr``, ``momentum``, ``weight_decay``, ``beta1``, ``beta2``, ``eps``:
-  fusible, per-trial ``[k]`` tensors in a fused array
+- ``lr``, ``momentum`` (SGD, RMSprop), ``weight_decay``, ``beta1``, ``beta2``
+  (Adam), ``eps``, ``alpha`` (RMSprop), ``rho`` (Adadelta), ``clip_norm``
+  (gradient clipping by norm, 0: off): fusible, per-trial ``[k]`` tensors
+- ``schedule`` (``constant``, ``step``, ``cosine``), ``warmup_epochs``,
+  ``decay_epochs``, ``gamma``, ``final_lr_ratio``: the learning-rate schedule
+  (:mod:`packtune.schedules`), fusible: each member follows its own
 
 **Structural unless declared fusible.** Trials whose configs agree on every
 structural parameter may be trained as one fused array, through one shared
@@ -40,11 +45,13 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from packtune.schedules import SCHEDULE_PARAMS
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-OPTIMIZERS = ("sgd", "adam", "adamw")
+OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop", "adagrad", "adadelta")
 
 OPTIMIZER_PARAMS: dict[str, Any] = {
     "optimizer": "sgd",
@@ -55,13 +62,22 @@ OPTIMIZER_PARAMS: dict[str, Any] = {
     "beta1": 0.9,
     "beta2": 0.999,
     "eps": 1e-8,
+    "alpha": 0.99,
+    "rho": 0.9,
+    "clip_norm": 0.0,
+    **SCHEDULE_PARAMS,
 }
 OPTIMIZER_STRUCTURAL = frozenset({"optimizer", "nesterov"})
-OPTIMIZER_HYPER = ("lr", "momentum", "weight_decay", "beta1", "beta2", "eps")
-"""The fusible optimizer hyperparameters: per-trial ``[k]`` tensors in a fused array."""
+OPTIMIZER_HYPER = (
+    "lr", "momentum", "weight_decay", "beta1", "beta2", "eps", "alpha", "rho", "clip_norm",
+    *SCHEDULE_PARAMS,
+)  # fmt: skip
+"""The fusible optimizer hyperparameters: carried per trial by the fused optimizer (as
+``[k]`` tensors, a schedule as one :class:`packtune.schedules.Schedule` per member)."""
 
-# Keys the worker injects; a study's space may not set them.
-RESERVED = frozenset({"seed", "data_seed"})
+# Keys the worker injects; a study's space may not set them. ``max_epochs`` is the study's
+# ``max_resource`` (the horizon of a cosine schedule).
+RESERVED = frozenset({"seed", "data_seed", "max_epochs"})
 
 
 def batch_order_seed(data_seed: int, epoch: int) -> int:

@@ -203,3 +203,37 @@ def test_values_a_workload_cannot_build_are_rejected_by_its_bounds(
 ) -> None:
     error = rejected({**GOOD, "space": space})
     assert error.field == field and "outside what digits-mlp takes" in error.message
+
+
+@pytest.mark.parametrize(
+    "space,field,message",
+    [
+        ({"optimizer": {"type": "choice", "values": ["sgd", "lion"]}}, "space.optimizer",
+         "'lion' is not one of sgd, adam, adamw, rmsprop, adagrad, adadelta"),
+        ({"schedule": {"type": "choice", "values": ["cosine", "poly"]}}, "space.schedule",
+         "'poly' is not one of constant, step, cosine"),
+        ({"schedule": {"type": "uniform", "low": 0, "high": 1}}, "space.schedule",
+         "None is not one of"),
+        ({"gamma": {"type": "uniform", "low": 0.1, "high": 2.0}}, "space.gamma",
+         "2.0 is outside 0 to 1"),
+        ({"clip_norm": {"type": "choice", "values": [1.0, -1.0]}}, "space.clip_norm",
+         "-1.0 is outside 0 to inf"),
+        ({"warmup_epochs": {"type": "choice", "values": ["two"]}}, "space.warmup_epochs",
+         "'two' is not a number"),
+    ],
+)  # fmt: skip
+def test_training_parameters_take_only_what_the_fused_optimizer_knows(
+    space: dict[str, Any], field: str, message: str
+) -> None:
+    error = rejected({**GOOD, "space": space})
+    assert error.field == field and message in error.message, error
+
+
+def test_a_schedule_and_the_new_optimizers_are_searchable() -> None:
+    space = {
+        "optimizer": {"type": "choice", "values": ["sgd", "rmsprop", "adagrad", "adadelta"]},
+        "schedule": {"type": "choice", "values": ["constant", "step", "cosine"]},
+        "warmup_epochs": {"type": "uniform", "low": 0.0, "high": 2.0},
+        "clip_norm": {"type": "loguniform", "low": 0.1, "high": 10.0},
+    }
+    assert set(validate_spec({**GOOD, "space": space}).space) == set(space)

@@ -1,6 +1,7 @@
 """A study's results never depend on how its trials were packed (real ``packtune serve``).
 
-For every built-in workload and for three plugin workloads that set fusion traps
+For every built-in workload, for a study of schedules, clipping and other optimizers, and
+for three plugin workloads that set fusion traps
 (``tests/support/plugins/trap_workloads.py``: a parameter missing from ``structural``, one
 declared fusible but built as a Python value, one declared fusible and carried as a
 buffer), the same study runs packed and unpacked (``max_pack_size: 1``) through one
@@ -62,7 +63,19 @@ SPACES: dict[str, dict[str, Any]] = {
     "hidden-act-mlp": {"lr": TRAP_LR, "act": ACT},
     "misdeclared-mlp": {"lr": TRAP_LR, "act": ACT},
     "scaled-mlp": {"lr": TRAP_LR, "scale": {"type": "uniform", "low": 0.25, "high": 2.0}},
+    # a training contract beyond plain SGD: schedules, warm-up, clipping, other optimizers;
+    # trials resume mid-schedule at every rung, beside trials at other steps
+    "schedules": {
+        "lr": {"type": "loguniform", "low": 0.005, "high": 0.1},
+        "optimizer": {"type": "choice", "values": ["sgd", "rmsprop", "adagrad"]},
+        "schedule": {"type": "choice", "values": ["constant", "step", "cosine"]},
+        "warmup_epochs": {"type": "uniform", "low": 0.0, "high": 2.0},
+        "decay_epochs": {"type": "choice", "values": [2, 3]},
+        "clip_norm": {"type": "uniform", "low": 0.5, "high": 5.0},
+    },
 }
+#: the workload of a case that is not named after its workload
+WORKLOAD_OF = {"schedules": "digits-mlp"}
 HYPERBAND = {"max_resource": 9, "min_resource": 1, "eta": 3}
 #: Relative tolerance per workload: MLPs stack exactly (bmm: equal to the bit here); vmap's
 #: stacked convolutions and BatchNorm round differently (seen: up to 4e-5 absolute after 9
@@ -77,7 +90,7 @@ REL = {"digits-cnn": 1e-3, "resnet-cifar": 1e-3, "misdeclared-mlp": 1e-3, "scale
 def spec(workload: str, packed: bool) -> dict[str, Any]:
     return {
         "name": f"{workload}-{'packed' if packed else 'unpacked'}",
-        "workload": workload,
+        "workload": WORKLOAD_OF.get(workload, workload),
         "objective": {"metric": "val_loss", "mode": "min"},
         "space": SPACES[workload],
         "hyperband": HYPERBAND,
