@@ -42,13 +42,13 @@ SAMPLE_CHUNK = 2048
 #: brackets are drawn at once (service.lifecycle.wave_size). Measured on this 2-core AMD
 #: EPYC, digits-mlp, 10 seeds (median best val_loss at the study's end; bench b serve,
 #: packed over unpacked, side by side with random sampling's): waves in every bracket
-#: 0.1011 and 2.43x (random 3.22x); in the first bracket only 0.1001 and 2.33x (random
-#: 2.72x): the later brackets' long chains start one epoch after the first wave
+#: 0.1011 and 2.43x (random 3.22x); in the first bracket only 0.1001 and 2.39x (random
+#: 3.05x; embedded 1.95x against 1.93x): the later brackets' long chains start early
 WAVES_PER_BRACKET = 3
 #: a model-based bracket waits for earlier brackets' rungs up to the study's rung resource
 #: of this index (0: the lowest), or its predecessor's first rung if lower
 #: (packtune.iterations.cutoff). Same machine and figures: 1 gave 0.0982 and 2.02x with
-#: waves in every bracket, 0.1024 with waves in the first only; 0 gives 0.1001 and 2.33x
+#: waves in every bracket, 0.1024 with waves in the first only; 0 gives 0.1001 and 2.39x
 WAIT_RUNGS = 0
 #: units one plan takes at most (in group order, so arrays stay whole but the last)
 MAX_UNITS_PER_PLAN = 2048
