@@ -242,10 +242,17 @@ class StackedOptimizer(abc.ABC):
         """A column computed from ``lr``: for the array's life, or per step when scheduled."""
         return (per_step if self.scheduled else const).get(name, values)
 
-    @abc.abstractmethod
     def _update_members(self, rows: list[tuple[Tensor, Tensor, Slots]]) -> None:
         """Update each member's row ``(param, grad, state)`` with torch's fused CPU kernel:
-        one pass over the row's memory where the ops of :meth:`_update` make several."""
+        one pass over the row's memory where the ops of :meth:`_update` make several
+        (only where :attr:`member_kernels` says the rule has one)."""
+        raise NotImplementedError(f"{type(self).__name__} has no fused CPU kernel")
+
+    def _l2(self, p: Tensor, grad: Tensor, const: Columns) -> None:
+        """torch.optim's L2 weight decay: ``grad += weight_decay * p`` (skipped when every
+        member's is 0: adding 0 * p would change nothing)."""
+        if self.decay:
+            grad.addcmul_(p, const.get("wd", lambda: self.hyper["weight_decay"]))
 
     @abc.abstractmethod
     def _update(
@@ -399,17 +406,13 @@ class StackedRMSprop(StackedOptimizer):
         self, p: Tensor, grad: Tensor, state: Slots, const: Columns, per_step: Columns
     ) -> None:
         h = self.hyper
-        if self.decay:
-            grad.addcmul_(p, const.get("wd", lambda: h["weight_decay"]))
+        self._l2(p, grad, const)
         square_avg, buf = state["square_avg"], state["momentum_buffer"]
         square_avg.mul_(const.get("alpha", lambda: h["alpha"]))
         square_avg.addcmul_(grad, grad * const.get("1-alpha", lambda: 1 - h["alpha"]))
         avg = square_avg.sqrt().add_(const.get("eps", lambda: h["eps"]))
         buf.mul_(const.get("momentum", lambda: h["momentum"])).addcdiv_(grad, avg)
         p.addcmul_(buf, self._lr(const, per_step, "-lr", lambda: -h["lr"]))
-
-    def _update_members(self, rows: list[tuple[Tensor, Tensor, Slots]]) -> None:
-        raise NotImplementedError  # no fused CPU kernel: member_kernels is False
 
 
 class StackedAdagrad(StackedOptimizer):
@@ -424,15 +427,11 @@ class StackedAdagrad(StackedOptimizer):
         self, p: Tensor, grad: Tensor, state: Slots, const: Columns, per_step: Columns
     ) -> None:
         h = self.hyper
-        if self.decay:
-            grad.addcmul_(p, const.get("wd", lambda: h["weight_decay"]))
+        self._l2(p, grad, const)
         total = state["sum"]
         total.addcmul_(grad, grad)
         std = total.sqrt().add_(const.get("eps", lambda: h["eps"]))
         p.addcmul_(grad.div_(std), self._lr(const, per_step, "-lr", lambda: -h["lr"]))
-
-    def _update_members(self, rows: list[tuple[Tensor, Tensor, Slots]]) -> None:
-        raise NotImplementedError  # no fused CPU kernel: member_kernels is False
 
 
 class StackedAdadelta(StackedOptimizer):
@@ -445,8 +444,7 @@ class StackedAdadelta(StackedOptimizer):
         self, p: Tensor, grad: Tensor, state: Slots, const: Columns, per_step: Columns
     ) -> None:
         h = self.hyper
-        if self.decay:
-            grad.addcmul_(p, const.get("wd", lambda: h["weight_decay"]))
+        self._l2(p, grad, const)
         rho, eps = const.get("rho", lambda: h["rho"]), const.get("eps", lambda: h["eps"])
         one_minus_rho = const.get("1-rho", lambda: 1 - h["rho"])
         square_avg, acc_delta = state["square_avg"], state["acc_delta"]
@@ -455,9 +453,6 @@ class StackedAdadelta(StackedOptimizer):
         delta = acc_delta.add(eps).sqrt_().div_(std).mul_(grad)
         acc_delta.mul_(rho).addcmul_(delta, delta * one_minus_rho)
         p.addcmul_(delta, self._lr(const, per_step, "-lr", lambda: -h["lr"]))
-
-    def _update_members(self, rows: list[tuple[Tensor, Tensor, Slots]]) -> None:
-        raise NotImplementedError  # no fused CPU kernel: member_kernels is False
 
 
 def build_optimizer(
