@@ -37,7 +37,7 @@ from packtune.sampling import RANDOM_FRACTION, SamplerName
 from packtune.schedules import LIMITS as SCHEDULE_LIMITS
 from packtune.schedules import SCHEDULES
 from packtune.space import Choice, Dimension, parse_space
-from packtune.workloads.base import OPTIMIZERS, RESERVED
+from packtune.workloads.base import OPTIMIZERS, PRECISIONS, RESERVED
 
 # A study bigger than this is almost certainly a unit mistake (steps for epochs).
 MAX_RESOURCE_LIMIT = 10_000
@@ -310,7 +310,9 @@ def check_bounds(workload: str, raw: dict[str, Any]) -> None:
 
 
 #: the shared training parameters that take a name, and the names each takes
-TRAINING_NAMES: dict[str, tuple[str, ...]] = {"optimizer": OPTIMIZERS, "schedule": SCHEDULES}
+TRAINING_NAMES: dict[str, tuple[str, ...]] = {
+    "optimizer": OPTIMIZERS, "schedule": SCHEDULES, "precision": PRECISIONS,
+}  # fmt: skip
 #: the shared numeric training parameters, and the (low, high) each may take
 TRAINING_LIMITS: dict[str, tuple[float, float]] = {
     **{name: (low, high) for name, low, high in SCHEDULE_LIMITS},

@@ -91,13 +91,14 @@ def check(
         fusible=sorted(workload.fusible_params()),
         members=[{k: v for k, v in c.items() if k not in ("data_seed",)} for c in configs],
     )
-    data = workload.data(workload.resolve(configs[0]), device)
+    data = None if workload.streams else workload.data(workload.resolve(configs[0]), device)
     chosen = [(i, configs[i]) for i in range(members)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fused = FusedArray(workload, chosen, device=device, data=data)
         train(fused, steps)
         report.stacks = fused.stacks
+        report.warnings += fused.notes
         if fused.warning:
             report.split = True
             report.warnings.append(fused.warning)

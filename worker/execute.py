@@ -251,7 +251,7 @@ def run_array(
     if not todo:
         return
     try:
-        data = workload.data(first, device)
+        data = None if workload.streams else workload.data(first, device)
         _ensure_profile(job, first, device, kind, data)
         with GLOBAL_RNG:
             array = FusedArray(

@@ -18,6 +18,14 @@ template module, so its members switch together: train mode for steps (batch
 statistics, dropout on), eval mode for validation (running statistics,
 dropout off).
 
+Data: an array trains on the workload's in-memory splits (``data()``: batches are index
+tensors into them) or on streamed batches (``train_batches()``: one loader per array,
+every member on the same batch, or one per member where the workload asks for
+per-member batches; :mod:`worker.batches` moves them to the device). A workload with its
+own step (``training_loss``) runs it under vmap; a vmap stack whose first step fails
+(code vmap cannot batch) is split into one stack per member, with a warning, before any
+member's weights change: the members then train one at a time, as they would unpacked.
+
 Randomness (dropout): each member owns a CPU ``torch.Generator`` seeded from
 its trial seed; its state is part of the member's exported state. Before each
 step of a stack the global generator is reseeded from one draw of each of its
@@ -35,7 +43,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -45,7 +53,14 @@ from torch import Tensor, nn
 from packtune.schedules import SCHEDULE_PARAMS, Schedule, schedule_of
 from packtune.tuning import CUDA_CHECK_EVERY
 from packtune.workloads.base import OPTIMIZER_PARAMS, Split, Workload
-from worker.fused_forward import Forward, bmm_forward, bmm_plan, single_forward, vmap_forward
+from worker.batches import batch_size, epoch_batches, on_device, stack_batches, tree_map
+from worker.fused_forward import (
+    bmm_forward,
+    bmm_plan,
+    custom_losses,
+    single_forward,
+    vmap_forward,
+)
 from worker.fused_group import Group, Stack
 from worker.fusion_guard import model_signature, partition, split_causes
 from worker.optim import OPTIMIZER_HYPER, build_optimizer
@@ -150,22 +165,54 @@ def _stack(
     return params, buffers
 
 
+def stack_of(workload: Workload, template: nn.Module, mode: str, stochastic: bool) -> Stack:
+    """How a stack of ``template``'s members runs in ``mode`` (``bmm``, ``vmap``, ``serial``)."""
+    stacked = workload.per_member_batches
+    if mode == "bmm":
+        plan = bmm_plan(template)
+        assert plan is not None
+        forward, train_forward = bmm_forward(plan), bmm_forward(plan, stacked=True)
+    elif mode == "vmap":
+        forward, train_forward = vmap_forward(template), vmap_forward(template, stacked=True)
+    else:
+        forward, train_forward = single_forward(template), single_forward(template, True)
+    losses = None
+    if workload.custom_step:
+        losses = custom_losses(workload.training_loss, template, mode == "serial", stacked)
+    return Stack(
+        forward, template, stochastic, mode, stacked=stacked,
+        train_forward=train_forward if stacked else None, losses=losses,
+    )  # fmt: skip
+
+
 def _forwards(
-    workload: Workload, template: nn.Module, part: list[int], mode: StackMode, stochastic: bool
-) -> tuple[str, list[tuple[list[int], Forward]]]:
-    """The mode a part of equal models runs in, and its stacks: ``(member indices, forward)``."""
-    plan = bmm_plan(template)
+    workload: Workload,
+    template: nn.Module,
+    part: list[int],
+    mode: StackMode,
+    stochastic: bool,
+    precision: str = "fp32",
+) -> tuple[str, list[tuple[list[int], Stack]]]:
+    """The mode a part of equal models runs in, and its stacks: ``(member indices, stack)``.
+
+    In ``auto`` mode a bf16 model that would stack through vmap runs ``serial``: bf16
+    rounding of vmap's batched convolution differs from one model's by ~1e-3, and training
+    grows that (digits-cnn: 13% apart after two epochs at lr 0.08), so the result would
+    depend on the pack. The hand-fused ``bmm`` path rounds like one model's in bf16 too.
+    """
+    plan = None if workload.custom_step else bmm_plan(template)
     if mode == "auto":
         if stochastic:
             mode = "serial"  # each member draws from its own stream alone, as when unpacked
+        elif plan is not None:
+            mode = "bmm"
         else:
-            mode = "bmm" if plan is not None else "serial" if len(part) == 1 else "vmap"
+            mode = "serial" if len(part) == 1 or precision == "bf16" else "vmap"
     if mode == "bmm" and plan is None:
         raise ValueError(f"{workload.name}'s model is not a hand-fusable Sequential")
     if mode == "serial":
-        return mode, [([i], single_forward(template)) for i in part]
-    forward = bmm_forward(plan) if plan and mode == "bmm" else vmap_forward(template)
-    return mode, [(list(part), forward)]
+        return mode, [([i], stack_of(workload, template, mode, stochastic)) for i in part]
+    return mode, [(list(part), stack_of(workload, template, mode, stochastic))]
 
 
 def _split_warning(
@@ -236,37 +283,73 @@ class FusedArray:
             key: _member_generator(config, state)
             for key, config, state in zip(keys, configs, states, strict=True)
         }
+        self.precision = str(self.config.get("precision", "fp32"))
+        #: what the array did that its caller should know (a vmap stack split per member)
+        self.notes: list[str] = []
         self.groups: list[Group] = []
         for part in parts:
             template = copy.deepcopy(models[part[0]]).to("meta")
             stochastic = _is_stochastic(workload, template)
-            part_mode, pieces = _forwards(workload, template, part, mode, stochastic)
-            self.groups += [
-                self._group([keys[i] for i in idx], [models[i] for i in idx],
-                            [configs[i] for i in idx], [states[i] for i in idx],
-                            Stack(fwd, template, stochastic, part_mode))
-                for idx, fwd in pieces
-            ]  # fmt: skip
-        self.mode = self.groups[0].mode
+            _, pieces = _forwards(workload, template, part, mode, stochastic, self.precision)
+            for idx, stack in pieces:
+                params, buffers = _stack([models[i] for i in idx], self.device)
+                self.groups.append(self._group(
+                    [keys[i] for i in idx], params, buffers,
+                    [s["optimizer"] if s else None for s in (states[i] for i in idx)], stack,
+                ))  # fmt: skip
         self.stochastic = any(group.stochastic for group in self.groups)
-        self.train_split, self.val_split = data or workload.data(self.config, self.device)
+        self.streaming = workload.streams
+        if self.streaming:
+            self.train_split = self.val_split = None
+        else:
+            self.train_split, self.val_split = data or workload.data(self.config, self.device)
 
     def _group(
         self,
         keys: list[Hashable],
-        models: list[nn.Module],
-        configs: list[Mapping[str, Any]],
-        states: list[Mapping[str, Any] | None],
+        params: dict[str, Tensor],
+        buffers: dict[str, Tensor],
+        optimizer_states: Sequence[Any],
         stack: Stack,
     ) -> Group:
-        params, buffers = _stack(models, self.device)
+        configs = [self.configs[key] for key in keys]
         optimizer = build_optimizer(
             str(self.config["optimizer"]), params, hyper_tensors(configs),
             nesterov=bool(self.config.get("nesterov", False)),
-            states=[s["optimizer"] if s else None for s in states],
+            states=list(optimizer_states),
             schedules=schedules(configs, self.steps_per_epoch),
         )  # fmt: skip
-        return Group(keys, params, buffers, optimizer, stack)
+        return Group(keys, params, buffers, optimizer, stack, self.precision)
+
+    def _split_per_member(self, group: Group, error: BaseException) -> list[Group]:
+        """``group``'s members as one stack each (its vmap step failed): the same tensors
+        and optimizer state, trained one at a time from here on."""
+        note = (
+            f"{self.workload.name}: vmap could not run the fused step ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}); members "
+            f"{', '.join(map(str, group.keys))} train one at a time instead"
+        )
+        log.warning("%s", note)
+        self.notes.append(note)
+        stack = stack_of(self.workload, group.template, "serial", group.stochastic)
+        return [
+            self._group(
+                [key],
+                {
+                    n: p.detach()[i : i + 1].clone().requires_grad_(p.requires_grad)
+                    for n, p in group.params.items()
+                },
+                {n: b[i : i + 1].clone() for n, b in group.buffers.items()},
+                [group.optimizer.member_state(i)],
+                stack,
+            )  # fmt: skip
+            for i, key in enumerate(group.keys)
+        ]
+
+    @property
+    def mode(self) -> str:
+        """The forward of the first stack (``bmm``, ``vmap`` or ``serial``)."""
+        return self.groups[0].mode if self.groups else "serial"
 
     @property
     def stacks(self) -> list[tuple[list[Hashable], str]]:
@@ -292,23 +375,84 @@ class FusedArray:
             seed = (seed * _RNG_MIX + draw) % 2**63
         torch.manual_seed(seed)
 
-    def train_step(self, batch: Tensor) -> None:
-        """One step of every member on the train examples ``batch`` (indices).
+    def train_step(self, batch: Any) -> None:
+        """One step of every member on ``batch``: indices into the train split (in-memory
+        data), or one item of :meth:`epoch_inputs` (streamed data).
 
         A member whose loss is not finite leaves the array, at the next
         divergence check: every step on a CPU, every :data:`CUDA_CHECK_EVERY`
         steps (and at each :func:`train` report) on a GPU. Until then it trains on
         alone in its slice: members share no arithmetic, so the others are unchanged.
         """
-        index = batch.to(self.device)
-        x, y = self.train_split.x[index], self.train_split.y[index]
-        for group in self.groups:
-            if group.stochastic:
-                self._reseed(group)
-            group.step(x, y, self.workload, self.step + 1)
+        for group, own in self.group_batches(batch):
+            self._step_group(group, own)
         self.step += 1
         if self.step % self.check_every == 0:
             self.check_divergence()
+
+    def group_batches(self, batch: Any) -> list[tuple[Group, Any]]:
+        """Each group with the training batch it takes from ``batch`` (see :meth:`train_step`):
+        ``(x, y)`` shared by all, or its members' own batches stacked."""
+        if not self.streaming:
+            assert self.train_split is not None
+            index = batch.to(self.device)
+            shared = (self.train_split.x[index], self.train_split.y[index])
+            return [(group, shared) for group in self.groups]
+        if not self.workload.per_member_batches:
+            return [(group, batch) for group in self.groups]
+        return [(group, stack_batches([batch[key] for key in group.keys])) for group in self.groups]
+
+    def _step_group(self, group: Group, batch: Any) -> None:
+        if group.proven:
+            if group.stochastic:
+                self._reseed(group)
+            group.step(batch, self.workload, self.step + 1)
+            return
+        # A vmap stack's first step: vmap may be unable to batch the model's code. Nothing
+        # but buffers (BatchNorm statistics) and the members' random streams change before
+        # the backward pass completes, so on failure they are restored and the members go
+        # on one stack each.
+        saved = {n: b.clone() for n, b in group.buffers.items()}
+        streams = {key: self.generators[key].get_state() for key in group.keys}
+        try:
+            if group.stochastic:
+                self._reseed(group)
+            group.step(batch, self.workload, self.step + 1)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as exc:
+            for n, b in group.buffers.items():
+                b.copy_(saved[n])
+            for p in group.params.values():
+                p.grad = None
+            for key, state in streams.items():
+                self.generators[key].set_state(state)
+            singles = self._split_per_member(group, exc)
+            at = self.groups.index(group)
+            self.groups[at : at + 1] = singles
+            for single in singles:
+                self._step_group(single, _member_batch(batch, group, single))
+
+    def epoch_inputs(self, epoch: int, skip: int, count: int) -> Iterator[Any]:
+        """What :meth:`train_step` takes for steps ``skip`` to ``skip + count`` of
+        ``epoch``: index tensors (in-memory data) or streamed batches on the device (one per
+        member, by key, where the workload streams per member)."""
+        if not self.streaming:
+            batches = list(self.workload.batch_indices(self.config, epoch))
+            yield from batches[skip : skip + count]
+            return
+        name = f"{self.workload.name}.train_batches(epoch={epoch})"
+        if not self.workload.per_member_batches:
+            source = self.workload.train_batches(self.config, epoch)
+            yield from epoch_batches(source, skip, count, self.device, name)
+            return
+        streams = {
+            key: epoch_batches(self.workload.train_batches(config, epoch), skip, count,
+                               self.device, name)
+            for key, config in self.configs.items()
+        }  # fmt: skip
+        for _ in range(count):
+            yield {key: next(stream) for key, stream in streams.items()}
 
     def check_divergence(self) -> None:
         """Drop the members whose loss was not finite at some step (one device read)."""
@@ -349,29 +493,62 @@ class FusedArray:
 
     @torch.no_grad()
     def evaluate(self) -> dict[Hashable, dict[str, float]]:
-        """``val_loss`` and the workload's metrics of every member, in eval mode."""
-        x, y = self.val_split.x, self.val_split.y
-        size = int(self.config["batch_size"])
-        results: dict[Hashable, dict[str, float]] = {}
+        """``val_loss`` and the workload's metrics of every member, in eval mode.
+
+        In-memory data with the workload's own forward: the whole validation split's
+        outputs at once. Streamed data, or a workload's own step: the size-weighted means
+        of the validation batches' values.
+        """
         templates = {id(group.template): group.template for group in self.groups}
         for template in templates.values():
             template.eval()
         try:
+            if self.streaming or self.workload.custom_step:
+                return self._evaluate_batches()
+            assert self.val_split is not None
+            x, y = self.val_split.x, self.val_split.y
+            size = int(self.config["batch_size"])
+            results: dict[Hashable, dict[str, float]] = {}
             for group in self.groups:
-                chunks = [
-                    group.forward(group.params, group.buffers, x[start : start + size])
-                    for start in range(0, x.shape[0], size)
-                ]
-                out = torch.cat(chunks, dim=1)
+                out = torch.cat(
+                    [
+                        group.outputs(x[start : start + size])
+                        for start in range(0, x.shape[0], size)
+                    ],
+                    dim=1,
+                )
                 for i, key in enumerate(group.keys):
                     results[key] = {
                         "val_loss": float(self.workload.loss(out[i], y)),
                         **self.workload.metrics(out[i], y),
                     }
+            return results
         finally:
             for template in templates.values():
                 template.train()
-        return results
+
+    def _validation_batches(self) -> Iterator[Any]:
+        if self.streaming:
+            yield from on_device(self.workload.val_batches(self.config), self.device)
+            return
+        assert self.val_split is not None
+        x, y, size = self.val_split.x, self.val_split.y, int(self.config["batch_size"])
+        for start in range(0, x.shape[0], size):
+            yield x[start : start + size], y[start : start + size]
+
+    def _evaluate_batches(self) -> dict[Hashable, dict[str, float]]:
+        sums: dict[Hashable, dict[str, float]] = {key: {} for key in self.keys}
+        examples = 0
+        for batch in self._validation_batches():
+            examples += batch_size(batch)
+            for group in self.groups:
+                for key, values in zip(group.keys, group.batch_metrics(batch, self.workload),
+                                       strict=True):  # fmt: skip
+                    for name, value in values.items():
+                        sums[key][name] = sums[key].get(name, 0.0) + value
+        if examples == 0:
+            raise ValueError(f"{self.workload.name}.val_batches() yielded no batch")
+        return {key: {n: v / examples for n, v in values.items()} for key, values in sums.items()}
 
     def member_state(self, key: Hashable) -> dict[str, Any]:
         """What resuming ``key`` elsewhere needs, on the CPU (checkpoint-ready)."""
@@ -385,6 +562,15 @@ class FusedArray:
             "rng": self.generators[key].get_state(),
             "steps_done": self.step,
         }
+
+
+def _member_batch(batch: Any, group: Group, single: Group) -> Any:
+    """The slice of ``group``'s training ``batch`` that ``single``'s member takes: the
+    batch itself when shared, its member's row when stacked."""
+    if not group.stack.stacked:
+        return batch
+    i = group.keys.index(single.keys[0])
+    return tree_map(lambda t: t[i : i + 1], batch)
 
 
 @dataclass(frozen=True)
@@ -418,14 +604,16 @@ def train(
     reports: list[Report] = []
     while array.step < to_step and array.groups:
         epoch = array.step // spe
-        batches = list(array.workload.batch_indices(array.config, epoch))
         end, start = min(to_step, (epoch + 1) * spe), array.step
+        inputs = array.epoch_inputs(epoch, start - epoch * spe, end - start)
         diverged_before = set(array.diverged)
         array.reset_train_loss()
-        while array.step < end and array.groups:
+        for batch in inputs:
             if stop is not None and stop.is_set():
                 return reports
-            array.train_step(batches[array.step - epoch * spe])
+            array.train_step(batch)
+            if not array.groups:
+                break
         array.check_divergence()
         train_loss, evaluated = array.train_loss(array.step - start), array.evaluate()
         report = Report(

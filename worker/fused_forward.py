@@ -19,7 +19,12 @@ Three ways to run the stack (:mod:`worker.fused` picks one per array):
   the planner picks where fusion measured slower, e.g. CNNs on a CPU).
 
 Every forward takes ``(params, buffers, x)`` with ``x`` the shared ``[B, ...]``
-batch and returns ``[k, B, ...]``.
+batch, or with ``stacked=True`` the members' own batches ``[k, B, ...]`` (a workload
+with ``per_member_batches``), and returns ``[k, B, ...]``.
+
+A workload with its own per-batch step (``training_loss``) has no single forward: its
+step is :func:`custom_losses` (vmap of the workload's step over the members, or one
+member's plain call), which returns the ``[k]`` losses directly.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from torch.func import functional_call, vmap
 from torch.nn import functional as F
 
 Forward = Callable[[dict[str, Tensor], dict[str, Tensor], Tensor], Tensor]
+#: ``(params, buffers, batch) -> [k]`` losses of a custom per-batch step
+Losses = Callable[[dict[str, Tensor], dict[str, Tensor], Any], Tensor]
 
 # Modules that act element-wise, so they apply unchanged to ``[k, B, F]``.
 _POINTWISE = (
@@ -107,18 +114,24 @@ class _StackedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         h, w = ctx.saved_tensors
+        # Under bf16 autocast the forward ran in bf16 (autocast casts baddbmm's operands)
+        # and g is bf16, while w (the float32 master weight) and the first layer's input are
+        # not: compute in g's precision, as autograd's own backward of an autocast matmul
+        # does; autograd casts each gradient back to its input's dtype.
+        h, w = h.to(g.dtype), w.to(g.dtype)
         grad_h = torch.bmm(g, w) if ctx.needs_input_grad[0] else None
         grad_w = torch.bmm(g.mT, h) if ctx.needs_input_grad[1] else None
         grad_b = g.sum(1) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_h, grad_w, grad_b
 
 
-def bmm_forward(plan: list[tuple[str, nn.Module, str]]) -> Forward:
-    """Forward of a stack following ``plan``: shared ``[B, ...]`` in, ``[k, B, ...]`` out."""
+def bmm_forward(plan: list[tuple[str, nn.Module, str]], stacked: bool = False) -> Forward:
+    """Forward of a stack following ``plan``: shared ``[B, ...]`` (or with ``stacked``, the
+    members' own ``[k, B, ...]``) in, ``[k, B, ...]`` out."""
 
     def forward(params: dict[str, Tensor], buffers: dict[str, Tensor], x: Tensor) -> Tensor:
         k = next(iter(params.values())).shape[0]
-        h, shared = x, True  # shared: still the one input every member sees
+        h, shared = x, not stacked  # shared: still the one input every member sees
         for kind, module, pre in plan:
             if kind == "flatten":
                 h = h.flatten(1 if shared else 2)
@@ -137,20 +150,68 @@ def bmm_forward(plan: list[tuple[str, nn.Module, str]]) -> Forward:
     return forward
 
 
-def vmap_forward(template: nn.Module) -> Forward:
-    """``vmap`` of ``functional_call`` over stacked params and buffers, input shared."""
+def vmap_forward(template: nn.Module, stacked: bool = False) -> Forward:
+    """``vmap`` of ``functional_call`` over stacked params and buffers, input shared (or
+    with ``stacked``, each member's own)."""
 
     def one(params: dict[str, Tensor], buffers: dict[str, Tensor], x: Tensor) -> Tensor:
         return functional_call(template, (params, buffers), (x,))
 
-    return vmap(one, in_dims=(0, 0, None), randomness="different")  # type: ignore[no-any-return]
+    dims = (0, 0, 0 if stacked else None)
+    return vmap(one, in_dims=dims, randomness="different")  # type: ignore[no-any-return]
 
 
-def single_forward(template: nn.Module) -> Forward:
+def _member(params: dict[str, Tensor], buffers: dict[str, Tensor]) -> tuple[dict, dict]:
+    return {n: p[0] for n, p in params.items()}, {n: b[0] for n, b in buffers.items()}
+
+
+def _first(batch: Any) -> Any:
+    """Member 0's slice of a stacked batch (any nesting of tensors)."""
+    from worker.batches import tree_map
+
+    return tree_map(lambda t: t[0], batch)
+
+
+def single_forward(template: nn.Module, stacked: bool = False) -> Forward:
     """A plain call of one member (stack of 1), for serial mode: no vmap overhead."""
 
     def forward(params: dict[str, Tensor], buffers: dict[str, Tensor], x: Tensor) -> Tensor:
-        sliced = ({n: p[0] for n, p in params.items()}, {n: b[0] for n, b in buffers.items()})
-        return functional_call(template, sliced, (x,)).unsqueeze(0)
+        return functional_call(
+            template, _member(params, buffers), (x[0] if stacked else x,)
+        ).unsqueeze(0)
 
     return forward
+
+
+def model_function(
+    template: nn.Module, params: dict[str, Tensor], buffers: dict[str, Tensor]
+) -> Callable[..., Any]:
+    """One member's model as a function of any inputs (its tensors, ``template``'s code)."""
+
+    def model(*args: Any, **kwargs: Any) -> Any:
+        return functional_call(template, (params, buffers), args, kwargs)
+
+    return model
+
+
+def custom_losses(
+    step: Callable[[Callable[..., Any], Any], Tensor],
+    template: nn.Module,
+    serial: bool,
+    stacked: bool = False,
+) -> Losses:
+    """The ``[k]`` losses of a workload's own per-batch ``step`` (``training_loss``): under
+    ``vmap`` over the members (the batch shared, or each member's with ``stacked``), or,
+    ``serial``, one member's plain call."""
+
+    def one(params: dict[str, Tensor], buffers: dict[str, Tensor], batch: Any) -> Tensor:
+        return step(model_function(template, params, buffers), batch)
+
+    if serial:
+
+        def single(params: dict[str, Tensor], buffers: dict[str, Tensor], batch: Any) -> Tensor:
+            return one(*_member(params, buffers), _first(batch) if stacked else batch).reshape(1)
+
+        return single
+    dims = (0, 0, 0 if stacked else None)
+    return vmap(one, in_dims=dims, randomness="different")  # type: ignore[no-any-return]

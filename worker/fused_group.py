@@ -1,7 +1,11 @@
 """One stack of members trained together: forward, per-member losses, backward, update.
 
 A fused array holds one :class:`Group` (all members, ``bmm`` or ``vmap``) or
-one per member (``serial``). A step's per-member losses are recorded for
+one per member (``serial``). A step's batch is ``(x, y)``, shared by the members or, for
+a workload with per-member batches, stacked ``[k, ...]``; a workload with its own step
+(``training_loss``) takes any batch. With ``precision: bf16`` the forward pass runs under
+``torch.autocast`` to bfloat16 (the loss in float32 on its outputs); the stacked weights,
+their gradients and the optimizer stay float32. A step's per-member losses are recorded for
 the epoch's train loss and for divergence: on a CPU by reading them (free
 there) into Python floats; on a GPU with device ops only, so that the host
 can queue the next steps while the device works.
@@ -11,8 +15,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -20,7 +25,8 @@ from torch.func import vmap
 
 from packtune.tuning import LOOP_LOSS_MAX
 from packtune.workloads.base import Workload
-from worker.fused_forward import Forward
+from worker.batches import batch_size
+from worker.fused_forward import Forward, Losses, model_function
 from worker.optim import StackedOptimizer
 
 
@@ -82,12 +88,33 @@ class DeviceLosses:
 class Stack:
     """How a group runs: ``forward`` over the stacked tensors with ``template`` (the
     meta-device module whose train/eval mode is the stack's), whether training draws random
-    numbers, and the forward's name (``bmm``, ``vmap`` or ``serial``)."""
+    numbers, and the forward's name (``bmm``, ``vmap`` or ``serial``).
+
+    ``forward`` takes the shared batch (evaluation, and training unless ``stacked``);
+    ``stacked``: training batches are the members' own, ``[k, ...]``, run by
+    ``train_forward``; ``losses``: a workload's own step (``training_loss``), in place of
+    forward and loss when training.
+    """
 
     forward: Forward
     template: nn.Module
     stochastic: bool
     mode: str
+    stacked: bool = False
+    train_forward: Forward | None = None
+    losses: Losses | None = None
+
+
+def full(t: Tensor) -> Tensor:
+    """``t`` in float32 if autocast made it a half type (loss and metrics in float32)."""
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
+def autocast(precision: str, device: torch.device) -> AbstractContextManager[Any]:
+    """The context a forward pass runs in at ``precision`` (``fp32``: none)."""
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return nullcontext()
 
 
 class Group:
@@ -104,36 +131,90 @@ class Group:
         buffers: dict[str, Tensor],
         optimizer: StackedOptimizer,
         stack: Stack,
+        precision: str = "fp32",
     ) -> None:
         self.keys, self.params, self.buffers = keys, params, buffers
-        self.optimizer, self.forward = optimizer, stack.forward
+        self.optimizer, self.forward, self.stack = optimizer, stack.forward, stack
         self.template, self.stochastic, self.mode = stack.template, stack.stochastic, stack.mode
-        device = next(iter(params.values())).device
-        self.on_host = device.type == "cpu"
-        self.losses = HostLosses(len(keys)) if self.on_host else DeviceLosses(len(keys), device)
+        self.precision = precision
+        self.device = next(iter(params.values())).device
+        self.on_host = self.device.type == "cpu"
+        self.losses = (
+            HostLosses(len(keys)) if self.on_host else DeviceLosses(len(keys), self.device)
+        )
+        #: whether a training step has run: a vmap stack that fails its first step is
+        #: trained one member at a time instead (see ``FusedArray``)
+        self.proven = self.mode != "vmap"
 
-    def step(self, x: Tensor, y: Tensor, workload: Workload, number: int) -> None:
-        """Optimizer step ``number`` on the batch, recording the members' losses."""
-        out = self.forward(self.params, self.buffers, x)
-        losses = self._losses(out, y, workload)
+    def autocast(self) -> AbstractContextManager[Any]:
+        return autocast(self.precision, self.device)
+
+    def step(self, batch: Any, workload: Workload, number: int) -> None:
+        """Optimizer step ``number`` on ``batch``, recording the members' losses."""
+        losses = self.batch_losses(batch, workload)
         losses.sum().backward()
         self.optimizer.step()
         self.optimizer.zero_grad()
         self.losses.record(losses.detach(), number)
+        self.proven = True
 
-    def _losses(self, out: Tensor, y: Tensor, workload: Workload) -> Tensor:
-        """The members' ``[k]`` losses: the workload's batched form where it has one."""
+    def batch_losses(self, batch: Any, workload: Workload) -> Tensor:
+        """The members' ``[k]`` losses on a training ``batch`` (float32, not bf16; autograd)."""
+        if self.stack.losses is not None:
+            with self.autocast():
+                return full(self.stack.losses(self.params, self.buffers, batch))
+        x, y = batch
+        forward = self.stack.train_forward or self.forward
+        with self.autocast():
+            out = forward(self.params, self.buffers, x)
+        return self._losses(full(out), y, workload, self.stack.stacked)
+
+    def _losses(self, out: Tensor, y: Tensor, workload: Workload, stacked: bool) -> Tensor:
+        """The members' ``[k]`` losses: the workload's batched form where it has one;
+        ``stacked``: each member's targets are its own (``y[i]``)."""
         k, loss = len(self.keys), workload.loss
+        if stacked:
+            return torch.stack(
+                [loss(o, t) for o, t in zip(out.unbind(0), y.unbind(0), strict=True)]
+            )
         if k == 1:
             return loss(out[0], y).unsqueeze(0)
-        stacked = workload.stacked_loss(out, y)
-        if stacked is not None:
-            return stacked
+        batched = workload.stacked_loss(out, y)
+        if batched is not None:
+            return batched
         if k <= LOOP_LOSS_MAX and self.on_host:
             # unbind: one autograd node whose backward stacks the k gradients, where
             # k selections would each scatter into a zero [k, B, ...] tensor to be summed
             return torch.stack([loss(o, y) for o in out.unbind(0)])
         return cast(Tensor, vmap(loss, in_dims=(0, None))(out, y))
+
+    def outputs(self, x: Tensor) -> Tensor:
+        """The members' outputs ``[k, B, ...]`` on a shared input (float32, not bf16)."""
+        with self.autocast():
+            return full(self.forward(self.params, self.buffers, x))
+
+    def batch_metrics(self, batch: Any, workload: Workload) -> list[dict[str, float]]:
+        """Each member's ``val_loss`` and metrics on one validation ``batch``, each value
+        multiplied by the batch's size (so that summing over batches and dividing by the
+        examples gives means)."""
+        size = batch_size(batch)
+        if not workload.custom_step:
+            x, y = batch
+            per_member = []
+            for o in self.outputs(x).unbind(0):
+                values: dict[str, Any] = {"val_loss": workload.loss(o, y), **workload.metrics(o, y)}
+                per_member.append({key: float(v) * size for key, v in values.items()})
+            return per_member
+        per_member = []
+        with self.autocast():
+            for i in range(len(self.keys)):  # evaluation: one member at a time, any code
+                params = {n: p[i] for n, p in self.params.items()}
+                buffers = {n: b[i] for n, b in self.buffers.items()}
+                values = workload.validation_metrics(
+                    model_function(self.template, params, buffers), batch
+                )
+                per_member.append({key: float(v) * size for key, v in values.items()})
+        return per_member
 
     def keep(self, index: list[int]) -> None:
         """Keep members ``index`` (dropping the others' slices everywhere)."""

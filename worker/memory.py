@@ -11,13 +11,15 @@ business; nothing here touches a database.
 - On CUDA the peak is measured: ``torch.cuda.reset_peak_memory_stats`` then
   ``max_memory_allocated`` around a warm-up step and ``steps`` timed steps
   (throughput from the fastest of them).
-  The dataset already on the device counts toward ``base``.
+  The dataset already on the device counts toward ``base``; a streaming
+  workload's data set does not (it stays on the host), only the batches in flight.
 - On a CPU there is no allocator counter worth trusting, so the peak is an
-  estimate: the dataset, the stacked parameters, their gradients, buffers and
-  optimizer state, plus what one training step keeps alive for backward (the
-  tensors autograd saves, measured with ``saved_tensors_hooks`` and counted
-  once per storage) plus the batch. It leaves out allocator slack and
-  short-lived temporaries, so it is a lower bound of the true peak.
+  estimate: the dataset (in-memory workloads), the stacked parameters, their
+  gradients, buffers and optimizer state, plus what one training step keeps
+  alive for backward (the tensors autograd saves, measured with
+  ``saved_tensors_hooks`` and counted once per storage) plus the batch (twice for a
+  streaming workload: the one in use and the next being prefetched). It leaves out
+  allocator slack and short-lived temporaries, so it is a lower bound of the true peak.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 from torch import Tensor
 
 from packtune.workloads.base import Split, Workload
+from worker.batches import tensors
 from worker.fused import FusedArray, StackMode
 
 
@@ -59,13 +62,17 @@ def _storage_bytes(tensors: Sequence[Tensor], seen: set[int]) -> int:
     return total
 
 
-def _cpu_peak(array: FusedArray, batch: Tensor) -> int:
+def _cpu_peak(array: FusedArray, batch: Any) -> int:
     """Estimated peak bytes of one training step of ``array`` (see module docstring)."""
     seen: set[int] = set()
-    data = [array.train_split.x, array.train_split.y, array.val_split.x, array.val_split.y]
-    total = _storage_bytes(data, seen)
-    x, y = array.train_split.x[batch], array.train_split.y[batch]
-    total += x.nbytes + y.nbytes
+    total = 0
+    if array.train_split is not None and array.val_split is not None:
+        data = [array.train_split.x, array.train_split.y, array.val_split.x, array.val_split.y]
+        total += _storage_bytes(data, seen)
+    by_group = array.group_batches(batch)
+    in_flight = 2 if array.streaming else 1  # streamed: the next batch is on its way
+    for _, own in by_group:
+        total += in_flight * _storage_bytes(tensors(own), seen)
     for group in array.groups:
         params = list(group.params.values())
         state = [t for slots in group.optimizer.state.values() for t in slots.values()]
@@ -77,10 +84,10 @@ def _cpu_peak(array: FusedArray, batch: Tensor) -> int:
         saved.append(t)
         return t
 
-    for group in array.groups:
+    for group, own in by_group:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = group.forward(group.params, group.buffers, x)
-        total += _storage_bytes(saved + [out], seen)
+            losses = group.batch_losses(own, array.workload)
+        total += _storage_bytes(saved + [losses], seen)
         saved.clear()
     return total
 
@@ -91,7 +98,7 @@ def _step_seconds(array: FusedArray, workload: Workload, steps: int) -> float:
     The minimum, not the mean: on a shared or oversubscribed CPU single steps
     stall for tens of milliseconds, and the planner compares array sizes.
     """
-    batches = list(workload.batch_indices(array.config, 0))
+    batches = list(array.epoch_inputs(0, 0, min(steps + 1, array.steps_per_epoch)))
     sync = torch.cuda.synchronize if array.device.type == "cuda" else (lambda device: None)
     array.train_step(batches[0])
     sync(array.device)
@@ -124,7 +131,8 @@ def probe(
     cuda = device.type == "cuda"
     cfg = workload.resolve(config)
     seed = int(cfg.get("seed", 0))
-    data = data or workload.data(cfg, device)
+    if data is None and not workload.streams:
+        data = workload.data(cfg, device)
     peaks: dict[int, int] = {}
     throughput: dict[int, float] = {}
     for k in sorted(set(ks)):
@@ -139,7 +147,7 @@ def probe(
         if cuda:
             peaks[k] = int(torch.cuda.max_memory_allocated(device))
         else:
-            peaks[k] = _cpu_peak(array, next(iter(workload.batch_indices(cfg, 0))))
+            peaks[k] = _cpu_peak(array, next(array.epoch_inputs(0, 0, 1)))
         del array
     (k1, p1), (k2, p2) = sorted(peaks.items())[:2]
     per_trial = max(1, round((p2 - p1) / (k2 - k1)))

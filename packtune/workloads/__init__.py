@@ -28,6 +28,7 @@ BUILTINS = tuple(
     for name, value in (
         ("digits-mlp", "worker.workloads.digits:DigitsMLP"),
         ("digits-cnn", "worker.workloads.digits:DigitsCNN"),
+        ("digits-files", "worker.workloads.digits_files:DigitsFiles"),
         ("synthetic-mlp", "worker.workloads.synthetic:SyntheticMLP"),
         ("resnet-cifar", "worker.workloads.resnet:ResNetCifar"),
     )
@@ -52,6 +53,11 @@ def registry() -> dict[str, Workload]:
             continue
         if not isinstance(workload, Workload):
             log.warning("entry point %s is not a packtune Workload; ignored", ep.name)
+            continue
+        problem = workload.interface_problem()
+        if problem is not None:
+            log.warning("workload %s from entry point %s is ignored: %s", workload.name,
+                        ep.name, problem)  # fmt: skip
             continue
         if workload.name in found:
             log.warning(

@@ -20,6 +20,9 @@ Config keys every built-in workload shares (see :data:`OPTIMIZER_PARAMS`):
 - ``schedule`` (``constant``, ``step``, ``cosine``), ``warmup_epochs``,
   ``decay_epochs``, ``gamma``, ``final_lr_ratio``: the learning-rate schedule
   (:mod:`packtune.schedules`), fusible: each member follows its own
+- ``precision`` (structural): one of :data:`PRECISIONS`: ``fp32``, or ``bf16``
+  (the forward pass under ``torch.autocast`` to bfloat16; the weights, their
+  gradients and the optimizer stay float32)
 
 **Structural unless declared fusible.** Trials whose configs agree on every
 structural parameter may be trained as one fused array, through one shared
@@ -41,7 +44,7 @@ see the same batches) before calling the workload.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +55,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop", "adagrad", "adadelta")
+PRECISIONS = ("fp32", "bf16")
 
 OPTIMIZER_PARAMS: dict[str, Any] = {
     "optimizer": "sgd",
@@ -66,8 +70,9 @@ OPTIMIZER_PARAMS: dict[str, Any] = {
     "rho": 0.9,
     "clip_norm": 0.0,
     **SCHEDULE_PARAMS,
+    "precision": "fp32",
 }
-OPTIMIZER_STRUCTURAL = frozenset({"optimizer", "nesterov"})
+OPTIMIZER_STRUCTURAL = frozenset({"optimizer", "nesterov", "precision"})
 OPTIMIZER_HYPER = (
     "lr", "momentum", "weight_decay", "beta1", "beta2", "eps", "alpha", "rho", "clip_norm",
     *SCHEDULE_PARAMS,
@@ -85,6 +90,19 @@ def batch_order_seed(data_seed: int, epoch: int) -> int:
     63 bits so that any study seed the spec admits (up to 2**63 - 1) seeds a generator
     (torch's take at most 2**64 - 1); for seeds below ~9.2e12 it is the plain formula."""
     return (data_seed * 1_000_003 + epoch) % 2**63
+
+
+def epoch_generator(config: Mapping[str, Any], epoch: int, *, per_trial: bool = False) -> Any:
+    """A ``torch.Generator`` for one epoch's data order (and augmentation): seeded from the
+    study's ``data_seed`` and ``epoch``, or, with ``per_trial``, from the trial's own
+    ``seed`` too. Give it to a ``DataLoader(shuffle=True, generator=...)``: its order, and
+    the seeds of its worker processes, then depend on nothing else."""
+    import torch
+
+    seed = batch_order_seed(int(config.get("data_seed", 0)), epoch)
+    if per_trial:
+        seed = (seed * 6364136223846793005 + int(config.get("seed", 0))) % 2**63
+    return torch.Generator().manual_seed(seed)
 
 
 @dataclass(frozen=True)
@@ -150,13 +168,90 @@ class Workload(abc.ABC):
     def build_model(self, config: Mapping[str, Any]) -> nn.Module:
         """One trial's model; the caller seeds torch with ``config['seed']`` first."""
 
-    @abc.abstractmethod
     def data(self, config: Mapping[str, Any], device: Any = "cpu") -> tuple[Split, Split]:
-        """(train, validation) tensors; the same for every trial with the same structure."""
+        """(train, validation) tensors on ``device``; the same for every trial with the same
+        structure. The in-memory path, the fast one for data that fits the device: implement
+        this, or :meth:`train_batches` and :meth:`val_batches` to stream."""
+        raise NotImplementedError(
+            f"{type(self).__name__} implements neither data() nor train_batches()/val_batches()"
+        )
 
-    @abc.abstractmethod
+    #: streaming only: each member of a fused array draws its own batches
+    #: (``train_batches`` is called with each trial's config, ``seed`` included, e.g. for
+    #: augmentation seeded per trial) instead of one shared batch for the whole array
+    per_member_batches: bool = False
+
+    def train_batches(self, config: Mapping[str, Any], epoch: int) -> Iterable[Any]:
+        """Optional, streaming: the training batches of ``epoch`` (0-based), e.g. a
+        ``torch.utils.data.DataLoader``, on the host; packtune moves them to the device.
+
+        A batch is ``(inputs, targets)`` (tensors, or for :meth:`training_loss` any nesting
+        of tuples, lists and dicts of tensors). It must yield at least
+        :meth:`steps_per_epoch` batches, the same for every trial of one structure and
+        deterministic from ``config["data_seed"]`` and ``epoch`` (use
+        :func:`epoch_generator`): a trial resumed mid-epoch skips the batches it trained on.
+        """
+        raise NotImplementedError
+
+    def val_batches(self, config: Mapping[str, Any]) -> Iterable[Any]:
+        """Optional, streaming: the validation batches (the same every time). The metrics of
+        a streamed validation are the means of the batches' values weighted by their size,
+        so they must be means over examples (a loss, an accuracy)."""
+        raise NotImplementedError
+
+    def training_loss(self, model: Callable[..., Any], batch: Any) -> torch.Tensor:
+        """Optional, a custom per-batch step: one model's mean loss on one batch.
+
+        ``model`` is the trial's model as a function (call it as many times and with
+        whatever inputs the step needs: several inputs, several outputs); ``batch`` is what
+        :meth:`train_batches` yielded (or ``(x, y)`` of the in-memory path), on the device.
+        A fused array runs it under ``torch.func.vmap`` over the members, so it must use
+        no Python control flow on tensor values and no ``.item()``; where vmap cannot run
+        it, the array trains its members one at a time instead, with a warning.
+        Without it, the step is ``loss(model(inputs), targets)``.
+        """
+        raise NotImplementedError
+
+    def validation_metrics(self, model: Callable[..., Any], batch: Any) -> dict[str, Any]:
+        """With :meth:`training_loss`: ``val_loss`` and the workload's metrics of one
+        validation batch (tensors or floats, means over the batch's examples)."""
+        raise NotImplementedError
+
+    @property
+    def streams(self) -> bool:
+        """Whether the workload streams its batches (:meth:`train_batches`)."""
+        return type(self).train_batches is not Workload.train_batches
+
+    @property
+    def custom_step(self) -> bool:
+        """Whether the workload defines its own per-batch step (:meth:`training_loss`)."""
+        return type(self).training_loss is not Workload.training_loss
+
+    def interface_problem(self) -> str | None:
+        """What the workload lacks to be trained, in one sentence; None when complete."""
+        own = type(self)
+
+        def has(method: str) -> bool:
+            return getattr(own, method) is not getattr(Workload, method)
+
+        if not (has("data") or self.streams):
+            return "it implements neither data() nor train_batches()"
+        if self.streams and not has("val_batches"):
+            return "it implements train_batches() but not val_batches()"
+        if self.per_member_batches and not self.streams:
+            return "per_member_batches needs train_batches()"
+        if not (has("loss") or self.custom_step):
+            return "it implements neither loss() nor training_loss()"
+        if self.custom_step and not has("validation_metrics"):
+            return "it implements training_loss() but not validation_metrics()"
+        return None
+
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean loss of one model's ``outputs``; must work under ``torch.func.vmap``."""
+        """Mean loss of one model's ``outputs``; must work under ``torch.func.vmap``.
+        Required unless the workload defines :meth:`training_loss`."""
+        raise NotImplementedError(
+            f"{type(self).__name__} defines neither loss() nor training_loss()"
+        )
 
     def stacked_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Optional: the ``[k]`` losses of k models' stacked ``outputs`` (``[k, B, ...]``).
@@ -168,9 +263,10 @@ class Workload(abc.ABC):
         """
         return None
 
-    @abc.abstractmethod
     def metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
-        """Extra validation metrics (e.g. ``{"val_accuracy": 0.93}``) for one model."""
+        """Extra validation metrics (e.g. ``{"val_accuracy": 0.93}``) for one model; none
+        by default."""
+        return {}
 
     def steps_per_epoch(self, config: Mapping[str, Any]) -> int:
         """Optimizer steps in one epoch: the train split in batches (last partial batch dropped)."""
