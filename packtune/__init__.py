@@ -7,6 +7,15 @@ names below are stable. Everything under ``service`` and ``worker`` is
 internal.
 """
 
-from packtune.workloads.base import OPTIMIZER_HYPER, OPTIMIZER_PARAMS, Split, Workload
+from packtune.workloads.base import (
+    OPTIMIZER_HYPER,
+    OPTIMIZER_PARAMS,
+    PRECISIONS,
+    Split,
+    Workload,
+    epoch_generator,
+)
 
-__all__ = ["OPTIMIZER_HYPER", "OPTIMIZER_PARAMS", "Split", "Workload"]
+__all__ = [
+    "OPTIMIZER_HYPER", "OPTIMIZER_PARAMS", "PRECISIONS", "Split", "Workload", "epoch_generator",
+]  # fmt: skip

@@ -82,8 +82,11 @@ class _Strict(BaseModel):
 
 
 class Objective(_Strict):
+    """The metric trials are ranked by; ``mode`` (``min``/``max``) defaults to the direction
+    the workload declares for it (``Workload.reports``), else ``min``."""
+
     metric: Annotated[str, StringConstraints(min_length=1, max_length=100)] = "val_loss"
-    mode: Literal["min", "max"] = "min"
+    mode: Literal["min", "max"] | None = None
 
 
 class HyperbandSettings(_Strict):
@@ -188,7 +191,8 @@ class StudySpec(_Strict):
         check_space(self.workload, self.space)
         check_bounds(self.workload, self.space)
         check_training(self.workload, self.space)
-        check_objective(self.workload, self.objective)
+        # the mode the workload declares, filled in (frozen model: set once, here)
+        object.__setattr__(self, "objective", check_objective(self.workload, self.objective))
         check_size(self.hyperband, self.budget)
         return self
 
@@ -237,7 +241,12 @@ class StoredSpec:
         sampler = sampler if sampler is not None else {"name": "random"}
         return cls(
             workload=str(spec.get("workload", "")),
-            objective=Objective.model_construct(**(spec.get("objective") or {})),
+            objective=Objective.model_construct(
+                **{
+                    "mode": "min",
+                    **{k: v for k, v in (spec.get("objective") or {}).items() if v is not None},
+                }
+            ),
             hyperband=HyperbandSettings.model_construct(
                 **{k: v for k, v in hb.items() if k in HyperbandSettings.model_fields}
             ),
@@ -347,8 +356,9 @@ def check_training(workload: str, raw: dict[str, Any]) -> None:
                     raise SpecError(f"space.{name}", f"{value!r} is outside {low:g} to {high:g}")
 
 
-def check_objective(workload: str, objective: Objective) -> None:
-    """The objective's metric is one the workload reports (when it declares them)."""
+def check_objective(workload: str, objective: Objective) -> Objective:
+    """The objective's metric is one the workload reports (when it declares them), ranked in
+    the direction the workload declares for it: ``objective`` with its ``mode`` filled in."""
     reported = _workloads()[workload].reported_metrics()
     if reported is not None and objective.metric not in reported:
         raise SpecError(
@@ -356,6 +366,16 @@ def check_objective(workload: str, objective: Objective) -> None:
             f"workload {workload!r} does not report {objective.metric!r}; "
             f"it reports {sorted(reported)}",
         )
+    better = (reported or {}).get(objective.metric)
+    if objective.mode is not None and better is not None and objective.mode != better:
+        higher = "higher" if better == "max" else "lower"
+        raise SpecError(
+            "objective.mode",
+            f"{objective.metric} is better when {higher} ({workload!r} declares {better!r}); "
+            f"mode {objective.mode!r} would rank the worst trial first",
+        )
+    mode = objective.mode or better or "min"
+    return objective.model_copy(update={"mode": mode})
 
 
 def check_size(hb: HyperbandSettings, budget: Budget | None = None) -> None:

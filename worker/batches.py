@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from worker.rng import GLOBAL_RNG
+
 
 def tree_map(fn: Callable[[Tensor], Any], batch: Any) -> Any:
     """``fn`` applied to every tensor of ``batch`` (tuples, lists and dicts nest)."""
@@ -121,7 +123,8 @@ def epoch_batches(
     Raises ``ValueError`` naming ``what`` when the epoch ends before them: a loader that
     yields fewer batches than the workload's ``steps_per_epoch``.
     """
-    it = iter(source)
+    with GLOBAL_RNG:  # a loader's iterator may fork its workers here (see worker.rng)
+        it = iter(source)
     for _ in itertools.islice(it, skip):  # a resumed trial: the batches it trained on
         pass
     wanted = itertools.islice(it, count)

@@ -16,6 +16,7 @@ import logging
 import multiprocessing
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -46,13 +47,18 @@ def _init_runner(parent: int, nice: int) -> None:
 
     if nice and hasattr(os, "nice"):
         os.nice(nice)
+    if "fork" in multiprocessing.get_all_start_methods() and sys.platform == "linux":
+        # This child was spawned, so processes it starts would be spawned too: a workload's
+        # DataLoader workers would then re-import torch every epoch (seconds each) and need a
+        # picklable dataset. Fork them, as in any Linux process (and as RQ's work-horse does).
+        multiprocessing.set_start_method("fork", force=True)
     threading.Thread(target=watch, name="packtune-parent-watch", daemon=True).start()
 
 
 def _warm_up(workload: str | None) -> str:
     """In the child, ahead of its first pack: import what packs need, start the device and
-    load ``workload``'s data (with its defaults: the built-ins' data do not depend on the
-    searched parameters). A failure is only logged: the pack that needs it will raise it."""
+    load ``workload``'s in-memory data (with its defaults: the built-ins' data do not depend
+    on the searched parameters). A failure is only logged: the pack that needs it will raise it."""
     started = time.perf_counter()
     try:
         import torch
@@ -62,8 +68,9 @@ def _warm_up(workload: str | None) -> str:
 
         device = pick_device()
         torch.zeros(1, device=device)  # on a GPU: the CUDA context, seconds
-        if workload is not None:
-            get_workload(workload).data({}, device)
+        chosen = get_workload(workload) if workload is not None else None
+        if chosen is not None and not chosen.streams:  # a streaming one has no data() to load
+            chosen.data({}, device)
     except Exception as exc:
         log.warning("embedded runner: warm-up failed (%s: %s)", type(exc).__name__, exc)
         return f"failed: {exc}"

@@ -39,14 +39,9 @@ from service.models import TrialStatus
 from worker.checkpoints import load_checkpoint, save_checkpoint
 from worker.fused import FusedArray, Report, train
 from worker.memory import probe
+from worker.rng import GLOBAL_RNG
 
 log = logging.getLogger(__name__)
-
-#: Held while an array draws from torch's global generator: building its members (each
-#: seeded with ``torch.manual_seed``) and, for a stochastic array, all of its training
-#: (each step reseeds it). Arrays of one pack trained at once in threads (see
-#: ``worker.jobs``) then draw exactly what they would draw one after another.
-GLOBAL_RNG = threading.RLock()
 
 NOT_A_TRIAL_FAULT = (StoreUnavailable, SQLAlchemyError, torch.cuda.OutOfMemoryError)
 

@@ -62,6 +62,7 @@ from worker.fused_forward import (
     vmap_forward,
 )
 from worker.fused_group import Group, Stack
+from worker.rng import GLOBAL_RNG
 from worker.fusion_guard import model_signature, partition, split_causes
 from worker.optim import OPTIMIZER_HYPER, build_optimizer
 
@@ -529,7 +530,9 @@ class FusedArray:
 
     def _validation_batches(self) -> Iterator[Any]:
         if self.streaming:
-            yield from on_device(self.workload.val_batches(self.config), self.device)
+            with GLOBAL_RNG:  # the loader may fork its workers (see worker.rng)
+                source = iter(self.workload.val_batches(self.config))
+            yield from on_device(source, self.device)
             return
         assert self.val_split is not None
         x, y, size = self.val_split.x, self.val_split.y, int(self.config["batch_size"])

@@ -1,10 +1,13 @@
 """A study's results never depend on how its trials were packed (real ``packtune serve``).
 
-For every built-in workload, for a study of schedules, clipping and other optimizers, and
-for three plugin workloads that set fusion traps
+For every built-in workload, for a study of schedules, clipping and other optimizers, for
+a bf16 (autocast) study, for three plugin workloads that set fusion traps
 (``tests/support/plugins/trap_workloads.py``: a parameter missing from ``structural``, one
 declared fusible but built as a Python value, one declared fusible and carried as a
-buffer), the same study runs packed and unpacked (``max_pack_size: 1``) through one
+buffer), and for four plugins beyond in-memory tensors
+(``tests/support/plugins/stream_workloads.py``: a DataLoader over image files the test
+writes, batches augmented per trial, a custom step on dict batches with two outputs, a
+step vmap cannot batch), the same study runs packed and unpacked (``max_pack_size: 1``) through one
 ``packtune serve``; every trial matches its unpacked twin (same sample index) at every
 measured resource to float rounding, and both studies pick the same best trial.
 """
@@ -21,6 +24,7 @@ import pytest
 
 from tests.support.plugins import HERE as PLUGIN_MODULES
 from tests.support.plugins import install_plugin
+from tests.support.plugins.stream_workloads import write_image_folder
 from tests.support.processes import (
     check_hyperband,
     final_metrics,
@@ -73,9 +77,18 @@ SPACES: dict[str, dict[str, Any]] = {
         "decay_epochs": {"type": "choice", "values": [2, 3]},
         "clip_norm": {"type": "uniform", "low": 0.5, "high": 5.0},
     },
-}
+    # mixed precision: the forward under bf16 autocast, batch norm included
+    "bf16": {"lr": LR, "batch_norm": fixed(True), "precision": fixed("bf16")},
+    # streamed from files through DataLoaders (the built-in and a plugin's own folder)
+    "digits-files": {"lr": LR, "augment": fixed(True), "loader_workers": fixed(1)},
+    "folder-images": {"lr": LR, "root": "IMAGES"},
+    "augmented-images": {"lr": LR, "root": "IMAGES"},
+    "multi-task": {"lr": TRAP_LR, "root": "IMAGES",
+                   "aux_weight": {"type": "uniform", "low": 0.1, "high": 2.0}},
+    "unbatchable": {"lr": TRAP_LR},
+}  # fmt: skip
 #: the workload of a case that is not named after its workload
-WORKLOAD_OF = {"schedules": "digits-mlp"}
+WORKLOAD_OF = {"schedules": "digits-mlp", "bf16": "digits-mlp"}
 HYPERBAND = {"max_resource": 9, "min_resource": 1, "eta": 3}
 #: Relative tolerance per workload: MLPs stack exactly (bmm: equal to the bit here); vmap's
 #: stacked convolutions and BatchNorm round differently (seen: up to 4e-5 absolute after 9
@@ -84,7 +97,20 @@ HYPERBAND = {"max_resource": 9, "min_resource": 1, "eta": 3}
 #: than bmm: equal to float rounding, which depends on k (seen: 3.5e-5 after 8 epochs on an
 #: Intel Xeon, 1.1e-4 after 9 at lr 0.3 on an AMD EPYC); a wrong fusion (relu trained as
 #: tanh) is off by far more (test_the_traps_differ_where_a_wrong_fusion_would_hide_it).
-REL = {"digits-cnn": 1e-3, "resnet-cifar": 1e-3, "misdeclared-mlp": 1e-3, "scaled-mlp": 1e-3}
+#: multi-task's custom step stacks through vmap too.
+REL = {
+    "digits-cnn": 1e-3, "resnet-cifar": 1e-3, "misdeclared-mlp": 1e-3, "scaled-mlp": 1e-3,
+    "multi-task": 1e-3,
+}  # fmt: skip
+#: the folder of images the streaming plugins read (written once per test module)
+IMAGES: dict[str, str] = {}
+
+
+def space(workload: str) -> dict[str, Any]:
+    return {
+        name: fixed(IMAGES["root"]) if dim == "IMAGES" else dim
+        for name, dim in SPACES[workload].items()
+    }
 
 
 def spec(workload: str, packed: bool) -> dict[str, Any]:
@@ -92,7 +118,7 @@ def spec(workload: str, packed: bool) -> dict[str, Any]:
         "name": f"{workload}-{'packed' if packed else 'unpacked'}",
         "workload": WORKLOAD_OF.get(workload, workload),
         "objective": {"metric": "val_loss", "mode": "min"},
-        "space": SPACES[workload],
+        "space": space(workload),
         "hyperband": HYPERBAND,
         "packing": {"enabled": True, "max_pack_size": None if packed else 1},
         # the default sampler, tpe: the same configs must come out packed and unpacked
@@ -107,7 +133,12 @@ def plugin_path(tmp_path_factory: pytest.TempPathFactory) -> str:
         "hidden": "trap_workloads:HiddenActMLP",
         "misdeclared": "trap_workloads:MisdeclaredMLP",
         "scaled": "trap_workloads:ScaledMLP",
+        "folder": "stream_workloads:FolderImages",
+        "augmented": "stream_workloads:AugmentedImages",
+        "multitask": "stream_workloads:MultiTask",
+        "unbatchable": "stream_workloads:Unbatchable",
     })  # fmt: skip
+    IMAGES["root"] = str(write_image_folder(tmp_path_factory.mktemp("images")))
     return os.pathsep.join(
         filter(None, [str(root), str(PLUGIN_MODULES), os.environ.get("PYTHONPATH")])
     )
@@ -125,6 +156,7 @@ def results(
         scheduler_interval=0.2,
     )
     env["PYTHONPATH"] = plugin_path
+    env["PACKTUNE_DATA_DIR"] = str(tmp / "data")  # digits-files writes its files here
     log = tmp / "serve.log"
     with serving(env, log) as url:
         ids = {}
@@ -201,3 +233,19 @@ def test_the_traps_differ_where_a_wrong_fusion_would_hide_it(
     log = results["log", True]["text"]
     assert "misdeclared-mlp: members build models that differ" in log
     assert "(parameter 'act')" in log
+
+
+def test_beyond_in_memory_tensors_the_packs_really_were_streamed_fused_or_split(
+    results: dict[tuple[str, bool], dict[str, Any]],
+) -> None:
+    """Not vacuous: the streamed, custom-step and bf16 studies packed several trials into one
+    array, and the unbatchable step was split per member (the others were not)."""
+    for workload in ("bf16", "digits-files", "folder-images", "augmented-images", "multi-task"):
+        fused = [
+            p for p in results[workload, True]["packs"]
+            if len(p["members"]) > 1 and len({m["fusion_key"] for m in p["members"]}) == 1
+        ]  # fmt: skip
+        assert fused, f"{workload}: no pack held one array of several trials"
+    log = results["log", True]["text"]
+    assert "unbatchable: vmap could not run the fused step" in log
+    assert "multi-task: vmap could not run" not in log

@@ -186,3 +186,62 @@ def test_the_built_in_streaming_workload_reads_its_files_through_a_dataloader() 
         epoch_generator(config, 0).initial_seed()
         != epoch_generator(config, 0, per_trial=True).initial_seed()
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_streamed_batches_are_prefetched_and_training_matches_alone(root: Path) -> None:
+    """The prefetcher copies each batch on a side stream (pinned, non-blocking) and the
+    fused array on the GPU still equals its members trained alone there."""
+    from worker.batches import Prefetcher, on_device
+
+    device = torch.device("cuda")
+    source = [(torch.full((4, 3), float(i)), torch.arange(4)) for i in range(5)]
+    moved = on_device(source, device)
+    assert isinstance(moved, Prefetcher)
+    got = list(moved)
+    assert [float(x[0, 0]) for x, _ in got] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert all(x.device.type == "cuda" and y.device.type == "cuda" for x, y in got)
+    workload = sw.FolderImages()
+    array_members = members(workload, {"root": str(root)}, [0.01, 0.05])
+    array = FusedArray(workload, array_members, device=device)
+    spe = array.steps_per_epoch
+    reports = train(array, 2 * spe)
+    for key, config in array_members:
+        solo = FusedArray(workload, [(key, config)], device=device)
+        mine = train(solo, 2 * spe)
+        assert reports[-1].metrics[key]["val_loss"] == pytest.approx(
+            mine[-1].metrics[key]["val_loss"], rel=1e-5
+        )
+
+
+def test_a_loader_forks_its_workers_only_when_no_thread_is_inside_manual_seed() -> None:
+    """Arrays train in threads; a loader forked while another thread is inside
+    ``torch.manual_seed`` (holding torch's lazy-CUDA lock) gets a worker whose own
+    ``manual_seed`` waits for ever. The other thread holds the RNG lock there (as array
+    building does), so ``epoch_batches`` forks only once it is released. Before the fork
+    waited for that lock, this loader's worker hung and the batch timed out."""
+    import threading
+    import time
+
+    from worker.rng import GLOBAL_RNG
+
+    inside = threading.Event()
+
+    def seeding() -> None:  # what another array's member building does
+        with GLOBAL_RNG, torch.cuda._initialization_lock:
+            inside.set()
+            time.sleep(1.5)
+
+    data = torch.utils.data.TensorDataset(torch.arange(40.0).view(20, 2), torch.arange(20))
+    loader = torch.utils.data.DataLoader(
+        data, batch_size=5, num_workers=1, multiprocessing_context="fork", timeout=10
+    )
+    other = threading.Thread(target=seeding)
+    other.start()
+    inside.wait()
+    try:
+        got = list(epoch_batches(loader, 0, 4, torch.device("cpu"), "forked loader"))
+    finally:
+        other.join()
+    assert [int(y[0]) for _, y in got] == [0, 5, 10, 15]

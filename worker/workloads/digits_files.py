@@ -53,30 +53,29 @@ def files_root() -> Path:
     return root
 
 
-def _dataset(root: Path, split: str, augment_seed: int | None) -> Any:
-    import numpy as np
-    import torch
-    from torch.utils.data import Dataset
+class DigitFiles:
+    """One ``.npy`` image per example, the label in its name (``00042_7.npy``): a map-style
+    dataset for a ``DataLoader``. A module-level class, so that it pickles for loader
+    workers started by spawn or forkserver; it imports torch only when it reads."""
 
-    class DigitFiles(Dataset[tuple["torch.Tensor", int]]):
-        """One ``.npy`` image per example, the label in its name (``00042_7.npy``)."""
+    def __init__(self, folder: Path, augment_seed: int | None) -> None:
+        self.files = sorted(folder.glob("*.npy"))
+        self.augment_seed = augment_seed
 
-        def __init__(self) -> None:
-            self.files = sorted((root / split).glob("*.npy"))
+    def __len__(self) -> int:
+        return len(self.files)
 
-        def __len__(self) -> int:
-            return len(self.files)
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        import numpy as np
+        import torch
 
-        def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-            path = self.files[i]
-            image = torch.from_numpy(np.load(path))
-            if augment_seed is not None:
-                gen = torch.Generator().manual_seed(augment_seed * 4099 + i)
-                dy, dx = torch.randint(-1, 2, (2,), generator=gen).tolist()
-                image = torch.roll(image, shifts=(dy, dx), dims=(0, 1))
-            return image.reshape(64), int(path.stem.split("_")[1])
-
-    return DigitFiles()
+        path = self.files[i]
+        image = torch.from_numpy(np.load(path))
+        if self.augment_seed is not None:
+            gen = torch.Generator().manual_seed(self.augment_seed * 4099 + i)
+            dy, dx = torch.randint(-1, 2, (2,), generator=gen).tolist()
+            image = torch.roll(image, shifts=(dy, dx), dims=(0, 1))
+        return image.reshape(64), int(path.stem.split("_")[1])
 
 
 class DigitsFiles(DigitsMLP):
@@ -100,7 +99,7 @@ class DigitsFiles(DigitsMLP):
         seed = batch_order_seed(int(cfg.get("data_seed", 0)), epoch or 0) if augment else None
         workers = positive_int(cfg, "loader_workers", minimum=0)
         return DataLoader(
-            _dataset(files_root(), split, seed),
+            DigitFiles(files_root() / split, seed),
             batch_size=positive_int(cfg, "batch_size"),
             shuffle=train,
             drop_last=train,

@@ -79,6 +79,7 @@ class FolderImages(Workload):
     name = "folder-images"
     params: Mapping[str, Any] = {"root": "", "hidden": 32, "batch_size": 64, **OPTIMIZER_PARAMS}
     reports = {"val_accuracy": "max"}
+    workers = 1  # the loader reads in a worker process of its own
 
     def build_model(self, config: Mapping[str, Any]) -> nn.Module:
         hidden = int(self.resolve(config)["hidden"])
@@ -96,7 +97,7 @@ class FolderImages(Workload):
         cfg = self.resolve(config)
         return DataLoader(
             self.dataset(cfg, "train", epoch), batch_size=int(cfg["batch_size"]), shuffle=True,
-            drop_last=True, generator=self.generator(cfg, epoch), num_workers=1,
+            drop_last=True, generator=self.generator(cfg, epoch), num_workers=self.workers,
         )  # fmt: skip
 
     def val_batches(self, config: Mapping[str, Any]) -> Iterable[Any]:
@@ -118,6 +119,7 @@ class AugmentedImages(FolderImages):
 
     name = "augmented-images"
     per_member_batches = True
+    workers = 0  # one loader per member: read in the training process
 
     def dataset(self, config: Mapping[str, Any], split: str, epoch: int | None) -> Dataset[Any]:
         if epoch is None:
@@ -163,6 +165,7 @@ class MultiTask(FolderImages):
     loss a weighted sum of a classification and a regression loss."""
 
     name = "multi-task"
+    workers = 0
     params: Mapping[str, Any] = {**FolderImages.params, "aux_weight": 0.5}
     fusible = frozenset({"aux_weight"})  # a per-trial tensor of the model (a buffer)
 
