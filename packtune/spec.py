@@ -82,11 +82,12 @@ class _Strict(BaseModel):
 
 
 class Objective(_Strict):
-    """The metric trials are ranked by; ``mode`` (``min``/``max``) defaults to the direction
-    the workload declares for it (``Workload.reports``), else ``min``."""
+    """The metric trials are ranked by; a spec that gives no ``mode`` (``min``/``max``)
+    gets the direction the workload declares for the metric (``Workload.reports``), else
+    ``min`` (:func:`declared_mode`)."""
 
     metric: Annotated[str, StringConstraints(min_length=1, max_length=100)] = "val_loss"
-    mode: Literal["min", "max"] | None = None
+    mode: Literal["min", "max"] = "min"
 
 
 class HyperbandSettings(_Strict):
@@ -186,13 +187,17 @@ class StudySpec(_Strict):
             raise SpecError("workload", f"unknown workload {name!r}; known: {sorted(known)}")
         return name
 
+    @model_validator(mode="before")
+    @classmethod
+    def _declared_mode(cls, raw: Any) -> Any:
+        return declared_mode(raw)
+
     @model_validator(mode="after")
     def _consistent(self) -> StudySpec:
         check_space(self.workload, self.space)
         check_bounds(self.workload, self.space)
         check_training(self.workload, self.space)
-        # the mode the workload declares, filled in (frozen model: set once, here)
-        object.__setattr__(self, "objective", check_objective(self.workload, self.objective))
+        check_objective(self.workload, self.objective)
         check_size(self.hyperband, self.budget)
         return self
 
@@ -356,9 +361,23 @@ def check_training(workload: str, raw: dict[str, Any]) -> None:
                     raise SpecError(f"space.{name}", f"{value!r} is outside {low:g} to {high:g}")
 
 
-def check_objective(workload: str, objective: Objective) -> Objective:
+def declared_mode(raw: Any) -> Any:
+    """``raw`` (a spec as submitted) with ``objective.mode`` filled in from the direction its
+    workload declares for the metric, when the spec gives none (``val_accuracy``: ``max``)."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("objective"), dict):
+        return raw
+    objective = raw["objective"]
+    name = raw.get("workload")
+    workload = _workloads().get(name) if isinstance(name, str) else None
+    if "mode" in objective or workload is None:
+        return raw
+    better = (workload.reported_metrics() or {}).get(objective.get("metric", "val_loss"))
+    return {**raw, "objective": {**objective, "mode": better}} if better else raw
+
+
+def check_objective(workload: str, objective: Objective) -> None:
     """The objective's metric is one the workload reports (when it declares them), ranked in
-    the direction the workload declares for it: ``objective`` with its ``mode`` filled in."""
+    the direction the workload declares for it."""
     reported = _workloads()[workload].reported_metrics()
     if reported is not None and objective.metric not in reported:
         raise SpecError(
@@ -367,15 +386,13 @@ def check_objective(workload: str, objective: Objective) -> Objective:
             f"it reports {sorted(reported)}",
         )
     better = (reported or {}).get(objective.metric)
-    if objective.mode is not None and better is not None and objective.mode != better:
+    if better is not None and objective.mode != better:
         higher = "higher" if better == "max" else "lower"
         raise SpecError(
             "objective.mode",
             f"{objective.metric} is better when {higher} ({workload!r} declares {better!r}); "
             f"mode {objective.mode!r} would rank the worst trial first",
         )
-    mode = objective.mode or better or "min"
-    return objective.model_copy(update={"mode": mode})
 
 
 def check_size(hb: HyperbandSettings, budget: Budget | None = None) -> None:

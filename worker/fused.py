@@ -62,9 +62,9 @@ from worker.fused_forward import (
     vmap_forward,
 )
 from worker.fused_group import Group, Stack
-from worker.rng import GLOBAL_RNG
 from worker.fusion_guard import model_signature, partition, split_causes
 from worker.optim import OPTIMIZER_HYPER, build_optimizer
+from worker.rng import GLOBAL_RNG
 
 StackMode = Literal["auto", "vmap", "bmm", "serial"]
 

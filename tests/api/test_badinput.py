@@ -230,6 +230,8 @@ SPECS: list[tuple[str, dict[str, Any], list[Any]]] = [
      ["body", "space", "hidden", "values"]),
     ("bad mode", valid(objective={"metric": "val_loss", "mode": "best"}),
      ["body", "objective", "mode"]),
+    ("accuracy minimised", valid(objective={"metric": "val_accuracy", "mode": "min"}),
+     ["body", "objective", "mode"]),
     ("eta 1", valid(hyperband={"max_resource": 9, "eta": 1}), ["body", "hyperband", "eta"]),
     ("max_resource 10^9", valid(hyperband={"max_resource": 10**9}),
      ["body", "hyperband", "max_resource"]),

@@ -237,3 +237,17 @@ def test_a_schedule_and_the_new_optimizers_are_searchable() -> None:
         "clip_norm": {"type": "loguniform", "low": 0.1, "high": 10.0},
     }
     assert set(validate_spec({**GOOD, "space": space}).space) == set(space)
+
+
+def test_the_objective_ranks_in_the_direction_the_workload_declares() -> None:
+    """A spec that names ``val_accuracy`` without a mode maximises it (minimising by default
+    would pick the worst trial); one that says ``min`` for it is rejected, naming the field."""
+    base = {"name": "acc", "workload": "digits-mlp", "space": {}, "hyperband": {"max_resource": 3}}
+    spec = validate_spec({**base, "objective": {"metric": "val_accuracy"}})
+    assert spec.objective.mode == "max"
+    assert spec.model_dump(mode="json")["objective"] == {"metric": "val_accuracy", "mode": "max"}
+    assert validate_spec({**base, "objective": {"metric": "val_loss"}}).objective.mode == "min"
+    with pytest.raises(SpecError) as caught:
+        validate_spec({**base, "objective": {"metric": "val_accuracy", "mode": "min"}})
+    assert caught.value.field == "objective.mode"
+    assert "better when higher" in str(caught.value)

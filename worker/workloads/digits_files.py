@@ -99,7 +99,7 @@ class DigitsFiles(DigitsMLP):
         seed = batch_order_seed(int(cfg.get("data_seed", 0)), epoch or 0) if augment else None
         workers = positive_int(cfg, "loader_workers", minimum=0)
         return DataLoader(
-            DigitFiles(files_root() / split, seed),
+            DigitFiles(files_root() / split, seed),  # type: ignore[arg-type]  # map-style
             batch_size=positive_int(cfg, "batch_size"),
             shuffle=train,
             drop_last=train,
