@@ -21,6 +21,8 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 JOB_FUNC = "worker.jobs.run_pack"
+#: the job of a workload check asked for through the API (``packtune check`` on a worker)
+CHECK_FUNC = "worker.jobs.run_check"
 
 
 class JobState(enum.StrEnum):
@@ -33,6 +35,10 @@ class JobState(enum.StrEnum):
 
 def job_id_for(pack_id: int, attempt: int) -> str:
     return f"pack-{pack_id}-{attempt}"
+
+
+def check_job_id(check_id: int) -> str:
+    return f"check-{check_id}"
 
 
 class Dispatcher(Protocol):
@@ -50,6 +56,10 @@ class Dispatcher(Protocol):
         ...
 
     def enqueue(self, pack_id: int, job_id: str) -> None: ...
+
+    def enqueue_check(self, check_id: int, job_id: str) -> None:
+        """Run workload check ``check_id`` (:data:`CHECK_FUNC`) as job ``job_id``."""
+        ...
 
     def state(self, job_id: str) -> tuple[JobState, str | None]:
         """The job's state and, for a failed job, its error text."""

@@ -254,41 +254,79 @@ def check(
     ] = None,
     members: Annotated[int, typer.Option(min=2, max=64, help="Members fused together.")] = 4,
     steps: Annotated[int, typer.Option(min=1, max=1000, help="Steps trained and timed.")] = 5,
+    url: Annotated[
+        str | None,
+        typer.Option(help="Run the check on a service's worker (its device) instead of here."),
+    ] = None,
+    token: Annotated[
+        str | None, typer.Option(envvar="PACKTUNE_API_TOKEN", help="Bearer token (--url).")
+    ] = None,
 ) -> None:
     """Check how WORKLOAD fuses: structural and fusible parameters, fused vs one by one,
     the forward each stack takes, step time for k = 1, 2, 4, 8. Exit 1 where fusion would be
     wrong or impossible."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from packtune.workloads import registry
-
-    if workload not in registry():
-        fail(f"unknown workload {workload!r}; known: {sorted(registry())}")
     body = load_spec_file(spec) if spec is not None else None
     if body is not None and body["workload"] != workload:
         fail(f"{spec} is a study of {body['workload']!r}, not {workload!r}")
     space = body["space"] if body is not None else None
-    from worker.check import check as run_check
-    from worker.jobs import pick_device
+    if url is not None:
+        report = _remote_check(url, token, workload, space, members, steps)
+    else:
+        from packtune.workloads import registry
 
-    report = run_check(workload, space, members=members, steps=steps, device=str(pick_device()))
-    console = Console()
-    console.print(f"[bold]{workload}[/]: structural {', '.join(report.structural)}")
-    console.print(f"fusible (may differ inside one array): {', '.join(report.fusible)}")
-    stacks = "; ".join(f"{mode} x{len(keys)}" for keys, mode in report.stacks)
-    console.print(f"{members} members, {steps} steps: stacks {stacks}")
-    verdict = "exact" if report.exact else "[red]NOT exact[/]"
-    console.print(f"fused vs one by one: largest parameter difference "
-                  f"{report.max_difference:.3g} ({verdict})")  # fmt: skip
-    table = Table("k", "ms per step", "trial-steps/s")
-    for k, ms in report.step_ms.items():
-        table.add_row(str(k), f"{ms:.2f}", f"{1000 * k / ms:.0f}" if ms > 0 else "-")
-    console.print(table)
-    for line in report.warnings:
-        console.print(f"[yellow]warning:[/] {line}")
-    if not report.ok:
+        if workload not in registry():
+            fail(f"unknown workload {workload!r}; known: {sorted(registry())}")
+        from worker.check import check as run_check
+        from worker.jobs import pick_device
+
+        device = str(pick_device())
+        report = run_check(workload, space, members=members, steps=steps, device=device).as_json()
+    _print_check(report, members, steps)
+    if not report["ok"]:
         raise typer.Exit(1)
+
+
+def _remote_check(
+    url: str, token: str | None, workload: str, space: Any, members: int, steps: int
+) -> dict[str, Any]:
+    """POST the check to a service, wait for its worker's report; a one-line failure else."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    request = {"space": space, "members": members, "steps": steps}
+    try:
+        with httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=30) as client:
+            resp = client.post(f"/api/workloads/{workload}/check", json=request)
+            if resp.status_code >= 400:
+                fail(f"{resp.status_code}: {_detail(resp)}")
+            location = resp.headers["Location"]
+            while (found := client.get(location).json())["status"] in ("queued", "running"):
+                time.sleep(0.5)
+    except httpx.HTTPError as exc:
+        fail(f"cannot reach {url}: {exc}")
+    if found["status"] == "error":
+        fail(f"the check could not run: {found['error']}")
+    return dict(found["report"])
+
+
+def _print_check(report: dict[str, Any], members: int, steps: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"[bold]{report['workload']}[/]: structural {', '.join(report['structural'])}")
+    console.print(f"fusible (may differ inside one array): {', '.join(report['fusible'])}")
+    stacks = "; ".join(f"{mode} x{len(keys)}" for keys, mode in report["stacks"])
+    console.print(f"{members} members, {steps} steps: stacks {stacks}")
+    verdict = "exact" if report["exact"] else "[red]NOT exact[/]"
+    console.print(f"fused vs one by one: largest parameter difference "
+                  f"{report['max_difference']:.3g} ({verdict})")  # fmt: skip
+    table = Table("k", "ms per step", "trial-steps/s")
+    for k, ms in report["step_ms"].items():
+        table.add_row(str(k), f"{ms:.2f}", f"{1000 * int(k) / ms:.0f}" if ms > 0 else "-")
+    console.print(table)
+    for line in report["warnings"]:
+        console.print(f"[yellow]warning:[/] {line}")
 
 
 @app.command()

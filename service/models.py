@@ -311,3 +311,31 @@ class Lease(Base):
     name: Mapped[str] = mapped_column(String(100), primary_key=True)
     holder: Mapped[str] = mapped_column(String(200))
     expires_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class CheckStatus(enum.StrEnum):
+    queued = "queued"  # waiting for a worker (``job_id`` set once dispatched)
+    running = "running"
+    passed = "passed"  # fusion is exact and possible
+    failed = "failed"  # the check ran and found fusion wrong or impossible
+    error = "error"  # the check could not run (the workload raised, the worker died)
+
+
+class WorkloadCheck(Base):
+    """A ``packtune check`` asked for through the API, run by a worker (the device is
+    there): the request, and the report once done."""
+
+    __tablename__ = "workload_checks"
+    __table_args__ = (Index("ix_workload_checks_status", "status"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    workload: Mapped[str] = mapped_column(String(100))
+    request: Mapped[dict[str, Any]] = mapped_column(JSON)  # space, members, steps
+    status: Mapped[CheckStatus] = mapped_column(_enum(CheckStatus), default=CheckStatus.queued)
+    report: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    job_id: Mapped[str | None] = mapped_column(String(100), nullable=True)
+    worker_name: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from packtune.dispatcher import JOB_FUNC, JobState
+from packtune.dispatcher import CHECK_FUNC, JOB_FUNC, JobState
 from packtune.errors import QueueUnavailable
 from packtune.settings import Settings
 from service.bus import WakeListener, wake_channel
@@ -70,6 +70,19 @@ class RQDispatcher:
                 result_ttl=24 * 3600,
                 failure_ttl=7 * 24 * 3600,
                 description=f"pack {pack_id}",
+            )
+
+    def enqueue_check(self, check_id: int, job_id: str) -> None:
+        self.start()
+        with _queue_errors():
+            self.queue.enqueue_call(
+                CHECK_FUNC,
+                args=(check_id,),
+                job_id=job_id,
+                timeout=self.job_timeout,
+                result_ttl=24 * 3600,
+                failure_ttl=7 * 24 * 3600,
+                description=f"workload check {check_id}",
             )
 
     def state(self, job_id: str) -> tuple[JobState, str | None]:

@@ -31,13 +31,14 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
-from packtune.dispatcher import Dispatcher, JobState, job_id_for
+from packtune.dispatcher import Dispatcher, JobState, check_job_id, job_id_for
 from packtune.errors import QueueUnavailable, StoreUnavailable, StudyCannotRun
 from packtune.settings import Settings, get_settings
 from packtune.tuning import MAX_FAULTS, PLAN_NEXT_TICK, SAMPLE_CHUNK
 from service import lifecycle, planning, store
 from service.db import DATABASE_ERRORS, get_sessionmaker, session_scope
 from service.models import (
+    CheckStatus,
     Pack,
     PackStatus,
     Study,
@@ -120,6 +121,7 @@ class Scheduler:
                 self._advance_alone(s, study, workers, report)
             self._cancelled(s)
             to_enqueue = self._dispatch(s, now, report)
+            checks = self._checks(s)
         for pack_id, job_id in to_enqueue:
             try:
                 self.dispatcher.enqueue(pack_id, job_id)
@@ -127,7 +129,37 @@ class Scheduler:
                 report.queue_error = str(exc)
             except Exception as exc:
                 log.warning("could not enqueue pack %s: %s", pack_id, exc)
+        for check_id, job_id in checks:
+            try:
+                self.dispatcher.enqueue_check(check_id, job_id)
+            except Exception as exc:  # its job is then missing: the next tick closes it
+                log.warning("could not enqueue workload check %s: %s", check_id, exc)
         return report
+
+    def _checks(self, s: Session) -> list[tuple[int, str]]:
+        """Workload checks asked for through the API: the queued ones to dispatch; those whose
+        job failed or vanished without a report are closed as ``error`` (a check is cheap
+        to ask for again, so it is not retried)."""
+        out: list[tuple[int, str]] = []
+        for check in store.checks_with_status(s, store.OPEN_CHECK):
+            if check.job_id is None:
+                job_id = check_job_id(check.id)
+                if store.set_check_job(s, check, job_id):
+                    out.append((check.id, job_id))
+                continue
+            state, error = self.dispatcher.state(check.job_id)
+            if state == JobState.failed:
+                reason = f"the check's job failed: {error or 'no error text'}"
+            elif state == JobState.missing:
+                reason = "the check's job vanished (its runner or the queue restarted); ask again"
+            elif state == JobState.finished:
+                reason = "the check's job ended without a report"
+            else:
+                continue
+            s.refresh(check)
+            if check.status in store.OPEN_CHECK:
+                store.finish_check(s, check.id, CheckStatus.error, error=reason)
+        return out
 
     def _embedded_heartbeat(self, s: Session) -> None:
         status = self.dispatcher.runner_status()

@@ -42,6 +42,17 @@ class CheckReport:
     warnings: list[str] = field(default_factory=list)
     split: bool = False  # the fusion guard stacked members apart
 
+    def as_json(self) -> dict[str, Any]:
+        """The report as JSON values (member keys as they are, ``step_ms`` keyed by k)."""
+        return {
+            "workload": self.workload, "structural": self.structural, "fusible": self.fusible,
+            "members": self.members, "max_difference": self.max_difference,
+            "exact": self.exact, "split": self.split, "ok": self.ok,
+            "stacks": [[list(keys), mode] for keys, mode in self.stacks],
+            "step_ms": {str(k): ms for k, ms in self.step_ms.items()},
+            "warnings": list(self.warnings),
+        }  # fmt: skip
+
     @property
     def ok(self) -> bool:
         """Fusion is exact and possible: no difference beyond float rounding, and no member

@@ -83,6 +83,12 @@ def _run_in_child(pack_id: int) -> str:
     return str(run_pack(pack_id))
 
 
+def _check_in_child(check_id: int) -> str:
+    from worker.jobs import run_check  # imported in the child only
+
+    return str(run_check(check_id))
+
+
 class EmbeddedDispatcher:
     """Runs packs in one spawned child process, one after another (FIFO)."""
 
@@ -102,8 +108,8 @@ class EmbeddedDispatcher:
         if self._pool is None:
             self.warm_up = self._executor().submit(_warm_up, workload)
 
-    def _submit(self, pack_id: int) -> Future[str]:
-        fut = self._executor().submit(_run_in_child, pack_id)
+    def _submit(self, pack_id: int, job: Callable[[int], str] = _run_in_child) -> Future[str]:
+        fut = self._executor().submit(job, pack_id)
         fut.add_done_callback(lambda _: self.notify() if self.notify else None)
         return fut
 
@@ -124,6 +130,15 @@ class EmbeddedDispatcher:
             log.warning("embedded runner died; starting a new one")
             self._pool = None
             self._jobs[job_id] = self._submit(pack_id)
+
+    def enqueue_check(self, check_id: int, job_id: str) -> None:
+        """The check runs in the same child, after the packs enqueued before it."""
+        try:
+            self._jobs[job_id] = self._submit(check_id, _check_in_child)
+        except BrokenProcessPool:
+            log.warning("embedded runner died; starting a new one")
+            self._pool = None
+            self._jobs[job_id] = self._submit(check_id, _check_in_child)
 
     def state(self, job_id: str) -> tuple[JobState, str | None]:
         fut = self._jobs.get(job_id)

@@ -70,7 +70,9 @@ StackMode = Literal["auto", "vmap", "bmm", "serial"]
 
 log = logging.getLogger(__name__)
 
-_RNG_MIX = 6364136223846793005  # Knuth's MMIX multiplier, to fold member draws into one seed
+_RNG_MIX = 6364136223846793005
+#: workloads whose vmap step failed and split per member in this process (logged once)
+_SPLIT_LOGGED: set[str] = set()  # Knuth's MMIX multiplier, to fold member draws into one seed
 
 
 def hyper_tensors(configs: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
@@ -330,7 +332,9 @@ class FusedArray:
             f"{str(error).splitlines()[0] if str(error) else ''}); members "
             f"{', '.join(map(str, group.keys))} train one at a time instead"
         )
-        log.warning("%s", note)
+        if self.workload.name not in _SPLIT_LOGGED:  # every pack would say it again
+            _SPLIT_LOGGED.add(self.workload.name)
+            log.warning("%s (said once per process)", note)
         self.notes.append(note)
         stack = stack_of(self.workload, group.template, "serial", group.stochastic)
         return [

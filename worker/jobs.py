@@ -1,4 +1,5 @@
-"""``run_pack(pack_id)``: the one job. RQ workers and the embedded runner both call it.
+"""``run_pack(pack_id)``: the job that trains. RQ workers and the embedded runner both call
+it (and ``run_check(check_id)``, a workload check asked for through the API).
 
 It claims the pack (a pack already taken, finished or cancelled is left
 alone), trains each fused array of the pack from its from-resource to its
@@ -44,7 +45,7 @@ from packtune.spec import StoredSpec
 from packtune.tuning import CANCEL_CHECK_SECONDS, GPU_ARRAY_THREADS
 from service import store
 from service.db import DATABASE_ERRORS, retrying
-from service.models import PackStatus, StudyStatus, TrialStatus
+from service.models import CheckStatus, PackStatus, StudyStatus, TrialStatus
 from worker.execute import (
     ArrayJob,
     MemberJob,
@@ -126,6 +127,37 @@ def _claim(s: Session, pack_id: int, worker: str, device: torch.device) -> list[
         )
         for (key, start, end), members in sorted(groups.items())
     ]
+
+
+def run_check(check_id: int) -> str:
+    """Run workload check ``check_id`` (``POST /api/workloads/{name}/check``) on this worker's
+    device and store its report; returns the check's final status."""
+    from worker.check import check
+
+    worker = os.environ.get(WORKER_NAME_ENV) or f"embedded@{socket.gethostname()}"
+    row = retrying(lambda s: _started_check(s, check_id, worker))
+    if row is None:
+        return "skipped"
+    workload, request = row
+    try:
+        report = check(
+            workload, request.get("space"), members=int(request.get("members", 4)),
+            steps=int(request.get("steps", 5)), device=str(pick_device()),
+        )  # fmt: skip
+    except Exception as exc:  # the workload raised: the check's answer, not the job's failure
+        log.warning("workload check %s (%s) could not run: %s", check_id, workload, exc)
+        error = f"{type(exc).__name__}: {exc}"
+        retrying(lambda s: store.finish_check(s, check_id, CheckStatus.error, error=error))
+        return CheckStatus.error.value
+    status = CheckStatus.passed if report.ok else CheckStatus.failed
+    body = report.as_json()
+    retrying(lambda s: store.finish_check(s, check_id, status, report=body))
+    return status.value
+
+
+def _started_check(s: Session, check_id: int, worker: str) -> tuple[str, dict[str, Any]] | None:
+    check = store.start_check(s, check_id, worker)
+    return None if check is None else (check.workload, dict(check.request))
 
 
 def run_pack(pack_id: int) -> str:

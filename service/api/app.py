@@ -35,7 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from packtune.errors import PacktuneError, SpecError, StoreUnavailable
 from packtune.settings import Settings, get_settings
-from service.api import dashboard, metrics, routes, system
+from service.api import checks, dashboard, metrics, routes, system
 from service.api.cache import ReadCache
 from service.db import get_sessionmaker, make_engine, read_only, session_factory
 
@@ -84,6 +84,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.read_sessionmaker = read_only(factory)
     app.include_router(routes.writes)
     app.include_router(routes.router)
+    app.include_router(checks.writes)
+    app.include_router(checks.router)
     app.include_router(system.router)
     app.include_router(metrics.router)
     app.include_router(dashboard.router)

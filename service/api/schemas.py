@@ -8,9 +8,9 @@ exist for the OpenAPI schema and to pin the wire format.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from service.models import PackStatus, StudyStatus, TrialStatus, WorkerStatus
 
@@ -206,3 +206,29 @@ class Health(BaseModel):
 
 class ErrorDetail(BaseModel):
     detail: str | list[dict[str, Any]]
+
+
+class CheckRequest(BaseModel):
+    """What ``POST /api/workloads/{name}/check`` checks: members drawn from ``space`` (a
+    study's space; omitted: the workload's defaults with learning rates over a decade)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    space: dict[str, Any] | None = None
+    members: Annotated[int, Field(ge=2, le=64)] = 4
+    steps: Annotated[int, Field(ge=1, le=1000)] = 5
+
+
+class CheckPublic(BaseModel):
+    id: int
+    workload: str
+    status: Literal["queued", "running", "passed", "failed", "error"]
+    request: dict[str, Any]
+    #: once run: structural, fusible, members, max_difference, exact, stacks
+    #: ([member keys, forward]), step_ms ({k: ms}), warnings, split, ok
+    report: dict[str, Any] | None
+    error: str | None
+    worker: str | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None

@@ -19,6 +19,15 @@ thing everywhere.
 """
 
 from service.store._sql import id_in
+from service.store.checks import (
+    OPEN_CHECK,
+    checks_with_status,
+    create_check,
+    finish_check,
+    get_check,
+    set_check_job,
+    start_check,
+)
 from service.store.fleet import (
     THROUGHPUT_SMOOTHING,
     acquire_lease,
@@ -92,6 +101,13 @@ from service.store.trials import (
 )
 
 __all__ = [
+    "OPEN_CHECK",
+    "checks_with_status",
+    "create_check",
+    "finish_check",
+    "get_check",
+    "set_check_job",
+    "start_check",
     "requeue_pack",
     "retry_study",
     "retry_pack",

@@ -33,7 +33,17 @@ from sqlalchemy.orm import Session
 
 from packtune.errors import Conflict
 from packtune.tuning import UPDATE_CHUNK
-from service.models import Pack, PackStatus, Study, StudyStatus, Trial, TrialStatus, utcnow
+from service.models import (
+    CheckStatus,
+    Pack,
+    PackStatus,
+    Study,
+    StudyStatus,
+    Trial,
+    TrialStatus,
+    WorkloadCheck,
+    utcnow,
+)
 from service.store._sql import id_in, is_postgres
 
 T, P, S = TrialStatus, PackStatus, StudyStatus
@@ -230,3 +240,25 @@ def retry_study(s: Session, study: Study) -> list[int]:
     )
     s.refresh(study)
     return ids
+
+
+#: workload checks: queued -> running on a worker -> passed | failed | error (queued ->
+#: error too: its job failed or vanished before a worker started it)
+CHECK_FROM: dict[CheckStatus, tuple[CheckStatus, ...]] = {
+    CheckStatus.running: (CheckStatus.queued,),
+    CheckStatus.passed: (CheckStatus.running,),
+    CheckStatus.failed: (CheckStatus.running,),
+    CheckStatus.error: (CheckStatus.queued, CheckStatus.running),
+}
+
+
+def move_check(s: Session, check_id: int, to: CheckStatus, **values: Any) -> bool:
+    """Workload check ``check_id`` to ``to`` (with ``values``) if its status allows the move;
+    False when it had moved on (run already, or closed)."""
+    result = s.execute(
+        update(WorkloadCheck)
+        .where(WorkloadCheck.id == check_id, WorkloadCheck.status.in_(CHECK_FROM[to]))
+        .values(status=to, **values),
+        execution_options={"synchronize_session": False},
+    )
+    return bool(getattr(result, "rowcount", 0))

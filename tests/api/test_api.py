@@ -244,6 +244,7 @@ def test_without_a_token_posts_are_open_and_every_post_is_guarded(client: TestCl
         "/api/studies",
         "/api/studies/{study_id}/cancel",
         "/api/studies/{study_id}/retry",
+        "/api/workloads/{name}/check",
     }
     for path, op in posts:
         assert op.get("security") == [{"HTTPBearer": []}], path
@@ -259,6 +260,15 @@ def test_openapi_lists_each_routes_error_statuses(client: TestClient) -> None:
     assert codes("/api/studies", "post") == {"201", "401", "413", "422", "503"}
     assert codes("/api/studies/{study_id}/cancel", "post") >= {"401", "404", "409", "503"}
     assert codes("/api/studies", "get") == {"200", "422", "503"}
+    assert codes("/api/workloads/{name}/check", "post") == {
+        "202",
+        "401",
+        "404",
+        "413",
+        "422",
+        "503",
+    }
+    assert codes("/api/workloads/checks/{check_id}", "get") == {"200", "404", "422", "503"}
     for path in [p for p in paths if p.startswith("/api/studies/{study_id}")]:
         if "get" in paths[path]:
             assert {"404", "503"} <= codes(path, "get"), path

@@ -57,6 +57,19 @@ class SyncDispatcher:
         run_pack(pack_id)
         self.states[job_id] = (JobState.finished, None)
 
+    def enqueue_check(self, check_id: int, job_id: str) -> None:
+        from worker.jobs import run_check
+
+        self.enqueued.append(job_id)
+        if self.fail:
+            self.states[job_id] = (JobState.failed, "RuntimeError: broken worker")
+            return
+        if not self.run:
+            self.states[job_id] = (JobState.queued, None)
+            return
+        run_check(check_id)
+        self.states[job_id] = (JobState.finished, None)
+
     def state(self, job_id: str) -> tuple[JobState, str | None]:
         return self.states.get(job_id, (JobState.missing, None))
 
@@ -339,3 +352,45 @@ def test_a_failed_pack_waits_before_its_retry_and_faults_do_not_count(
             p.retry_after = None
     assert sched.tick().dispatched == sent  # attempt 2; the lost one did not count
     assert all(p.attempts - p.faults == 1 for p in packs(study_id))
+
+
+def _check(workload: str = "digits-mlp") -> int:
+    with session_scope(get_sessionmaker()) as s:
+        return store.create_check(s, workload, {"members": 2, "steps": 1}).id
+
+
+def _check_row(check_id: int) -> tuple[str, str | None, dict[str, Any] | None]:
+    with session_scope(get_sessionmaker()) as s:
+        row = store.get_check(s, check_id)
+        return row.status.value, row.error, row.report
+
+
+def test_a_check_is_dispatched_once_and_its_report_stored(db: None) -> None:
+    dispatcher = SyncDispatcher()
+    sched = scheduler(dispatcher)
+    check_id = _check()
+    sched.tick()
+    sched.tick()
+    assert dispatcher.enqueued == [f"check-{check_id}"]
+    status, error, report = _check_row(check_id)
+    assert (status, error) == ("passed", None)
+    assert report is not None and report["stacks"] == [[[0, 1], "bmm"]]
+
+
+@pytest.mark.parametrize("how", ["failed", "lost"])
+def test_a_check_whose_job_failed_or_vanished_is_closed_as_an_error(db: None, how: str) -> None:
+    dispatcher = SyncDispatcher(run=False)
+    dispatcher.fail = how == "failed"
+    sched = scheduler(dispatcher)
+    check_id = _check()
+    sched.tick()  # dispatched: the job fails, or stays queued and is then lost
+    if how == "lost":
+        assert _check_row(check_id)[0] == "queued"
+        dispatcher.lose()  # e.g. the embedded runner's scheduler restarted
+    sched.tick()
+    status, error, _ = _check_row(check_id)
+    assert status == "error"
+    assert error is not None
+    assert ("broken worker" if how == "failed" else "vanished") in error
+    sched.tick()
+    assert dispatcher.enqueued == [f"check-{check_id}"]  # closed, not dispatched again

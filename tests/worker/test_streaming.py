@@ -115,6 +115,9 @@ def test_a_custom_step_with_dict_batches_and_two_outputs_runs_under_vmap(root: P
 def test_a_step_vmap_cannot_batch_trains_members_one_at_a_time(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    from worker import fused
+
+    fused._SPLIT_LOGGED.discard("unbatchable")  # logged once per process: this test's turn
     workload = sw.Unbatchable()
     array_members = members(workload, {}, [0.01, 0.03, 0.05])
     array = FusedArray(workload, array_members)
