@@ -40,6 +40,12 @@ class Settings(BaseSettings):
         default=Path("packtune-checkpoints"),
         description="Trial checkpoints; shared storage when workers run on several hosts.",
     )
+    keep_checkpoints: int = Field(
+        default=5,
+        ge=0,
+        description="When a study ends, the checkpoints of its stopped trials are deleted but "
+        "for the best this many by the objective (completed trials keep theirs).",
+    )
     data_dir: Path | None = Field(
         default=None, description="Folder with datasets (CIFAR-10 for resnet-cifar)."
     )

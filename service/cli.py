@@ -318,6 +318,9 @@ def _print_check(report: dict[str, Any], members: int, steps: int) -> None:
     console.print(f"fusible (may differ inside one array): {', '.join(report['fusible'])}")
     stacks = "; ".join(f"{mode} x{len(keys)}" for keys, mode in report["stacks"])
     console.print(f"{members} members, {steps} steps: stacks {stacks}")
+    layers = report.get("layers") or []
+    if layers:
+        console.print("layers: " + ", ".join(f"{n} {t} ({mode})" for n, t, mode in layers))
     verdict = "exact" if report["exact"] else "[red]NOT exact[/]"
     console.print(f"fused vs one by one: largest parameter difference "
                   f"{report['max_difference']:.3g} ({verdict})")  # fmt: skip

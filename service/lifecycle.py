@@ -8,6 +8,7 @@ decided only when none of the bracket's trials is pending, queued or running.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 from collections import Counter
@@ -17,11 +18,13 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from packtune.asha import known_prefix, promotions
+from packtune.checkpoints import checkpoint_path
 from packtune.errors import SpecError, StudyCannotRun
 from packtune.hyperband import promote, rank
 from packtune.iterations import Slot, asha_slots, cutoff, first_rung, rungs_upto, slots
 from packtune.rungs import rung_resource
 from packtune.sampling import Observation, min_points, suggest
+from packtune.settings import get_settings
 from packtune.space import Dimension, fusion_key, parse_space
 from packtune.spec import StoredSpec
 from packtune.tuning import SAMPLE_CHUNK, WAVES_PER_BRACKET
@@ -31,6 +34,7 @@ from service.models import (
     PackStatus,
     Study,
     StudyStatus,
+    Trial,
     TrialStatus,
 )
 
@@ -420,7 +424,33 @@ def finish_if_done(s: Session, study: Study, more: bool = False) -> bool:
     return True
 
 
+def prune_checkpoints(s: Session, study: Study) -> list[int]:
+    """At a study's end: delete the checkpoints of its stopped trials but for the best
+    ``PACKTUNE_KEEP_CHECKPOINTS`` (furthest trained, then by the objective), which never
+    train again; completed and failed trials (a failed study may be retried) keep theirs.
+    Returns the trials whose checkpoints went."""
+    settings = get_settings()
+    mode = StoredSpec.of(study.spec).objective.mode
+    stopped = [
+        t for t in store.trials_of(s, study.id, status=TrialStatus.stopped) if t.checkpoint_path
+    ]
+
+    def order(t: Trial) -> tuple[float, int, float, int]:
+        value = t.objective
+        finite = value is not None and math.isfinite(value)
+        score = (value if mode == "min" else -value) if finite and value is not None else 0.0
+        return (-(t.measured_resource or 0.0), 0 if finite else 1, score, t.id)
+
+    gone = sorted(stopped, key=order)[settings.keep_checkpoints :]
+    for t in gone:
+        with contextlib.suppress(OSError):  # shared storage unmounted here: kept, not fatal
+            checkpoint_path(settings.checkpoint_dir, study.id, t.id).unlink()
+    store.forget_checkpoints(s, [t.id for t in gone])
+    return [t.id for t in gone]
+
+
 def _complete(s: Session, study: Study, reason: str | None = None) -> None:
+    prune_checkpoints(s, study)
     best = best_trial(s, study)
     if best is None:
         error = "no trial reached max_resource with a finite objective value"
@@ -469,4 +499,5 @@ def cancel_rest(s: Session, study: Study) -> int:
     )
     if study.finished_at is None:
         store.move_study(s, study, StudyStatus.cancelled)
+    prune_checkpoints(s, study)
     return cancelled

@@ -41,6 +41,9 @@ class CheckReport:
     step_ms: dict[int, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     split: bool = False  # the fusion guard stacked members apart
+    #: the first stack's leaf layers: (name, module type, how they run: ``bmm`` hand-fused,
+    #: ``vmap``, ``serial`` one member at a time)
+    layers: list[tuple[str, str, str]] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
         """The report as JSON values (member keys as they are, ``step_ms`` keyed by k)."""
@@ -50,6 +53,7 @@ class CheckReport:
             "exact": self.exact, "split": self.split, "ok": self.ok,
             "stacks": [[list(keys), mode] for keys, mode in self.stacks],
             "step_ms": {str(k): ms for k, ms in self.step_ms.items()},
+            "layers": [list(layer) for layer in self.layers],
             "warnings": list(self.warnings),
         }  # fmt: skip
 
@@ -77,6 +81,16 @@ def member_configs(
     return [
         {**config, "seed": trial_seed(seed, i), "data_seed": seed}
         for i, config in enumerate(configs)
+    ]
+
+
+def layer_paths(array: FusedArray) -> list[tuple[str, str, str]]:
+    """Each leaf layer of the array's first stack, with the path it runs through."""
+    group = array.groups[0]
+    return [
+        (name, type(module).__name__, group.mode)
+        for name, module in group.template.named_modules()
+        if not list(module.children())
     ]
 
 
@@ -109,6 +123,7 @@ def check(
         fused = FusedArray(workload, chosen, device=device, data=data)
         train(fused, steps)
         report.stacks = fused.stacks
+        report.layers = layer_paths(fused)
         report.warnings += fused.notes
         if fused.warning:
             report.split = True

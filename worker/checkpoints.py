@@ -28,12 +28,10 @@ from typing import Any
 
 import torch
 
+from packtune.checkpoints import checkpoint_path
 from packtune.settings import get_settings
 
-
-def checkpoint_path(directory: str | os.PathLike[str], study_id: object, trial_id: object) -> Path:
-    """Where trial ``trial_id`` of study ``study_id`` keeps its checkpoint."""
-    return Path(directory) / f"study-{study_id}" / f"trial-{trial_id}.pt"
+__all__ = ["checkpoint_path", "load_checkpoint", "save_checkpoint"]
 
 
 def _fsync_directory(path: Path) -> None:

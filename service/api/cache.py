@@ -63,7 +63,11 @@ class ReadCache:
         if scope["method"] not in SAFE_METHODS:
             await self._write(scope, receive, send)
             return
-        if scope["method"] != "GET" or not scope["path"].startswith(self.prefix):
+        if (
+            scope["method"] != "GET"
+            or not scope["path"].startswith(self.prefix)
+            or scope["path"].endswith("/checkpoint")  # a file: streamed, never kept in memory
+        ):
             await self.app(scope, receive, send)
             return
         key = f"{scope['path']}?{scope['query_string'].decode('latin-1')}"

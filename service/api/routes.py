@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
 from typing import Annotated, Any
 
 from fastapi import APIRouter, BackgroundTasks, Depends, Path, Query, Response, status
+from fastapi.responses import FileResponse
 
-from packtune.errors import Conflict
+from packtune.checkpoints import checkpoint_path, study_folder
+from packtune.errors import Conflict, NotFound
 from packtune.spec import StudySpec
 from service import bus, queries, store
 from service.api.deps import SessionDep, SettingsDep, require_token
@@ -39,6 +42,8 @@ writes = APIRouter(
 ONE_STUDY = problems(404)
 
 CANCELLABLE = (StudyStatus.pending, StudyStatus.running)
+#: packs whose job may still write to the study's rows
+ACTIVE_PACK = (PackStatus.queued, PackStatus.running)
 
 
 @writes.post("", status_code=status.HTTP_201_CREATED, response_model=StudyPublic)
@@ -77,6 +82,26 @@ def cancel_study(
     return queries.study_summary(s, study_id)
 
 
+@writes.delete("/{study_id}", status_code=status.HTTP_204_NO_CONTENT, responses=problems(404, 409))
+def delete_study(
+    study_id: StudyId, s: SessionDep, settings: SettingsDep, background: BackgroundTasks
+) -> Response:
+    """Delete a finished, failed or cancelled study: its trials, packs, measurements and
+    checkpoints. 409 while it is pending or running, or while its last packs still train
+    after a cancel (cancel it first; they stop within seconds)."""
+    study = store.get_study(s, study_id)
+    s.refresh(study, with_for_update=True)
+    if study.status in CANCELLABLE:
+        raise Conflict(f"study {study_id} is {study.status.value}; cancel it before deleting it")
+    busy = store.packs_of(s, study_id, status=ACTIVE_PACK)
+    if busy:
+        raise Conflict(f"study {study_id} still has packs training ({len(busy)}); try again")
+    store.delete_study(s, study_id)
+    # after the commit: files of a study whose rows are gone are never read again
+    background.add_task(shutil.rmtree, study_folder(settings.checkpoint_dir, study_id), True)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
 @writes.post("/{study_id}/retry", response_model=StudyPublic, responses=problems(404, 409))
 def retry_study(
     study_id: StudyId, s: SessionDep, settings: SettingsDep, background: BackgroundTasks
@@ -92,9 +117,14 @@ def retry_study(
 
 
 @router.get("", response_model=ListOf[StudyPublic])
-def list_studies(s: SessionDep, limit: Limit = 50, offset: Offset = 0) -> dict[str, Any]:
-    """Studies, newest first."""
-    rows, count = queries.list_studies(s, limit, offset)
+def list_studies(
+    s: SessionDep,
+    limit: Limit = 50,
+    offset: Offset = 0,
+    status: Annotated[list[StudyStatus] | None, Query()] = None,
+) -> dict[str, Any]:
+    """Studies, newest first; ``status`` (repeatable) keeps those in it, ``count`` counts them."""
+    rows, count = queries.list_studies(s, limit, offset, status)
     return {"data": rows, "count": count}
 
 
@@ -118,6 +148,35 @@ def list_trials(
         s, study_id, status=status, bracket=bracket, limit=limit, offset=offset
     )
     return {"data": rows, "count": count}
+
+
+@router.get(
+    "/{study_id}/trials/{trial_id}/checkpoint",
+    response_class=FileResponse,
+    responses={**ONE_STUDY, 200: {"content": {"application/octet-stream": {}},
+               "description": "The trial's latest checkpoint (torch.save of a dict)."}},
+)  # fmt: skip
+def trial_checkpoint(
+    study_id: StudyId,
+    trial_id: Annotated[int, Path(ge=1, le=MAX_ID)],
+    s: SessionDep,
+    settings: SettingsDep,
+) -> FileResponse:
+    """The trial's latest checkpoint, as ``torch.save`` wrote it: a dict of ``params`` and
+    ``buffers`` (the model's state dict, split), ``config`` (with ``seed``), ``steps_done``,
+    ``optimizer`` and ``rng`` state. Load it with ``torch.load(f, weights_only=True)`` and
+    ``workload.build_model(state["config"]).load_state_dict({**params, **buffers})``."""
+    trial = store.get_trial(s, trial_id)
+    path = checkpoint_path(settings.checkpoint_dir, study_id, trial_id)
+    if trial.study_id != study_id:
+        raise NotFound(f"trial {trial_id} is not a trial of study {study_id}")
+    if trial.checkpoint_path is None or not path.is_file():
+        raise NotFound(
+            f"trial {trial_id} has no checkpoint: not trained yet, or removed when its study "
+            "ended (only the best stopped trials keep theirs: PACKTUNE_KEEP_CHECKPOINTS)"
+        )
+    name = f"study-{study_id}-trial-{trial_id}.pt"
+    return FileResponse(path, media_type="application/octet-stream", filename=name)
 
 
 @router.get("/{study_id}/brackets", response_model=ListOf[BracketPublic], responses=ONE_STUDY)

@@ -35,9 +35,11 @@ def study_summary(s: Session, study_id: int) -> Row:
     return summary
 
 
-def list_studies(s: Session, limit: int, offset: int) -> tuple[list[Row], int]:
-    """A page of studies, newest first, and how many there are."""
-    rows, count = store.list_studies(s, limit=limit, offset=offset)
+def list_studies(
+    s: Session, limit: int, offset: int, status: list[StudyStatus] | None = None
+) -> tuple[list[Row], int]:
+    """A page of studies, newest first, and how many there are (in ``status``, if given)."""
+    rows, count = store.list_studies(s, limit=limit, offset=offset, status=status)
     return _summaries(s, list(rows), with_spec=False), count
 
 

@@ -85,6 +85,7 @@ from service.store.trials import (
     brackets_summary,
     count_trials,
     count_trials_by_status,
+    forget_checkpoints,
     get_trial,
     latest_measurement,
     measurements_of,
@@ -101,6 +102,7 @@ from service.store.trials import (
 )
 
 __all__ = [
+    "forget_checkpoints",
     "OPEN_CHECK",
     "checks_with_status",
     "create_check",

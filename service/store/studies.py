@@ -35,11 +35,18 @@ def get_study(s: Session, study_id: int) -> Study:
     return study
 
 
-def list_studies(s: Session, *, limit: int = 100, offset: int = 0) -> tuple[list[Study], int]:
-    """One page of studies, newest first, and the total number of studies."""
-    total = s.scalar(select(func.count()).select_from(Study)) or 0
-    page = s.scalars(select(Study).order_by(Study.id.desc()).limit(limit).offset(offset))
-    return list(page), total
+def list_studies(
+    s: Session,
+    *,
+    limit: int = 100,
+    offset: int = 0,
+    status: Iterable[StudyStatus] | None = None,
+) -> tuple[list[Study], int]:
+    """One page of studies, newest first, and how many there are (in ``status``, if given)."""
+    where = [] if status is None else [Study.status.in_(list(status))]
+    total = s.scalar(select(func.count()).select_from(Study).where(*where)) or 0
+    query = select(Study).where(*where).order_by(Study.id.desc()).limit(limit).offset(offset)
+    return list(s.scalars(query)), total
 
 
 def delete_study(s: Session, study_id: int) -> None:

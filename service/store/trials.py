@@ -364,3 +364,12 @@ def values_at(
             v = metrics.get(metric)
             values[trial_id] = float(v) if isinstance(v, int | float) else None
     return values
+
+
+def forget_checkpoints(s: Session, trial_ids: list[int]) -> None:
+    """The trials' checkpoints were deleted: they have none any more."""
+    if trial_ids:
+        s.execute(
+            update(Trial).where(Trial.id.in_(trial_ids)).values(checkpoint_path=None),
+            execution_options={"synchronize_session": False},
+        )

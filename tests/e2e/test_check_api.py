@@ -69,6 +69,9 @@ def test_a_check_runs_on_the_service_runner_and_reports(
     assert done["status"] == "passed", done
     report = done["report"]
     assert report["stacks"] == [[[0, 1, 2], "bmm"]]
+    assert [layer[1:] for layer in report["layers"]] == [
+        ["Linear", "bmm"], ["ReLU", "bmm"], ["Linear", "bmm"], ["ReLU", "bmm"], ["Linear", "bmm"],
+    ]  # fmt: skip
     assert report["exact"] and report["ok"] and report["max_difference"] < 1e-5
     assert set(report["step_ms"]) == {"1", "2", "4", "8"}
     assert all(ms > 0 for ms in report["step_ms"].values())

@@ -9,8 +9,8 @@ from packtune.workloads import registry
 HERE = Path(__file__).resolve().parents[1]
 
 
-def test_the_workload_is_registered() -> None:
-    assert "rings-mlp" in registry()
+def test_the_workloads_are_registered() -> None:
+    assert {"rings-mlp", "rings-files"} <= set(registry())
 
 
 def test_it_fuses_exactly() -> None:
@@ -32,3 +32,26 @@ def test_a_study_runs_to_the_end(tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_streaming_workload_fuses_exactly_under_vmap() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "service.cli", "check", "rings-files", "--members", "3"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "stacks vmap x3" in result.stdout
+
+
+def test_a_streaming_study_runs_to_the_end(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "service.cli", "run", str(HERE / "rings-files.yaml")],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "completed" in result.stdout
