@@ -20,6 +20,7 @@ import yaml
 
 from packtune.errors import PacktuneError, SpecError
 from packtune.settings import SettingsError, get_settings
+from service import remote_cli
 
 app = typer.Typer(
     name="packtune",
@@ -92,7 +93,7 @@ def run(
 
     from service import store
     from service.db import get_sessionmaker, session_scope, upgrade
-    from service.progress import leaderboard_table, watch
+    from packtune.progress import leaderboard_table, watch
     from service.queries import leaderboard, packs, study_summary
     from service.runtime import make_dispatcher
     from service.scheduler import Scheduler
@@ -289,21 +290,11 @@ def check(
 def _remote_check(
     url: str, token: str | None, workload: str, space: Any, members: int, steps: int
 ) -> dict[str, Any]:
-    """POST the check to a service, wait for its worker's report; a one-line failure else."""
-    import httpx
+    """The check run by a service's worker; a one-line failure where it could not run."""
+    from service.remote_cli import connected
 
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    request = {"space": space, "members": members, "steps": steps}
-    try:
-        with httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=30) as client:
-            resp = client.post(f"/api/workloads/{workload}/check", json=request)
-            if resp.status_code >= 400:
-                fail(f"{resp.status_code}: {_detail(resp)}")
-            location = resp.headers["Location"]
-            while (found := client.get(location).json())["status"] in ("queued", "running"):
-                time.sleep(0.5)
-    except httpx.HTTPError as exc:
-        fail(f"cannot reach {url}: {exc}")
+    with connected(url, token) as client:
+        found = client.check(workload, space, members=members, steps=steps)
     if found["status"] == "error":
         fail(f"the check could not run: {found['error']}")
     return dict(found["report"])
@@ -332,65 +323,6 @@ def _print_check(report: dict[str, Any], members: int, steps: int) -> None:
         console.print(f"[yellow]warning:[/] {line}")
 
 
-@app.command()
-def submit(
-    spec: Annotated[Path, typer.Argument(help="Study spec (YAML or JSON).")],
-    url: Annotated[str, typer.Option(help="packtune API base URL.")] = "http://127.0.0.1:8000",
-    watch_: Annotated[bool, typer.Option("--watch", help="Follow the study's progress.")] = False,
-    token: Annotated[
-        str | None, typer.Option(envvar="PACKTUNE_API_TOKEN", help="Bearer token.")
-    ] = None,
-) -> None:
-    """Submit a study to a running service."""
-    import httpx
-    from rich.console import Console
-
-    from service.progress import leaderboard_table, watch
-
-    body = load_spec_file(spec)
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    base = url.rstrip("/")
-    try:
-        with httpx.Client(base_url=base, headers=headers, timeout=30) as client:
-            resp = client.post("/api/studies", json=body)
-            if resp.status_code >= 400:
-                fail(f"{resp.status_code}: {_detail(resp)}")
-            study = resp.json()
-            console = Console()
-            console.print(f"study {study['id']} submitted: {base}/#/studies/{study['id']}")
-            if not watch_:
-                return
-
-            def fetch() -> dict[str, Any]:
-                r = client.get(f"/api/studies/{study['id']}")
-                r.raise_for_status()
-                summary = dict(r.json())
-                top_rows = client.get(
-                    f"/api/studies/{study['id']}/leaderboard", params={"limit": 1}
-                ).json()["data"]
-                summary["best_so_far"] = top_rows[0] if top_rows else None
-                return summary
-
-            summary = watch(fetch, console=console)
-            rows = client.get(f"/api/studies/{study['id']}/leaderboard").json()["data"]
-            console.print(leaderboard_table(rows, body["objective"]["metric"]))
-            console.print(f"study {study['id']} {summary['status']}")
-    except httpx.HTTPError as exc:
-        fail(f"cannot reach {base}: {exc}")
-
-
-def _detail(resp: Any) -> str:
-    try:
-        detail = resp.json().get("detail")
-    except ValueError:
-        return str(resp.text[:200])
-    if isinstance(detail, list):
-        return "; ".join(
-            f"{'.'.join(str(p) for p in d.get('loc', [])[1:])}: {d.get('msg')}" for d in detail
-        )
-    return str(detail)
-
-
 @db_app.command("upgrade")
 def db_upgrade() -> None:
     """Create or migrate the database schema to the newest version."""
@@ -399,6 +331,9 @@ def db_upgrade() -> None:
     settings = get_settings()
     upgrade(settings.database_url)
     typer.echo(f"database at head: {_masked(settings.database_url)}")
+
+
+remote_cli.register(app)  # submit, studies, show, cancel, delete, export, best
 
 
 def main() -> None:

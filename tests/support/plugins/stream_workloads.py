@@ -10,6 +10,7 @@ each, the label in the file's name. The folder is the structural parameter ``roo
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -111,7 +112,13 @@ class FolderImages(Workload):
         return {"val_accuracy": float((outputs.argmax(-1) == targets).float().mean())}
 
     def train_size(self, config: Mapping[str, Any]) -> int:
-        return N_TRAIN
+        """The images in the folder's ``train`` (the test decides how many it writes)."""
+        return _count(str(self.resolve(config)["root"]))
+
+
+@functools.cache
+def _count(root: str) -> int:
+    return len(list((Path(root) / "train").glob("*.npy"))) if root else N_TRAIN
 
 
 class AugmentedImages(FolderImages):

@@ -1,0 +1,212 @@
+"""The CLI's commands for a running service, all on :class:`packtune.client.Client`:
+``submit``, ``studies``, ``show``, ``cancel``, ``delete``, ``export``, ``best``.
+
+A refusal of the service is one line (its status and ``detail``) and exit 2; so is a
+service that cannot be reached.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn
+
+import typer
+
+if TYPE_CHECKING:  # imported when a command runs: `packtune run` loads no HTTP client
+    from packtune.client import Client, Study
+
+Url = Annotated[str, typer.Option(envvar="PACKTUNE_URL", help="The service's base URL.")]
+Token = Annotated[
+    str | None, typer.Option(envvar="PACKTUNE_API_TOKEN", help="Bearer token (writes).")
+]
+StudyId = Annotated[int, typer.Argument(min=1, help="The study's id.")]
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def _fail(message: str) -> NoReturn:
+    from service.cli import fail
+
+    fail(message)
+
+
+@contextmanager
+def connected(url: str, token: str | None) -> Iterator[Client]:
+    """A client of ``url``; the service's refusals and an unreachable service end the
+    command with one line."""
+    import httpx
+
+    from packtune.client import ApiError, Client
+
+    try:
+        with Client(url, token) as client:
+            yield client
+    except ApiError as exc:
+        _fail(str(exc))
+    except httpx.HTTPError as exc:
+        _fail(f"cannot reach {url}: {exc}")
+
+
+def _line(study: Study) -> str:
+    done, total = study.progress
+    best = ""
+    if study.best_metrics is not None:
+        best = f", best trial {study.best_trial_id} {study.metric}="
+        value = study.best_metrics.get(study.metric)
+        best += f"{value:.4g}" if isinstance(value, int | float) else "?"
+    return f"study {study.id} {study.name} ({study.workload}): {study.status}, {done}/{total} units{best}"
+
+
+def register(app: typer.Typer) -> None:
+    """Add the remote commands to ``app``."""
+
+    @app.command()
+    def submit(
+        spec: Annotated[Path, typer.Argument(help="Study spec (YAML or JSON).")],
+        url: Url = DEFAULT_URL,
+        watch_: Annotated[bool, typer.Option("--watch", help="Follow its progress.")] = False,
+        token: Token = None,
+    ) -> None:
+        """Submit a study to a running service."""
+        from rich.console import Console
+
+        from packtune.progress import leaderboard_table
+        from service.cli import load_spec_file
+
+        body = load_spec_file(spec)
+        with connected(url, token) as client:
+            study = client.create_study(body)
+            console = Console()
+            console.print(f"study {study.id} submitted: {client.url}/#/studies/{study.id}")
+            if not watch_:
+                return
+            study = client.wait(study, progress=True, poll=0.5)
+            rows = [t.raw for t in client.leaderboard(study)]
+            console.print(leaderboard_table(rows, study.metric))
+            console.print(f"study {study.id} {study.status}")
+
+    @app.command()
+    def studies(
+        status: Annotated[
+            list[str] | None, typer.Option(help="Only studies in this status (repeatable).")
+        ] = None,
+        url: Url = DEFAULT_URL,
+        token: Token = None,
+    ) -> None:
+        """The service's studies, newest first."""
+        from rich.console import Console
+        from rich.table import Table
+
+        with connected(url, token) as client:
+            rows = client.studies(status=status)
+        table = Table("id", "name", "workload", "status", "units", "best")
+        for study in rows:
+            done, total = study.progress
+            value = (study.best_metrics or {}).get(study.metric)
+            best = f"{study.metric}={value:.4g}" if isinstance(value, int | float) else "-"
+            table.add_row(str(study.id), study.name, study.workload, study.status,
+                          f"{done}/{total}", best)  # fmt: skip
+        Console().print(table)
+
+    @app.command()
+    def show(study_id: StudyId, url: Url = DEFAULT_URL, token: Token = None) -> None:
+        """One study: status, progress, best trial and the top of its leaderboard."""
+        from rich.console import Console
+
+        from packtune.progress import leaderboard_table
+
+        with connected(url, token) as client:
+            study = client.get_study(study_id)
+            top = [t.raw for t in client.leaderboard(study, limit=5)]
+        console = Console()
+        console.print(_line(study))
+        if study.error:
+            console.print(f"error: {study.error}")
+        if top:
+            console.print(leaderboard_table(top, study.metric, limit=5))
+
+    @app.command()
+    def cancel(study_id: StudyId, url: Url = DEFAULT_URL, token: Token = None) -> None:
+        """Cancel a pending or running study (its running packs stop within seconds)."""
+        with connected(url, token) as client:
+            typer.echo(_line(client.cancel(study_id)))
+
+    @app.command()
+    def delete(study_id: StudyId, url: Url = DEFAULT_URL, token: Token = None) -> None:
+        """Delete a finished, failed or cancelled study with its checkpoints."""
+        with connected(url, token) as client:
+            client.delete(study_id)
+        typer.echo(f"study {study_id} deleted")
+
+    @app.command()
+    def export(
+        study_id: StudyId,
+        format_: Annotated[
+            Literal["csv", "json"], typer.Option("--format", help="csv or json.")
+        ] = "csv",
+        out: Annotated[Path | None, typer.Option(help="File to write (default: stdout).")] = None,
+        url: Url = DEFAULT_URL,
+        token: Token = None,
+    ) -> None:
+        """A study's trials: id, status, bracket, rung, resource, each config value and
+        each latest metric (csv columns ``config.<name>``, ``metric.<name>``)."""
+        with connected(url, token) as client:
+            trials = client.trials(study_id)
+        text = _as_json(trials) if format_ == "json" else _as_csv(trials)
+        if out is None:
+            sys.stdout.write(text)
+        else:
+            out.write_text(text)
+            typer.echo(f"{len(trials)} trials of study {study_id} written to {out}")
+
+    @app.command()
+    def best(
+        study_id: StudyId,
+        out: Annotated[Path, typer.Option(help="Where to write the checkpoint.")] = Path(
+            "model.pt"
+        ),
+        url: Url = DEFAULT_URL,
+        token: Token = None,
+    ) -> None:
+        """Download the best trial's checkpoint (load it with ``Client.best_model``, or
+        ``torch.load(out, weights_only=True)`` and the workload's ``build_model``)."""
+        with connected(url, token) as client:
+            study = client.get_study(study_id)
+            if study.best_trial_id is None:
+                _fail(f"study {study_id} has no best trial ({study.status})")
+            data = client.checkpoint(study, study.best_trial_id)  # type: ignore[arg-type]
+        out.write_bytes(data)
+        typer.echo(f"trial {study.best_trial_id} of study {study_id} written to {out}")
+
+
+def _rows(trials: list[Any]) -> list[dict[str, Any]]:
+    return [
+        {
+            "id": t.id, "status": t.status, "bracket": t.bracket, "rung": t.rung,
+            "resource": t.measured_resource,
+            **{f"config.{k}": v for k, v in sorted(t.config.items())},
+            **{f"metric.{k}": v for k, v in sorted(t.metrics.items())},
+        }
+        for t in trials
+    ]  # fmt: skip
+
+
+def _as_csv(trials: list[Any]) -> str:
+    rows = _rows(trials)
+    columns: dict[str, None] = {}
+    for row in rows:
+        columns.update(dict.fromkeys(row))
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(columns))
+    writer.writeheader()
+    writer.writerows(rows)
+    return buffer.getvalue()
+
+
+def _as_json(trials: list[Any]) -> str:
+    return json.dumps([t.raw for t in trials], indent=2, default=str) + "\n"

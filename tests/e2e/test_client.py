@@ -1,0 +1,173 @@
+"""``packtune.Client`` and the CLI's remote commands, against a real ``packtune serve``
+(embedded runner, SQLite, a bearer token), and the CLI through its entry point."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from packtune import ApiError, Client, Study, Trial
+from packtune.workloads import get_workload
+from tests.support.processes import packtune_env, serving
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "client-test-token"
+SPEC = {
+    "name": "client",
+    "workload": "digits-mlp",
+    "space": {"lr": {"type": "loguniform", "low": 0.01, "high": 0.5}},
+    "hyperband": {"max_resource": 3, "min_resource": 1, "eta": 3},
+    "seed": 2,
+}
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("client")
+    env = packtune_env(
+        database_url=f"sqlite:///{tmp / 'packtune.db'}", checkpoint_dir=tmp / "ckpt",
+        scheduler_interval=0.2, api_token=TOKEN,
+    )  # fmt: skip
+    spec = tmp / "study.yaml"
+    spec.write_text(yaml.safe_dump(SPEC))
+    with serving(env, tmp / "serve.log") as url:
+        with Client(url, TOKEN) as client:
+            study = client.wait(client.create_study(spec), timeout=300)
+        yield {"url": url, "env": env, "study": study, "spec": spec, "tmp": tmp}
+
+
+def cli(service: dict[str, Any], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "service.cli", *args, "--url", service["url"]],
+        env={**service["env"], "PACKTUNE_API_TOKEN": TOKEN}, capture_output=True, text=True,
+        timeout=300, cwd=service["tmp"],
+    )  # fmt: skip
+
+
+def test_a_study_made_from_a_file_runs_and_reads_back_typed(service: dict[str, Any]) -> None:
+    study = service["study"]
+    assert isinstance(study, Study) and study.status == "completed" and study.finished
+    assert study.progress[0] == study.progress[1] > 0
+    with Client(service["url"]) as client:  # reads need no token
+        assert client.get_study(study.id) == study
+        assert [s.id for s in client.studies(status="completed")] == [study.id]
+        assert client.studies(status=["running", "pending"]) == []
+        trials = client.trials(study, status="completed")
+        assert trials and all(isinstance(t, Trial) and t.status == "completed" for t in trials)
+        board = client.leaderboard(study, limit=3)
+        assert board[0].id == study.best_trial_id and len(board) == 3
+        values = [t.metrics["val_loss"] for t in board if t.measured_resource == 3]
+        assert values == sorted(values)
+
+
+def test_trials_come_as_a_dataframe(service: dict[str, Any]) -> None:
+    with Client(service["url"]) as client:
+        frame = client.trials_dataframe(service["study"])
+        count = len(client.trials(service["study"]))
+    assert len(frame) == count
+    assert {"id", "status", "config.lr", "metric.val_loss"} <= set(frame.columns)
+
+
+def test_the_best_model_is_one_call_away(service: dict[str, Any]) -> None:
+    study = service["study"]
+    with Client(service["url"]) as client:
+        model, config = client.best_model(study)
+    assert isinstance(model, torch.nn.Module) and not model.training
+    workload = get_workload("digits-mlp")
+    _, val = workload.data(config)
+    with torch.no_grad():
+        val_loss = float(workload.loss(model(val.x), val.y))
+    assert study.best_metrics is not None
+    assert val_loss == pytest.approx(study.best_metrics["val_loss"], rel=1e-5)
+
+
+def test_refusals_carry_the_api_detail(service: dict[str, Any]) -> None:
+    url = service["url"]
+    with Client(url) as anonymous, pytest.raises(ApiError) as caught:
+        anonymous.create_study(SPEC)
+    assert caught.value.status_code == 401
+    with Client(url, TOKEN) as client:
+        bad = {**SPEC, "space": {"lr": {"type": "uniform", "low": 1.0, "high": 0.1}}}
+        with pytest.raises(ApiError) as caught:
+            client.create_study(bad)
+        assert caught.value.status_code == 422 and "space.lr.low" in caught.value.detail
+        with pytest.raises(ApiError) as caught:
+            client.get_study(99_999)
+        assert caught.value.status_code == 404 and "99999" in caught.value.detail
+        running = client.create_study({**SPEC, "name": "to-cancel"})
+        with pytest.raises(ApiError) as caught:
+            client.delete(running)
+        assert caught.value.status_code == 409
+        assert client.cancel(running).status == "cancelled"
+        check = client.check("digits-mlp", members=2, steps=1)
+        assert check["status"] == "passed" and check["report"]["stacks"] == [[[0, 1], "bmm"]]
+
+
+def test_the_cli_lists_shows_exports_and_takes_the_best_model(service: dict[str, Any]) -> None:
+    study = service["study"]
+    listed = cli(service, "studies", "--status", "completed")
+    assert listed.returncode == 0, listed.stderr
+    assert "client" in listed.stdout and "completed" in listed.stdout
+    shown = cli(service, "show", str(study.id))
+    assert shown.returncode == 0, shown.stderr
+    assert f"study {study.id} client (digits-mlp): completed" in shown.stdout
+    assert "leaderboard" in shown.stdout
+
+    exported = cli(service, "export", str(study.id), "--format", "csv")
+    assert exported.returncode == 0, exported.stderr
+    rows = list(csv.DictReader(io.StringIO(exported.stdout)))
+    assert {"id", "status", "config.lr", "metric.val_loss"} <= set(rows[0])
+    as_json = cli(service, "export", str(study.id), "--format", "json")
+    assert len(json.loads(as_json.stdout)) == len(rows)
+
+    out = service["tmp"] / "best.pt"
+    taken = cli(service, "best", str(study.id), "--out", str(out))
+    assert taken.returncode == 0, taken.stderr
+    state = torch.load(out, weights_only=True)
+    assert state["config"]["lr"] == pytest.approx(
+        next(float(r["config.lr"]) for r in rows if int(r["id"]) == study.best_trial_id)
+    )
+
+
+def test_cli_refusals_are_one_line_and_exit_2(service: dict[str, Any], tmp_path: Path) -> None:
+    missing = cli(service, "show", "99999")
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == "error: 404: study 99999 not found"
+    away = subprocess.run(
+        [sys.executable, "-m", "service.cli", "studies", "--url", "http://127.0.0.1:9"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert away.returncode == 2 and "cannot reach http://127.0.0.1:9" in away.stderr
+    assert "Traceback" not in missing.stderr + away.stderr
+
+
+def test_the_cli_cancels_and_deletes(service: dict[str, Any]) -> None:
+    long = service["tmp"] / "long.yaml"  # 143 trials: still running when cancelled
+    long.write_text(yaml.safe_dump({**SPEC, "name": "long", "hyperband": {"max_resource": 81}}))
+    submitted = cli(service, "submit", str(long))
+    assert submitted.returncode == 0, submitted.stderr
+    study_id = submitted.stdout.split()[1]
+    refused = cli(service, "delete", study_id)
+    assert refused.returncode == 2 and "409" in refused.stderr
+    cancelled = cli(service, "cancel", study_id)
+    assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout
+    deadline = time.monotonic() + 60
+    while (deleted := cli(service, "delete", study_id)).returncode != 0:
+        assert "still has packs training" in deleted.stderr  # they stop within seconds
+        assert time.monotonic() < deadline
+        time.sleep(0.3)
+    assert f"study {study_id} deleted" in deleted.stdout
+    with Client(service["url"]) as client, pytest.raises(ApiError):
+        client.get_study(int(study_id))
