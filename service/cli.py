@@ -91,9 +91,9 @@ def run(
     """Run a study end to end here (embedded: SQLite, packs in a child process)."""
     from rich.console import Console
 
+    from packtune.progress import leaderboard_table, watch
     from service import store
     from service.db import get_sessionmaker, session_scope, upgrade
-    from packtune.progress import leaderboard_table, watch
     from service.queries import leaderboard, packs, study_summary
     from service.runtime import make_dispatcher
     from service.scheduler import Scheduler

@@ -59,7 +59,8 @@ def _line(study: Study) -> str:
         best = f", best trial {study.best_trial_id} {study.metric}="
         value = study.best_metrics.get(study.metric)
         best += f"{value:.4g}" if isinstance(value, int | float) else "?"
-    return f"study {study.id} {study.name} ({study.workload}): {study.status}, {done}/{total} units{best}"
+    head = f"study {study.id} {study.name} ({study.workload})"
+    return f"{head}: {study.status}, {done}/{total} units{best}"
 
 
 def register(app: typer.Typer) -> None:
