@@ -13,9 +13,11 @@ Families (all prefixed ``packtune_``):
 - ``packs_dispatched_total`` -- pack attempts handed to a queue, retries included;
 - ``packs_finished_total`` {status} -- packs completed, failed, split or cancelled;
 - ``pack_duration_seconds`` -- histogram, claim to finish, of packs that ran;
-- ``trial_steps_per_second`` {workload, fusion_key, device_kind, k} -- the profile's
-  smoothed throughput of fused arrays of size k;
-- ``memory_model_bytes`` {workload, fusion_key, device_kind, part} -- base and per_trial;
+- ``trial_steps_per_second`` {workload, device_kind, k} -- the profiles' smoothed
+  throughput of fused arrays of size k (median over fusion keys: a key is an architecture's
+  JSON, unbounded as a label);
+- ``memory_model_bytes`` {workload, device_kind, part} -- base and per_trial, the largest
+  over fusion keys; ``fusion_keys`` {workload, device_kind} -- how many were measured;
 - ``worker_alive`` {worker, host, device_kind};
 - ``worker_gpu_memory_{used,free,total}_bytes``, ``worker_gpu_utilization_ratio``
   {worker, gpu, name} -- the latest NVML heartbeat of live workers (``gpu`` is the NVML index).
@@ -29,6 +31,8 @@ is stale).
 from __future__ import annotations
 
 import logging
+import statistics
+from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -163,27 +167,43 @@ def _pack_durations(s: Session) -> HistogramMetricFamily:
 
 
 def _profiles(s: Session) -> Iterator[Metric]:
-    key = ["workload", "fusion_key", "device_kind"]
+    """Per workload and device kind, not per fusion key: a key is a structural config's JSON,
+    one per distinct architecture a study samples, so as a label it would grow without
+    bound. The per-key figures are in the database (and ``packtune check``)."""
+    key = ["workload", "device_kind"]
     speed = GaugeMetricFamily(
         _name("trial_steps_per_second"),
-        "Measured trial-steps per second of fused arrays of size k (moving average).",
+        "Measured trial-steps per second of fused arrays of size k (moving average), the "
+        "median over the workload's fusion keys.",
         labels=[*key, "k"],
     )
     memory = GaugeMetricFamily(
         _name("memory_model_bytes"),
-        "Memory model bytes(k) = base + k * per_trial, per fusion key and device kind.",
+        "Memory model bytes(k) = base + k * per_trial: the largest over the workload's "
+        "fusion keys.",
         labels=[*key, "part"],
     )
+    keys = GaugeMetricFamily(_name("fusion_keys"), "Fusion keys measured (profiles).", labels=key)
+    speeds: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+    parts: dict[tuple[str, str, str], int] = {}
+    counted: dict[tuple[str, str], int] = defaultdict(int)
     for profile in s.scalars(select(Profile).order_by(Profile.id)):
-        labels = [profile.workload, profile.fusion_key, profile.device_kind]
-        for k, value in sorted((profile.throughput or {}).items(), key=lambda kv: int(kv[0])):
-            speed.add_metric([*labels, str(k)], float(value))
-        if profile.base_bytes is not None:
-            memory.add_metric([*labels, "base"], profile.base_bytes)
-        if profile.per_trial_bytes is not None:
-            memory.add_metric([*labels, "per_trial"], profile.per_trial_bytes)
+        labels = (profile.workload, profile.device_kind)
+        counted[labels] += 1
+        for k, value in (profile.throughput or {}).items():
+            speeds[(*labels, str(k))].append(float(value))
+        for part, value in (("base", profile.base_bytes), ("per_trial", profile.per_trial_bytes)):
+            if value is not None:
+                parts[(*labels, part)] = max(parts.get((*labels, part), 0), value)
+    for labels3, values in sorted(speeds.items(), key=lambda kv: (kv[0][:2], int(kv[0][2]))):
+        speed.add_metric(list(labels3), statistics.median(values))
+    for labels3, value in sorted(parts.items()):
+        memory.add_metric(list(labels3), value)
+    for labels2, n in sorted(counted.items()):
+        keys.add_metric(list(labels2), n)
     yield speed
     yield memory
+    yield keys
 
 
 def _workers(s: Session, timeout_seconds: float) -> Iterator[Metric]:

@@ -30,6 +30,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi_offline import FastAPIOffline
 from sqlalchemy import Engine
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -73,7 +74,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if owned is not None:
             owned.dispose()
 
-    app = FastAPI(
+    # /docs and /redoc from assets shipped in fastapi-offline: no CDN (the default pages
+    # render blank without the internet)
+    app = FastAPIOffline(
         title="packtune",
         summary="Pack-aware hyperparameter tuning: Hyperband whose trials share a GPU.",
         version="0.1.0",

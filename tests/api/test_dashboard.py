@@ -387,3 +387,21 @@ def test_an_unknown_study_says_so(service: dict[str, Any], browser: Any) -> None
         page.get_by_text("Study 999999 not found").wait_for()
     finally:
         context.close()
+
+
+@pytest.mark.parametrize(("path", "rendered"), [("/docs", ".opblock"), ("/redoc", ".redoc-wrap")])
+def test_the_api_docs_render_without_the_internet(
+    service: dict[str, Any], browser: Any, path: str, rendered: str
+) -> None:
+    """Swagger UI and ReDoc load their scripts from the service itself (this machine reaches
+    no CDN): the pages render the API's operations."""
+    html = httpx.get(f"{service['url']}{path}", timeout=10).text
+    assert "cdn." not in html and "https://" not in html.split("<body")[-1]
+    context = browser.new_context()
+    try:
+        page = context.new_page()
+        page.goto(f"{service['url']}{path}")
+        page.locator(rendered).first.wait_for(timeout=30_000)
+        assert "/api/studies" in page.content()
+    finally:
+        context.close()

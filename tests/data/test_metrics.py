@@ -183,11 +183,22 @@ def test_pack_duration_histogram(client: TestClient) -> None:
 def test_throughput_memory_model_and_workers(client: TestClient) -> None:
     populate(client.app.state.sessionmaker)  # type: ignore[attr-defined]
     _, samples = scrape(client)
-    key = {"workload": "digits-mlp", "fusion_key": KEY, "device_kind": "NVIDIA H100"}
+    key = {"workload": "digits-mlp", "device_kind": "NVIDIA H100"}  # no fusion key label
     assert value(samples, "packtune_trial_steps_per_second", k="1", **key) == 100.0
     assert value(samples, "packtune_trial_steps_per_second", k="2", **key) == 180.0
     assert value(samples, "packtune_memory_model_bytes", part="base", **key) == 1000
     assert value(samples, "packtune_memory_model_bytes", part="per_trial", **key) == 250
+    assert value(samples, "packtune_fusion_keys", **key) == 1
+    assert not any("fusion_key" in dict(labels) for _, labels in samples)
+    # a second architecture: one series still, the median speed and the largest memory
+    with session_scope(client.app.state.sessionmaker) as s:  # type: ignore[attr-defined]
+        store.record_throughput(s, "digits-mlp", KEY + "-wide", "NVIDIA H100", 1, 300.0)
+        store.set_memory_model(s, "digits-mlp", KEY + "-wide", "NVIDIA H100", 500, 900)
+    _, samples = scrape(client)
+    assert value(samples, "packtune_trial_steps_per_second", k="1", **key) == 200.0
+    assert value(samples, "packtune_memory_model_bytes", part="base", **key) == 1000
+    assert value(samples, "packtune_memory_model_bytes", part="per_trial", **key) == 900
+    assert value(samples, "packtune_fusion_keys", **key) == 2
 
     alive = {"host": "h1", "device_kind": "NVIDIA H100"}
     assert value(samples, "packtune_worker_alive", worker="gpu-1", **alive) == 1
