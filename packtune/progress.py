@@ -6,6 +6,8 @@ Both feed :func:`watch` a function returning the study summary (the JSON of
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -15,6 +17,17 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 FINISHED = ("completed", "failed", "cancelled")
+#: columns of output that is not a terminal (a file, a pipe, CI's log): rich would assume 80
+#: and cut the progress line short
+PIPE_WIDTH = 200
+
+
+def output_console() -> Console:
+    """A console for the CLI's output: the terminal's width, or :data:`PIPE_WIDTH` when the
+    output is not a terminal (and ``COLUMNS`` does not say)."""
+    if sys.stdout.isatty() or os.environ.get("COLUMNS"):
+        return Console()
+    return Console(width=PIPE_WIDTH)
 
 
 def _best(summary: dict[str, Any], metric: str) -> str:
@@ -56,7 +69,7 @@ def watch(
 ) -> dict[str, Any]:
     """Show a progress bar (units done / total, packs running, best so far) until the study
     is finished; returns the last summary."""
-    console = console or Console()
+    console = console or output_console()
     summary = fetch()
     metric = summary.get("objective", {}).get("metric", "val_loss")
     columns = (

@@ -89,9 +89,7 @@ def run(
     top: Annotated[int, typer.Option(help="Rows of the leaderboard to print.")] = 10,
 ) -> None:
     """Run a study end to end here (embedded: SQLite, packs in a child process)."""
-    from rich.console import Console
-
-    from packtune.progress import leaderboard_table, watch
+    from packtune.progress import leaderboard_table, output_console, watch
     from service import store
     from service.db import get_sessionmaker, session_scope, upgrade
     from service.queries import leaderboard, packs, study_summary
@@ -117,7 +115,7 @@ def run(
     except BaseException:
         dispatcher.close()
         raise
-    console = Console()
+    console = output_console()
     console.print(
         f"study {study_id} [bold]{body['name']}[/]: {body['workload']}, "
         f"database {_masked(settings.database_url)}"
@@ -167,9 +165,9 @@ def serve(
     """Serve the API and dashboard; also the scheduler, and packs in-process without Redis.
 
     The scheduler (with the embedded runner under it) is a child process, not a
-    thread, so that its ticks do not hold the API process's GIL (see
-    :mod:`service.scheduler_process`). It stops with ``serve``, whether that ends
-    by Ctrl-C, SIGTERM or an error, and on its own if ``serve`` is killed.
+    thread, so that its ticks do not hold the API process's GIL. It stops with serve,
+    whether that ends by Ctrl-C, SIGTERM or an error, and on its own if serve is
+    killed.
     """
     import signal
 
@@ -301,10 +299,11 @@ def _remote_check(
 
 
 def _print_check(report: dict[str, Any], members: int, steps: int) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    from packtune.progress import output_console
+
+    console = output_console()
     console.print(f"[bold]{report['workload']}[/]: structural {', '.join(report['structural'])}")
     console.print(f"fusible (may differ inside one array): {', '.join(report['fusible'])}")
     stacks = "; ".join(f"{mode} x{len(keys)}" for keys, mode in report["stacks"])

@@ -260,8 +260,23 @@ def alembic_config(url: str | URL | None = None) -> Any:
     return config
 
 
+class _MigrationsOnly(logging.Filter):
+    """Alembic's INFO lines but the migrations it runs (``Running upgrade 0005 -> 0006``):
+    a start that migrates nothing says nothing."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno > logging.INFO or record.getMessage().startswith("Running ")
+
+
+_QUIET = _MigrationsOnly()
+
+
 def upgrade(url: str | URL | None = None) -> None:
     """Bring the database at ``url`` (default: the settings' URL) to the newest schema."""
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)  # before import
+    migration_log = logging.getLogger("alembic.runtime.migration")
+    if _QUIET not in migration_log.filters:
+        migration_log.addFilter(_QUIET)
     from alembic import command
 
     try:

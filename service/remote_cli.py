@@ -74,15 +74,13 @@ def register(app: typer.Typer) -> None:
         token: Token = None,
     ) -> None:
         """Submit a study to a running service."""
-        from rich.console import Console
-
-        from packtune.progress import leaderboard_table
+        from packtune.progress import leaderboard_table, output_console
         from service.cli import load_spec_file
 
         body = load_spec_file(spec)
         with connected(url, token) as client:
             study = client.create_study(body)
-            console = Console()
+            console = output_console()
             console.print(f"study {study.id} submitted: {client.url}/#/studies/{study.id}")
             if not watch_:
                 return
@@ -100,8 +98,9 @@ def register(app: typer.Typer) -> None:
         token: Token = None,
     ) -> None:
         """The service's studies, newest first."""
-        from rich.console import Console
         from rich.table import Table
+
+        from packtune.progress import output_console
 
         with connected(url, token) as client:
             rows = client.studies(status=status)
@@ -112,19 +111,17 @@ def register(app: typer.Typer) -> None:
             best = f"{study.metric}={value:.4g}" if isinstance(value, int | float) else "-"
             table.add_row(str(study.id), study.name, study.workload, study.status,
                           f"{done}/{total}", best)  # fmt: skip
-        Console().print(table)
+        output_console().print(table)
 
     @app.command()
     def show(study_id: StudyId, url: Url = DEFAULT_URL, token: Token = None) -> None:
         """One study: status, progress, best trial and the top of its leaderboard."""
-        from rich.console import Console
-
-        from packtune.progress import leaderboard_table
+        from packtune.progress import leaderboard_table, output_console
 
         with connected(url, token) as client:
             study = client.get_study(study_id)
             top = [t.raw for t in client.leaderboard(study, limit=5)]
-        console = Console()
+        console = output_console()
         console.print(_line(study))
         if study.error:
             console.print(f"error: {study.error}")
@@ -155,7 +152,7 @@ def register(app: typer.Typer) -> None:
         token: Token = None,
     ) -> None:
         """A study's trials: id, status, bracket, rung, resource, each config value and
-        each latest metric (csv columns ``config.<name>``, ``metric.<name>``)."""
+        each latest metric (csv columns config.NAME and metric.NAME)."""
         with connected(url, token) as client:
             trials = client.trials(study_id)
         text = _as_json(trials) if format_ == "json" else _as_csv(trials)
@@ -174,8 +171,8 @@ def register(app: typer.Typer) -> None:
         url: Url = DEFAULT_URL,
         token: Token = None,
     ) -> None:
-        """Download the best trial's checkpoint (load it with ``Client.best_model``, or
-        ``torch.load(out, weights_only=True)`` and the workload's ``build_model``)."""
+        """Download the best trial's checkpoint (load it with packtune.Client.best_model, or
+        torch.load(OUT, weights_only=True) and the workload's build_model)."""
         with connected(url, token) as client:
             study = client.get_study(study_id)
             if study.best_trial_id is None:

@@ -114,6 +114,9 @@ def test_run_trains_a_study_and_prints_the_leaderboard(env: dict[str, str], tmp_
     assert result.returncode == 0, result.stderr
     assert "leaderboard" in result.stdout and "completed" in result.stdout
     assert "units of work in" in result.stdout
+    # output to a pipe: the progress line is whole, not cut to 80 columns
+    progress = next(line for line in result.stdout.splitlines() if "packs running" in line)
+    assert "…" not in progress and "units" in progress and "best: trial" in progress
 
 
 def test_worker_without_redis_says_what_to_do(env: dict[str, str], tmp_path: Path) -> None:
@@ -249,3 +252,23 @@ def test_the_asha_example_runs_its_budget_to_the_end(env: dict[str, str], tmp_pa
     assert {t[3] for t in trials if t[2] < 3} == {"stopped"}
     # ASHA keeps at least what synchronous halving would: floor(49 / 3) per batch at rung 1
     assert sum(t[2] >= 1 for t in trials) >= 3 * (49 // 3) and promoted >= 3 * (49 // 3)
+
+
+def test_serve_says_only_the_migrations_it_runs(env: dict[str, str], tmp_path: Path) -> None:
+    """A first start on a new database names each migration and nothing else of Alembic; a
+    later start on the same database says nothing of it."""
+    for start in ("first", "second"):
+        with serving(env, tmp_path / f"{start}.log"):
+            pass
+    first, second = ((tmp_path / f"{s}.log").read_text() for s in ("first", "second"))
+    alembic = [line for line in first.splitlines() if "alembic" in line]
+    assert alembic and all("Running upgrade" in line for line in alembic), alembic
+    assert "alembic" not in second
+
+
+def test_help_texts_are_plain(env: dict[str, str], tmp_path: Path) -> None:
+    for command in ("", "run", "serve", "check", "submit", "export", "best", "studies"):
+        result = packtune(*command.split(), "--help", env=env, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        for role in (":class:", ":func:", ":meth:", ":mod:", "``"):
+            assert role not in result.stdout, (command, role)
