@@ -48,3 +48,15 @@ class QueueUnavailable(PacktuneError):
 class StudyCannotRun(PacktuneError):
     """A stored study that can never run as it is: its workload is no longer registered, or
     its space no longer fits the workload. The scheduler fails the study with this text."""
+
+
+#: Where a trial's error text turns from its cause (shared by every trial with the same
+#: fault) to details of the one trial (its parameters): ``ValueError: ... [in ...]``.
+DETAILS = "in "
+
+
+def error_cause(text: str) -> str:
+    """The cause of a trial's error text (its first line, up to the trial's details), the
+    key by which errors are grouped."""
+    first = text.strip().splitlines()[0] if text.strip() else "no error recorded"
+    return first.split(f" [{DETAILS}", 1)[0][:300]

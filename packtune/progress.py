@@ -9,12 +9,15 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from packtune.errors import error_cause
 
 FINISHED = ("completed", "failed", "cancelled")
 #: columns of output that is not a terminal (a file, a pipe, CI's log): rich would assume 80
@@ -127,3 +130,16 @@ def leaderboard_table(rows: list[dict[str, Any]], metric: str, limit: int = 10) 
             config,
         )
     return table
+
+
+def error_lines(trials: Sequence[Mapping[str, Any]]) -> list[str]:
+    """What went wrong with a study's trials, one line per distinct error, most frequent
+    first: ``3 trials failed: ValueError: ...``, ``2 trials diverged: loss became ...``."""
+    seen: Counter[tuple[str, str]] = Counter()
+    for trial in trials:
+        if trial.get("status") in ("failed", "diverged"):
+            seen[(str(trial["status"]), error_cause(str(trial.get("error") or "")))] += 1
+    lines = []
+    for (status, text), n in seen.most_common():
+        lines.append(f"{n} trial{'s' if n > 1 else ''} {status}: {text}")
+    return lines

@@ -89,10 +89,11 @@ def run(
     top: Annotated[int, typer.Option(help="Rows of the leaderboard to print.")] = 10,
 ) -> None:
     """Run a study end to end here (embedded: SQLite, packs in a child process)."""
-    from packtune.progress import leaderboard_table, output_console, watch
+    from packtune.progress import error_lines, leaderboard_table, output_console, watch
     from service import store
     from service.db import get_sessionmaker, session_scope, upgrade
-    from service.queries import leaderboard, packs, study_summary
+    from service.models import TrialStatus
+    from service.queries import leaderboard, packs, study_summary, trials
     from service.runtime import make_dispatcher
     from service.scheduler import Scheduler
 
@@ -145,6 +146,16 @@ def run(
         rows, _ = leaderboard(s, study_id, limit=top)
         _, n_packs = packs(s, study_id, limit=1)
     console.print(leaderboard_table(rows, metric, top))
+    with session_scope(factory) as s:
+        troubled = [
+            row
+            for status in (TrialStatus.failed, TrialStatus.diverged)
+            for row in trials(s, study_id, status=status)[0]
+        ]
+    for line in error_lines(troubled):
+        console.print(f"[red]{line}[/]")
+    if summary.get("error"):
+        console.print(f"[red]study {study_id} failed: {summary['error']}[/]")
     progress = summary["progress"]
     console.print(
         f"study {study_id} {summary['status']} in {time.monotonic() - started:.1f} s: "

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from packtune.asha import known_prefix, promotions
 from packtune.checkpoints import checkpoint_path
-from packtune.errors import SpecError, StudyCannotRun
+from packtune.errors import SpecError, StudyCannotRun, error_cause
 from packtune.hyperband import promote, rank
 from packtune.iterations import Slot, asha_slots, cutoff, first_rung, rungs_upto, slots
 from packtune.rungs import rung_resource
@@ -449,6 +449,25 @@ def prune_checkpoints(s: Session, study: Study) -> list[int]:
     return [t.id for t in gone]
 
 
+def root_cause(s: Session, study: Study) -> str:
+    """Why no trial got through, for a failed study's error: how many trials failed or
+    diverged, and the most frequent error (``: 13 of 13 trials failed (ValueError: ...)``)."""
+    counts = store.count_trials_by_status(s, study.id)
+    total = sum(counts.values())
+    failed, diverged = counts.get(TrialStatus.failed, 0), counts.get(TrialStatus.diverged, 0)
+    parts = []
+    if failed:
+        errors = Counter(
+            error_cause(t.error or "")
+            for t in store.trials_of(s, study.id, status=TrialStatus.failed)
+        )
+        text, n = errors.most_common(1)[0]
+        parts.append(f"{failed} of {total} trials failed ({n} with {text})")
+    if diverged:
+        parts.append(f"{diverged} of {total} diverged (their loss became non-finite)")
+    return f": {'; '.join(parts)}" if parts else ""
+
+
 def _complete(s: Session, study: Study, reason: str | None = None) -> None:
     prune_checkpoints(s, study)
     best = best_trial(s, study)
@@ -456,6 +475,7 @@ def _complete(s: Session, study: Study, reason: str | None = None) -> None:
         error = "no trial reached max_resource with a finite objective value"
         if reason is not None:
             error = f"the budget ({reason}) ran out before any trial reached max_resource"
+        error += root_cause(s, study)
         store.move_study(s, study, StudyStatus.failed, error=error, stop_reason=reason)
     else:
         study.best_trial_id = best[0]

@@ -74,7 +74,7 @@ def register(app: typer.Typer) -> None:
         token: Token = None,
     ) -> None:
         """Submit a study to a running service."""
-        from packtune.progress import leaderboard_table, output_console
+        from packtune.progress import error_lines, leaderboard_table, output_console
         from service.cli import load_spec_file
 
         body = load_spec_file(spec)
@@ -87,6 +87,11 @@ def register(app: typer.Typer) -> None:
             study = client.wait(study, progress=True, poll=0.5)
             rows = [t.raw for t in client.leaderboard(study)]
             console.print(leaderboard_table(rows, study.metric))
+            troubled = client.trials(study, status="failed") + client.trials(study, "diverged")
+            for line in error_lines([t.raw for t in troubled]):
+                console.print(f"[red]{line}[/]")
+            if study.error:
+                console.print(f"[red]study {study.id} failed: {study.error}[/]")
             console.print(f"study {study.id} {study.status}")
 
     @app.command()

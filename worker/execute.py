@@ -37,7 +37,7 @@ from service import store
 from service.db import retrying
 from service.models import TrialStatus
 from worker.checkpoints import load_checkpoint, save_checkpoint
-from worker.fused import FusedArray, Report, train
+from worker.fused import BuildError, FusedArray, Report, train
 from worker.memory import probe
 from worker.rng import GLOBAL_RNG
 
@@ -54,7 +54,8 @@ class TrialError(Exception):
     """The workload or the training code raised for this array."""
 
     def __init__(self, exc: BaseException) -> None:
-        self.text = f"{type(exc).__name__}: {exc}"
+        # a BuildError's message already starts with the cause's type
+        self.text = str(exc) if isinstance(exc, BuildError) else f"{type(exc).__name__}: {exc}"
         super().__init__(self.text)
 
 

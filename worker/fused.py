@@ -50,6 +50,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from packtune.errors import DETAILS
 from packtune.schedules import SCHEDULE_PARAMS, Schedule, schedule_of
 from packtune.tuning import CUDA_CHECK_EVERY
 from packtune.workloads.base import OPTIMIZER_PARAMS, Split, Workload
@@ -106,6 +107,11 @@ def _suspects(config: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in sorted(shown.items()))
 
 
+class BuildError(ValueError):
+    """A workload's ``build_model`` raised: its message is the cause first (``ValueError:
+    ...``, which trials with the same fault share), then the trial's details in brackets."""
+
+
 def _build_model(
     workload: Workload, config: Mapping[str, Any], state: Mapping[str, Any] | None
 ) -> nn.Module:
@@ -114,9 +120,9 @@ def _build_model(
     try:
         model = workload.build_model(config)
     except Exception as exc:  # name what was asked for: the trial's error says it
-        raise ValueError(
-            f"{workload.name} could not build the model of {_suspects(config)}: "
-            f"{type(exc).__name__}: {exc}"
+        raise BuildError(
+            f"{type(exc).__name__}: {exc} [{DETAILS}{workload.name}.build_model could not "
+            f"build the model of {_suspects(config)}]"
         ) from exc
     if state is not None:
         model.load_state_dict({**state["params"], **state["buffers"]})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,8 @@ import pytest
 import sqlalchemy as sa
 import yaml
 
+from tests.support.plugins import HERE as PLUGIN_MODULES
+from tests.support.plugins import install_plugin
 from tests.support.processes import packtune_env, serving
 
 SMALL = {
@@ -272,3 +275,48 @@ def test_help_texts_are_plain(env: dict[str, str], tmp_path: Path) -> None:
         assert result.returncode == 0, result.stderr
         for role in (":class:", ":func:", ":meth:", ":mod:", "``"):
             assert role not in result.stdout, (command, role)
+
+
+@pytest.fixture
+def failing_env(env: dict[str, str], tmp_path: Path) -> dict[str, str]:
+    """``env`` with a plugin whose trials of an odd ``width`` raise in ``build_model``."""
+    root = install_plugin(tmp_path / "plugin", "failing", {"odd": "failing_workloads:OddFails"})
+    path = [str(root), str(PLUGIN_MODULES), os.environ.get("PYTHONPATH", "")]
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, path))}
+
+
+def failing_spec(widths: list[int]) -> dict[str, object]:
+    return {
+        "name": "odd", "workload": "odd-fails",
+        "space": {"width": {"type": "choice", "values": widths},
+                  "lr": {"type": "loguniform", "low": 0.01, "high": 0.1}},
+        "hyperband": {"max_resource": 3, "min_resource": 1, "eta": 3}, "sampler": "random",
+    }  # fmt: skip
+
+
+def test_run_names_each_distinct_error_and_the_root_cause(
+    failing_env: dict[str, str], tmp_path: Path
+) -> None:
+    spec = write(tmp_path / "odd.yaml", failing_spec([7, 9]))
+    result = packtune("run", str(spec), env=failing_env, cwd=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    out = " ".join(result.stdout.split())  # rich wraps long lines
+    assert re.search(r"\d trials? failed: ValueError: this layer needs an even width, got 7\b", out)
+    assert re.search(r"\d trials? failed: ValueError: this layer needs an even width, got 9\b", out)
+    assert "study 1 failed: no trial reached max_resource" in out
+    assert "5 of 5 trials failed (" in out
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_submit_watch_names_the_errors_of_a_study_that_completes_anyway(
+    failing_env: dict[str, str], tmp_path: Path
+) -> None:
+    spec = write(tmp_path / "mixed.yaml", {**failing_spec([7, 8]), "seed": 1})
+    with serving(failing_env, tmp_path / "serve.log") as url:
+        result = packtune("submit", str(spec), "--url", url, "--watch", env=failing_env,
+                          cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = " ".join(result.stdout.split())
+    assert "completed" in out
+    assert re.search(r"\d trials? failed: ValueError: this layer needs an even width, got 7", out)
+    assert "[in odd-fails.build_model" not in out  # the cause, once per distinct error
