@@ -224,6 +224,10 @@ class Pack(Base):
     peak_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     train_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    #: how each array ran, written when the pack completes: [{"trials": [...], "stacks":
+    #: [{"trials": [...], "mode": "bmm" | "vmap" | "serial"}], "notes": [...],
+    #: "failed": [trial ids that raised and were failed]}]
+    arrays: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     enqueued_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)

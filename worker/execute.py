@@ -46,6 +46,11 @@ log = logging.getLogger(__name__)
 NOT_A_TRIAL_FAULT = (StoreUnavailable, SQLAlchemyError, torch.cuda.OutOfMemoryError)
 
 
+#: how one array of a pack ran (``packs.arrays``): trials, stacks ({trials, mode}), notes,
+#: failed trials
+ArrayRun = dict[str, Any]
+
+
 class PackCancelled(Exception):
     """The pack's study was cancelled while it trained: it stopped at a step boundary."""
 
@@ -203,8 +208,9 @@ def run_array(
     checkpoint_dir: Path,
     shared: bool = False,
     stop: threading.Event | None = None,
-) -> None:
-    """Train ``job``'s members from its from- to its to-resource, recording as it goes.
+) -> list[ArrayRun]:
+    """Train ``job``'s members from its from- to its to-resource, recording as it goes;
+    returns how the array ran (its stacks and notes: the pack keeps them).
 
     ``shared``: other arrays train at the same time (threads of one job); its speed is
     then not its own, so it records no throughput reading.
@@ -218,11 +224,13 @@ def run_array(
             job.pack_id, [m.trial_id for m in job.members], job.fusion_key, job.workload,
             len(parts),
         )  # fmt: skip
-        for part in parts:
-            run_array(
+        return [
+            run
+            for part in parts
+            for run in run_array(
                 dataclasses.replace(job, members=part), device, kind, checkpoint_dir, True, stop
             )
-        return
+        ]
     configs = {m.trial_id: job.config(m) for m in job.members}
     first = workload.resolve(next(iter(configs.values())))
     spe = workload.steps_per_epoch(first)
@@ -245,7 +253,7 @@ def run_array(
     if done:
         _mark_done(job, done)
     if not todo:
-        return
+        return []
     try:
         data = None if workload.streams else workload.data(first, device)
         _ensure_profile(job, first, device, kind, data)
@@ -298,3 +306,12 @@ def run_array(
     if to_step > from_step and seconds > 0 and not shared:
         value = k * (to_step - from_step) / seconds
         retrying(lambda s: store.record_throughput(s, job.workload, job.fusion_key, kind, k, value))
+    return [
+        {
+            "trials": [m.trial_id for m in todo],
+            "stacks": [{"trials": [_id(key) for key in keys], "mode": mode}
+                       for keys, mode in array.stacks],
+            "notes": [*([array.warning] if array.warning else []), *array.notes],
+            "failed": [],
+        }
+    ]  # fmt: skip

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from sqlalchemy.orm import Session
 
-from packtune.errors import QueueUnavailable, StoreUnavailable
+from packtune.errors import QueueUnavailable, StoreUnavailable, error_cause
 from packtune.packing import MemoryModel, Unit, split_in_two
 from packtune.rungs import rung_resource
 from packtune.settings import get_settings
@@ -48,6 +48,7 @@ from service.db import DATABASE_ERRORS, retrying
 from service.models import CheckStatus, PackStatus, StudyStatus, TrialStatus
 from worker.execute import (
     ArrayJob,
+    ArrayRun,
     MemberJob,
     PackCancelled,
     TrialError,
@@ -177,7 +178,9 @@ def run_pack(pack_id: int) -> str:
         size = sum(len(a.members) for a in arrays)
         if settings.oom_above is not None and size > settings.oom_above:
             raise InjectedOutOfMemory(f"injected: {size} trials > PACKTUNE_OOM_ABOVE")
-        _run_arrays(arrays, device, kind, settings.checkpoint_dir, watch.stop if watch else None)
+        runs = _run_arrays(
+            arrays, device, kind, settings.checkpoint_dir, watch.stop if watch else None
+        )
     except PackCancelled as exc:
         log.info("%s; stopped at a step boundary", exc)
         retrying(lambda s: store.finish_pack(s, store.get_pack(s, pack_id), PackStatus.cancelled,
@@ -198,7 +201,9 @@ def run_pack(pack_id: int) -> str:
 
     def finish(s: Session) -> None:
         pack = store.get_pack(s, pack_id)
-        store.finish_pack(s, pack, PackStatus.completed, peak_bytes=peak, train_seconds=seconds)
+        store.finish_pack(
+            s, pack, PackStatus.completed, peak_bytes=peak, train_seconds=seconds, arrays=runs
+        )
         if peak is not None and len(arrays) == 1:
             _correct_memory(s, arrays[0], kind, len(arrays[0].members), peak)
 
@@ -229,7 +234,7 @@ def _run_arrays(
     kind: str,
     ckpt_dir: Any,
     stop: threading.Event | None = None,
-) -> None:
+) -> list[ArrayRun]:
     """Train the pack's arrays, several at once where :func:`array_threads` allows and every
     fusion key's memory is already measured (a probe measures the device's peak memory,
     which another array training beside it would distort; so does the pack's first run of
@@ -237,9 +242,10 @@ def _run_arrays(
     an out-of-memory first, so that the pack is split."""
     threads = array_threads(device, len(arrays))
     if threads <= 1 or not all(is_profiled(a, kind) for a in arrays):
-        for array in arrays:
-            _run_isolating(array, device, kind, ckpt_dir, stop=stop)
-        return
+        return [
+            run for array in arrays for run in _run_isolating(array, device, kind, ckpt_dir,
+                                                              stop=stop)
+        ]  # fmt: skip
     with ThreadPoolExecutor(threads, thread_name_prefix="packtune-array") as pool:
         futures = [
             pool.submit(_run_isolating, a, device, kind, ckpt_dir, True, stop) for a in arrays
@@ -248,6 +254,7 @@ def _run_arrays(
     oom = [exc for exc in errors if isinstance(exc, torch.cuda.OutOfMemoryError)]
     if errors:
         raise (oom or errors)[0]
+    return [run for f in futures for run in f.result()]
 
 
 def _run_isolating(
@@ -257,20 +264,29 @@ def _run_isolating(
     ckpt_dir: Any,
     shared: bool = False,
     stop: threading.Event | None = None,
-) -> None:
-    """Run an array; if the workload raises, run its members one by one to find the culprit."""
+) -> list[ArrayRun]:
+    """Run an array; if the workload raises, run its members one by one to find the culprit.
+    Returns how it ran, the trials failed included."""
+    ids = [m.trial_id for m in array.members]
     try:
-        run_array(array, device, kind, ckpt_dir, shared, stop)
+        return run_array(array, device, kind, ckpt_dir, shared, stop)
     except TrialError as exc:
         if len(array.members) == 1:
             _fail_trial(array.members[0].trial_id, exc.text)
-            return
+            return [{"trials": ids, "stacks": [], "notes": [], "failed": ids}]
         log.warning("array of %d raised (%s); isolating members", len(array.members), exc.text)
+        stacks: list[Any] = []
+        failed: list[int] = []
         for member in array.members:
             try:
-                run_array(array.alone(member), device, kind, ckpt_dir, shared, stop)
+                for run in run_array(array.alone(member), device, kind, ckpt_dir, shared, stop):
+                    stacks += run["stacks"]
             except TrialError as solo:
                 _fail_trial(member.trial_id, solo.text)
+                failed.append(member.trial_id)
+        cause = error_cause(exc.text)
+        note = f"the fused array raised ({cause}); its members then ran one at a time"
+        return [{"trials": ids, "stacks": stacks, "notes": [note], "failed": failed}]
 
 
 class CancelWatch:

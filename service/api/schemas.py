@@ -142,6 +142,22 @@ class PackMemberPublic(BaseModel):
     to_resource: float
 
 
+class StackRun(BaseModel):
+    trials: list[int]
+    #: ``bmm``: hand-fused; ``vmap``; ``serial``: one member at a time
+    mode: Literal["bmm", "vmap", "serial"]
+
+
+class ArrayRun(BaseModel):
+    """How one array of a pack ran: its stacks, what the worker noted (a vmap step that
+    fell back to one member at a time, members stacked apart), the trials that raised."""
+
+    trials: list[int]
+    stacks: list[StackRun]
+    notes: list[str]
+    failed: list[int]
+
+
 class PackPublic(BaseModel):
     id: int
     status: PackStatus
@@ -159,6 +175,11 @@ class PackPublic(BaseModel):
     attempts: int
     error: str | None
     parent_id: int | None
+    #: how each array ran (null until the pack completed, and for packs from before)
+    arrays: list[ArrayRun] | None = None
+    #: trials of this pack whose workload raised (isolated and failed): the pack completed
+    #: for the others
+    failed_trials: list[int] = []
 
 
 class CurvePoint(BaseModel):

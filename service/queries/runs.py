@@ -143,6 +143,8 @@ def _pack_row(pack: Pack) -> Row:
         "attempts": pack.attempts,
         "error": pack.error,
         "parent_id": pack.parent_id,
+        "arrays": pack.arrays,
+        "failed_trials": sorted(t for a in pack.arrays or [] for t in a.get("failed", [])),
     }
 
 

@@ -104,13 +104,15 @@ def finish_pack(
     peak_bytes: int | None = None,
     train_seconds: float | None = None,
     error: str | None = None,
+    arrays: list[Any] | None = None,
 ) -> bool:
     """Close a pack with a final status (completed, failed, split or cancelled); False when
-    it had been closed already."""
+    it had been closed already. ``arrays``: how each of its arrays ran."""
     if status not in FINISHED_PACK:
         raise ValueError(f"finish_pack needs a final status, not {status!r}")
     values: dict[str, Any] = {
-        "peak_bytes": peak_bytes, "train_seconds": train_seconds, "error": error
+        "peak_bytes": peak_bytes, "train_seconds": train_seconds, "error": error,
+        "arrays": arrays,
     }  # fmt: skip
     return move_pack(s, pack, status, **{k: v for k, v in values.items() if v is not None})
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import sqlalchemy as sa
 import yaml
@@ -315,8 +316,15 @@ def test_submit_watch_names_the_errors_of_a_study_that_completes_anyway(
     with serving(failing_env, tmp_path / "serve.log") as url:
         result = packtune("submit", str(spec), "--url", url, "--watch", env=failing_env,
                           cwd=tmp_path)  # fmt: skip
+        packs = httpx.get(f"{url}/api/studies/1/packs?limit=100", timeout=10).json()["data"]
     assert result.returncode == 0, result.stderr
     out = " ".join(result.stdout.split())
     assert "completed" in out
     assert re.search(r"\d trials? failed: ValueError: this layer needs an even width, got 7", out)
     assert "[in odd-fails.build_model" not in out  # the cause, once per distinct error
+    # the pack that held a failing trial completed for the others, and says which failed
+    troubled = [p for p in packs if p["failed_trials"]]
+    assert troubled and all(p["status"] == "completed" for p in troubled)
+    runs = [a for p in packs for a in p["arrays"]]
+    assert {st["mode"] for a in runs for st in a["stacks"]} == {"bmm"}
+    assert any(a["failed"] and not a["stacks"] for a in runs)

@@ -10,6 +10,8 @@ import {
 } from "./svg.js";
 
 const LABEL = 190;
+// how an array's stack ran, as the tooltip says it
+const MODES = { bmm: "hand-fused", vmap: "vmap", serial: "one at a time" };
 const BAR = 30;
 const MEM = 34;
 const GAP = 18;
@@ -184,14 +186,24 @@ export class TimelinePanel {
       ranges.set(r, [...(ranges.get(r) ?? []), `#${m.trial_id}`]);
     }
     const took = p.duration ?? (serverNow() - Date.parse(p.started_at)) / 1000;
+    const failed = p.failed_trials ?? [];
+    const how = (p.arrays ?? []).map((a) => {
+      const stacks = a.stacks.map((st) => `${MODES[st.mode] ?? st.mode} ×${st.trials.length}`);
+      const notes = a.notes.length ? ` (${a.notes.join("; ").slice(0, 160)})` : "";
+      return `array ${a.trials.map((t) => `#${t}`).join(" ")}: ${stacks.join(", ") || "did not run"}${notes}`;
+    });
     showTip(event,
-      h("b", {}, `pack ${p.id} · ${p.status}`, p.attempts > 1 ? ` · attempt ${p.attempts}` : ""),
+      h("b", {}, `pack ${p.id} · ${p.status}`,
+        failed.length ? ` · ${failed.length} trial${failed.length > 1 ? "s" : ""} failed` : "",
+        p.attempts > 1 ? ` · attempt ${p.attempts}` : ""),
       `${p.members.length} trial${p.members.length > 1 ? "s" : ""} trained together on ${p.device ?? "?"}`,
       ...[...ranges].map(([r, ids]) => `${r}: ${ids.join(" ")}`),
       `${p.finished_at ? "took" : "running for"} ${fmtSeconds(took)}` +
         (p.train_seconds ? ` (training ${fmtSeconds(p.train_seconds)})` : ""),
       `memory: estimated ${fmtBytes(p.estimated_bytes)}, peak ${fmtBytes(p.peak_bytes)}` +
         (lane?.capacity ? ` of ${fmtBytes(lane.capacity)}` : ""),
+      ...how,
+      failed.length ? `failed: ${failed.map((t) => `#${t}`).join(" ")}` : "",
       p.parent_id ? `split from pack ${p.parent_id}` : "",
       p.error ? `error: ${p.error.slice(0, 160)}` : "");
     this.link.hover(p.members.map((m) => m.trial_id));
