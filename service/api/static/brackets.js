@@ -102,7 +102,8 @@ export class BracketsPanel {
     const state = cellState(bracket.rungs[rung].trials.find((t) => t.trial_id === id) ?? {});
     showTip(event, h("b", {}, `trial ${id}`), `rung ${rung}: ${state}`,
       `${metric} ${fmtNum(point?.metrics?.[metric])} at ${fmtNum(resource)}`,
-      fmtConfig(trial.config));
+      fmtConfig(trial.config),
+      trial.error ? h("span", { class: "error" }, `${trial.status}: ${trial.error.slice(0, 300)}`) : "");
     this.link.hover([id]);
   }
 
