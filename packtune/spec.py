@@ -163,13 +163,57 @@ class Budget(_Strict):
         return 1 if all(v is None for v in others) else MAX_ITERATIONS
 
 
+def _range(kind: str, number: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {
+        "title": kind,
+        "type": "object",
+        "properties": {
+            "type": {"const": kind}, "low": {"type": number}, "high": {"type": number},
+            **(extra or {}),
+        },
+        "required": ["type", "low", "high"],
+        "additionalProperties": False,
+    }  # fmt: skip
+
+
+#: The search space's JSON schema, for the OpenAPI document (``parse_space`` checks it, and
+#: more: ``low <= high``, positive loguniform ends, distinct choices): parameter name ->
+#: one dimension.
+SPACE_SCHEMA: dict[str, Any] = {
+    "description": "Each parameter the workload takes that is searched, with its dimension "
+    "(the others keep the workload's defaults).",
+    "additionalProperties": {
+        "oneOf": [
+            _range("uniform", "number"),
+            _range("loguniform", "number"),
+            _range("int", "integer", {"log": {"type": "boolean"}}),
+            {
+                "title": "choice",
+                "type": "object",
+                "properties": {
+                    "type": {"const": "choice"},
+                    "values": {
+                        "type": "array", "minItems": 1, "maxItems": 1000,
+                        "items": {"type": ["string", "number", "integer", "boolean", "null"]},
+                    },
+                },
+                "required": ["type", "values"],
+                "additionalProperties": False,
+            },  # fmt: skip
+        ]
+    },
+    "examples": [{"lr": {"type": "loguniform", "low": 0.001, "high": 0.3},
+                  "hidden": {"type": "choice", "values": [64, 128]}}],
+}  # fmt: skip
+
+
 class StudySpec(_Strict):
     """A tuning study; ``examples/*.yaml`` are examples, docs/design.md says what happens to one."""
 
     name: Name
     workload: Annotated[str, StringConstraints(min_length=1, max_length=100)]
     objective: Objective = Objective()
-    space: dict[str, Any]
+    space: Annotated[dict[str, Any], Field(json_schema_extra=SPACE_SCHEMA)]
     hyperband: HyperbandSettings
     packing: PackingSettings = PackingSettings()
     sampler: SamplerSettings = SamplerSettings()

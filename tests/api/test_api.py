@@ -715,3 +715,12 @@ def test_a_study_shows_its_sampler_budget_and_iteration(any_client: TestClient) 
     bad = any_client.post("/api/studies", json=spec(budget={"max_seconds": 0}))
     assert bad.status_code == 422
     assert bad.json()["detail"][0]["loc"] == ["body", "budget", "max_seconds"]
+
+
+def test_openapi_describes_each_dimension_of_the_space(client: TestClient) -> None:
+    space = client.get("/openapi.json").json()["components"]["schemas"]["StudySpec"]
+    dims = space["properties"]["space"]["additionalProperties"]["oneOf"]
+    assert [d["title"] for d in dims] == ["uniform", "loguniform", "int", "choice"]
+    assert all(d["additionalProperties"] is False and "type" in d["required"] for d in dims)
+    assert dims[2]["properties"]["log"] == {"type": "boolean"}
+    assert dims[3]["properties"]["values"]["maxItems"] == 1000
