@@ -377,10 +377,20 @@ def test_the_studies_list_opens_a_study(service: dict[str, Any], page: Any) -> N
     row = page.locator("[data-panel=studies] tr", has_text=BIG_SPEC["name"])
     row.wait_for()
     assert "completed" in row.inner_text()
+    assert "null" not in page.locator("[data-panel=studies]").inner_text()
     shot(page, "dashboard-studies")
     row.click()
     page.wait_for_url(f"**/#/studies/{study_id}")
     page.locator("[data-panel=summary] h1", has_text=BIG_SPEC["name"]).wait_for()
+    # the leaderboard's config cells show the whole config (wrapped), not a cut-off start
+    page.locator("[data-panel=leaderboard] td.cfg").first.wait_for()
+    clipped = page.eval_on_selector_all(
+        "[data-panel=leaderboard] td.cfg",
+        "cs => cs.filter(c => c.scrollWidth > c.clientWidth + 1).length",
+    )
+    assert clipped == 0
+    text = page.locator("[data-panel=leaderboard] td.cfg").first.inner_text()
+    assert "momentum=" in text and "…" not in text
 
 
 def test_an_unknown_study_says_so(service: dict[str, Any], browser: Any) -> None:

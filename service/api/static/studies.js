@@ -83,7 +83,10 @@ export class StudiesView {
       h("table", { class: "table" },
         h("thead", {}, h("tr", {}, head.map((c) => h("th", {}, c)))),
         h("tbody", {}, rows)),
-      body.count > body.data.length ? h("p", { class: "muted" }, `newest ${body.data.length} of ${body.count}`) : null
+      // replaceChildren writes a null as the text "null": leave the note out instead
+      ...(body.count > body.data.length
+        ? [h("p", { class: "muted" }, `newest ${body.data.length} of ${body.count}`)]
+        : [])
     );
   }
 }
