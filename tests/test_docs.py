@@ -60,3 +60,24 @@ def test_every_file_the_docs_name_exists() -> None:
             if not generated and not (ROOT / path.rstrip("/")).exists():
                 missing.append(f"{doc.name}: {path}")
     assert not missing, missing
+
+
+def test_the_public_names_examples_run() -> None:
+    """The examples in the public names' docstrings (Workload, Split, epoch_generator,
+    Client) are doctests: they run and say what they claim."""
+    import doctest
+
+    import packtune.client
+    import packtune.workloads.base
+
+    for module in (packtune.workloads.base, packtune.client):
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0, module.__name__
+    assert doctest.testmod(packtune.workloads.base).attempted >= 5
+
+
+def test_the_public_surface_is_importable_from_packtune() -> None:
+    import packtune
+
+    for name in packtune.__all__:
+        assert getattr(packtune, name) is not None, name

@@ -96,7 +96,21 @@ def epoch_generator(config: Mapping[str, Any], epoch: int, *, per_trial: bool = 
     """A ``torch.Generator`` for one epoch's data order (and augmentation): seeded from the
     study's ``data_seed`` and ``epoch``, or, with ``per_trial``, from the trial's own
     ``seed`` too. Give it to a ``DataLoader(shuffle=True, generator=...)``: its order, and
-    the seeds of its worker processes, then depend on nothing else."""
+    the seeds of its worker processes, then depend on nothing else.
+
+    Args:
+        config: the trial's config as packtune passes it (with ``data_seed`` and ``seed``).
+        epoch: the epoch, from 0.
+        per_trial: seed from the trial's own ``seed`` too (per-member batches).
+
+    Returns:
+        A ``torch.Generator``, new on every call.
+
+    Example:
+        >>> g = epoch_generator({"data_seed": 3, "seed": 7}, epoch=0)
+        >>> g.initial_seed() == epoch_generator({"data_seed": 3, "seed": 8}, 0).initial_seed()
+        True
+    """
     import torch
 
     seed = batch_order_seed(int(config.get("data_seed", 0)), epoch)
@@ -107,7 +121,19 @@ def epoch_generator(config: Mapping[str, Any], epoch: int, *, per_trial: bool = 
 
 @dataclass(frozen=True)
 class Split:
-    """Inputs and targets of one split, already on the target device."""
+    """Inputs and targets of one split, already on the target device (what
+    :meth:`Workload.data` returns, a training and a validation one).
+
+    Args:
+        x: the inputs, ``[N, ...]``.
+        y: the targets, ``[N, ...]``.
+
+    Example:
+        >>> import torch
+        >>> train = Split(torch.randn(100, 20), torch.randint(0, 2, (100,)))
+        >>> train.x.shape[0] == train.y.shape[0]
+        True
+    """
 
     x: torch.Tensor
     y: torch.Tensor
@@ -118,7 +144,31 @@ class Workload(abc.ABC):
 
     Subclasses set ``name`` and ``params`` (every parameter with its default)
     as class attributes, optionally ``structural`` and ``fusible``, and
-    implement the abstract methods, importing torch inside them.
+    implement the abstract methods, importing torch inside them. docs/workloads.md
+    is the guide; register the class as a ``packtune.workloads`` entry point.
+
+    Raises:
+        KeyError: from :meth:`resolve`, for a parameter the workload does not take.
+
+    Example:
+        >>> class Tiny(Workload):
+        ...     name = "tiny"
+        ...     params = {"hidden": 8, "batch_size": 32, **OPTIMIZER_PARAMS}
+        ...     def build_model(self, config):
+        ...         from torch import nn
+        ...         return nn.Sequential(nn.Linear(4, config["hidden"]), nn.Tanh(),
+        ...                              nn.Linear(config["hidden"], 2))
+        ...     def data(self, config, device="cpu"):
+        ...         import torch
+        ...         x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+        ...         return Split(x.to(device), y.to(device)), Split(x.to(device), y.to(device))
+        ...     def loss(self, outputs, targets):
+        ...         import torch.nn.functional as F
+        ...         return F.cross_entropy(outputs, targets)
+        ...     def train_size(self, config):
+        ...         return 64
+        >>> Tiny().interface_problem() is None, "hidden" in Tiny().structural_params()
+        (True, True)
 
     ``structural`` documents the parameters that shape the model or the data;
     listing them is optional, since every parameter that is not fusible is
