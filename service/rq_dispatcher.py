@@ -60,29 +60,22 @@ class RQDispatcher:
             self.notify()
 
     def enqueue(self, pack_id: int, job_id: str) -> None:
-        self.start()
-        with _queue_errors():
-            self.queue.enqueue_call(
-                JOB_FUNC,
-                args=(pack_id,),
-                job_id=job_id,
-                timeout=self.job_timeout,
-                result_ttl=24 * 3600,
-                failure_ttl=7 * 24 * 3600,
-                description=f"pack {pack_id}",
-            )
+        self._enqueue(JOB_FUNC, pack_id, job_id, f"pack {pack_id}")
 
     def enqueue_check(self, check_id: int, job_id: str) -> None:
+        self._enqueue(CHECK_FUNC, check_id, job_id, f"workload check {check_id}")
+
+    def _enqueue(self, func: str, arg: int, job_id: str, description: str) -> None:
         self.start()
         with _queue_errors():
             self.queue.enqueue_call(
-                CHECK_FUNC,
-                args=(check_id,),
+                func,
+                args=(arg,),
                 job_id=job_id,
                 timeout=self.job_timeout,
                 result_ttl=24 * 3600,
                 failure_ttl=7 * 24 * 3600,
-                description=f"workload check {check_id}",
+                description=description,
             )
 
     def state(self, job_id: str) -> tuple[JobState, str | None]:

@@ -47,19 +47,14 @@ class SyncDispatcher:
     def enqueue(self, pack_id: int, job_id: str) -> None:
         from worker.jobs import run_pack
 
-        self.enqueued.append(job_id)
-        if self.fail:
-            self.states[job_id] = (JobState.failed, "RuntimeError: broken worker")
-            return
-        if not self.run:
-            self.states[job_id] = (JobState.queued, None)
-            return
-        run_pack(pack_id)
-        self.states[job_id] = (JobState.finished, None)
+        self._run(run_pack, pack_id, job_id)
 
     def enqueue_check(self, check_id: int, job_id: str) -> None:
         from worker.jobs import run_check
 
+        self._run(run_check, check_id, job_id)
+
+    def _run(self, job: Any, arg: int, job_id: str) -> None:
         self.enqueued.append(job_id)
         if self.fail:
             self.states[job_id] = (JobState.failed, "RuntimeError: broken worker")
@@ -67,7 +62,7 @@ class SyncDispatcher:
         if not self.run:
             self.states[job_id] = (JobState.queued, None)
             return
-        run_check(check_id)
+        job(arg)
         self.states[job_id] = (JobState.finished, None)
 
     def state(self, job_id: str) -> tuple[JobState, str | None]:

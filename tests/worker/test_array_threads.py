@@ -102,10 +102,11 @@ def test_arrays_at_once_record_exactly_what_one_after_another_records(
     spans: list[tuple[str, float, float]] = []
     real = execute.run_array
 
-    def timed(*args: Any, **kwargs: Any) -> None:
+    def timed(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
-        real(*args, **kwargs)
+        runs = real(*args, **kwargs)
         spans.append((threading.current_thread().name, start, time.perf_counter()))
+        return runs
 
     embedded_db.setattr(jobs, "run_array", timed)
     results = {}
@@ -136,9 +137,9 @@ def test_a_key_not_yet_measured_keeps_its_pack_one_array_at_a_time(
     names: set[str] = set()
     real = execute.run_array
 
-    def spy(*args: Any, **kwargs: Any) -> None:
+    def spy(*args: Any, **kwargs: Any) -> Any:
         names.add(threading.current_thread().name)
-        real(*args, **kwargs)
+        return real(*args, **kwargs)
 
     embedded_db.setattr(jobs, "run_array", spy)
     fresh_database(embedded_db, tmp_path / "db", 4)

@@ -13,45 +13,30 @@ def test_the_workloads_are_registered() -> None:
     assert {"rings-mlp", "rings-files"} <= set(registry())
 
 
-def test_it_fuses_exactly() -> None:
+def packtune(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """The ``packtune`` command, as a user runs it; its output must say it succeeded."""
     result = subprocess.run(
-        [sys.executable, "-m", "service.cli", "check", "rings-mlp"],
+        [sys.executable, "-m", "service.cli", *args],
         capture_output=True,
         text=True,
         check=False,
+        cwd=cwd,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def test_it_fuses_exactly() -> None:
+    packtune("check", "rings-mlp")
 
 
 def test_a_study_runs_to_the_end(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "service.cli", "run", str(HERE / "rings.yaml")],
-        capture_output=True,
-        text=True,
-        check=False,
-        cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    packtune("run", str(HERE / "rings.yaml"), cwd=tmp_path)
 
 
 def test_the_streaming_workload_fuses_exactly_under_vmap() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "service.cli", "check", "rings-files", "--members", "3"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "stacks vmap x3" in result.stdout
+    assert "stacks vmap x3" in packtune("check", "rings-files", "--members", "3").stdout
 
 
 def test_a_streaming_study_runs_to_the_end(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "service.cli", "run", str(HERE / "rings-files.yaml")],
-        capture_output=True,
-        text=True,
-        check=False,
-        cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "completed" in result.stdout
+    assert "completed" in packtune("run", str(HERE / "rings-files.yaml"), cwd=tmp_path).stdout
