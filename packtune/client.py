@@ -55,6 +55,16 @@ class Trial:
     error: str | None
     raw: dict[str, Any] = field(repr=False, compare=False)
 
+    def flat(self) -> dict[str, Any]:
+        """One flat row: id, status, bracket, rung, resource reached, then ``config.<name>``
+        and ``metric.<name>`` (a dataframe's or a CSV file's)."""
+        return {
+            "id": self.id, "status": self.status, "bracket": self.bracket, "rung": self.rung,
+            "resource": self.measured_resource,
+            **{f"config.{k}": v for k, v in sorted(self.config.items())},
+            **{f"metric.{k}": v for k, v in sorted(self.metrics.items())},
+        }  # fmt: skip
+
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> Trial:
         return cls(
@@ -273,15 +283,7 @@ class Client:
             import pandas
         except ImportError:
             raise ImportError("trials_dataframe needs pandas: pip install pandas") from None
-        rows = [
-            {
-                "id": t.id, "status": t.status, "bracket": t.bracket, "rung": t.rung,
-                "resource": t.measured_resource,
-                **{f"config.{k}": v for k, v in t.config.items()},
-                **{f"metric.{k}": v for k, v in t.metrics.items()},
-            }
-            for t in self.trials(study)
-        ]  # fmt: skip
+        rows = [t.flat() for t in self.trials(study)]
         return pandas.DataFrame(rows)
 
     def checkpoint(self, study: int | Study, trial: int | Trial) -> bytes:

@@ -238,9 +238,7 @@ class StudySpec(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> StudySpec:
-        check_space(self.workload, self.space)
-        check_bounds(self.workload, self.space)
-        check_training(self.workload, self.space)
+        check_search_space(self.workload, self.space)
         check_objective(self.workload, self.objective)
         check_size(self.hyperband, self.budget)
         return self
@@ -320,6 +318,14 @@ def _workloads() -> dict[str, Any]:
     from packtune.workloads import registry  # imports no torch
 
     return registry()
+
+
+def check_search_space(workload: str, raw: dict[str, Any]) -> None:
+    """``raw`` is a search space of ``workload``: it parses, names parameters the workload
+    takes, within its bounds, and gives the shared training parameters values they know."""
+    check_space(workload, raw)
+    check_bounds(workload, raw)
+    check_training(workload, raw)
 
 
 def check_space(workload: str, raw: dict[str, Any]) -> None:

@@ -187,20 +187,8 @@ def register(app: typer.Typer) -> None:
         typer.echo(f"trial {study.best_trial_id} of study {study_id} written to {out}")
 
 
-def _rows(trials: list[Any]) -> list[dict[str, Any]]:
-    return [
-        {
-            "id": t.id, "status": t.status, "bracket": t.bracket, "rung": t.rung,
-            "resource": t.measured_resource,
-            **{f"config.{k}": v for k, v in sorted(t.config.items())},
-            **{f"metric.{k}": v for k, v in sorted(t.metrics.items())},
-        }
-        for t in trials
-    ]  # fmt: skip
-
-
 def _as_csv(trials: list[Any]) -> str:
-    rows = _rows(trials)
+    rows = [t.flat() for t in trials]
     columns: dict[str, None] = {}
     for row in rows:
         columns.update(dict.fromkeys(row))

@@ -108,6 +108,14 @@ class Prefetcher:
         return batch
 
 
+def started(source: Iterable[Any]) -> Iterator[Any]:
+    """``iter(source)`` under the RNG lock: a loader's iterator may fork its worker
+    processes here, which must not happen while another thread is inside
+    ``torch.manual_seed`` (see :mod:`worker.rng`)."""
+    with GLOBAL_RNG:
+        return iter(source)
+
+
 def on_device(source: Iterable[Any], device: torch.device) -> Iterator[Any]:
     """``source``'s batches on ``device``: prefetched on a GPU, as they are on a CPU."""
     if device.type == "cuda":
@@ -123,8 +131,7 @@ def epoch_batches(
     Raises ``ValueError`` naming ``what`` when the epoch ends before them: a loader that
     yields fewer batches than the workload's ``steps_per_epoch``.
     """
-    with GLOBAL_RNG:  # a loader's iterator may fork its workers here (see worker.rng)
-        it = iter(source)
+    it = started(source)
     for _ in itertools.islice(it, skip):  # a resumed trial: the batches it trained on
         pass
     wanted = itertools.islice(it, count)

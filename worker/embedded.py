@@ -108,8 +108,8 @@ class EmbeddedDispatcher:
         if self._pool is None:
             self.warm_up = self._executor().submit(_warm_up, workload)
 
-    def _submit(self, pack_id: int, job: Callable[[int], str] = _run_in_child) -> Future[str]:
-        fut = self._executor().submit(job, pack_id)
+    def _submit(self, arg: int, job: Callable[[int], str]) -> Future[str]:
+        fut = self._executor().submit(job, arg)
         fut.add_done_callback(lambda _: self.notify() if self.notify else None)
         return fut
 
@@ -124,21 +124,19 @@ class EmbeddedDispatcher:
         return self._pool
 
     def enqueue(self, pack_id: int, job_id: str) -> None:
-        try:
-            self._jobs[job_id] = self._submit(pack_id)
-        except BrokenProcessPool:
-            log.warning("embedded runner died; starting a new one")
-            self._pool = None
-            self._jobs[job_id] = self._submit(pack_id)
+        self._enqueue(job_id, pack_id, _run_in_child)
 
     def enqueue_check(self, check_id: int, job_id: str) -> None:
         """The check runs in the same child, after the packs enqueued before it."""
+        self._enqueue(job_id, check_id, _check_in_child)
+
+    def _enqueue(self, job_id: str, arg: int, job: Callable[[int], str]) -> None:
         try:
-            self._jobs[job_id] = self._submit(check_id, _check_in_child)
+            self._jobs[job_id] = self._submit(arg, job)
         except BrokenProcessPool:
             log.warning("embedded runner died; starting a new one")
             self._pool = None
-            self._jobs[job_id] = self._submit(check_id, _check_in_child)
+            self._jobs[job_id] = self._submit(arg, job)
 
     def state(self, job_id: str) -> tuple[JobState, str | None]:
         fut = self._jobs.get(job_id)

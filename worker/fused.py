@@ -54,7 +54,14 @@ from packtune.errors import DETAILS
 from packtune.schedules import SCHEDULE_PARAMS, Schedule, schedule_of
 from packtune.tuning import CUDA_CHECK_EVERY
 from packtune.workloads.base import OPTIMIZER_PARAMS, Split, Workload
-from worker.batches import batch_size, epoch_batches, on_device, stack_batches, tree_map
+from worker.batches import (
+    batch_size,
+    epoch_batches,
+    on_device,
+    stack_batches,
+    started,
+    tree_map,
+)
 from worker.fused_forward import (
     bmm_forward,
     bmm_plan,
@@ -65,15 +72,14 @@ from worker.fused_forward import (
 from worker.fused_group import Group, Stack
 from worker.fusion_guard import model_signature, partition, split_causes
 from worker.optim import OPTIMIZER_HYPER, build_optimizer
-from worker.rng import GLOBAL_RNG
 
 StackMode = Literal["auto", "vmap", "bmm", "serial"]
 
 log = logging.getLogger(__name__)
 
-_RNG_MIX = 6364136223846793005
+_RNG_MIX = 6364136223846793005  # Knuth's MMIX multiplier, to fold member draws into one seed
 #: workloads whose vmap step failed and split per member in this process (logged once)
-_SPLIT_LOGGED: set[str] = set()  # Knuth's MMIX multiplier, to fold member draws into one seed
+_SPLIT_LOGGED: set[str] = set()
 
 
 def hyper_tensors(configs: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
@@ -201,8 +207,8 @@ def _forwards(
     mode: StackMode,
     stochastic: bool,
     precision: str = "fp32",
-) -> tuple[str, list[tuple[list[int], Stack]]]:
-    """The mode a part of equal models runs in, and its stacks: ``(member indices, stack)``.
+) -> list[tuple[list[int], Stack]]:
+    """The stacks a part of equal models runs as: ``(member indices, stack)``.
 
     In ``auto`` mode a bf16 model that would stack through vmap runs ``serial``: bf16
     rounding of vmap's batched convolution differs from one model's by ~1e-3, and training
@@ -220,8 +226,8 @@ def _forwards(
     if mode == "bmm" and plan is None:
         raise ValueError(f"{workload.name}'s model is not a hand-fusable Sequential")
     if mode == "serial":
-        return mode, [([i], stack_of(workload, template, mode, stochastic)) for i in part]
-    return mode, [(list(part), stack_of(workload, template, mode, stochastic))]
+        return [([i], stack_of(workload, template, mode, stochastic)) for i in part]
+    return [(list(part), stack_of(workload, template, mode, stochastic))]
 
 
 def _split_warning(
@@ -299,8 +305,8 @@ class FusedArray:
         for part in parts:
             template = copy.deepcopy(models[part[0]]).to("meta")
             stochastic = _is_stochastic(workload, template)
-            _, pieces = _forwards(workload, template, part, mode, stochastic, self.precision)
-            for idx, stack in pieces:
+            for idx, stack in _forwards(workload, template, part, mode, stochastic,
+                                        self.precision):  # fmt: skip
                 params, buffers = _stack([models[i] for i in idx], self.device)
                 self.groups.append(self._group(
                     [keys[i] for i in idx], params, buffers,
@@ -517,17 +523,11 @@ class FusedArray:
             if self.streaming or self.workload.custom_step:
                 return self._evaluate_batches()
             assert self.val_split is not None
-            x, y = self.val_split.x, self.val_split.y
-            size = int(self.config["batch_size"])
+            y = self.val_split.y
             results: dict[Hashable, dict[str, float]] = {}
             for group in self.groups:
-                out = torch.cat(
-                    [
-                        group.outputs(x[start : start + size])
-                        for start in range(0, x.shape[0], size)
-                    ],
-                    dim=1,
-                )
+                chunks = [group.outputs(x) for x, _ in self._validation_batches()]
+                out = torch.cat(chunks, dim=1)
                 for i, key in enumerate(group.keys):
                     results[key] = {
                         "val_loss": float(self.workload.loss(out[i], y)),
@@ -540,9 +540,7 @@ class FusedArray:
 
     def _validation_batches(self) -> Iterator[Any]:
         if self.streaming:
-            with GLOBAL_RNG:  # the loader may fork its workers (see worker.rng)
-                source = iter(self.workload.val_batches(self.config))
-            yield from on_device(source, self.device)
+            yield from on_device(started(self.workload.val_batches(self.config)), self.device)
             return
         assert self.val_split is not None
         x, y, size = self.val_split.x, self.val_split.y, int(self.config["batch_size"])

@@ -37,6 +37,8 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 from torch.nn import functional as F
 
+from worker.batches import tree_map
+
 Forward = Callable[[dict[str, Tensor], dict[str, Tensor], Tensor], Tensor]
 #: ``(params, buffers, batch) -> [k]`` losses of a custom per-batch step
 Losses = Callable[[dict[str, Tensor], dict[str, Tensor], Any], Tensor]
@@ -167,8 +169,6 @@ def _member(params: dict[str, Tensor], buffers: dict[str, Tensor]) -> tuple[dict
 
 def _first(batch: Any) -> Any:
     """Member 0's slice of a stacked batch (any nesting of tensors)."""
-    from worker.batches import tree_map
-
     return tree_map(lambda t: t[0], batch)
 
 

@@ -14,8 +14,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, BackgroundTasks, Depends, Path, Response, status
 
-from packtune.errors import NotFound, SpecError
-from packtune.spec import check_bounds, check_space, check_training
+from packtune.errors import NotFound
+from packtune.spec import check_search_space
 from packtune.workloads import registry
 from service import bus, store
 from service.api.deps import SessionDep, SettingsDep, require_token
@@ -56,15 +56,8 @@ def create_check(
     ``Location`` until the status is ``passed``, ``failed`` or ``error``."""
     if name not in registry():
         raise NotFound(f"unknown workload {name!r}; known: {sorted(registry())}")
-    if body.space is not None:
-        try:
-            check_space(name, body.space)
-            check_bounds(name, body.space)
-            check_training(name, body.space)
-        except SpecError as exc:  # named from the body's root, as a study's space is
-            raise SpecError(
-                exc.field if exc.field.startswith("space") else "space", exc.message
-            ) from None
+    if body.space is not None:  # a SpecError names the field from "space", as a study's
+        check_search_space(name, body.space)
     check = store.create_check(s, name, body.model_dump(mode="json"))
     response.headers["Location"] = f"/api/workloads/checks/{check.id}"
     background.add_task(bus.study_changed, settings)  # wakes the scheduler
