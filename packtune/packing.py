@@ -5,14 +5,19 @@ key and the same resource span can be trained as one *fused array*; a *pack*
 is the arrays one job runs on one device. :func:`plan_packs` decides, from
 plain values only:
 
-1. Group units by ``(fusion_key, from_resource, to_resource)``, in that sorted
-   order, trial ids ascending within a group.
+1. Group units by ``(fusion_key, lane, from_resource, to_resource)``, in that
+   sorted order, by ``rank`` then trial id within a group. A unit's ``lane`` holds
+   what else its trial must share with the others of an array (the scheduler puts
+   the data seed and horizon of the trial's study there, so that trials of
+   different studies fuse only where that is exact); ``rank`` is the caller's
+   priority (lower first; by default all equal).
 2. Cut each group into arrays no larger than the best array size measured for
    its key (:func:`best_array_size`, Omnivore's "grow while it gains 10%"),
    the study's ``max_pack_size``, and the largest size whose estimated memory
    fits the roomiest device. A unit that fits no device even alone is
    *unplaceable*: the caller must say so, not wait for it.
-3. First-fit-decreasing: arrays by estimated bytes, largest first, go into the
+3. First-fit-decreasing: arrays by rank (their best unit's), then estimated bytes,
+   largest first, go into the
    first open pack whose device still has room (and whose trial count stays
    within ``max_pack_size``); otherwise into a new pack on the device with
    the most room left that fits the array, within ``max_packs_per_device``;
@@ -36,22 +41,31 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
 from operator import attrgetter
+from typing import Any
 
 from packtune.tuning import HEADROOM, MIN_GAIN_PERCENT, RETRY_BACKOFF_MAX_S
 
 
 @dataclass(frozen=True)
 class Unit:
-    """Train ``trial_id`` from cumulative resource ``from_resource`` to ``to_resource``."""
+    """Train ``trial_id`` from cumulative resource ``from_resource`` to ``to_resource``;
+    ``lane`` and ``rank``: see the module docstring."""
 
     trial_id: int
     fusion_key: str
     from_resource: float
     to_resource: float
+    lane: str = ""
+    rank: tuple[float, ...] = ()
 
     @property
     def group(self) -> tuple[str, float, float]:
         return (self.fusion_key, self.from_resource, self.to_resource)
+
+    @property
+    def array_key(self) -> tuple[str, str, float, float]:
+        """Units with equal keys may train as one fused array."""
+        return (self.fusion_key, self.lane, self.from_resource, self.to_resource)
 
 
 @dataclass(frozen=True)
@@ -153,6 +167,10 @@ class PlannedArray:
     units: tuple[Unit, ...]
     estimated_bytes: int
 
+    @property
+    def rank(self) -> tuple[float, ...]:
+        return min(unit.rank for unit in self.units)
+
 
 @dataclass(frozen=True)
 class PlannedPack:
@@ -179,8 +197,8 @@ class PackPlan:
     unplaceable: list[Unit] = field(default_factory=list)
 
 
-def _sort_key(unit: Unit) -> tuple[str, float, float, int]:
-    return (*unit.group, unit.trial_id)
+def _sort_key(unit: Unit) -> tuple[Any, ...]:
+    return (*unit.array_key, unit.rank, unit.trial_id)
 
 
 def _arrays(
@@ -193,8 +211,8 @@ def _arrays(
     unplaceable: list[Unit],
 ) -> list[PlannedArray]:
     arrays = []
-    for (key, start, stop), members in groupby(
-        sorted(units, key=_sort_key), key=attrgetter("group")
+    for (key, _, start, stop), members in groupby(
+        sorted(units, key=_sort_key), key=attrgetter("array_key")
     ):
         group = list(members)
         model = memory.get(key, default_memory)
@@ -254,8 +272,8 @@ def plan_packs(
     count = {device.name: 0 for device in devices}
     open_packs: list[_OpenPack] = []
     deferred: list[Unit] = []
-    # sorted() is stable: equal estimates keep the deterministic group order.
-    for array in sorted(arrays, key=lambda array: -array.estimated_bytes):
+    # sorted() is stable: equal ranks and estimates keep the deterministic group order.
+    for array in sorted(arrays, key=lambda array: (array.rank, -array.estimated_bytes)):
         size = array.estimated_bytes
         target = next(
             (

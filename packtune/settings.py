@@ -92,6 +92,30 @@ class Settings(BaseSettings):
             "threads; 1 = one after another."
         ),
     )
+    share_packs: bool = Field(
+        default=True,
+        description=(
+            "Plan the ready trials of every running study together: studies share packs, and "
+            "trials of different studies fuse into one array where that is exact (same "
+            "workload, structural values, data seed and horizon); false: one study per pack."
+        ),
+    )
+    dispatch_order: Literal["fair", "id"] = Field(
+        default="fair",
+        description=(
+            "Which ready work goes first: 'fair' shares device time between running studies "
+            "in proportion to their priority, then takes the longest remaining work first; "
+            "'id' takes studies and packs in the order they were created."
+        ),
+    )
+    fair_share_quantum: float = Field(
+        default=30.0,
+        gt=0,
+        description=(
+            "Device-seconds (per unit of priority) within which studies count as equally "
+            "served, so that longest-remaining-first decides between them."
+        ),
+    )
     runner_nice: int = Field(
         default=10,
         ge=0,

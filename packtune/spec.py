@@ -222,6 +222,10 @@ class StudySpec(_Strict):
     scheduler: Literal["hyperband", "asha"] = "hyperband"
     budget: Budget = Budget()
     seed: Annotated[int, Field(ge=0, le=2**63 - 1)] = 0
+    #: its share of device time against other running studies (weighted fair share)
+    priority: Annotated[float, Field(gt=0, le=1_000, allow_inf_nan=False)] = 1.0
+    #: who it is for (a user or team label, shown in the API and the dashboard)
+    owner: Annotated[str, StringConstraints(min_length=1, max_length=100)] | None = None
 
     @field_validator("workload")
     @classmethod
@@ -277,6 +281,8 @@ class StoredSpec:
     sampler: SamplerSettings
     budget: Budget
     scheduler: Literal["hyperband", "asha"] = "hyperband"
+    priority: float = 1.0
+    owner: str | None = None
 
     @classmethod
     def of(cls, spec: Mapping[str, Any]) -> StoredSpec:
@@ -303,6 +309,8 @@ class StoredSpec:
             sampler=SamplerSettings.model_construct(**sampler),
             budget=Budget.model_construct(**(spec.get("budget") or {})),
             scheduler="asha" if spec.get("scheduler") == "asha" else "hyperband",
+            priority=float(spec.get("priority") or 1.0),
+            owner=spec.get("owner"),
         )
 
     @property

@@ -1,19 +1,30 @@
-"""Turn a study's ready trials into packs: the adapter between the store and ``packing``.
+"""Turn the running studies' ready trials into packs: the adapter between the store and
+``packing`` (which trials go together) and ``fleet`` (whose work goes first).
 
-Reads pending trials, live workers and profiles; calls the pure planner; writes
-the packs (status ``pending``) and marks their trials ``queued``, all in the
-caller's transaction.
+Reads pending trials, live workers, profiles and each study's device-seconds; calls
+the pure planners; writes the packs (status ``pending``) and marks their trials
+``queued``, all in the caller's transaction.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING
 
+from packtune.fleet import (
+    Order,
+    StudyLoad,
+    band,
+    expected_remaining,
+    study_order,
+    unit_key,
+)
 from packtune.packing import (
     Device,
     MemoryModel,
-    PackPlan,
     Unit,
     best_array_size,
     plan_packs,
@@ -29,7 +40,7 @@ from packtune.tuning import (
     QUEUE_DEPTH,
 )
 from service import store
-from service.models import PackStatus, Profile, Study, TrialStatus, Worker
+from service.models import Pack, PackStatus, Profile, Study, TrialStatus, Worker
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -73,39 +84,118 @@ def _probe_first(
     return out
 
 
-def plan_study(
-    s: Session, study: Study, workers: list[Worker], settings: Settings
-) -> PackPlan | None:
-    """Plan and record packs for the study's pending trials; None when nothing could run."""
-    pending = store.trial_briefs(s, study.id, status=TrialStatus.pending)
-    if not pending:
-        return None
+@dataclass(frozen=True)
+class _Planned:
+    study: Study
+    spec: StoredSpec
+    band: int
+
+
+def study_loads(
+    s: Session, studies: Sequence[Study], settings: Settings, now: datetime
+) -> dict[int, StudyLoad]:
+    """Each study's claim on the fleet (its priority, the device-seconds it has used)."""
+    ids = [study.id for study in studies]
+    used = store.device_seconds(s, ids, now) if len(ids) > 1 else dict.fromkeys(ids, 0.0)
+    return {
+        study.id: StudyLoad(study.id, StoredSpec.of(study.spec).priority, used[study.id])
+        for study in studies
+    }
+
+
+def _cap(spec: StoredSpec) -> int | None:
+    return spec.packing.max_pack_size if spec.packing.enabled else 1
+
+
+def plan_fleet(
+    s: Session,
+    studies: Sequence[Study],
+    workers: list[Worker],
+    settings: Settings,
+    now: datetime,
+) -> int:
+    """Plan and record packs for the pending trials of ``studies``; returns the packs made.
+
+    With ``settings.share_packs`` studies with the same pack size limit are planned
+    together: their units share packs, and fuse into one array where their lanes agree
+    (same data seed and horizon, besides the fusion key). Units are ranked by
+    :func:`packtune.fleet.unit_key` (fair share, then longest remaining work), so that
+    what a device cannot take this time is the work of the best-served studies.
+    """
+    if not studies:
+        return 0
+    order: Order = settings.dispatch_order
+    loads = study_loads(s, studies, settings, now) if order == "fair" else {}
+    quantum = settings.fair_share_quantum
+    planned = [
+        _Planned(
+            study,
+            StoredSpec.of(study.spec),
+            band(loads[study.id], quantum) if study.id in loads else 0,
+        )
+        for study in studies
+    ]
+    ranked = study_order(
+        [loads.get(p.study.id, StudyLoad(p.study.id, 1.0, 0.0)) for p in planned], quantum, order
+    )
+    position = {study_id: i for i, study_id in enumerate(ranked)}
+    planned.sort(key=lambda p: position[p.study.id])
+    groups: dict[object, list[_Planned]] = {}
+    for p in planned:
+        key = ("cap", _cap(p.spec)) if settings.share_packs else ("study", p.study.id)
+        groups.setdefault(key, []).append(p)
+    return sum(_plan_group(s, group, workers, settings, order) for group in groups.values())
+
+
+def _units(s: Session, p: _Planned, order: Order) -> list[Unit]:
+    spec, study = p.spec, p.study
+    lane = f"{study.seed}|{float(spec.hyperband.max_resource)!r}"
+    brackets = spec.brackets
+    s_max = len(brackets) - 1
+    units = []
+    for t in store.trial_briefs(s, study.id, status=TrialStatus.pending):
+        target = rung_resource(spec, t.bracket, t.rung)
+        end = unit_end(spec, t.resource_done, target)
+        left = expected_remaining(brackets[s_max - t.bracket], t.rung, t.resource_done)
+        rank = unit_key(order, p.band, study.id, left, t.id)
+        units.append(Unit(t.id, t.fusion_key, t.resource_done, end, lane, rank))
+    return units
+
+
+def _plan_group(
+    s: Session, group: list[_Planned], workers: list[Worker], settings: Settings, order: Order
+) -> int:
+    """Plan the pending units of one group of studies (one pack size limit); the packs made."""
+    study_of: dict[int, int] = {}
+    units: list[Unit] = []
+    for p in group:
+        mine = _units(s, p, order)
+        study_of.update({u.trial_id: p.study.id for u in mine})
+        units += mine
+    if not units:
+        return 0
     devices = devices_of(workers, settings)
     busy = store.packs_per_device(s, UNFINISHED)
     free = [dev for name, (dev, _) in devices.items() if busy[name] < QUEUE_DEPTH]
     if not free:
-        return None
+        return 0
     kind = devices[free[0].name][1]  # one device kind per plan; mixed fleets use the first
-    spec = StoredSpec.of(study.spec)
-    cap = spec.packing.max_pack_size if spec.packing.enabled else 1
-    profiles = store.profiles_of(s, study.workload, kind)
-    units = []
-    for t in pending:
-        target = rung_resource(spec, t.bracket, t.rung)
-        end = unit_end(spec, t.resource_done, target)
-        units.append(Unit(t.id, t.fusion_key, t.resource_done, end))
-    units = _probe_first(units, profiles, store.fusion_keys_of_packs(s, study.id, UNFINISHED))
+    cap = _cap(group[0].spec)
+    profiles: dict[str, Profile] = {}
+    for workload in sorted({p.study.workload for p in group}):
+        profiles.update(store.profiles_of(s, workload, kind))
+    units = _probe_first(units, profiles, store.fusion_keys_of_packs(s, UNFINISHED))
     # bounded work per tick: the rest is planned by the next tick, which the loop runs at
     # once (a tick that plans packs is followed by another without waiting)
-    units.sort(key=lambda u: (*u.group, u.trial_id))
+    units.sort(key=lambda u: (u.rank, u.trial_id))
     units, later = units[:MAX_UNITS_PER_PLAN], units[MAX_UNITS_PER_PLAN:]
     memory: dict[str, MemoryModel] = {}
     sizes: dict[str, int] = {}
     for key in {u.fusion_key for u in units}:
-        p = profiles.get(key)
-        if p is not None and p.base_bytes is not None and p.per_trial_bytes is not None:
-            memory[key] = MemoryModel(int(p.base_bytes), int(p.per_trial_bytes))
-        table = {int(k): float(v) for k, v in (p.throughput if p else {}).items()}
+        profile = profiles.get(key)
+        if profile and profile.base_bytes is not None and profile.per_trial_bytes is not None:
+            memory[key] = MemoryModel(int(profile.base_bytes), int(profile.per_trial_bytes))
+        table = {int(k): float(v) for k, v in (profile.throughput if profile else {}).items()}
         sizes[key] = best_array_size(table, cap)
     plan = plan_packs(
         units,
@@ -124,7 +214,7 @@ def plan_study(
         ]
         store.create_pack(
             s,
-            study_id=study.id,
+            study_id=min(study_of[u.trial_id] for u in planned.units),
             members=members,
             device=planned.device,
             estimated_bytes=planned.estimated_bytes,
@@ -139,4 +229,34 @@ def plan_study(
         error="fits no device: its estimated memory exceeds every live device's free memory",
     )
     s.flush()
-    return plan
+    return len(plan.packs)
+
+
+def dispatch_order(
+    s: Session, packs: Sequence[Pack], settings: Settings, now: datetime
+) -> list[Pack]:
+    """``packs`` (pending) in the order to dispatch them: ``id`` order, or with
+    ``fair``: the pack of the least-served study first (its best band), then the one
+    with the longest expected remaining work of a member, then id."""
+    if settings.dispatch_order == "id" or len(packs) < 2:
+        return sorted(packs, key=lambda pack: pack.id)
+    ids = [m.trial_id for pack in packs for m in pack.members]
+    trials = {t.id: t for t in store.trials_by_id(s, ids)}
+    studies = {t.study_id for t in trials.values()}
+    specs = {i: StoredSpec.of(store.get_study(s, i).spec) for i in studies}
+    loads = study_loads(s, [store.get_study(s, i) for i in sorted(studies)], settings, now)
+    quantum = settings.fair_share_quantum
+
+    def key(pack: Pack) -> tuple[float, ...]:
+        bands, left = [], [0.0]
+        for m in pack.members:
+            t = trials.get(m.trial_id)
+            if t is None:
+                continue
+            brackets = specs[t.study_id].brackets
+            rungs = brackets[len(brackets) - 1 - t.bracket]
+            bands.append(band(loads[t.study_id], quantum))
+            left.append(expected_remaining(rungs, t.rung, m.from_resource))
+        return (min(bands, default=0), -max(left), pack.id)
+
+    return sorted(packs, key=key)

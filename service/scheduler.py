@@ -117,8 +117,14 @@ class Scheduler:
             else:  # too soon to tell a dead worker from one we could not hear
                 trusted = store.worker_names(s, but=WorkerStatus.dead)
             self._reconcile(s, trusted, report)
-            for study in store.studies_with_status(s, (StudyStatus.pending, StudyStatus.running)):
-                self._advance_alone(s, study, workers, report)
+            ready = [
+                study
+                for study in store.studies_with_status(
+                    s, (StudyStatus.pending, StudyStatus.running)
+                )
+                if self._advance_alone(s, study, report)
+            ]
+            self._plan(s, ready, workers, now, report)
             self._cancelled(s)
             to_enqueue = self._dispatch(s, now, report)
             checks = self._checks(s)
@@ -219,16 +225,15 @@ class Scheduler:
         ):
             report.requeued += 1
 
-    def _advance_alone(
-        self, s: Session, study: Study, workers: list[Worker], report: TickReport
-    ) -> None:
-        """Advance one study in a savepoint of the tick's transaction: a study that can never
-        run is failed with the reason; any other error is logged with its traceback, its
-        writes are undone and the other studies go on (the next tick tries it again); the
-        database's own trouble ends the tick."""
+    def _advance_alone(self, s: Session, study: Study, report: TickReport) -> bool:
+        """Advance one study in a savepoint of the tick's transaction; True if its ready
+        trials are to be planned now. A study that can never run is failed with the reason;
+        any other error is logged with its traceback, its writes are undone and the other
+        studies go on (the next tick tries it again); the database's own trouble ends the
+        tick."""
         try:
             with s.begin_nested():
-                self._advance(s, study, workers, report)
+                return self._advance(s, study, report)
         except StudyCannotRun as exc:
             log.error("study %s failed: %s", study.id, exc)
             store.move_study(s, study, StudyStatus.failed, error=str(exc))
@@ -237,14 +242,9 @@ class Scheduler:
             raise
         except Exception:
             log.exception("study %s could not advance this tick; trying again", study.id)
+        return False
 
-    def _advance(
-        self,
-        s: Session,
-        study: Study,
-        workers: list[Worker],
-        report: TickReport,
-    ) -> None:
+    def _advance(self, s: Session, study: Study, report: TickReport) -> bool:
         advanced = lifecycle.advance_brackets(s, study)
         was_pending = study.status == StudyStatus.pending
         inserted, more = lifecycle.sample_due(s, study)
@@ -254,19 +254,35 @@ class Scheduler:
             log.info("study %s: its budget is spent (%s); stopping it", study.id, reason)
             lifecycle.stop_for_budget(s, study, reason)
             report.finished_studies.append(study.id)
-            return
+            return False
         if inserted >= SAMPLE_CHUNK:  # bounded work per tick: the next tick goes on
             report.deferred += 1
-            return
+            return False
         if lifecycle.finish_if_done(s, study, more):
             report.finished_studies.append(study.id)
-            return
+            return False
         if advanced.promoted + advanced.stopped + advanced.completed >= PLAN_NEXT_TICK:
             report.deferred += 1
-            return
-        plan = planning.plan_study(s, study, workers, self.settings)
-        if plan is not None:
-            report.planned += len(plan.packs)
+            return False
+        return True
+
+    def _plan(
+        self,
+        s: Session,
+        studies: list[Study],
+        workers: list[Worker],
+        now: datetime,
+        report: TickReport,
+    ) -> None:
+        """Plan the ready trials of every study that advanced, together (service.planning);
+        an error undoes only the planning, and the next tick tries again."""
+        try:
+            with s.begin_nested():
+                report.planned += planning.plan_fleet(s, studies, workers, self.settings, now)
+        except DATABASE_ERRORS:
+            raise
+        except Exception:
+            log.exception("planning failed this tick; trying again")
 
     @staticmethod
     def _cancelled(s: Session) -> None:
@@ -276,7 +292,8 @@ class Scheduler:
 
     def _dispatch(self, s: Session, now: datetime, report: TickReport) -> list[tuple[int, str]]:
         out: list[tuple[int, str]] = []
-        for pack in store.packs_with_status(s, PackStatus.pending):
+        pending = store.packs_with_status(s, PackStatus.pending)
+        for pack in planning.dispatch_order(s, pending, self.settings, now):
             if pack.retry_after is not None and pack.retry_after > now:
                 continue  # backing off after a failed attempt
             counted = pack.attempts - pack.faults

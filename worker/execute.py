@@ -72,16 +72,21 @@ class MemberJob:
     resource_done: float
     checkpoint_path: str | None
     rung_resource: float  # where the trial's current rung is decided (>= the unit's end)
+    study_id: int  # an array may hold trials of several studies (one data seed, one horizon)
+    study_seed: int
+    metric: str  # its study's objective metric
 
 
 @dataclass(frozen=True)
 class ArrayJob:
+    """Trials that train as one model: one workload, fusion key and resource span, and one
+    ``data_seed`` and ``max_resource`` (what their studies must agree on to share batches
+    and schedules); each member keeps its own study, seed and objective."""
+
     pack_id: int
-    study_id: int
-    study_seed: int
+    data_seed: int  # the studies' seed: the order of the batches every member sees
     workload: str
-    metric: str  # the study's objective metric
-    max_resource: float  # the study's, the horizon of a trial's learning-rate schedule
+    max_resource: float  # the studies', the horizon of a trial's learning-rate schedule
     fusion_key: str
     from_resource: float
     to_resource: float
@@ -93,8 +98,8 @@ class ArrayJob:
     def config(self, m: MemberJob) -> dict[str, Any]:
         return {
             **m.config,
-            "seed": trial_seed(self.study_seed, m.sample_index),
-            "data_seed": self.study_seed,
+            "seed": trial_seed(m.study_seed, m.sample_index),
+            "data_seed": self.data_seed,
             "max_epochs": self.max_resource,
         }
 
@@ -267,18 +272,27 @@ def run_array(
     except Exception as exc:
         raise TrialError(exc) from exc
 
+    metric = {m.trial_id: m.metric for m in job.members}
+    study_of = {m.trial_id: m.study_id for m in job.members}
+
     def record(report: Report) -> None:
         resource = job.to_resource if report.step >= to_step else report.resource
 
         def write(s: Session) -> None:
-            rows = [(_id(key), resource, metrics) for key, metrics in report.metrics.items()]
-            store.record_measurements(s, rows, metric=job.metric)
+            by_metric: dict[str, list[tuple[int, float, dict[str, float]]]] = {}
+            for key, metrics in report.metrics.items():
+                row = (_id(key), resource, metrics)
+                by_metric.setdefault(metric[_id(key)], []).append(row)
+            for name, rows in by_metric.items():
+                store.record_measurements(s, rows, metric=name)
             for trial_id in report.diverged:
                 step = array.diverged[trial_id]
                 # A point where it diverged, with no objective: it then ranks last, not by an
                 # older finite value (and its curve shows where it ended).
                 nan = {"train_loss": math.nan}
-                store.record_measurement(s, _id(trial_id), step / spe, nan, metric=job.metric)
+                store.record_measurement(
+                    s, _id(trial_id), step / spe, nan, metric=metric[_id(trial_id)]
+                )
                 store.move_trials(
                     s, [_id(trial_id)], TrialStatus.diverged,
                     error=f"loss became non-finite at step {step}",
@@ -299,7 +313,9 @@ def run_array(
     if stop is not None and stop.is_set():
         raise PackCancelled(f"pack {job.pack_id}: its study was cancelled")
     saved = {
-        _id(key): str(save_checkpoint(checkpoint_dir, job.study_id, key, array.member_state(key)))
+        _id(key): str(
+            save_checkpoint(checkpoint_dir, study_of[_id(key)], key, array.member_state(key))
+        )
         for key in array.keys
     }
     _mark_done(job, saved)

@@ -88,22 +88,29 @@ def _claim(s: Session, pack_id: int, worker: str, device: torch.device) -> list[
     pack = store.claim_pack(s, pack_id, worker_name=worker, device=f"{worker}/{device}")
     if pack is None:
         return None
-    study = store.get_study(s, pack.study_id)
-    spec = StoredSpec.of(study.spec)
-    if study.status in (StudyStatus.cancelled, StudyStatus.failed, StudyStatus.completed):
-        store.finish_pack(s, pack, PackStatus.cancelled, error=f"study {study.status}")
-        return None
-    groups: dict[tuple[str, float, float], list[MemberJob]] = defaultdict(list)
     # members still queued, or running from an earlier run of this job, at the unit's start;
     # not those cancelled, finished by an earlier attempt, or moved on to another pack
     members = store.unfinished_members(s, pack)
+    trials = {t.id: t for t in store.trials_by_id(s, [m.trial_id for m in members])}
+    studies = {i: store.get_study(s, i) for i in sorted({t.study_id for t in trials.values()})}
+    ended = (StudyStatus.cancelled, StudyStatus.failed, StudyStatus.completed)
+    live = {i: study for i, study in studies.items() if study.status not in ended}
+    members = [m for m in members if trials[m.trial_id].study_id in live]
+    if not members:
+        status = ", ".join(sorted({study.status.value for study in studies.values()}))
+        store.finish_pack(s, pack, PackStatus.cancelled, error=f"study {status or 'ended'}")
+        return None
+    specs = {i: StoredSpec.of(study.spec) for i, study in live.items()}
     store.move_trials(s, [m.trial_id for m in members], TrialStatus.running)
     trials = {t.id: t for t in store.trials_by_id(s, [m.trial_id for m in members])}
+    groups: dict[tuple[str, float, float, int, float], list[MemberJob]] = defaultdict(list)
     for m in members:
         trial = trials[m.trial_id]
         if trial.status != TrialStatus.running:
             continue
-        groups[(m.fusion_key, m.from_resource, m.to_resource)].append(
+        study, spec = live[trial.study_id], specs[trial.study_id]
+        horizon = float(spec.hyperband.max_resource)
+        groups[(m.fusion_key, m.from_resource, m.to_resource, study.seed, horizon)].append(
             MemberJob(
                 trial_id=trial.id,
                 sample_index=trial.sample_index,
@@ -111,22 +118,23 @@ def _claim(s: Session, pack_id: int, worker: str, device: torch.device) -> list[
                 resource_done=trial.resource_done,
                 checkpoint_path=trial.checkpoint_path,
                 rung_resource=rung_resource(spec, trial.bracket, trial.rung),
+                study_id=study.id,
+                study_seed=study.seed,
+                metric=spec.objective.metric,
             )
         )
     return [
         ArrayJob(
             pack_id=pack_id,
-            study_id=study.id,
-            study_seed=study.seed,
-            workload=study.workload,
-            metric=spec.objective.metric,
-            max_resource=float(spec.hyperband.max_resource),
+            data_seed=seed,
+            workload=live[group[0].study_id].workload,
+            max_resource=horizon,
             fusion_key=key,
             from_resource=start,
             to_resource=end,
-            members=members,
+            members=group,
         )
-        for (key, start, end), members in sorted(groups.items())
+        for (key, start, end, seed, horizon), group in sorted(groups.items())
     ]
 
 
@@ -173,7 +181,7 @@ def run_pack(pack_id: int) -> str:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
-    watch = CancelWatch(arrays[0].study_id) if arrays else None
+    watch = CancelWatch({m.study_id for a in arrays for m in a.members}) if arrays else None
     try:
         size = sum(len(a.members) for a in arrays)
         if settings.oom_above is not None and size > settings.oom_above:
@@ -290,12 +298,14 @@ def _run_isolating(
 
 
 class CancelWatch:
-    """Sets ``stop`` once the study is cancelled (or ended otherwise), read every
-    :data:`~packtune.tuning.CANCEL_CHECK_SECONDS` in a thread of its own, so that a running
-    pack stops at its next step boundary instead of training to its end."""
+    """Sets ``stop`` once every study of the pack is cancelled (or ended otherwise), read
+    every :data:`~packtune.tuning.CANCEL_CHECK_SECONDS` in a thread of its own, so that a
+    running pack stops at its next step boundary instead of training to its end. A pack
+    shared with a study that goes on trains to its end (what it wrote for a cancelled
+    study's trials is not kept: they are cancelled)."""
 
-    def __init__(self, study_id: int) -> None:
-        self.study_id, self.stop, self._closed = study_id, threading.Event(), threading.Event()
+    def __init__(self, study_ids: set[int]) -> None:
+        self.study_ids, self.stop, self._closed = study_ids, threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name="packtune-cancel", daemon=True)
         self._thread.start()
 
@@ -303,11 +313,13 @@ class CancelWatch:
         ended = (StudyStatus.cancelled, StudyStatus.failed, StudyStatus.completed)
         while not self._closed.wait(CANCEL_CHECK_SECONDS):
             try:
-                status = retrying(lambda s: store.get_study(s, self.study_id).status)
+                statuses = retrying(
+                    lambda s: [store.get_study(s, i).status for i in sorted(self.study_ids)]
+                )
             except Exception as exc:  # the database is away: train on, look again later
                 log.debug("cancel watch: %s", exc)
                 continue
-            if status in ended:
+            if all(status in ended for status in statuses):
                 self.stop.set()
                 return
 
@@ -354,8 +366,9 @@ def _split_pack(
         for m in store.unfinished_members(s, pack, (TrialStatus.running,))
     ]
     store.move_trials(s, [u.trial_id for u in units], TrialStatus.queued)
-    workload = arrays[0].workload if arrays else ""
+    workloads = {array.fusion_key: array.workload for array in arrays}
     for key in {u.fusion_key for u in units}:
+        workload = workloads.get(key) or key.split("|", 1)[0]  # a key starts with its workload
         k = sum(u.fusion_key == key for u in units)
         profile = store.get_profile(s, workload, key, kind)
         base = int(profile.base_bytes or 0) if profile else 0

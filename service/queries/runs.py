@@ -99,7 +99,7 @@ def packs(
 ) -> tuple[list[Row], int]:
     """The study's packs, newest first, with their members."""
     store.get_study(s, study_id)
-    where = [Pack.study_id == study_id]
+    where = [store.of_study(study_id)]
     if status is not None:
         where.append(Pack.status == status)
     count = s.scalar(select(func.count()).select_from(Pack).where(*where)) or 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from sqlalchemy import func, select
+from sqlalchemy import distinct, func, select
 from sqlalchemy.orm import Session
 
 from packtune.hyperband import total_trials, total_units
@@ -13,6 +13,7 @@ from packtune.spec import StoredSpec
 from service import store
 from service.models import (
     Pack,
+    PackMember,
     PackStatus,
     Study,
     StudyStatus,
@@ -63,10 +64,12 @@ def _summaries(s: Session, studies: list[Study], with_spec: bool = True) -> list
         counts[study_id][TrialStatus(status).value] = n
         done[study_id] += int(rungs) + (n if status in UNIT_FINISHED else 0)
     running: dict[int, int] = defaultdict(int)
-    packs_stmt = (
-        select(Pack.study_id, func.count())
-        .where(Pack.study_id.in_(ids), Pack.status == PackStatus.running)
-        .group_by(Pack.study_id)
+    packs_stmt = (  # through the members: a pack may train trials of several studies
+        select(Trial.study_id, func.count(distinct(Pack.id)))
+        .join(PackMember, PackMember.pack_id == Pack.id)
+        .join(Trial, Trial.id == PackMember.trial_id)
+        .where(Trial.study_id.in_(ids), Pack.status == PackStatus.running)
+        .group_by(Trial.study_id)
     )
     for study_id, n in s.execute(packs_stmt):
         running[study_id] = n

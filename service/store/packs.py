@@ -6,7 +6,7 @@ import math
 import random
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
@@ -16,10 +16,11 @@ from sqlalchemy import (
 from sqlalchemy.orm import Session
 
 from packtune.errors import NotFound
+from packtune.fleet import split_seconds
 from packtune.packing import retry_delay
-from service.models import Pack, PackMember, PackStatus, TrialStatus, utcnow
+from service.models import Pack, PackMember, PackStatus, Trial, TrialStatus, utcnow
 from service.store._sql import fresh, insert_rows, statuses
-from service.store.transitions import FINISHED_PACK, move_pack, move_trials
+from service.store.transitions import FINISHED_PACK, move_pack, move_trials, of_study
 from service.store.trials import trials_by_id
 
 CLAIMABLE_PACK = (PackStatus.pending, PackStatus.queued)
@@ -72,7 +73,7 @@ def get_pack(s: Session, pack_id: int) -> Pack:
 def packs_of(
     s: Session, study_id: int, *, status: PackStatus | Iterable[PackStatus] | None = None
 ) -> list[Pack]:
-    stmt = select(Pack).where(Pack.study_id == study_id)
+    stmt = select(Pack).where(of_study(study_id))
     if status is not None:
         stmt = stmt.where(Pack.status.in_(statuses(status)))
     return list(s.scalars(fresh(stmt.order_by(Pack.id))))
@@ -133,15 +134,66 @@ def packs_per_device(s: Session, status: Iterable[PackStatus]) -> Counter[str]:
     return Counter({str(d): int(n) for d, n in rows if d is not None})
 
 
-def fusion_keys_of_packs(s: Session, study_id: int, status: Iterable[PackStatus]) -> set[str]:
-    """The fusion keys of the study's packs in ``status``."""
+def fusion_keys_of_packs(s: Session, status: Iterable[PackStatus]) -> set[str]:
+    """The fusion keys of every pack in ``status`` (of any study)."""
     rows = s.scalars(
         select(PackMember.fusion_key)
         .join(Pack, Pack.id == PackMember.pack_id)
-        .where(Pack.study_id == study_id, Pack.status.in_(statuses(status)))
+        .where(Pack.status.in_(statuses(status)))
         .distinct()
     )
     return set(rows)
+
+
+def studies_of_packs(s: Session, pack_ids: Iterable[int]) -> dict[int, set[int]]:
+    """Pack id -> the ids of the studies whose trials it holds."""
+    ids = list(pack_ids)
+    out: dict[int, set[int]] = {i: set() for i in ids}
+    if not ids:
+        return out
+    stmt = (
+        select(PackMember.pack_id, Trial.study_id)
+        .join(Trial, Trial.id == PackMember.trial_id)
+        .where(PackMember.pack_id.in_(ids))
+        .distinct()
+    )
+    for pack_id, study_id in s.execute(stmt):
+        out[pack_id].add(study_id)
+    return out
+
+
+def device_seconds(s: Session, study_ids: Iterable[int], now: datetime) -> dict[int, float]:
+    """Device-seconds each study's trials have trained so far: every started pack's time on
+    its device (to ``now`` while it runs), split between the studies it holds in proportion
+    to the resource each trains in it (:func:`packtune.fleet.split_seconds`)."""
+    ids = list(study_ids)
+    used = dict.fromkeys(ids, 0.0)
+    if not ids:
+        return used
+    theirs = (
+        select(PackMember.pack_id)
+        .join(Trial, Trial.id == PackMember.trial_id)
+        .where(Trial.study_id.in_(ids))
+    )
+    stmt = (
+        select(
+            Pack.id, Pack.started_at, Pack.finished_at, Trial.study_id,
+            func.sum(PackMember.to_resource - PackMember.from_resource),
+        )
+        .join(PackMember, PackMember.pack_id == Pack.id)
+        .join(Trial, Trial.id == PackMember.trial_id)
+        .where(Pack.started_at.is_not(None), Pack.id.in_(theirs))
+        .group_by(Pack.id, Pack.started_at, Pack.finished_at, Trial.study_id)
+    )  # fmt: skip
+    packs: dict[int, tuple[float, dict[int, float]]] = {}
+    for pack_id, started, finished, study_id, work in s.execute(stmt):
+        took = max(0.0, ((finished or now) - started).total_seconds()) if started else 0.0
+        packs.setdefault(pack_id, (took, {}))[1][study_id] = float(work or 0.0)
+    for took, by_study in packs.values():
+        for study_id, share in split_seconds(took, by_study).items():
+            if study_id in used:
+                used[study_id] += share
+    return used
 
 
 def unfinished_members(

@@ -9,11 +9,12 @@ from sqlalchemy import (
     delete,
     func,
     select,
+    update,
 )
 from sqlalchemy.orm import Session
 
 from packtune.errors import NotFound, SpecError
-from service.models import Study, StudyStatus, Trial, TrialStatus
+from service.models import Pack, PackMember, Study, StudyStatus, Trial, TrialStatus
 from service.store.transitions import FINISHED_STUDY as FINISHED_STUDY
 
 # -- studies ------------------------------------------------------------------
@@ -52,6 +53,17 @@ def list_studies(
 def delete_study(s: Session, study_id: int) -> None:
     """Delete a study; the database cascades to its trials, packs, promotions, measurements."""
     get_study(s, study_id)
+    # a pack planned across studies names the first as its own: hand it to the next one
+    # before the cascade takes it (its members of this study go with their trials)
+    shared = (
+        select(PackMember.pack_id, func.min(Trial.study_id))
+        .join(Trial, Trial.id == PackMember.trial_id)
+        .join(Pack, Pack.id == PackMember.pack_id)
+        .where(Pack.study_id == study_id, Trial.study_id != study_id)
+        .group_by(PackMember.pack_id)
+    )
+    for pack_id, other in s.execute(shared).all():
+        s.execute(update(Pack).where(Pack.id == pack_id).values(study_id=other))
     s.execute(delete(Study).where(Study.id == study_id))
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, TypeVar
 
-from sqlalchemy import func, select, update
+from sqlalchemy import ColumnElement, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from packtune.errors import Conflict
@@ -36,6 +36,7 @@ from packtune.tuning import UPDATE_CHUNK
 from service.models import (
     CheckStatus,
     Pack,
+    PackMember,
     PackStatus,
     Study,
     StudyStatus,
@@ -47,6 +48,9 @@ from service.models import (
 from service.store._sql import id_in, is_postgres
 
 T, P, S = TrialStatus, PackStatus, StudyStatus
+
+#: a pack member in one of these still needs its pack
+_STILL_TRAINING = (TrialStatus.pending, TrialStatus.queued, TrialStatus.running)
 
 #: trial status -> the statuses a trial may move to it from
 TRIAL_FROM: Mapping[TrialStatus, frozenset[TrialStatus]] = {
@@ -155,13 +159,34 @@ def move_pack(
     return moved
 
 
+def of_study(study_id: int) -> ColumnElement[bool]:
+    """A WHERE clause: the pack trains a trial of the study. ``Pack.study_id`` is only the
+    pack's first study: packs planned across studies hold trials of several."""
+    members = (
+        select(PackMember.pack_id)
+        .join(Trial, Trial.id == PackMember.trial_id)
+        .where(Trial.study_id == study_id)
+    )
+    return or_(Pack.study_id == study_id, Pack.id.in_(members))
+
+
 def move_study_packs(
     s: Session, study_id: int, to: PackStatus, *, only_from: Collection[PackStatus]
 ) -> int:
-    """Move the study's packs in ``only_from`` that may go ``to`` (e.g. unstarted -> cancelled)."""
+    """Move the study's packs in ``only_from`` that may go ``to`` (e.g. unstarted ->
+    cancelled), but not one shared with trials of another study that can still train."""
+    others = (
+        select(PackMember.pack_id)
+        .join(Trial, Trial.id == PackMember.trial_id)
+        .where(Trial.study_id != study_id, Trial.status.in_(_STILL_TRAINING))
+    )
     result = s.execute(
         update(Pack)
-        .where(Pack.study_id == study_id, Pack.status.in_(_guard(PACK_FROM, to, only_from)))
+        .where(
+            of_study(study_id),
+            Pack.id.not_in(others),
+            Pack.status.in_(_guard(PACK_FROM, to, only_from)),
+        )
         .values(status=to),
         execution_options={"synchronize_session": False},
     )

@@ -59,6 +59,28 @@ def test_study_walltime_quick_serve(tmp_path: Path) -> None:
     assert max(p["size"] for p in unpacked["packs"]) == 1
 
 
+@pytest.mark.slow
+def test_multi_study_quick_serve(tmp_path: Path) -> None:
+    """bench g: three tiny studies on one ``packtune serve``, one after another, at once and
+    staggered, with today's scheduler and the new one; every study completes in every run."""
+    from bench import multi_study
+
+    multi_study.main(["--quick", "--modes", "serve", "--out-dir", str(tmp_path)])
+    data = json.loads(next(tmp_path.glob("multi_study_*.json")).read_text())
+    runs = data["runs"]["serve"]
+    assert [multi_study.label(r) for r in runs] == [
+        "sequential", "today at-once", "new at-once", "today staggered", "new staggered"
+    ]  # fmt: skip
+    names = [m["name"] for m in data["fleet"]]
+    for run in runs:
+        assert [s["name"] for s in run["studies"]] == names
+        assert all(s["status"] == "completed" and s["best"] is not None for s in run["studies"])
+        assert 0 < run["busy_fraction"] <= 1.0 + 1e-6 and run["makespan"] > 0
+        if run["settings"]["share_packs"] == "false":
+            assert run["shared_packs"] == 0  # one study per pack
+    assert set(data["summary"]["serve"]["alone"]) == set(names)
+
+
 def test_peers_quick_optuna(capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("optuna")
     from bench import peers

@@ -18,7 +18,7 @@ from sqlalchemy.orm import selectinload
 from packtune.dispatcher import JobState
 from packtune.hyperband import plan_brackets
 from packtune.settings import get_settings
-from service import planning, store
+from service import lifecycle, planning, store
 from service.db import get_sessionmaker, session_scope
 from service.models import Pack, PackStatus, StudyStatus, Trial, TrialStatus
 from service.scheduler import Scheduler
@@ -121,7 +121,7 @@ def packs(study_id: int) -> list[Pack]:
     with session_scope(get_sessionmaker()) as s:
         stmt = (
             select(Pack)
-            .where(Pack.study_id == study_id)
+            .where(store.of_study(study_id))
             .options(selectinload(Pack.members))
             .order_by(Pack.id)
         )
@@ -251,12 +251,13 @@ def final_values(study_id: int) -> tuple[dict[int, tuple[float, str]], dict[int,
 
 def test_cut_units_train_exactly_as_whole_ones(db: None) -> None:
     """Resuming at every rung resource changes no trial's result, nor the study's decisions."""
+    # one after the other: run side by side, the two would share packs
     aligned = new_study(ALIGNED)
+    assert run_to_end(scheduler(SyncDispatcher()), aligned) == StudyStatus.completed
     whole = new_study(
         {**ALIGNED, "name": "whole", "packing": {"enabled": True, "align_rungs": False}}
     )
-    for study_id in (aligned, whole):
-        assert run_to_end(scheduler(SyncDispatcher()), study_id) == StudyStatus.completed
+    assert run_to_end(scheduler(SyncDispatcher()), whole) == StudyStatus.completed
     where_cut, values_cut = final_values(aligned)
     where_whole, values_whole = final_values(whole)
     assert where_cut == where_whole
@@ -296,18 +297,19 @@ def test_a_study_that_can_never_run_fails_and_the_others_go_on(db: None) -> None
 def test_an_unexpected_error_in_one_study_is_logged_and_undone(
     db: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A bug met while advancing one study (here: planning raises) is logged with its
+    """A bug met while advancing one study (here: after sampling it) is logged with its
     traceback, that study's writes of the tick are rolled back, and the others advance."""
     broken, healthy = new_study({**SPEC, "name": "broken"}), new_study()
-    real = planning.plan_study
+    real = lifecycle.sample_due
 
-    def plan_study(s: Any, study: Any, *args: Any) -> Any:
+    def sample_due(s: Any, study: Any) -> Any:
+        out = real(s, study)
         if study.id == broken:
             store.move_trials(s, [t.id for t in store.trials_of(s, broken)], TrialStatus.failed)
             raise AttributeError("a bug in a plugin")
-        return real(s, study, *args)
+        return out
 
-    monkeypatch.setattr(planning, "plan_study", plan_study)
+    monkeypatch.setattr(lifecycle, "sample_due", sample_due)
     with caplog.at_level(logging.ERROR, logger="service.scheduler"):
         scheduler(SyncDispatcher(run=False)).tick()
     assert f"study {broken} could not advance" in caplog.text
@@ -318,6 +320,38 @@ def test_an_unexpected_error_in_one_study_is_logged_and_undone(
         assert sum(store.count_trials_by_status(s, broken).values()) == 0
         assert store.get_study(s, healthy).status is StudyStatus.running
     assert packs(healthy) and not packs(broken)
+
+
+def test_an_unexpected_error_in_planning_is_logged_and_undone(
+    db: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bug met while planning packs is logged with its traceback and undone; the studies
+    were still sampled, and the next tick plans them."""
+    study_id = new_study()
+    real = planning.plan_fleet
+
+    def plan_fleet(s: Any, *args: Any) -> Any:
+        store.create_pack(s, study_id=study_id, members=[(first_trial(s), "k", 0.0, 1.0)])
+        raise AttributeError("a bug in the planner")
+
+    monkeypatch.setattr(planning, "plan_fleet", plan_fleet)
+    sched = scheduler(SyncDispatcher(run=False))
+    with caplog.at_level(logging.ERROR, logger="service.scheduler"):
+        sched.tick()
+    assert "planning failed this tick" in caplog.text
+    assert "AttributeError: a bug in the planner" in caplog.text
+    with session_scope(get_sessionmaker()) as s:
+        assert store.get_study(s, study_id).status is StudyStatus.running
+        assert sum(store.count_trials_by_status(s, study_id).values()) > 0
+    assert not packs(study_id)
+    monkeypatch.setattr(planning, "plan_fleet", real)
+    sched.tick()
+    assert packs(study_id)
+
+
+def first_trial(s: Any) -> int:
+    return min(t.id for study in store.studies_with_status(s, (StudyStatus.running,))
+               for t in store.trials_of(s, study.id))  # fmt: skip
 
 
 def test_a_failed_pack_waits_before_its_retry_and_faults_do_not_count(

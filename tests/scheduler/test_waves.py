@@ -220,7 +220,7 @@ def test_a_target_reached_ends_the_study_with_its_best_trial(factory: Factory) -
         left = store.count_trials_by_status(s, study_id)
         assert left[TrialStatus.pending] == left[TrialStatus.queued] == 0
         assert not s.scalars(
-            select(Pack.id).where(Pack.study_id == study_id, Pack.status == PackStatus.queued)
+            select(Pack.id).where(store.of_study(study_id), Pack.status == PackStatus.queued)
         ).all()
 
 

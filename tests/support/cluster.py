@@ -316,7 +316,7 @@ def outcome(url: str, study_id: int, metric: str = "val_loss") -> Outcome:
                     ),
                 )  # fmt: skip
                 for p in s.scalars(
-                    sa.select(Pack).where(Pack.study_id == study_id).order_by(Pack.id)
+                    sa.select(Pack).where(store.of_study(study_id)).order_by(Pack.id)
                 )
             ]
             return Outcome(
