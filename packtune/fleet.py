@@ -103,3 +103,14 @@ def split_seconds(seconds: float, work: Mapping[int, float]) -> dict[int, float]
     if total <= 0:
         return {}
     return {study: seconds * w / total for study, w in work.items()}
+
+
+def covered_seconds(spans: Iterable[tuple[float, float]]) -> float:
+    """Seconds covered by the union of ``(start, end)`` spans (overlaps counted once)."""
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(spans):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total

@@ -93,6 +93,24 @@ class BudgetPublic(BaseModel):
     stop_reason: str | None = Field(description="the budget that ended the study, if one did")
 
 
+class FleetPublic(BaseModel):
+    """The study's place among the studies sharing the fleet."""
+
+    priority: float = Field(description="its weight in the fair share of device time")
+    owner: str | None = Field(description="who it is for (the spec's owner label)")
+    share: float | None = Field(
+        description="its fair share of device time among the running studies now (priority "
+        "over the running studies' sum); null when it is not running"
+    )
+    device_seconds: float = Field(
+        description="device time its trials have trained (a shared pack's time split by work)"
+    )
+    waiting_seconds: float = Field(
+        description="since it started (to its end), seconds during which none of its "
+        "trials was training"
+    )
+
+
 class StudyPublic(BaseModel):
     id: int
     name: str
@@ -112,6 +130,7 @@ class StudyPublic(BaseModel):
     budget: BudgetPublic
     trial_counts: dict[str, int]
     packs_running: int
+    fleet: FleetPublic
     best_trial: BestTrial | None
     best_so_far: LeaderboardEntry | None = None
 

@@ -7,6 +7,7 @@ from collections import defaultdict
 from sqlalchemy import distinct, func, select
 from sqlalchemy.orm import Session
 
+from packtune.fleet import StudyLoad, covered_seconds, entitled_shares
 from packtune.hyperband import total_trials, total_units
 from packtune.iterations import asha_ladder
 from packtune.spec import StoredSpec
@@ -80,6 +81,7 @@ def _summaries(s: Session, studies: list[Study], with_spec: bool = True) -> list
     )
     iterations = {study_id: int(top) + 1 for study_id, top in s.execute(iterations_stmt)}
     best = trials_by_id(s, [st.best_trial_id for st in studies if st.best_trial_id is not None])
+    fleet = _fleet(s, studies)
     out = []
     for study in studies:
         spec = StoredSpec.of(study.spec)
@@ -115,9 +117,38 @@ def _summaries(s: Session, studies: list[Study], with_spec: bool = True) -> list
                 "budget": _budget(study, spec, started, sum(counts[study.id].values())),
                 "trial_counts": counts[study.id],
                 "packs_running": running[study.id],
+                "fleet": fleet[study.id],
                 "best_trial": _brief(best_row) if best_row else None,
             }
         )
+    return out
+
+
+def _fleet(s: Session, studies: list[Study]) -> dict[int, Row]:
+    """Each study's priority, owner, fair share now, device-seconds and waiting time."""
+    now = utcnow()
+    ids = [study.id for study in studies]
+    used = store.device_seconds(s, ids, now)
+    spans = store.busy_intervals(s, ids, now)
+    running = store.studies_with_status(s, (StudyStatus.running,))
+    shares = entitled_shares(
+        StudyLoad(st.id, StoredSpec.of(st.spec).priority, 0.0) for st in running
+    )
+    out: dict[int, Row] = {}
+    for study in studies:
+        spec = StoredSpec.of(study.spec)
+        start = study.started_at or now
+        end = study.finished_at or now
+        busy = covered_seconds(
+            ((a - start).total_seconds(), (b - start).total_seconds()) for a, b in spans[study.id]
+        )
+        out[study.id] = {
+            "priority": spec.priority,
+            "owner": spec.owner,
+            "share": round(shares[study.id], 4) if study.id in shares else None,
+            "device_seconds": round(used[study.id], 3),
+            "waiting_seconds": round(max(0.0, (end - start).total_seconds() - busy), 3),
+        }
     return out
 
 

@@ -43,6 +43,7 @@ from service.store.fleet import (
 )
 from service.store.packs import (
     CLAIMABLE_PACK,
+    busy_intervals,
     claim_pack,
     create_pack,
     device_seconds,
@@ -120,6 +121,7 @@ __all__ = [
     "unfinished_members",
     "worker_names",
     "profiles_of",
+    "busy_intervals",
     "device_seconds",
     "fusion_keys_of_packs",
     "packs_per_device",

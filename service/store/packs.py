@@ -247,3 +247,27 @@ def retry_pack(s: Session, pack: Pack, *, error: str, fault: bool, backoff: floa
     if fault:
         values["faults"] = Pack.faults + 1
     return move_pack(s, pack, PackStatus.pending, **values)
+
+
+def busy_intervals(
+    s: Session, study_ids: Iterable[int], now: datetime
+) -> dict[int, list[tuple[datetime, datetime]]]:
+    """Study id -> the (start, end) of every started pack holding its trials (to ``now``
+    while one runs), in start order."""
+    ids = list(study_ids)
+    out: dict[int, list[tuple[datetime, datetime]]] = {i: [] for i in ids}
+    if not ids:
+        return out
+    stmt = (
+        select(Trial.study_id, Pack.id, Pack.started_at, Pack.finished_at)
+        .join(PackMember, PackMember.pack_id == Pack.id)
+        .join(Trial, Trial.id == PackMember.trial_id)
+        .where(Trial.study_id.in_(ids), Pack.started_at.is_not(None))
+        .distinct()
+    )
+    for study_id, _, started, finished in s.execute(stmt):
+        if started is not None:
+            out[study_id].append((started, finished or now))
+    for spans in out.values():
+        spans.sort()
+    return out

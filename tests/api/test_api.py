@@ -639,7 +639,10 @@ def test_reads_cost_a_bounded_number_of_queries_for_any_study_size(client: TestC
                 response = client.get(f"/api/studies/{study_id}{path}")
                 assert response.status_code == 200
                 costs.append(statements)
-            assert costs[1] <= costs[0] <= costs[1] + 1 <= 9, (path, costs)
+            assert costs[1] <= costs[0] <= costs[1] + 1 <= 12, (
+                path,
+                costs,
+            )  # a study: 3 of them its fleet block
         big = client.get(f"/api/studies/{studies[1]}/trials").json()
         assert big["count"] == 3000 and len(big["data"]) == 3000
     finally:

@@ -1,0 +1,131 @@
+"""packtune.fleet: fair share between studies and longest-remaining-first, as pure rules;
+and the planner's lanes and ranks (packtune.packing)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from packtune.fleet import (
+    StudyLoad,
+    band,
+    covered_seconds,
+    entitled_shares,
+    expected_remaining,
+    split_seconds,
+    study_order,
+    unit_key,
+)
+from packtune.hyperband import plan_brackets
+from packtune.packing import Device, MemoryModel, Unit, plan_packs
+
+BRACKETS = plan_brackets(27, eta=3)  # s = 3, 2, 1, 0
+
+
+def test_expected_remaining_weighs_later_rungs_by_the_chance_of_reaching_them() -> None:
+    most_aggressive, least = BRACKETS[0], BRACKETS[-1]
+    # 1 epoch, then 2 more for 9 of 27, 6 more for 3 of 27, 18 more for 1 of 27
+    assert expected_remaining(most_aggressive, 0, 0.0) == pytest.approx(3.0)
+    assert expected_remaining(least, 0, 0.0) == 27.0
+    assert expected_remaining(least, 0, 9.0) == 18.0  # a resumed trial: what is left
+    assert expected_remaining(most_aggressive, 3, 27.0) == 0.0
+    with pytest.raises(ValueError, match="rung 4"):
+        expected_remaining(most_aggressive, 4, 0.0)
+
+
+def test_study_order_serves_the_least_served_study_per_unit_of_priority() -> None:
+    loads = [
+        StudyLoad(1, priority=1.0, used_seconds=100.0),  # level 100
+        StudyLoad(2, priority=4.0, used_seconds=200.0),  # level 50: more priority, served first
+        StudyLoad(3, priority=1.0, used_seconds=0.0),  # just submitted
+    ]
+    assert study_order(loads, quantum=10.0) == [3, 2, 1]
+    assert study_order(loads, quantum=10.0, order="id") == [1, 2, 3]
+    # within one quantum studies are equal: id (and, for units, remaining work) decides
+    assert study_order(loads, quantum=1000.0) == [1, 2, 3]
+    with pytest.raises(ValueError, match="quantum"):
+        band(loads[0], 0.0)
+
+
+def test_unit_key_takes_the_fair_band_then_the_longest_remaining_work() -> None:
+    keys = {
+        "short, band 0": unit_key("fair", 0, 2, 3.0, 10),
+        "long, band 0": unit_key("fair", 0, 1, 27.0, 11),
+        "long, band 1": unit_key("fair", 1, 3, 27.0, 1),
+    }
+    assert sorted(keys, key=keys.__getitem__) == ["long, band 0", "short, band 0", "long, band 1"]
+    assert unit_key("id", 5, 2, 27.0, 11) > unit_key("id", 0, 1, 3.0, 99)  # study id first
+
+
+@given(
+    st.lists(st.tuples(st.floats(0.01, 100), st.floats(0, 1e4)), min_size=1, max_size=8).map(
+        lambda rows: [StudyLoad(i, p, u) for i, (p, u) in enumerate(rows)]
+    )
+)
+def test_entitled_shares_sum_to_one_in_proportion_to_priority(loads: list[StudyLoad]) -> None:
+    shares = entitled_shares(loads)
+    assert sum(shares.values()) == pytest.approx(1.0)
+    first = loads[0]
+    for load in loads[1:]:
+        ratio = shares[load.study_id] / shares[first.study_id]
+        assert ratio == pytest.approx(load.priority / first.priority)
+
+
+@given(
+    st.floats(0, 1e4),
+    st.dictionaries(st.integers(1, 5), st.floats(0, 100), min_size=1, max_size=5),
+)
+def test_a_shared_pack_is_split_by_work_and_nothing_is_lost(
+    seconds: float, work: dict[int, float]
+) -> None:
+    split = split_seconds(seconds, work)
+    if sum(work.values()) <= 0:
+        assert split == {}
+    else:
+        assert sum(split.values()) == pytest.approx(seconds)
+        assert all(split[i] >= 0 for i in work)
+
+
+@given(st.lists(st.tuples(st.floats(0, 100), st.floats(0, 50)), max_size=10))
+def test_covered_seconds_counts_overlaps_once(raw: list[tuple[float, float]]) -> None:
+    spans = [(a, a + d) for a, d in raw]
+    covered = covered_seconds(spans)
+    assert covered <= sum(b - a for a, b in spans) + 1e-9
+    assert covered >= max((b - a for a, b in spans), default=0.0) - 1e-9
+    if spans:
+        assert covered <= max(b for _, b in spans) - min(a for a, _ in spans) + 1e-9
+    assert covered_seconds([(0, 2), (1, 3), (5, 6)]) == 4.0
+    assert math.isclose(covered_seconds([]), 0.0)
+
+
+# -- the planner's lanes and ranks ------------------------------------------------------------
+
+MEMORY = MemoryModel(base=0, per_trial=1)
+
+
+def test_units_of_different_lanes_never_share_an_array() -> None:
+    units = [Unit(i, "k", 0, 1, lane="seed-1") for i in range(3)]
+    units += [Unit(i, "k", 0, 1, lane="seed-2") for i in range(3, 5)]
+    plan = plan_packs(units, [Device("d", 10**9)], {"k": MEMORY}, {"k": 8},
+                      default_memory=MEMORY)  # fmt: skip
+    (pack,) = plan.packs
+    lanes = sorted(tuple(sorted(u.lane for u in a.units)) for a in pack.arrays)
+    assert lanes == [("seed-1",) * 3, ("seed-2",) * 2]
+
+
+def test_what_a_device_cannot_take_is_the_worst_ranked_work() -> None:
+    """Room for 4 trials: the best-ranked arrays go first (by bytes alone, the largest array,
+    of the study over its share, would take the device)."""
+    units = [Unit(i, "a", 0, 1, rank=(1, -3.0, i)) for i in range(4)]  # band 1
+    units += [Unit(i, "b", 0, 1, rank=(0, -27.0, i)) for i in range(4, 7)]  # band 0, long
+    units += [Unit(7, "c", 0, 1, rank=(0, -3.0, 7))]  # band 0, short
+    devices = [Device("d", int(4 / 0.9) + 1)]
+    keys = ("a", "b", "c")
+    plan = plan_packs(units, devices, dict.fromkeys(keys, MEMORY), dict.fromkeys(keys, 8),
+                      default_memory=MEMORY)  # fmt: skip
+    (pack,) = plan.packs
+    assert sorted(u.trial_id for u in pack.units) == [4, 5, 6, 7]
+    assert sorted(u.trial_id for u in plan.deferred) == [0, 1, 2, 3]

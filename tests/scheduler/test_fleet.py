@@ -1,0 +1,119 @@
+"""Many studies on one fleet, through the real scheduler and real training (in this process):
+packs shared across studies change no study's results, and fair share serves a small study
+submitted behind a large one."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.orm import selectinload
+
+from packtune.dispatcher import JobState
+from packtune.settings import get_settings
+from service import store
+from service.db import get_sessionmaker, session_scope
+from service.models import Pack, PackStatus, StudyStatus
+from tests.scheduler.test_scheduler import (
+    SPEC,
+    SyncDispatcher,
+    db,
+    final_values,
+    new_study,
+    run_to_end,
+    scheduler,
+)
+from worker.jobs import run_pack
+
+__all__ = ["db"]  # the fixture, used by name
+
+
+def all_packs() -> list[Pack]:
+    with session_scope(get_sessionmaker()) as s:
+        stmt = select(Pack).options(selectinload(Pack.members)).order_by(Pack.id)
+        return list(s.scalars(stmt))
+
+
+def trial_ids(study_id: int) -> set[int]:
+    with session_scope(get_sessionmaker()) as s:
+        return {t.id for t in store.trials_of(s, study_id)}
+
+
+def test_a_study_beside_others_gives_what_it_gives_alone(db: None) -> None:
+    """A study run alone, and the same study (same spec and seed) run beside two others, give
+    the same trial results, although the second time its trials share packs with both and
+    fused arrays with the one of the same data seed (and never with the other's)."""
+    twin_spec = {**SPEC, "name": "alone", "seed": 5, "sampler": "random"}
+    alone = new_study(twin_spec)
+    assert run_to_end(scheduler(SyncDispatcher()), alone) == StudyStatus.completed
+    first_packs = {p.id for p in all_packs()}
+
+    twin = new_study({**twin_spec, "name": "twin"})
+    same_seed = new_study(
+        {**twin_spec, "name": "same-seed",
+         "space": {"lr": {"type": "loguniform", "low": 0.001, "high": 0.05}}}
+    )  # fmt: skip
+    other_seed = new_study({**twin_spec, "name": "other-seed", "seed": 6})
+    sched = scheduler(SyncDispatcher())
+    for study_id in (twin, same_seed, other_seed):
+        assert run_to_end(sched, study_id) == StudyStatus.completed
+
+    where_alone, values_alone = final_values(alone)
+    where_twin, values_twin = final_values(twin)
+    assert where_twin == where_alone
+    assert values_twin == pytest.approx(values_alone, rel=1e-5, abs=1e-6)
+
+    studies = {i: trial_ids(i) for i in (twin, same_seed, other_seed)}
+    study_of = {t: i for i, ids in studies.items() for t in ids}
+    shared = [p for p in all_packs() if p.id not in first_packs]
+    held = [{study_of[m.trial_id] for m in p.members} for p in shared]
+    assert any(len(h) == 3 for h in held), held  # one pack, three studies
+    fused = []
+    for p in shared:
+        for array in p.arrays or []:
+            for stack in array["stacks"]:
+                of = {study_of[t] for t in stack["trials"]}
+                fused.append(of)
+                assert other_seed not in of or of == {other_seed}, p.arrays  # its own lane
+    assert {twin, same_seed} in fused  # trained as one model
+
+
+@pytest.mark.parametrize(("order", "served"), [("fair", "small"), ("id", "big")])
+def test_a_small_study_behind_a_big_one_gets_the_next_free_slot(
+    db: None, monkeypatch: pytest.MonkeyPatch, order: str, served: str
+) -> None:
+    """With fair share the device's next free slot goes to the study that has used the least
+    device time (a small study submitted behind a big one); in id order (packtune before
+    fair share) the big one, which still has ready trials, keeps taking it."""
+    monkeypatch.setenv("PACKTUNE_SHARE_PACKS", "false")  # one study per pack: slots compete
+    monkeypatch.setenv("PACKTUNE_DISPATCH_ORDER", order)
+    monkeypatch.setenv("PACKTUNE_FAIR_SHARE_QUANTUM", "0.000001")
+    get_settings.cache_clear()
+    big = new_study(
+        {**SPEC, "name": "big", "sampler": "random", "packing": {"max_pack_size": 2},
+         "hyperband": {"max_resource": 9, "min_resource": 1, "eta": 3}}
+    )  # fmt: skip
+    dispatcher = SyncDispatcher(run=False)
+    sched = scheduler(dispatcher)
+
+    def finish(pack: Pack) -> None:
+        assert run_pack(pack.id) == "completed"
+        dispatcher.states[pack.job_id or ""] = (JobState.finished, None)
+
+    sched.tick()
+    (probe,) = all_packs()  # the first pack of a fusion key measures it; the rest waits
+    finish(probe)
+    sched.tick()
+    sched.tick()
+    queued = [p for p in all_packs() if p.status == PackStatus.queued]
+    assert len(queued) == 2  # the device's queue is full (one running, one waiting)
+    small = new_study(
+        {**SPEC, "name": "small", "sampler": "random",
+         "hyperband": {"max_resource": 1, "min_resource": 1, "eta": 3}}
+    )  # fmt: skip
+    sched.tick()
+    assert len(all_packs()) == 3  # no slot for it yet
+    finish(queued[0])
+    sched.tick()
+    new = [p for p in all_packs() if p.id not in {probe.id} | {q.id for q in queued}]
+    assert len(new) == 1
+    assert {big: "big", small: "small"}[new[0].study_id] == served
