@@ -91,11 +91,16 @@ class Study:
     best_metrics: dict[str, Any] | None
     error: str | None
     raw: dict[str, Any] = field(repr=False, compare=False)
+    #: its weight in the fair share of device time, owner label, and share now (while running)
+    priority: float = 1.0
+    owner: str | None = None
+    share: float | None = None
 
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> Study:
         best = row.get("best_trial")
         progress = row.get("progress") or {}
+        fleet = row.get("fleet") or {}
         return cls(
             id=int(row["id"]), name=str(row["name"]), workload=str(row["workload"]),
             status=str(row["status"]), metric=str(row["objective"]["metric"]),
@@ -104,6 +109,8 @@ class Study:
             best_trial_id=int(best["id"]) if best else None,
             best_metrics=dict(best["metrics"]) if best else None,
             error=row.get("error"), raw=dict(row),
+            priority=float(fleet.get("priority", 1.0)), owner=fleet.get("owner"),
+            share=fleet.get("share"),
         )  # fmt: skip
 
     @property

@@ -109,13 +109,14 @@ def register(app: typer.Typer) -> None:
 
         with connected(url, token) as client:
             rows = client.studies(status=status)
-        table = Table("id", "name", "workload", "status", "units", "best")
+        table = Table("id", "name", "workload", "status", "units", "best", "share", "owner")
         for study in rows:
             done, total = study.progress
             value = (study.best_metrics or {}).get(study.metric)
             best = f"{study.metric}={value:.4g}" if isinstance(value, int | float) else "-"
+            share = f"{study.share:.0%}" if study.share is not None else "-"
             table.add_row(str(study.id), study.name, study.workload, study.status,
-                          f"{done}/{total}", best)  # fmt: skip
+                          f"{done}/{total}", best, share, study.owner or "-")  # fmt: skip
         output_console().print(table)
 
     @app.command()

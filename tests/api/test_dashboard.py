@@ -88,6 +88,8 @@ DOM_STATE = """() => {
     packs: q('[data-panel=timeline] g.pack').length,
     params: q('[data-panel=params] path.pc').length,
     budget: document.querySelector('[data-testid=budget]')?.textContent ?? null,
+    fleet: [...q('[data-panel=summary] .kpi')].map((k) => k.textContent)
+      .find((t) => t.includes('device time')) ?? null,
   };
 }"""
 
@@ -318,6 +320,10 @@ def test_a_running_study_is_shown_live(service: dict[str, Any], page: Any) -> No
     assert final["curves"] == final["params"] == 49
     # the sampler and the budget, and how much of it was used
     assert final["budget"] == "sampler tpe · iteration 1 · 49 trials", final["budget"]
+    # its place in the fleet: alone, it had the whole share while it ran
+    assert any("share 100%" in (s["fleet"] or "") for s in live), live[-1]
+    assert "waited" in final["fleet"] and "priority 1" in final["fleet"], final["fleet"]
+    assert summary["fleet"]["device_seconds"] > 0 and summary["fleet"]["share"] is None
 
 
 def test_hover_links_a_pack_to_its_trials(service: dict[str, Any], page: Any) -> None:
@@ -378,6 +384,7 @@ def test_the_studies_list_opens_a_study(service: dict[str, Any], page: Any) -> N
     row.wait_for()
     assert "completed" in row.inner_text()
     assert "null" not in page.locator("[data-panel=studies]").inner_text()
+    assert "share" in page.locator("[data-panel=studies] thead").inner_text()
     shot(page, "dashboard-studies")
     row.click()
     page.wait_for_url(f"**/#/studies/{study_id}")

@@ -17,6 +17,19 @@ export function progressBar(progress, status) {
   );
 }
 
+/** A study's fair share of device time now, e.g. "50%" (its priority and owner in the title). */
+export function shareText(study) {
+  const f = study.fleet;
+  return f && f.share != null ? `${Math.round(f.share * 100)}%` : "";
+}
+
+export function shareTitle(study) {
+  const f = study.fleet;
+  if (!f) return "";
+  return `priority ${fmtNum(f.priority)}` + (f.owner ? ` · owner ${f.owner}` : "") +
+    ` · device time ${fmtSeconds(f.device_seconds)} · waited ${fmtSeconds(f.waiting_seconds)}`;
+}
+
 export function elapsed(study) {
   if (!study.started_at) return null;
   return seconds(study.started_at, study.finished_at ?? new Date(serverNow()).toISOString());
@@ -72,13 +85,14 @@ export class StudiesView {
         h("td", { class: "wide" }, progressBar(s.progress, s.status)),
         h("td", { class: "num" }, trials),
         h("td", { class: "num" }, s.packs_running || ""),
+        h("td", { class: "num", "data-testid": "share", title: shareTitle(s) }, shareText(s)),
         h("td", {}, `${s.objective.metric} (${s.objective.mode})`),
         h("td", { class: "num" }, bestValue(s)),
         h("td", { class: "num" }, fmtSeconds(elapsed(s))),
         h("td", { class: "muted" }, new Date(s.created_at).toLocaleString()));
     });
     const head = ["id", "name", "workload", "status", "progress", "trials", "packs running",
-      "objective", "best", "time", ""];
+      "share", "objective", "best", "time", ""];
     this.body.replaceChildren(
       h("table", { class: "table" },
         h("thead", {}, h("tr", {}, head.map((c) => h("th", {}, c)))),

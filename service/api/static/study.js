@@ -130,7 +130,12 @@ export class StudyView {
           kpi("trials", total),
           kpi("packs run", ran.length, s.packs_running ? `${s.packs_running} running` : ""),
           kpi("trials per pack", ran.length ? (members / ran.length).toFixed(1) : "–",
-            ran.length ? `max ${Math.max(...ran.map((p) => p.members.length))}` : "")),
+            ran.length ? `max ${Math.max(...ran.map((p) => p.members.length))}` : ""),
+          s.fleet ? kpi("device time", fmtSeconds(s.fleet.device_seconds),
+            `waited ${fmtSeconds(s.fleet.waiting_seconds)}` +
+            (s.fleet.share != null ? ` · share ${Math.round(s.fleet.share * 100)}%` : "") +
+            ` · priority ${fmtNum(s.fleet.priority)}` +
+            (s.fleet.owner ? ` · ${s.fleet.owner}` : "")) : null),
         h("div", { class: "chips" }, chips),
         s.error ? h("p", { class: "error" }, s.error) : null),
       bestBox
