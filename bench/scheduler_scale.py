@@ -1,7 +1,11 @@
-"""Benchmark d: time and memory of ``Scheduler.tick()`` for a study of 10,000+ trials.
+"""Benchmark d: time and memory of ``Scheduler.tick()`` for a study of 10,000+ trials,
+or for 20 studies of 12,000+ trials together (``--studies 20``).
 
 A digits-mlp study with ``max_resource`` 6561 and eta 3 samples 10,582
-trials (9 brackets). The trials are created by the scheduler's own first
+trials (9 brackets). With ``--studies 20``: 5 studies with ``max_resource`` 729
+(1,214 trials each) and 15 with 243 (415 each), 12,295 trials, all running at
+once, so that every tick plans the ready trials of all of them together (fair
+share, cross-study packs). The trials are created by the scheduler's own first
 ticks (2,048 per tick; a tick also plans at most 2,048 units). A *recording*
 dispatcher stands in for RQ (it records the packs it is handed and says they
 are queued), and the bench plays the workers: after
@@ -16,6 +20,7 @@ tracemalloc peak. Peak RSS of the process is reported too. Both on SQLite
 (a file) and PostgreSQL (a fresh database).
 
     python -m bench.scheduler_scale
+    python -m bench.scheduler_scale --studies 20 # 20 studies, 12,295 trials
     python -m bench.scheduler_scale --quick      # a ~100-trial study; writes nothing
 """
 
@@ -67,8 +72,8 @@ SPACE: dict[str, dict[str, Any]] = {
 }
 
 
-def spec(max_resource: int) -> dict[str, Any]:
-    return {"name": f"scale-{max_resource}", "workload": "digits-mlp",
+def spec(max_resource: int, name: str | None = None) -> dict[str, Any]:
+    return {"name": name or f"scale-{max_resource}", "workload": "digits-mlp",
             "objective": {"metric": "val_loss", "mode": "min"}, "space": SPACE,
             "hyperband": {"max_resource": max_resource, "min_resource": 1, "eta": 3},
             "packing": {"enabled": True, "max_pack_size": None}, "seed": 0}  # fmt: skip
@@ -135,13 +140,16 @@ def complete_dispatched(factory: sessionmaker[Session], rng: random.Random) -> i
         ids = [p.id for p in packs]
         members = list(s.scalars(sa.select(PackMember).where(PackMember.pack_id.in_(ids))))
         to = {m.trial_id: m.to_resource for m in members}
-        study = s.get_one(Study, packs[0].study_id)
-        trials = s.execute(
-            sa.select(Trial.id, Trial.bracket, Trial.rung).where(Trial.id.in_(list(to)))
+        trials = list(
+            s.execute(
+                sa.select(Trial.id, Trial.study_id, Trial.bracket, Trial.rung).where(
+                    Trial.id.in_(list(to))
+                )
+            )
         )
+        specs = {i: StoredSpec.of(s.get_one(Study, i).spec) for i in {row[1] for row in trials}}
         # as the worker does: paused at the trial's rung, pending after a segment short of it
-        spec = StoredSpec.of(study.spec)
-        at_rung = {tid: to[tid] >= rung_resource(spec, b, r) for tid, b, r in trials}
+        at_rung = {tid: to[tid] >= rung_resource(specs[sid], b, r) for tid, sid, b, r in trials}
         rows = [{"trial_id": tid, "resource": r,
                  "metrics": {"val_loss": 2.0 / (1 + math.log1p(r)) + rng.random()}}
                 for tid, r in to.items()]  # fmt: skip
@@ -181,19 +189,34 @@ def database(backend: str) -> Iterator[str]:
             yield f"sqlite:///{Path(tmp) / 'scale.db'}"
 
 
-def one_pass(backend: str, max_resource: int, trace: bool, max_ticks: int) -> dict[str, Any]:
-    """A whole simulated study; per tick seconds (or tracemalloc peak bytes when ``trace``)."""
+def fleet_sizes(studies: int, max_resource: int) -> list[int]:
+    """``max_resource`` of each study: one study of ``max_resource``, or a quarter of the
+    studies at 729 and the rest at 243 (``--quick``: 9 and 3)."""
+    if studies == 1:
+        return [max_resource]
+    big, small = (9, 3) if max_resource <= 27 else (729, 243)
+    return [big if i < studies // 4 else small for i in range(studies)]
+
+
+def one_pass(
+    backend: str, max_resource: int, trace: bool, max_ticks: int, studies: int = 1
+) -> dict[str, Any]:
+    """Whole simulated studies; per tick seconds (or tracemalloc peak bytes when ``trace``)."""
     with database(backend) as url:
         upgrade(url)
         engine = make_engine(url)
         factory = session_factory(engine)
         settings = Settings(database_url=url, heartbeat_timeout=10**6)
         fake_fleet(factory, workers=1, gpus=8)
+        ids = []
         with session_scope(factory) as s:
-            body = spec(max_resource)
-            study_id = store.create_study(
-                s, name=body["name"], workload=body["workload"], spec=body, seed=0
-            ).id
+            for i, size in enumerate(fleet_sizes(studies, max_resource)):
+                body = spec(size, name=f"scale-{size}-{i}" if studies > 1 else None)
+                ids.append(
+                    store.create_study(
+                        s, name=body["name"], workload=body["workload"], spec=body, seed=0
+                    ).id
+                )
         scheduler = Scheduler(settings, factory=factory, dispatcher=RecordingDispatcher(),
                               holder="bench")  # fmt: skip
         statements = [0]
@@ -204,6 +227,7 @@ def one_pass(backend: str, max_resource: int, trace: bool, max_ticks: int) -> di
         sa.event.listen(engine, "before_cursor_execute", count)
         rng = random.Random(0)
         ticks: list[dict[str, Any]] = []
+        done: set[int] = set()
         try:
             for n in range(max_ticks):
                 if trace:
@@ -218,19 +242,20 @@ def one_pass(backend: str, max_resource: int, trace: bool, max_ticks: int) -> di
                 ticks.append({"tick": n, "seconds": seconds, "peak_bytes": peak, "sql": issued,
                               "planned": report.planned, "dispatched": report.dispatched,
                               "finished_after": finished})  # fmt: skip
-                if report.finished_studies:
+                done.update(report.finished_studies)
+                if done >= set(ids):
                     break
             with session_scope(factory) as s:
-                study = s.get(Study, study_id)
-                assert study is not None
-                status = str(study.status)
+                statuses = {str(s.get_one(Study, i).status) for i in ids}
+                status = statuses.pop() if len(statuses) == 1 else "mixed"
                 trials = s.scalar(sa.select(sa.func.count()).select_from(Trial)) or 0
                 packs = s.scalar(sa.select(sa.func.count()).select_from(Pack)) or 0
         finally:
             scheduler.close()
             engine.dispose()
     assert status == StudyStatus.completed or len(ticks) == max_ticks, status
-    return {"ticks": ticks, "status": status, "trials": trials, "packs": packs}
+    return {"ticks": ticks, "status": status, "trials": trials, "packs": packs,
+            "studies": len(ids)}  # fmt: skip
 
 
 def summarise(backend: str, timed: dict[str, Any], traced: dict[str, Any]) -> list[Any]:
@@ -260,6 +285,9 @@ def main(argv: list[str] | None = None) -> None:
         "--backends", nargs="+", default=["sqlite", "postgresql"], choices=["sqlite", "postgresql"]
     )
     parser.add_argument("--max-ticks", type=int, default=200)
+    parser.add_argument(
+        "--studies", type=int, default=1, help="1, or N studies of mixed sizes at once"
+    )
     parser.add_argument("--quick", action="store_true", help="max_resource 27; appends nothing")
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--no-append", action="store_true")
@@ -270,10 +298,10 @@ def main(argv: list[str] | None = None) -> None:
     info = recording.machine("cpu")
     rows, raw = [], {}
     for backend in args.backends:
-        timed = one_pass(backend, args.max_resource, trace=False, max_ticks=args.max_ticks)
+        timed = one_pass(backend, args.max_resource, False, args.max_ticks, args.studies)
         tracemalloc.start()
         try:
-            traced = one_pass(backend, args.max_resource, trace=True, max_ticks=args.max_ticks)
+            traced = one_pass(backend, args.max_resource, True, args.max_ticks, args.studies)
         finally:
             tracemalloc.stop()
         raw[backend] = {"timed": timed, "traced": traced}
@@ -303,12 +331,18 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(body))
     if args.quick and args.out_dir is None:
         return
-    recording.save_json("scheduler_scale", {"machine": info, "date": recording.now(),
+    name = "scheduler_scale" if args.studies == 1 else f"scheduler_scale_studies{args.studies}"
+    recording.save_json(name, {"machine": info, "date": recording.now(),
                                           "command": recording.command_line(), "raw": raw},
                       args.out_dir)  # fmt: skip
     if not (args.quick or args.no_append):
         recording.append_section(
-            f"d. Scheduler scale — max_resource {args.max_resource}, eta 3", info, body, load
+            f"d. Scheduler scale — max_resource {args.max_resource}, eta 3"
+            if args.studies == 1
+            else f"d. Scheduler scale — {args.studies} studies at once, eta 3",
+            info,
+            body,
+            load,
         )
 
 
