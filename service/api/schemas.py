@@ -180,7 +180,11 @@ class ArrayRun(BaseModel):
 class PackPublic(BaseModel):
     id: int
     status: PackStatus
-    members: list[PackMemberPublic]
+    members: list[PackMemberPublic] = Field(description="its units of this study's trials")
+    shared_trials: int = Field(
+        default=0, description="trials of other studies in the same pack (planned together)"
+    )
+    shared_with: list[int] = Field(default=[], description="those studies' ids")
     device: str | None
     worker: str | None
     estimated_bytes: int | None

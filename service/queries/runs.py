@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session, selectinload
 from packtune.hyperband import total_trials
 from packtune.iterations import asha_ladder
 from packtune.spec import StoredSpec
+from packtune.tuning import UPDATE_CHUNK
 from service import store
 from service.models import (
     Pack,
@@ -97,7 +98,8 @@ def packs(
     limit: int = 100,
     offset: int = 0,
 ) -> tuple[list[Row], int]:
-    """The study's packs, newest first, with their members."""
+    """The study's packs, newest first, with their members of this study (a pack planned
+    across studies says how many of its trials were other studies' and which)."""
     store.get_study(s, study_id)
     where = [store.of_study(study_id)]
     if status is not None:
@@ -111,10 +113,19 @@ def packs(
         .limit(limit)
         .offset(offset)
     )
-    return [_pack_row(pack) for pack in s.scalars(stmt)], count
+    packs = list(s.scalars(stmt))
+    ids = [m.trial_id for pack in packs for m in pack.members]
+    study_of: dict[int, int] = {}
+    for lo in range(0, len(ids), UPDATE_CHUNK):
+        chunk = ids[lo : lo + UPDATE_CHUNK]
+        rows = s.execute(select(Trial.id, Trial.study_id).where(Trial.id.in_(chunk)))
+        study_of.update((trial, study) for trial, study in rows)
+    return [_pack_row(pack, study_id, study_of) for pack in packs], count
 
 
-def _pack_row(pack: Pack) -> Row:
+def _pack_row(pack: Pack, study_id: int, study_of: dict[int, int]) -> Row:
+    mine = [m for m in pack.members if study_of.get(m.trial_id, study_id) == study_id]
+    others = {study_of[m.trial_id] for m in pack.members} - {study_id}
     duration = None
     if pack.started_at is not None and pack.finished_at is not None:
         duration = (pack.finished_at - pack.started_at).total_seconds()
@@ -128,8 +139,10 @@ def _pack_row(pack: Pack) -> Row:
                 "from_resource": m.from_resource,
                 "to_resource": m.to_resource,
             }
-            for m in pack.members
+            for m in mine
         ],
+        "shared_trials": len(pack.members) - len(mine),
+        "shared_with": sorted(others),
         "device": pack.device,
         "worker": pack.worker_name,
         "estimated_bytes": pack.estimated_bytes,

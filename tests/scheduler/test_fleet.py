@@ -10,7 +10,7 @@ from sqlalchemy.orm import selectinload
 
 from packtune.dispatcher import JobState
 from packtune.settings import get_settings
-from service import store
+from service import queries, store
 from service.db import get_sessionmaker, session_scope
 from service.models import Pack, PackStatus, StudyStatus
 from tests.scheduler.test_scheduler import (
@@ -75,6 +75,12 @@ def test_a_study_beside_others_gives_what_it_gives_alone(db: None) -> None:
                 fused.append(of)
                 assert other_seed not in of or of == {other_seed}, p.arrays  # its own lane
     assert {twin, same_seed} in fused  # trained as one model
+    # the API's packs of a study list its own units, and say who else was in the pack
+    with session_scope(get_sessionmaker()) as s:
+        rows, _ = queries.packs(s, twin, limit=500)
+    assert {m["trial_id"] for r in rows for m in r["members"]} == studies[twin]
+    assert any(set(r["shared_with"]) == {same_seed, other_seed} for r in rows)
+    assert all(r["shared_trials"] == 0 for r in rows if not r["shared_with"])
 
 
 @pytest.mark.parametrize(("order", "served"), [("fair", "small"), ("id", "big")])
