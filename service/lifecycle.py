@@ -65,11 +65,13 @@ def _space_of(study: Study, spec: StoredSpec) -> tuple[Any, dict[str, Dimension]
     return workload, space
 
 
-def sample_due(s: Session, study: Study) -> tuple[int, bool]:
+def sample_due(s: Session, study: Study, limit: int | None = None) -> tuple[int, bool]:
     """Sample every bracket whose turn has come (:mod:`packtune.iterations`: in order, each
-    once the rungs it learns from are settled), about :data:`SAMPLE_CHUNK` trials a call at
-    most; the first trials mark the study running. Returns (trials inserted, whether some
-    bracket within the budget is still to be sampled)."""
+    once the rungs it learns from are settled), ``limit`` trials a call at most (the
+    scheduler gives a tick's studies :data:`SAMPLE_CHUNK` together); the first trials mark
+    the study running. Returns (trials inserted, whether some bracket within the budget is
+    still to be sampled)."""
+    limit = SAMPLE_CHUNK if limit is None else limit
     spec = StoredSpec.of(study.spec)
     workload, space = _space_of(study, spec)
     done = sum(store.count_trials_by_status(s, study.id).values())  # sampled so far
@@ -89,7 +91,7 @@ def sample_due(s: Session, study: Study) -> tuple[int, bool]:
             # a model's chunk after the first waits for the first rung of those before it
             offset = (done - slot.first) // size + 1
             stop = min(end, slot.first + offset * size)
-            if taken + stop - done > SAMPLE_CHUNK:
+            if taken + stop - done > limit:
                 break
             waits = spec.sampler.name == "tpe" and done > slot.first
             if waits and not _wave_settled(s, study, slot, done):

@@ -66,6 +66,7 @@ class TickReport:
     requeued: int = 0
     failed_packs: int = 0
     deferred: int = 0  # studies whose planning waits for the next tick (run at once)
+    sampled: int = 0  # trials sampled by this tick (of every study: SAMPLE_CHUNK at most)
     queue_error: str | None = None  # the job queue could not be reached
     finished_studies: list[int] = field(default_factory=list)
 
@@ -247,7 +248,9 @@ class Scheduler:
     def _advance(self, s: Session, study: Study, report: TickReport) -> bool:
         advanced = lifecycle.advance_brackets(s, study)
         was_pending = study.status == StudyStatus.pending
-        inserted, more = lifecycle.sample_due(s, study)
+        limit = max(0, SAMPLE_CHUNK - report.sampled)  # the tick's studies share one budget
+        inserted, more = lifecycle.sample_due(s, study, limit)
+        report.sampled += inserted
         report.started += was_pending and inserted > 0
         reason = lifecycle.budget_spent(s, study, _now()) if not was_pending else None
         if reason is not None:
@@ -255,9 +258,10 @@ class Scheduler:
             lifecycle.stop_for_budget(s, study, reason)
             report.finished_studies.append(study.id)
             return False
-        if inserted >= SAMPLE_CHUNK:  # bounded work per tick: the next tick goes on
-            report.deferred += 1
-            return False
+        if more and (inserted or limit < SAMPLE_CHUNK):  # perhaps cut short by the budget:
+            report.deferred += 1  # the next tick goes on at once
+            if report.sampled >= SAMPLE_CHUNK:
+                return False
         if lifecycle.finish_if_done(s, study, more):
             report.finished_studies.append(study.id)
             return False

@@ -213,6 +213,7 @@ def test_study_decisions_equal_promote_over_the_measurements(
     trials per tick), so that a study is sampled, planned and decided over many ticks."""
     if bounded:
         monkeypatch.setattr(lifecycle, "SAMPLE_CHUNK", 10)
+        monkeypatch.setattr(scheduler_module, "SAMPLE_CHUNK", 10)
         monkeypatch.setattr(planning, "MAX_UNITS_PER_PLAN", 8)
         monkeypatch.setattr(scheduler_module, "PLAN_NEXT_TICK", 5)
     planned: list[int] = []
@@ -265,3 +266,34 @@ def test_study_decisions_equal_promote_over_the_measurements(
     assert best == want_best
     assert statuses[TrialStatus.diverged] > 0 and statuses[TrialStatus.completed] > 0
     assert set(statuses) <= {TrialStatus.completed, TrialStatus.stopped, TrialStatus.diverged}
+
+
+def test_a_tick_samples_a_bounded_number_of_trials_over_all_studies(
+    factory: Factory, url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Twenty studies sampled in one tick would make that tick twenty times as long: a tick's
+    studies share one budget of SAMPLE_CHUNK trials, and the next ticks go on at once."""
+    monkeypatch.setattr(lifecycle, "SAMPLE_CHUNK", 10)
+    monkeypatch.setattr(scheduler_module, "SAMPLE_CHUNK", 10)
+    with session_scope(factory) as s:
+        fleet(s)
+        ids = [
+            store.create_study(s, name=f"bulk-{i}", workload="digits-mlp", spec=SPEC, seed=0).id
+            for i in range(3)
+        ]
+    settings = Settings(database_url=url, heartbeat_timeout=10**6)
+    scheduler = Scheduler(settings, factory=factory, dispatcher=RecordingDispatcher(), holder="t")  # type: ignore[arg-type]
+    total = 3 * sum(bracket[0].n for bracket in StoredSpec.of(SPEC).brackets)
+    counts = []
+    try:
+        for _ in range(200):
+            report = scheduler.tick()
+            with session_scope(factory) as s:
+                counts.append(sum(sum(store.count_trials_by_status(s, i).values()) for i in ids))
+            assert counts[-1] - (counts[-2] if len(counts) > 1 else 0) == report.sampled <= 10
+            if counts[-1] == total:
+                break
+            assert report.deferred, "a tick that left trials to sample says so"
+    finally:
+        scheduler.close()
+    assert counts[-1] == total and len(counts) >= total // 10
