@@ -1,0 +1,586 @@
+"""Benchmark g: many studies on one fleet, submitted at once and staggered.
+
+Eight studies of mixed sizes and two workloads (``digits-mlp`` from
+``examples/digits-mlp.yaml``, ``synthetic-mlp`` from ``examples/synthetic-mlp.yaml``;
+Hyperband ``max_resource`` 81, 27, 9 or 3: 5 to 143 trials; distinct search spaces; all
+but one with seed 0, so that units of the same workload and horizon may fuse) run on one
+fleet:
+
+- ``serve``: ``packtune serve`` with SQLite (the embedded default: one runner), the
+  studies POSTed to its API;
+- ``rq:N``: PostgreSQL + Redis + one ``packtune scheduler`` + N ``packtune worker``, the
+  studies inserted and the scheduler woken as the API does.
+
+Per mode, each run on a fresh service and database (a warm-up study of each workload first,
+not measured):
+
+- ``sequential``: today's scheduler (``PACKTUNE_SHARE_PACKS=false``,
+  ``PACKTUNE_DISPATCH_ORDER=id``), each study submitted once the one before has finished:
+  the baseline, and each study's time alone;
+- ``today``: today's scheduler, the studies submitted ``at-once`` or ``staggered`` (the
+  large study first, the others every ``--stagger`` seconds);
+- ``new``: the defaults (cross-study packs and fusion, weighted fair share then
+  longest-remaining-first), the same two patterns.
+
+Reported per run: makespan (first study created to last finished, from the database),
+each study's completion time (its ``created_at`` to ``finished_at``) and their mean, the
+device busy fraction (Σ over the packs of ``finished_at - started_at`` / (workers x
+makespan)), packs, packs that held trials of more than one study, fused stacks whose
+trials came from more than one study, and each study's best val_loss. Ratios: sequential
+makespan (the sum of the times alone) / new, today / new, and, staggered, the small study's
+completion time / its time alone.
+
+    python -m bench.multi_study                        # serve and rq:2; HISTORY.md, results/
+    python -m bench.multi_study --modes serve --variants sequential new
+    python -m bench.multi_study --quick                # three tiny studies; writes nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from bench import recording
+from bench._study import (
+    REDIS_URL,
+    ROOT,
+    _stop,
+    cli,
+    fresh_postgres,
+    load_spec,
+    service_env,
+    start_serve,
+    stored_spec,
+)
+
+EXAMPLES = ROOT / "examples"
+#: today's scheduler: one study per pack, studies and packs by id
+TODAY = {"share_packs": "false", "dispatch_order": "id"}
+#: the defaults (set explicitly, so that a changed default does not change the benchmark)
+NEW = {"share_packs": "true", "dispatch_order": "fair"}
+SETTINGS = {"sequential": TODAY, "today": TODAY, "new": NEW}
+VARIANTS = ("sequential", "today", "new")
+PATTERNS = ("at-once", "staggered")
+FINAL = ("completed", "failed", "cancelled")
+IGNORED = " The service had no share_packs / dispatch_order settings: new ran today's scheduler."
+
+
+@dataclass(frozen=True)
+class Member:
+    """One study of the fleet: an example spec with its size, seed and space changed."""
+
+    name: str
+    example: str
+    max_resource: int
+    seed: int = 0
+    space: dict[str, Any] = field(default_factory=dict)
+    small: bool = False  # the small study submitted behind a large one (the 2x target)
+
+    def spec(self) -> dict[str, Any]:
+        spec = load_spec(EXAMPLES / self.example)
+        spec["name"] = self.name
+        spec["hyperband"] = {**spec["hyperband"], "max_resource": self.max_resource}
+        spec["seed"] = self.seed
+        spec["space"] = {**spec["space"], **self.space}
+        return spec
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "example": self.example, "max_resource": self.max_resource,
+                "seed": self.seed, "space": self.space, "small": self.small}  # fmt: skip
+
+
+LOG_WD = {"type": "loguniform", "low": 0.00001, "high": 0.01}
+HIGH_MOMENTUM = {"type": "uniform", "low": 0.5, "high": 0.99}
+#: submitted in this order (staggered: the first, large, at 0 s, then one every --stagger s);
+#: times alone on 2 CPU cores, serve: 8.8, 2.7, 4.2, 0.8, 2.7, 2.7, 4.2, 0.9 s
+FLEET = (
+    Member("g-digits-81-large", "digits-mlp.yaml", 81),
+    Member("g-digits-27-a", "digits-mlp.yaml", 27),
+    Member("g-synthetic-9-a", "synthetic-mlp.yaml", 9),
+    Member("g-digits-9-small", "digits-mlp.yaml", 9, small=True),
+    Member("g-digits-27-b", "digits-mlp.yaml", 27, space={"weight_decay": LOG_WD}),
+    Member("g-digits-27-seed7", "digits-mlp.yaml", 27, seed=7),
+    Member("g-synthetic-9-b", "synthetic-mlp.yaml", 9, space={"momentum": HIGH_MOMENTUM}),
+    Member("g-synthetic-3", "synthetic-mlp.yaml", 3),
+)
+QUICK_FLEET = (
+    Member("g-digits-3-a", "digits-mlp.yaml", 3),
+    Member("g-digits-3-b", "digits-mlp.yaml", 3, space={"weight_decay": LOG_WD}, small=True),
+    Member("g-synthetic-3", "synthetic-mlp.yaml", 3),
+)
+WARM_UP = (
+    Member("g-warm-up-digits", "digits-mlp.yaml", 3, seed=99),
+    Member("g-warm-up-synthetic", "synthetic-mlp.yaml", 3, seed=99),
+)
+
+
+def small_of(fleet: tuple[Member, ...]) -> str:
+    """The study the staggered target is about: a small one submitted behind the large one."""
+    return next(m.name for m in fleet if m.small)
+
+
+def workers_of(mode: str) -> int:
+    return 1 if mode == "serve" else int(mode.split(":", 1)[1])
+
+
+# -- a fleet: a running service to submit studies to --------------------------------------
+
+
+@dataclass
+class Fleet:
+    url: str
+    workers: int
+    submit: Callable[[dict[str, Any]], int]
+
+
+@contextmanager
+def serve_fleet(workdir: Path, settings: dict[str, str], device: str) -> Iterator[Fleet]:
+    """``packtune serve`` on a fresh SQLite file; studies are POSTed to its API."""
+    import httpx
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    url = f"sqlite:///{workdir / 'packtune.db'}"
+    env = service_env(database_url=url, checkpoint_dir=workdir / "ckpt", device=device,
+                      log_level="WARNING", **settings)  # fmt: skip
+    proc, base = start_serve(env, workdir / "service.log")
+    try:
+        with httpx.Client(base_url=base, timeout=30) as client:
+
+            def submit(spec: dict[str, Any]) -> int:
+                r = client.post("/api/studies", json=spec)
+                if r.status_code != 201:
+                    raise RuntimeError(f"POST /api/studies: {r.status_code} {r.text[:500]}")
+                return int(r.json()["id"])
+
+            yield Fleet(url, 1, submit)
+    finally:
+        _stop([proc])
+
+
+@contextmanager
+def rq_fleet(workdir: Path, workers: int, settings: dict[str, str], device: str) -> Iterator[Fleet]:
+    """PostgreSQL + Redis + ``packtune scheduler`` + ``workers`` workers, all heartbeating;
+    studies are inserted and the scheduler woken as the API does it."""
+    import subprocess
+
+    from packtune.settings import Settings
+    from service import bus, store
+    from service.db import make_engine, session_factory, session_scope
+    from service.models import Worker
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    with fresh_postgres() as url:
+        queue = f"bench-{uuid.uuid4().hex}"
+        env = service_env(database_url=url, redis_url=REDIS_URL, device=device,
+                          checkpoint_dir=workdir / "ckpt", queue_name=queue,
+                          heartbeat_interval=1, log_level="WARNING", **settings)  # fmt: skip
+        subprocess.run(cli("db", "upgrade"), env=env, check=True, capture_output=True)
+        log = (workdir / "service.log").open("ab")
+        procs = [subprocess.Popen(cli("scheduler"), env=env, stdout=log, stderr=log)]
+        procs += [
+            subprocess.Popen(cli("worker", "--name", f"bench-{i}"), env=env, stdout=log, stderr=log)
+            for i in range(workers)
+        ]
+        engine = make_engine(url)
+        factory = session_factory(engine)
+        wake = Settings(database_url=url, redis_url=REDIS_URL, queue_name=queue)
+        try:
+            deadline = time.monotonic() + 120
+            while True:  # the service is up: every worker has sent a heartbeat
+                with session_scope(factory) as s:
+                    if (s.scalar(sa.select(sa.func.count()).select_from(Worker)) or 0) >= workers:
+                        break
+                if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                    raise RuntimeError(f"the service did not come up; see {workdir}/service.log")
+                time.sleep(0.2)
+
+            def submit(spec: dict[str, Any]) -> int:
+                body = stored_spec(spec)
+                with session_scope(factory) as s:
+                    study_id = store.create_study(s, name=body["name"], workload=body["workload"],
+                                                  spec=body, seed=body["seed"]).id  # fmt: skip
+                bus.study_changed(wake)
+                return int(study_id)
+
+            yield Fleet(url, workers, submit)
+        finally:
+            _stop(procs)
+            engine.dispose()
+            log.close()
+
+
+@contextmanager
+def fleet(mode: str, workdir: Path, settings: dict[str, str], device: str) -> Iterator[Fleet]:
+    if mode == "serve":
+        with serve_fleet(workdir, settings, device) as f:
+            yield f
+    else:
+        with rq_fleet(workdir, workers_of(mode), settings,
+                      "cpu" if device == "auto" else device) as f:  # fmt: skip
+            yield f
+
+
+def wait_all(url: str, ids: list[int], timeout: float) -> None:
+    """Poll the database until every study of ``ids`` has ended."""
+    from service.db import make_engine
+    from service.models import Study
+
+    engine = make_engine(url)
+    start = time.monotonic()
+    try:
+        while True:
+            with Session(engine) as s:
+                rows = s.execute(sa.select(Study.id, Study.status).where(Study.id.in_(ids)))
+                done = {i for i, st in rows if str(st) in FINAL}
+            if len(done) == len(ids):
+                return
+            if time.monotonic() - start > timeout:
+                raise TimeoutError(f"studies {sorted(set(ids) - done)} did not end in {timeout} s")
+            time.sleep(0.1)
+    finally:
+        engine.dispose()
+
+
+# -- reading a run back -------------------------------------------------------------------
+
+
+def _seconds(a: datetime | None, b: datetime | None) -> float | None:
+    return None if a is None or b is None else (b - a).total_seconds()
+
+
+def read_run(url: str, ids: list[int], workers: int) -> dict[str, Any]:
+    """Makespan, each study's completion time and best val_loss, the packs (busy time, how
+    many held or fused trials of more than one study) of the studies ``ids``."""
+    from packtune.objective import value_of
+    from service.db import make_engine
+    from service.models import Pack, PackMember, Study, Trial
+
+    engine = make_engine(url)
+    try:
+        with Session(engine) as s:
+            studies = {st.id: st for st in s.scalars(sa.select(Study).where(Study.id.in_(ids)))}
+            t0 = min(st.created_at for st in studies.values())
+            ends = [st.finished_at for st in studies.values() if st.finished_at is not None]
+            t1 = max(ends) if ends else None
+            makespan = _seconds(t0, t1) or 0.0
+            trial_study: dict[int, int] = {
+                trial_id: study_id
+                for trial_id, study_id in s.execute(
+                    sa.select(Trial.id, Trial.study_id).where(Trial.study_id.in_(ids))
+                )
+            }
+            members: dict[int, set[int]] = {}
+            for pack_id, trial_id in s.execute(
+                sa.select(PackMember.pack_id, PackMember.trial_id).where(
+                    PackMember.trial_id.in_(list(trial_study))
+                )
+            ):
+                members.setdefault(pack_id, set()).add(trial_study[trial_id])
+            packs = list(s.scalars(sa.select(Pack).where(Pack.id.in_(list(members)))))
+            busy, shared, stacks, cross_stacks = 0.0, 0, 0, 0
+            for p in packs:
+                if p.started_at is not None and p.finished_at is not None:
+                    start, end = max(p.started_at, t0), p.finished_at
+                    if t1 is not None:
+                        end = min(end, t1)
+                    busy += max(0.0, (end - start).total_seconds())
+                shared += len(members[p.id]) > 1
+                for array in p.arrays or []:
+                    for stack in array.get("stacks", []):
+                        if len(stack.get("trials", [])) > 1 and stack.get("mode") != "serial":
+                            stacks += 1
+                            owners = {trial_study.get(t) for t in stack["trials"]}
+                            cross_stacks += len(owners - {None}) > 1
+            out = []
+            for study_id in ids:
+                st = studies[study_id]
+                best = None
+                if st.best_trial_id is not None:
+                    trial = s.get(Trial, st.best_trial_id)
+                    assert trial is not None
+                    max_r = float(st.spec["hyperband"]["max_resource"])
+                    metric = st.spec["objective"]["metric"]
+                    values = [value_of(m.metrics, metric) for m in trial.measurements
+                              if abs(m.resource - max_r) < 1e-9]  # fmt: skip
+                    best = values[-1] if values else None
+                out.append({
+                    "id": study_id, "name": st.name, "status": str(st.status), "error": st.error,
+                    "created": _seconds(t0, st.created_at),
+                    "finished": _seconds(t0, st.finished_at),
+                    "completion": _seconds(st.created_at, st.finished_at), "best": best,
+                    "trials": sum(1 for v in trial_study.values() if v == study_id),
+                })  # fmt: skip
+    finally:
+        engine.dispose()
+    completions = [r["completion"] for r in out if r["completion"] is not None]
+    return {
+        "makespan": makespan,
+        "mean_completion": sum(completions) / len(completions) if completions else None,
+        "busy_fraction": busy / (workers * makespan) if makespan else None,
+        "packs": len(packs),
+        "shared_packs": shared,
+        "fused_stacks": stacks,
+        "cross_study_stacks": cross_stacks,
+        "studies": out,
+    }
+
+
+# -- running --------------------------------------------------------------------------------
+
+
+def run_once(
+    mode: str, variant: str, pattern: str, fleet_specs: list[dict[str, Any]],
+    args: argparse.Namespace, workdir: Path,
+) -> dict[str, Any]:  # fmt: skip
+    """One fresh service; the warm-up studies; then the fleet, by ``pattern``."""
+    settings = SETTINGS[variant]
+    warm = [m.spec() for m in WARM_UP]
+    with fleet(mode, workdir, settings, args.device) as f:
+        warm_ids = [f.submit(spec) for spec in warm]
+        wait_all(f.url, warm_ids, args.timeout)
+        ids: list[int] = []
+        posted: list[float] = []
+        start = time.perf_counter()
+        if variant == "sequential":
+            for spec in fleet_specs:
+                posted.append(time.perf_counter() - start)
+                ids.append(f.submit(spec))
+                wait_all(f.url, ids[-1:], args.timeout)
+        else:
+            for i, spec in enumerate(fleet_specs):
+                if pattern == "staggered":
+                    time.sleep(max(0.0, start + i * args.stagger - time.perf_counter()))
+                posted.append(time.perf_counter() - start)
+                ids.append(f.submit(spec))
+            wait_all(f.url, ids, args.timeout)
+        bench_seconds = time.perf_counter() - start
+        run = read_run(f.url, ids, f.workers)
+    for row, t in zip(run["studies"], posted, strict=True):
+        row["posted"] = t
+    bad = [f"{r['name']} {r['status']}: {r['error']}" for r in run["studies"]
+           if r["status"] != "completed"]  # fmt: skip
+    if bad:
+        log = (workdir / "service.log").read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"{mode} {variant} {pattern}: not completed: {bad}\n{log}")
+    if variant == "sequential":  # the studies one after another: the sum of the times alone
+        run["span"] = run["makespan"]
+        run["makespan"] = sum(r["completion"] for r in run["studies"])
+    return {"mode": mode, "variant": variant, "pattern": pattern, "settings": settings,
+            "workers": f.workers, "bench_seconds": bench_seconds, "load": recording.load_average(),
+            **run}  # fmt: skip
+
+
+def label(run: dict[str, Any]) -> str:
+    return "sequential" if run["variant"] == "sequential" else f"{run['variant']} {run['pattern']}"
+
+
+def plan(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(variant, pattern) in the order they run: sequential first (the times alone), then
+    today and new alternating per pattern."""
+    out = [("sequential", "-")] if "sequential" in args.variants else []
+    for pattern in args.patterns:
+        out += [(v, pattern) for v in ("today", "new") if v in args.variants]
+    return out
+
+
+def measure(args: argparse.Namespace, fleet_specs: list[dict[str, Any]]) -> dict[str, Any]:
+    runs: dict[str, list[dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory(prefix="packtune-bench-") as tmp:
+        n = 0
+        for mode in args.modes:
+            for variant, pattern in plan(args):
+                n += 1
+                run = run_once(mode, variant, pattern, fleet_specs, args, Path(tmp) / f"run{n}")
+                runs.setdefault(mode, []).append(run)
+                print(
+                    f"{mode} {label(run)}: makespan {run['makespan']:.1f} s, mean completion "
+                    f"{run['mean_completion']:.1f} s, busy {100 * run['busy_fraction']:.0f}%, "
+                    f"{run['packs']} packs ({run['shared_packs']} shared), "
+                    f"bench {run['bench_seconds']:.1f} s",
+                    flush=True,
+                )
+    return runs
+
+
+# -- the report -----------------------------------------------------------------------------
+
+
+def _find(items: list[dict[str, Any]], variant: str, pattern: str) -> dict[str, Any] | None:
+    for run in items:
+        if run["variant"] == variant and (variant == "sequential" or run["pattern"] == pattern):
+            return run
+    return None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def _s(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def summarise(
+    runs: dict[str, list[dict[str, Any]]], fleet: tuple[Member, ...]
+) -> tuple[list[str], dict[str, Any]]:
+    small = small_of(fleet)
+    rows, notes, summary = [], [], {}
+    per_study: list[str] = []
+    for mode, items in runs.items():
+        seq = _find(items, "sequential", "-")
+        alone = {r["name"]: r["completion"] for r in seq["studies"]} if seq else {}
+        s: dict[str, Any] = {"small_study": small, "alone": alone}
+        for run in items:
+            by_name = {r["name"]: r for r in run["studies"]}
+            small_c = by_name[small]["completion"]
+            rows.append([
+                mode, label(run), _s(run["makespan"]), _s(run["mean_completion"]),
+                f"{_s(small_c)} ({_x(_ratio(small_c, alone.get(small)))})",
+                f"{100 * run['busy_fraction']:.0f}%", run["packs"], run["shared_packs"],
+                run["cross_study_stacks"], _s(run["bench_seconds"]),
+            ])  # fmt: skip
+        for pattern in PATTERNS:
+            new, today = _find(items, "new", pattern), _find(items, "today", pattern)
+            if new is None:
+                continue
+            entry = {
+                "new_makespan": new["makespan"],
+                "sequential_over_new": _ratio(seq["makespan"], new["makespan"]) if seq else None,
+                "today_over_new": _ratio(today["makespan"], new["makespan"]) if today else None,
+                "small_over_alone": _ratio(
+                    next(r["completion"] for r in new["studies"] if r["name"] == small),
+                    alone.get(small),
+                ),
+                "today_small_over_alone": _ratio(
+                    next(r["completion"] for r in today["studies"] if r["name"] == small),
+                    alone.get(small),
+                )
+                if today
+                else None,
+            }
+            s[pattern] = entry
+            notes.append(
+                f"- **{mode}, {pattern}**: sequential / new makespan "
+                f"**{_x(entry['sequential_over_new'])}**"
+                + (" (target >= 1.5x)" if pattern == "at-once" else "")
+                + f", today / new "
+                f"**{_x(entry['today_over_new'])}**; {small} (small, submitted behind the "
+                f"large one) took {_x(entry['small_over_alone'])} its time alone with new, "
+                f"{_x(entry['today_small_over_alone'])} with today's scheduler"
+                + (" (target <= 2x)." if pattern == "staggered" else ".")
+            )
+        summary[mode] = s
+        together = [r for r in items if r["variant"] != "sequential"]
+        header = ["study", "R", "seed", "alone (s)", *(f"{label(r)} (s)" for r in together),
+                  "best val_loss per run"]  # fmt: skip
+        body = []
+        for i, m in enumerate(fleet):
+            cells = [r["studies"][i] for r in together]
+            bests = [r["studies"][i]["best"] for r in items]
+            body.append([
+                m.name, m.max_resource, m.seed, _s(alone.get(m.name)),
+                *(f"{_s(c['completion'])} ({_x(_ratio(c['completion'], alone.get(m.name)))})"
+                  for c in cells),
+                " ".join("-" if b is None else f"{b:.4f}" for b in bests),
+            ])  # fmt: skip
+        per_study += ["", f"Completion time per study, {mode} (its creation to its end; x its "
+                      "time alone):", "",
+                      *recording.table(header, body)]  # fmt: skip
+    header = ["mode", "run", "makespan (s)", "mean completion (s)", f"{small} (s, x alone)",
+              "busy", "packs", "packs > 1 study", "fused stacks > 1 study",
+              "bench (s)"]  # fmt: skip
+    body = [
+        *recording.table(header, rows),
+        *per_study,
+        "",
+        *notes,
+        "",
+        "makespan: the first study's `created_at` to the last one's `finished_at` (sequential: "
+        "the sum of the studies' times alone, gaps between them left out); completion: a "
+        "study's `created_at` to `finished_at`; busy: Σ over the studies' packs of "
+        "`finished_at - started_at` (within the makespan) / (workers x makespan; sequential: "
+        "x the first creation to the last end); packs > 1 "
+        "study: packs whose members are trials of more than one study; fused stacks > 1 "
+        "study: fused arrays (bmm or vmap) holding trials of more than one study; bench: the "
+        "bench's clock from the first submission to seeing the last study end. today: "
+        "`PACKTUNE_SHARE_PACKS=false PACKTUNE_DISPATCH_ORDER=id`; new: `true`, `fair`. Each "
+        "run on a fresh service and database, after a warm-up study of each workload.",
+    ]
+    return body, summary
+
+
+def settings_known() -> bool:
+    """Whether this checkout's settings have the two the benchmark varies (if not, the
+    service ignores them and every variant runs today's scheduler)."""
+    from packtune.settings import Settings
+
+    return {"share_packs", "dispatch_order"} <= set(Settings.model_fields)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", nargs="+", default=["serve", "rq:2"])
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--patterns", nargs="+", choices=PATTERNS, default=list(PATTERNS))
+    parser.add_argument("--stagger", type=float, default=None,
+                        help="seconds between staggered submissions (1; quick: 0.5)")  # fmt: skip
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda (the workers')")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per wait")
+    parser.add_argument("--quick", action="store_true", help="three tiny studies; appends nothing")
+    parser.add_argument("--out-dir", type=Path, default=None)
+    parser.add_argument("--no-append", action="store_true")
+    args = parser.parse_args(argv)
+    members = QUICK_FLEET if args.quick else FLEET
+    if args.stagger is None:
+        args.stagger = 0.5 if args.quick else 1.0
+    known = settings_known()
+    if not known:
+        print("note: packtune.settings has no share_packs / dispatch_order: the service ignores "
+              "them, and new runs today's scheduler", flush=True)  # fmt: skip
+    specs = [m.spec() for m in members]
+    load = recording.load_average()
+    info = recording.machine("cuda" if args.device == "cuda" else "cpu")
+    runs = measure(args, specs)
+    body, summary = summarise(runs, members)
+    print("\n".join(body))
+    if args.quick and args.out_dir is None:
+        return
+    kind = "cpu" if info["device"] == "cpu" else info["device"].replace(" ", "-")
+    recording.save_json(f"multi_study_{kind}", {
+        "machine": info, "date": recording.now(), "command": recording.command_line(),
+        "fleet": [m.to_json() for m in members], "warm_up": [m.to_json() for m in WARM_UP],
+        "stagger": args.stagger, "settings_known": known, "summary": summary,
+        "runs": runs}, args.out_dir)  # fmt: skip
+    if not (args.quick or args.no_append):
+        recording.append_section(
+            f"g. Many studies on one fleet — {info['device']}",
+            info,
+            [
+                f"Fleet: {len(members)} studies ("
+                + ", ".join(f"{m.name} R={m.max_resource} seed {m.seed}" for m in members)
+                + f"), staggered every {args.stagger:g} s, the first (large) one first."
+                + ("" if known else IGNORED),
+                "",
+                *body,
+            ],
+            load,
+        )
+
+
+if __name__ == "__main__":
+    main()
