@@ -102,7 +102,7 @@ def split_seconds(seconds: float, work: Mapping[int, float]) -> dict[int, float]
     total = sum(work.values())
     if total <= 0:
         return {}
-    return {study: seconds * w / total for study, w in work.items()}
+    return {study: seconds * (w / total) for study, w in work.items()}
 
 
 def covered_seconds(spans: Iterable[tuple[float, float]]) -> float:

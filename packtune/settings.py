@@ -108,12 +108,14 @@ class Settings(BaseSettings):
             "'id' takes studies and packs in the order they were created."
         ),
     )
-    fair_share_quantum: float = Field(
-        default=30.0,
+    fair_share_quantum: float | None = Field(
+        default=None,
         gt=0,
         description=(
             "Device-seconds (per unit of priority) within which studies count as equally "
-            "served, so that longest-remaining-first decides between them."
+            "served: they share packs, and longest-remaining-first decides between their "
+            "trials; a study further ahead waits for the others' packs. Default: the median "
+            "time of the last 50 packs (at least 1 s)."
         ),
     )
     runner_nice: int = Field(

@@ -50,6 +50,10 @@ WAVES_PER_BRACKET = 3
 #: (packtune.iterations.cutoff). Same machine and figures: 1 gave 0.0982 and 2.02x with
 #: waves in every bracket, 0.1024 with waves in the first only; 0 gives 0.1001 and 2.39x
 WAIT_RUNGS = 0
+#: the smallest fair-share quantum (device-seconds per unit of priority) when it follows the
+#: median pack time (settings.fair_share_quantum unset): below it, studies a few short packs
+#: apart would stop sharing packs
+MIN_QUANTUM_S = 1.0
 #: units one plan takes at most (in group order, so arrays stay whole but the last)
 MAX_UNITS_PER_PLAN = 2048
 #: a tick whose rung decisions moved this many trials of a study plans them at the next tick

@@ -36,6 +36,7 @@ from packtune.tuning import (
     DEFAULT_BASE_BYTES,
     DEFAULT_PER_TRIAL_BYTES,
     MAX_UNITS_PER_PLAN,
+    MIN_QUANTUM_S,
     PROBE_UNITS,
     QUEUE_DEPTH,
 )
@@ -103,6 +104,14 @@ def study_loads(
     }
 
 
+def fair_share_quantum(s: Session, settings: Settings) -> float:
+    """``settings.fair_share_quantum``, or the median time of the last packs (at least 1 s):
+    studies within about one pack's device time of each other count as equally served."""
+    if settings.fair_share_quantum is not None:
+        return settings.fair_share_quantum
+    return max(MIN_QUANTUM_S, store.typical_pack_seconds(s) or MIN_QUANTUM_S)
+
+
 def _cap(spec: StoredSpec) -> int | None:
     return spec.packing.max_pack_size if spec.packing.enabled else 1
 
@@ -126,7 +135,7 @@ def plan_fleet(
         return 0
     order: Order = settings.dispatch_order
     loads = study_loads(s, studies, settings, now) if order == "fair" else {}
-    quantum = settings.fair_share_quantum
+    quantum = fair_share_quantum(s, settings)
     planned = [
         _Planned(
             study,
@@ -140,9 +149,11 @@ def plan_fleet(
     )
     position = {study_id: i for i, study_id in enumerate(ranked)}
     planned.sort(key=lambda p: position[p.study.id])
+    # studies share packs within one pack size limit and one fair-share band: a study
+    # further ahead than a quantum waits for the others' packs instead of filling them
     groups: dict[object, list[_Planned]] = {}
     for p in planned:
-        key = ("cap", _cap(p.spec)) if settings.share_packs else ("study", p.study.id)
+        key = ("cap", _cap(p.spec), p.band) if settings.share_packs else ("study", p.study.id)
         groups.setdefault(key, []).append(p)
     return sum(_plan_group(s, group, workers, settings, order) for group in groups.values())
 
@@ -245,7 +256,7 @@ def dispatch_order(
     studies = {t.study_id for t in trials.values()}
     specs = {i: StoredSpec.of(store.get_study(s, i).spec) for i in studies}
     loads = study_loads(s, [store.get_study(s, i) for i in sorted(studies)], settings, now)
-    quantum = settings.fair_share_quantum
+    quantum = fair_share_quantum(s, settings)
 
     def key(pack: Pack) -> tuple[float, ...]:
         bands, left = [], [0.0]

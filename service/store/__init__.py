@@ -59,6 +59,7 @@ from service.store.packs import (
     requeue_packs_of,
     retry_pack,
     studies_of_packs,
+    typical_pack_seconds,
     unfinished_members,
 )
 from service.store.studies import (
@@ -165,6 +166,7 @@ __all__ = [
     "of_study",
     "packs_of",
     "studies_of_packs",
+    "typical_pack_seconds",
     "promotions_of",
     "queue_pack",
     "record_measurement",

@@ -271,3 +271,15 @@ def busy_intervals(
     for spans in out.values():
         spans.sort()
     return out
+
+
+def typical_pack_seconds(s: Session, last: int = 50) -> float | None:
+    """The median time on its device of the last ``last`` finished packs (None: none yet)."""
+    rows = s.execute(
+        select(Pack.started_at, Pack.finished_at)
+        .where(Pack.status == PackStatus.completed, Pack.started_at.is_not(None))
+        .order_by(Pack.id.desc())
+        .limit(last)
+    ).all()
+    took = sorted((b - a).total_seconds() for a, b in rows if a is not None and b is not None)
+    return took[len(took) // 2] if took else None
