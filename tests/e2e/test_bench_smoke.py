@@ -69,11 +69,14 @@ def test_multi_study_quick_serve(tmp_path: Path) -> None:
     data = json.loads(next(tmp_path.glob("multi_study_*.json")).read_text())
     runs = data["runs"]["serve"]
     assert [multi_study.label(r) for r in runs] == [
-        "sequential", "today at-once", "new at-once", "today staggered", "new staggered"
+        "sequential", "today at-once", "new at-once", "today staggered", "new staggered",
+        "today behind", "new behind",
     ]  # fmt: skip
     names = [m["name"] for m in data["fleet"]]
+    small = next(m["name"] for m in data["fleet"] if m["small"])
     for run in runs:
-        assert [s["name"] for s in run["studies"]] == names
+        wanted = [names[0], small] if run["pattern"] == "behind" else names
+        assert [s["name"] for s in run["studies"]] == wanted
         assert all(s["status"] == "completed" and s["best"] is not None for s in run["studies"])
         assert 0 < run["busy_fraction"] <= 1.0 + 1e-6 and run["makespan"] > 0
         if run["settings"]["share_packs"] == "false":
