@@ -149,6 +149,8 @@ def plan_fleet(
     )
     position = {study_id: i for i, study_id in enumerate(ranked)}
     planned.sort(key=lambda p: position[p.study.id])
+    if order == "fair":
+        _withdraw_for(s, planned, loads, quantum, workers, settings)
     # studies share packs within one pack size limit and one fair-share band: a study
     # further ahead than a quantum waits for the others' packs instead of filling them
     groups: dict[object, list[_Planned]] = {}
@@ -156,6 +158,45 @@ def plan_fleet(
         key = ("cap", _cap(p.spec), p.band) if settings.share_packs else ("study", p.study.id)
         groups.setdefault(key, []).append(p)
     return sum(_plan_group(s, group, workers, settings, order) for group in groups.values())
+
+
+def _withdraw_for(
+    s: Session,
+    planned: list[_Planned],
+    loads: dict[int, StudyLoad],
+    quantum: float,
+    workers: list[Worker],
+    settings: Settings,
+) -> None:
+    """Give a full device's waiting pack back when a study with ready trials is in a better
+    fair-share band than every study in it: the pack is cancelled before it starts (its job,
+    when it comes, finds nothing to claim) and its trials are ready again, so that the slot
+    goes to the better claim. Without it a small study behind a large one waits for two of
+    the large one's packs at every rung, not one. At most one pack per device per tick."""
+    pending = store.studies_with_trials(s, [p.study.id for p in planned], TrialStatus.pending)
+    ready = [p.band for p in planned if p.study.id in pending]
+    if not ready:
+        return
+    best = min(ready)
+    busy = store.packs_per_device(s, UNFINISHED)
+    full = {name for name in devices_of(workers, settings) if busy[name] >= QUEUE_DEPTH}
+    waiting = [p for p in store.packs_with_status(s, PackStatus.queued) if p.device in full]
+    if not waiting:
+        return
+    studies = store.studies_of_packs(s, [p.id for p in waiting])
+    for device in sorted(full):
+        mine = [p for p in waiting if p.device == device]
+        if not mine:
+            continue
+        pack = max(mine, key=lambda p: p.id)  # the newest: the one that waits longest
+        bands = [band(loads[i], quantum) for i in studies[pack.id] if i in loads]
+        if not bands or min(bands) <= best:
+            continue
+        members = [m.trial_id for m in store.unfinished_members(s, pack, (TrialStatus.queued,))]
+        reason = "withdrawn before it started: the slot went to a study with a better fair share"
+        if store.move_pack(s, pack, PackStatus.cancelled, only_from=(PackStatus.queued,),
+                           error=reason):  # fmt: skip
+            store.move_trials(s, members, TrialStatus.pending, only_from=(TrialStatus.queued,))
 
 
 def _units(s: Session, p: _Planned, order: Order) -> list[Unit]:

@@ -14,8 +14,9 @@ them as a state machine):
 - trial: pending -> queued (planned) -> running (claimed) -> paused (at its
   rung) or pending (a segment on the way); paused -> pending (promoted),
   stopped (not promoted) or completed (last rung); running -> diverged or
-  failed; running -> queued (its pack split or retried); any state that can
-  still move -> cancelled.
+  failed; running -> queued (its pack split or retried); queued -> pending (its
+  pack withdrawn before it started, for a study with a better fair-share claim);
+  any state that can still move -> cancelled.
 - pack: pending -> queued (dispatched) -> running (claimed) -> completed,
   split (out of memory) or failed; queued/running -> pending (re-queued);
   pending -> failed (out of attempts); any unfinished state -> cancelled.
@@ -57,7 +58,7 @@ TRIAL_FROM: Mapping[TrialStatus, frozenset[TrialStatus]] = {
     T.queued: frozenset({T.pending, T.running}),
     T.running: frozenset({T.queued, T.running}),  # running: claimed again by a retried job
     T.paused: frozenset({T.running}),
-    T.pending: frozenset({T.running, T.paused}),
+    T.pending: frozenset({T.running, T.paused, T.queued}),
     T.stopped: frozenset({T.paused}),
     T.completed: frozenset({T.paused}),
     T.diverged: frozenset({T.running}),

@@ -373,3 +373,17 @@ def forget_checkpoints(s: Session, trial_ids: list[int]) -> None:
             update(Trial).where(Trial.id.in_(trial_ids)).values(checkpoint_path=None),
             execution_options={"synchronize_session": False},
         )
+
+
+def studies_with_trials(
+    s: Session, study_ids: Sequence[int], status: TrialStatus | Iterable[TrialStatus]
+) -> set[int]:
+    """Those of ``study_ids`` with at least one trial in ``status`` (one statement)."""
+    if not study_ids:
+        return set()
+    stmt = (
+        select(Trial.study_id)
+        .where(Trial.study_id.in_(list(study_ids)), Trial.status.in_(statuses(status)))
+        .distinct()
+    )
+    return set(s.scalars(stmt))

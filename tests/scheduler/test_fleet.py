@@ -12,7 +12,7 @@ from packtune.dispatcher import JobState
 from packtune.settings import get_settings
 from service import queries, store
 from service.db import get_sessionmaker, session_scope
-from service.models import Pack, PackStatus, StudyStatus
+from service.models import Pack, PackStatus, StudyStatus, TrialStatus
 from tests.scheduler.test_scheduler import (
     SPEC,
     SyncDispatcher,
@@ -87,9 +87,10 @@ def test_a_study_beside_others_gives_what_it_gives_alone(db: None) -> None:
 def test_a_small_study_behind_a_big_one_gets_the_next_free_slot(
     db: None, monkeypatch: pytest.MonkeyPatch, order: str, served: str
 ) -> None:
-    """With fair share the device's next free slot goes to the study that has used the least
-    device time (a small study submitted behind a big one); in id order (packtune before
-    fair share) the big one, which still has ready trials, keeps taking it."""
+    """With fair share a small study submitted behind a big one that fills the device's
+    queue takes the slot of the big one's waiting pack (given back before it started); in
+    id order (packtune before fair share) it waits, and when a slot frees the big one, which
+    still has ready trials, takes it again."""
     monkeypatch.setenv("PACKTUNE_SHARE_PACKS", "false")  # one study per pack: slots compete
     monkeypatch.setenv("PACKTUNE_DISPATCH_ORDER", order)
     monkeypatch.setenv("PACKTUNE_FAIR_SHARE_QUANTUM", "0.000001")
@@ -117,7 +118,20 @@ def test_a_small_study_behind_a_big_one_gets_the_next_free_slot(
          "hyperband": {"max_resource": 1, "min_resource": 1, "eta": 3}}
     )  # fmt: skip
     sched.tick()
-    assert len(all_packs()) == 3  # no slot for it yet
+    if order == "fair":
+        # the big study's waiting pack is given back; the small study takes its slot
+        packs = {p.id: p for p in all_packs()}
+        assert packs[queued[1].id].status == PackStatus.cancelled
+        assert "withdrawn" in (packs[queued[1].id].error or "")
+        assert packs[queued[0].id].status == PackStatus.queued  # not the one ahead
+        (taken,) = [p for p in packs.values() if p.id > queued[1].id]
+        assert taken.study_id == small
+        with session_scope(get_sessionmaker()) as s:
+            back = {t.status for t in store.trials_by_id(
+                s, [m.trial_id for m in packs[queued[1].id].members])}  # fmt: skip
+        assert back == {TrialStatus.pending}  # ready again, for the next slot
+        return
+    assert len(all_packs()) == 3  # no slot for it
     finish(queued[0])
     sched.tick()
     new = [p for p in all_packs() if p.id not in {probe.id} | {q.id for q in queued}]
