@@ -133,6 +133,31 @@ def quality_rows() -> Iterator[Row]:
         )  # fmt: skip
 
 
+def multi_rows() -> Iterator[Row]:
+    """Many studies on one fleet: makespan against the studies one after another, and a
+    small study's time behind a large one against its time alone."""
+    for _, (path, data) in sorted(newest("multi_study_*.json").items()):
+        for mode, summary in sorted(data["summary"].items()):
+            at_once = summary.get("at-once") or {}
+            ratio = at_once.get("sequential_over_new")
+            if ratio is not None:
+                yield Row(
+                    f"g. {len(data['fleet'])} studies at once, sequential / new makespan, {mode}",
+                    f"{ratio:.2f}x (today's scheduler at once: "
+                    f"{at_once.get('today_over_new') or float('nan'):.2f}x slower than new)",
+                    ">= 1.5x", ratio >= 1.5, path, data,
+                )  # fmt: skip
+            behind = summary.get("behind") or {}
+            small = behind.get("small_over_alone")
+            if small is not None:
+                yield Row(
+                    f"g. a small study behind a large one, x its time alone, {mode}",
+                    f"{small:.2f}x (today's scheduler: "
+                    f"{behind.get('today_small_over_alone') or float('nan'):.2f}x)",
+                    "<= 2x", small <= 2.0, path, data,
+                )  # fmt: skip
+
+
 def scheduler_rows() -> Iterator[Row]:
     """The scheduler's worst tick over a study of ~10,000 trials, and over 20 studies of as
     many together, per database."""
@@ -186,6 +211,7 @@ def render() -> str:
         *study_rows(),
         *peer_rows(),
         *quality_rows(),
+        *multi_rows(),
         *scheduler_rows(),
         *load_rows(),
     ]
