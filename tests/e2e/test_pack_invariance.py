@@ -104,9 +104,12 @@ HYPERBAND_OF = {
 #: than bmm: equal to float rounding, which depends on k (seen: 3.5e-5 after 8 epochs on an
 #: Intel Xeon, 1.1e-4 after 9 at lr 0.3 on an AMD EPYC); a wrong fusion (relu trained as
 #: tanh) is off by far more (test_the_traps_differ_where_a_wrong_fusion_would_hide_it).
-#: multi-task's custom step stacks through vmap too.
+#: multi-task's custom step stacks through vmap too. digits-cnn: one trial of the 22 (the
+#: rest within 5e-7) grew from 1.3e-5 at epoch 3 to 2.3e-3 at epoch 9 on an Intel Xeon
+#: (2026-11-25; the same at the commit before the fleet planner, so the machine's kernels,
+#: not the planner): rounding amplified by training, as the ResNet's above.
 REL = {
-    "digits-cnn": 1e-3, "resnet-cifar": 1e-3, "misdeclared-mlp": 1e-3, "scaled-mlp": 1e-3,
+    "digits-cnn": 5e-3, "resnet-cifar": 1e-3, "misdeclared-mlp": 1e-3, "scaled-mlp": 1e-3,
     "multi-task": 1e-3,
 }  # fmt: skip
 #: the folder of images the streaming plugins read (written once per test module)
