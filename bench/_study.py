@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -301,21 +302,33 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
             proc.wait()
 
 
-def run_rq(
-    spec: dict[str, Any], workdir: Path, workers: int, device: str = "cpu", timeout: float = 900
-) -> StudyRun:
-    """A study through PostgreSQL + Redis + ``packtune scheduler`` + ``workers`` workers."""
+@dataclass
+class RQService:
+    """A running RQ service: its database URL, a session factory on it, and how to submit a
+    study (inserted, then the scheduler woken, as the API does after its commit)."""
+
+    url: str
+    factory: Any
+    submit: Any
+
+
+@contextmanager
+def rq_service(
+    workdir: Path, workers: int, device: str = "cpu", **settings: Any
+) -> Iterator[RQService]:
+    """A fresh PostgreSQL database + Redis + ``packtune scheduler`` + ``workers`` workers
+    (extra ``settings`` in their environment), up once every worker has sent a heartbeat."""
     from packtune.settings import Settings
     from service import bus, store
     from service.db import make_engine, session_factory, session_scope
-    from service.models import Study, StudyStatus, Worker
+    from service.models import Worker
 
     workdir.mkdir(parents=True, exist_ok=True)
     with fresh_postgres() as url:
         queue = f"bench-{uuid.uuid4().hex}"
         env = service_env(database_url=url, redis_url=REDIS_URL, device=device,
                           checkpoint_dir=workdir / "ckpt", queue_name=queue,
-                          heartbeat_interval=1, log_level="WARNING")  # fmt: skip
+                          heartbeat_interval=1, log_level="WARNING", **settings)  # fmt: skip
         subprocess.run(cli("db", "upgrade"), env=env, check=True, capture_output=True)
         log = (workdir / "service.log").open("ab")
         procs = [subprocess.Popen(cli("scheduler"), env=env, stdout=log, stderr=log)]
@@ -325,6 +338,16 @@ def run_rq(
         ]
         engine = make_engine(url)
         factory = session_factory(engine)
+        wake = Settings(database_url=url, redis_url=REDIS_URL, queue_name=queue)
+
+        def submit(spec: dict[str, Any]) -> int:
+            body = stored_spec(spec)
+            with session_scope(factory) as s:
+                study_id = store.create_study(s, name=body["name"], workload=body["workload"],
+                                              spec=body, seed=body["seed"]).id  # fmt: skip
+            bus.study_changed(wake)
+            return int(study_id)
+
         try:
             deadline = time.monotonic() + 120
             while True:  # the service is up: every worker has sent a heartbeat
@@ -332,28 +355,33 @@ def run_rq(
                     if (s.scalar(sa.select(sa.func.count()).select_from(Worker)) or 0) >= workers:
                         break
                 if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                    raise RuntimeError("the service did not come up; see service.log")
+                    raise RuntimeError(f"the service did not come up; see {workdir}/service.log")
                 time.sleep(0.2)
-            start = time.perf_counter()
-            body = stored_spec(spec)
-            with session_scope(factory) as s:
-                study_id = store.create_study(
-                    s, name=body["name"], workload=body["workload"], spec=body, seed=body["seed"]
-                ).id
-            # and, as the API does after its commit, wake the scheduler
-            bus.study_changed(Settings(database_url=url, redis_url=REDIS_URL, queue_name=queue))
-            final = (StudyStatus.completed, StudyStatus.failed, StudyStatus.cancelled)
-            while True:
-                with session_scope(factory) as s:
-                    study = s.get(Study, study_id)
-                    if study is not None and study.status in final:
-                        break
-                if time.monotonic() - start > timeout:
-                    raise TimeoutError(f"study {study_id} did not finish in {timeout} s")
-                time.sleep(0.1)
-            seconds = time.perf_counter() - start
+            yield RQService(url, factory, submit)
         finally:
             _stop(procs)
             engine.dispose()
             log.close()
-        return StudyRun(f"rq:{workers}", _packed(spec), seconds, read_study(url, study_id))
+
+
+def run_rq(
+    spec: dict[str, Any], workdir: Path, workers: int, device: str = "cpu", timeout: float = 900
+) -> StudyRun:
+    """A study through PostgreSQL + Redis + ``packtune scheduler`` + ``workers`` workers."""
+    from service.db import session_scope
+    from service.models import Study, StudyStatus
+
+    with rq_service(workdir, workers, device) as service:
+        start = time.perf_counter()
+        study_id = service.submit(spec)
+        final = (StudyStatus.completed, StudyStatus.failed, StudyStatus.cancelled)
+        while True:
+            with session_scope(service.factory) as s:
+                study = s.get(Study, study_id)
+                if study is not None and study.status in final:
+                    break
+            if time.perf_counter() - start > timeout:
+                raise TimeoutError(f"study {study_id} did not finish in {timeout} s")
+            time.sleep(0.1)
+        seconds = time.perf_counter() - start
+    return StudyRun(f"rq:{workers}", _packed(spec), seconds, read_study(service.url, study_id))

@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -56,15 +55,12 @@ from sqlalchemy.orm import Session
 
 from bench import recording
 from bench._study import (
-    REDIS_URL,
     ROOT,
     _stop,
-    cli,
-    fresh_postgres,
     load_spec,
+    rq_service,
     service_env,
     start_serve,
-    stored_spec,
 )
 
 EXAMPLES = ROOT / "examples"
@@ -176,52 +172,8 @@ def serve_fleet(workdir: Path, settings: dict[str, str], device: str) -> Iterato
 def rq_fleet(workdir: Path, workers: int, settings: dict[str, str], device: str) -> Iterator[Fleet]:
     """PostgreSQL + Redis + ``packtune scheduler`` + ``workers`` workers, all heartbeating;
     studies are inserted and the scheduler woken as the API does it."""
-    import subprocess
-
-    from packtune.settings import Settings
-    from service import bus, store
-    from service.db import make_engine, session_factory, session_scope
-    from service.models import Worker
-
-    workdir.mkdir(parents=True, exist_ok=True)
-    with fresh_postgres() as url:
-        queue = f"bench-{uuid.uuid4().hex}"
-        env = service_env(database_url=url, redis_url=REDIS_URL, device=device,
-                          checkpoint_dir=workdir / "ckpt", queue_name=queue,
-                          heartbeat_interval=1, log_level="WARNING", **settings)  # fmt: skip
-        subprocess.run(cli("db", "upgrade"), env=env, check=True, capture_output=True)
-        log = (workdir / "service.log").open("ab")
-        procs = [subprocess.Popen(cli("scheduler"), env=env, stdout=log, stderr=log)]
-        procs += [
-            subprocess.Popen(cli("worker", "--name", f"bench-{i}"), env=env, stdout=log, stderr=log)
-            for i in range(workers)
-        ]
-        engine = make_engine(url)
-        factory = session_factory(engine)
-        wake = Settings(database_url=url, redis_url=REDIS_URL, queue_name=queue)
-        try:
-            deadline = time.monotonic() + 120
-            while True:  # the service is up: every worker has sent a heartbeat
-                with session_scope(factory) as s:
-                    if (s.scalar(sa.select(sa.func.count()).select_from(Worker)) or 0) >= workers:
-                        break
-                if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                    raise RuntimeError(f"the service did not come up; see {workdir}/service.log")
-                time.sleep(0.2)
-
-            def submit(spec: dict[str, Any]) -> int:
-                body = stored_spec(spec)
-                with session_scope(factory) as s:
-                    study_id = store.create_study(s, name=body["name"], workload=body["workload"],
-                                                  spec=body, seed=body["seed"]).id  # fmt: skip
-                bus.study_changed(wake)
-                return int(study_id)
-
-            yield Fleet(url, workers, submit)
-        finally:
-            _stop(procs)
-            engine.dispose()
-            log.close()
+    with rq_service(workdir, workers, device, **settings) as service:
+        yield Fleet(service.url, workers, service.submit)
 
 
 @contextmanager
