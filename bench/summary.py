@@ -143,8 +143,8 @@ def multi_rows() -> Iterator[Row]:
             if ratio is not None:
                 yield Row(
                     f"g. {len(data['fleet'])} studies at once, sequential / new makespan, {mode}",
-                    f"{ratio:.2f}x (today's scheduler at once: "
-                    f"{at_once.get('today_over_new') or float('nan'):.2f}x slower than new)",
+                    f"{ratio:.2f}x (today's scheduler's makespan / new: "
+                    f"{at_once.get('today_over_new') or float('nan'):.2f}x)",
                     ">= 1.5x", ratio >= 1.5, path, data,
                 )  # fmt: skip
             behind = summary.get("behind") or {}
