@@ -237,6 +237,10 @@ class _OpenPack:
     def trials(self) -> int:
         return sum(len(array.units) for array in self.arrays)
 
+    def work(self) -> float:
+        """Trial-resource of its units (what it will take, roughly, on one device)."""
+        return sum(u.to_resource - u.from_resource for a in self.arrays for u in a.units)
+
 
 def plan_packs(
     units: Iterable[Unit],
@@ -247,8 +251,13 @@ def plan_packs(
     default_memory: MemoryModel,
     max_pack_size: int | None = None,
     max_packs_per_device: int | None = None,
+    spread: bool = False,
 ) -> PackPlan:
-    """Bin-pack ready units into packs that fit their devices (see the module docstring)."""
+    """Bin-pack ready units into packs that fit their devices (see the module docstring).
+
+    ``spread``: keep several devices busy rather than fill the first: an array goes to a
+    device that has no pack yet while one is free, else to the open pack with the least
+    work (trial-resource) that has room; first-fit otherwise."""
     units = list(units)
     if len({unit.trial_id for unit in units}) != len(units):
         raise ValueError("a trial may have only one ready unit of work")
@@ -275,22 +284,26 @@ def plan_packs(
     # sorted() is stable: equal ranks and estimates keep the deterministic group order.
     for array in sorted(arrays, key=lambda array: (array.rank, -array.estimated_bytes)):
         size = array.estimated_bytes
-        target = next(
-            (
-                pack
-                for pack in open_packs
-                if used[pack.device.name] + size <= pack.device.capacity
-                and (max_pack_size is None or pack.trials() + len(array.units) <= max_pack_size)
-            ),
-            None,
-        )
+        room = [
+            pack
+            for pack in open_packs
+            if used[pack.device.name] + size <= pack.device.capacity
+            and (max_pack_size is None or pack.trials() + len(array.units) <= max_pack_size)
+        ]
+        candidates = [
+            device
+            for device in devices
+            if used[device.name] + size <= device.capacity
+            and (max_packs_per_device is None or count[device.name] < max_packs_per_device)
+        ]
+        if spread and any(count[device.name] == 0 for device in candidates):
+            target = None  # a device with nothing to do yet: start a pack there
+            candidates = [device for device in candidates if count[device.name] == 0]
+        elif spread and room:
+            target = min(room, key=lambda pack: (pack.work(), open_packs.index(pack)))
+        else:
+            target = room[0] if room else None
         if target is None:
-            candidates = [
-                device
-                for device in devices
-                if used[device.name] + size <= device.capacity
-                and (max_packs_per_device is None or count[device.name] < max_packs_per_device)
-            ]
             if not candidates:
                 deferred.extend(array.units)
                 continue

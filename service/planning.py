@@ -257,6 +257,7 @@ def _plan_group(
         default_memory=DEFAULT_MEMORY,
         max_pack_size=cap,
         max_packs_per_device=1,
+        spread=True,
     )
     plan.deferred += later
     queued: list[int] = []

@@ -129,3 +129,20 @@ def test_what_a_device_cannot_take_is_the_worst_ranked_work() -> None:
     (pack,) = plan.packs
     assert sorted(u.trial_id for u in pack.units) == [4, 5, 6, 7]
     assert sorted(u.trial_id for u in plan.deferred) == [0, 1, 2, 3]
+
+
+def test_spread_keeps_every_free_device_busy() -> None:
+    """Two free CPU workers with room for everything: first-fit gives one all the work and
+    the other nothing; spread starts a pack on each and balances the work between them."""
+    units = [Unit(i, "a", 0, 1) for i in range(4)] + [Unit(i, "b", 0, 3) for i in range(4, 6)]
+    units += [Unit(i, "c", 1, 3) for i in range(6, 9)]
+    devices = [Device("w1/cpu", 10**12), Device("w2/cpu", 10**12)]
+    keys = ("a", "b", "c")
+    args = (units, devices, dict.fromkeys(keys, MEMORY), dict.fromkeys(keys, 8))
+    packed = plan_packs(*args, default_memory=MEMORY)
+    assert len(packed.packs) == 1
+    spread = plan_packs(*args, default_memory=MEMORY, spread=True)
+    assert sorted(p.device for p in spread.packs) == ["w1/cpu", "w2/cpu"]
+    work = sorted(sum(u.to_resource - u.from_resource for u in p.units) for p in spread.packs)
+    assert work == [6.0, 10.0]  # c (6) | a (4) + b (6): whole arrays, the lighter pack first
+    assert sorted(u.trial_id for p in spread.packs for u in p.units) == list(range(9))
