@@ -257,7 +257,9 @@ def _plan_group(
         default_memory=DEFAULT_MEMORY,
         max_pack_size=cap,
         max_packs_per_device=1,
-        spread=True,
+        # shared packs would put every study's work on the first free device; one study per
+        # pack (PACKTUNE_SHARE_PACKS=false) plans as packtune did before, first fit
+        spread=settings.share_packs,
     )
     plan.deferred += later
     queued: list[int] = []
