@@ -244,6 +244,18 @@ class Client:
     def cancel(self, study: int | Study) -> Study:
         return Study.of(self._call("POST", f"/api/studies/{_id(study)}/cancel").json())
 
+    def update(
+        self, study: int | Study, *, priority: float | None = None, owner: str | None = None
+    ) -> Study:
+        """Change a running study's ``priority`` (its share of device time against the other
+        running studies) or ``owner`` label.
+
+        Raises:
+            ApiError: a bad value (422), an unknown study (404), or a finished one (409).
+        """
+        body = {k: v for k, v in (("priority", priority), ("owner", owner)) if v is not None}
+        return Study.of(self._call("PATCH", f"/api/studies/{_id(study)}", json=body).json())
+
     def delete(self, study: int | Study) -> None:
         """Delete a finished, failed or cancelled study with its checkpoints."""
         self._call("DELETE", f"/api/studies/{_id(study)}")

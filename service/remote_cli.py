@@ -141,6 +141,22 @@ def register(app: typer.Typer) -> None:
             typer.echo(_line(client.cancel(study_id)))
 
     @app.command()
+    def update(
+        study_id: StudyId,
+        priority: Annotated[
+            float | None, typer.Option(help="Its weight in the fair share of device time.")
+        ] = None,
+        owner: Annotated[str | None, typer.Option(help="A user or team label.")] = None,
+        url: Url = DEFAULT_URL,
+        token: Token = None,
+    ) -> None:
+        """Change a pending or running study's priority or owner (used from the next tick)."""
+        with connected(url, token) as client:
+            study = client.update(study_id, priority=priority, owner=owner)
+        typer.echo(f"{_line(study)} · priority {study.priority:g}"
+                   + (f" · owner {study.owner}" if study.owner else ""))  # fmt: skip
+
+    @app.command()
     def delete(study_id: StudyId, url: Url = DEFAULT_URL, token: Token = None) -> None:
         """Delete a finished, failed or cancelled study with its checkpoints."""
         with connected(url, token) as client:

@@ -19,6 +19,7 @@ from service.api.schemas import (
     LeaderboardEntry,
     ListOf,
     PackPublic,
+    StudyPatch,
     StudyPublic,
     TrialPublic,
     problems,
@@ -79,6 +80,27 @@ def cancel_study(
         raise Conflict(f"study {study_id} is {study.status.value}; it can no longer be cancelled")
     store.move_study(s, study, StudyStatus.cancelled)
     background.add_task(bus.study_changed, settings)
+    return queries.study_summary(s, study_id)
+
+
+@writes.patch("/{study_id}", response_model=StudyPublic, responses=problems(404, 409))
+def update_study(
+    study_id: StudyId,
+    change: StudyPatch,
+    s: SessionDep,
+    settings: SettingsDep,
+    background: BackgroundTasks,
+) -> dict[str, Any]:
+    """Change a pending or running study's ``priority`` (its weight in the fair share of
+    device time, used from the scheduler's next tick) or ``owner`` label."""
+    study = store.get_study(s, study_id)
+    s.refresh(study, with_for_update=True)
+    if study.status not in CANCELLABLE:
+        raise Conflict(f"study {study_id} is {study.status.value}; it can no longer change")
+    fields = change.model_dump(exclude_unset=True, exclude_none=True)
+    if fields:
+        store.update_spec(s, study, **fields)
+        background.add_task(bus.study_changed, settings)
     return queries.study_summary(s, study_id)
 
 

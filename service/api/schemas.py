@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from service.models import PackStatus, StudyStatus, TrialStatus, WorkerStatus
 
@@ -109,6 +109,15 @@ class FleetPublic(BaseModel):
         description="since it started (to its end), seconds during which none of its "
         "trials was training"
     )
+
+
+class StudyPatch(BaseModel):
+    """What may change while a study runs: its place in the fleet (the next tick uses it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    priority: Annotated[float, Field(gt=0, le=1_000, allow_inf_nan=False)] | None = None
+    owner: Annotated[str, StringConstraints(min_length=1, max_length=100)] | None = None
 
 
 class StudyPublic(BaseModel):

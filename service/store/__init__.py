@@ -69,6 +69,7 @@ from service.store.studies import (
     list_studies,
     studies_with_status,
     studies_with_trials_in,
+    update_spec,
 )
 from service.store.transitions import (
     FINISHED_PACK,
@@ -108,6 +109,7 @@ from service.store.trials import (
 )
 
 __all__ = [
+    "update_spec",
     "forget_checkpoints",
     "OPEN_CHECK",
     "checks_with_status",

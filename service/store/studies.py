@@ -50,6 +50,13 @@ def list_studies(
     return list(s.scalars(query)), total
 
 
+def update_spec(s: Session, study: Study, **fields: Any) -> None:
+    """Set top-level fields of the study's stored spec (e.g. ``priority``, ``owner``); a new
+    dict, so that the JSON column is written."""
+    study.spec = {**study.spec, **fields}
+    s.flush()
+
+
 def delete_study(s: Session, study_id: int) -> None:
     """Delete a study; the database cascades to its trials, packs, promotions, measurements."""
     get_study(s, study_id)

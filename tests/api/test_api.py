@@ -113,6 +113,28 @@ def test_running_studies_cancel_finished_ones_conflict(client: TestClient) -> No
     assert client.get(f"/api/studies/{done}").json()["status"] == "completed"
 
 
+def test_a_running_study_changes_priority_and_owner(any_client: TestClient) -> None:
+    """PATCH sets the fleet fields the scheduler reads each tick; a bad value is a 422 naming
+    the field and changes nothing; a finished study is a 409; an unknown one a 404."""
+    created = any_client.post("/api/studies", json=spec(priority=1, owner="team-a")).json()
+    assert created["fleet"]["priority"] == 1.0 and created["fleet"]["owner"] == "team-a"
+    path = f"/api/studies/{created['id']}"
+    changed = any_client.patch(path, json={"priority": 4})
+    assert changed.status_code == 200, changed.text
+    assert changed.json()["fleet"] == {**created["fleet"], "priority": 4.0}
+    assert any_client.get(path).json()["spec"]["priority"] == 4  # what the scheduler reads
+    for body, field in (({"priority": 0}, "priority"), ({"owner": ""}, "owner"),
+                        ({"seed": 3}, "seed")):  # fmt: skip
+        bad = any_client.patch(path, json=body)
+        assert bad.status_code == 422
+        assert ["body", field] in [entry["loc"] for entry in bad.json()["detail"]], bad.json()
+    assert any_client.get(path).json()["fleet"]["priority"] == 4.0
+    assert any_client.patch("/api/studies/999999", json={"priority": 2}).status_code == 404
+    any_client.post(f"{path}/cancel")
+    conflict = any_client.patch(path, json={"owner": "team-b"})
+    assert conflict.status_code == 409 and "cancelled" in conflict.json()["detail"]
+
+
 @pytest.mark.parametrize(
     "path",
     ["", "/trials", "/brackets", "/packs", "/curves", "/leaderboard"],

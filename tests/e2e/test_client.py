@@ -153,7 +153,7 @@ def test_cli_refusals_are_one_line_and_exit_2(service: dict[str, Any], tmp_path:
     assert "Traceback" not in missing.stderr + away.stderr
 
 
-def test_the_cli_cancels_and_deletes(service: dict[str, Any]) -> None:
+def test_the_cli_updates_cancels_and_deletes(service: dict[str, Any]) -> None:
     long = service["tmp"] / "long.yaml"  # 143 trials: still running when cancelled
     long.write_text(yaml.safe_dump({**SPEC, "name": "long", "hyperband": {"max_resource": 81}}))
     submitted = cli(service, "submit", str(long))
@@ -161,8 +161,19 @@ def test_the_cli_cancels_and_deletes(service: dict[str, Any]) -> None:
     study_id = submitted.stdout.split()[1]
     refused = cli(service, "delete", study_id)
     assert refused.returncode == 2 and "409" in refused.stderr
+    # its place in the fleet changes while it runs
+    updated = cli(service, "update", study_id, "--priority", "3", "--owner", "team-a")
+    assert updated.returncode == 0, updated.stderr
+    assert "priority 3 · owner team-a" in updated.stdout
+    bad = cli(service, "update", study_id, "--priority", "0")
+    assert bad.returncode == 2 and "priority" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1  # one line, no traceback
+    listed = cli(service, "studies")
+    assert any("team-a" in line for line in listed.stdout.splitlines() if study_id in line)
     cancelled = cli(service, "cancel", study_id)
     assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout
+    late = cli(service, "update", study_id, "--priority", "2")
+    assert late.returncode == 2 and "409" in late.stderr
     deadline = time.monotonic() + 60
     while (deleted := cli(service, "delete", study_id)).returncode != 0:
         assert "still has packs training" in deleted.stderr  # they stop within seconds
