@@ -146,3 +146,23 @@ def test_spread_keeps_every_free_device_busy() -> None:
     work = sorted(sum(u.to_resource - u.from_resource for u in p.units) for p in spread.packs)
     assert work == [6.0, 10.0]  # c (6) | a (4) + b (6): whole arrays, the lighter pack first
     assert sorted(u.trial_id for p in spread.packs for u in p.units) == list(range(9))
+
+
+@given(
+    st.lists(st.sampled_from([1.0, 2.0, 3.0]), min_size=2, max_size=4),
+    st.lists(st.floats(0.5, 2.0), min_size=4, max_size=4),
+)
+def test_served_in_fair_order_device_time_follows_priority(
+    priorities: list[float], pack_seconds: list[float]
+) -> None:
+    """One device, studies that always have work, one pack at a time to the first study of
+    ``study_order`` (each study's packs take its own time): over a long run each study's
+    device time is its priority's share, within a pack per study."""
+    used = [0.0] * len(priorities)
+    for _ in range(400):
+        loads = [StudyLoad(i, p, u) for i, (p, u) in enumerate(zip(priorities, used, strict=True))]
+        first = study_order(loads, quantum=1e-9)[0]
+        used[first] += pack_seconds[first]
+    total = sum(used)
+    for i, share in entitled_shares(StudyLoad(i, p, 0.0) for i, p in enumerate(priorities)).items():
+        assert abs(used[i] - share * total) <= max(pack_seconds) * len(priorities) + 1e-9
