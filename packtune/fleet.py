@@ -1,7 +1,7 @@
 """Many studies on one fleet: who goes first when their ready work competes for devices.
 
 Pure functions of plain values; the scheduler (``service.planning``) reads the inputs
-from the database. Two rules, applied in this order:
+from the database. Three rules, applied in this order:
 
 1. **Weighted fair share.** Each running study has a ``priority`` and has used some
    device-seconds (its share of every pack that trained its trials). Its *level* is
@@ -14,6 +14,12 @@ from the database. Two rules, applied in this order:
    study goes first, so that long chains (a bracket's survivors, the few trials that train
    to the maximum resource) start early and overlap with other work instead of running
    alone at the end.
+3. **Preemption at epoch boundaries.** A pack that is already running keeps its device
+   only while nothing better waits: when a pack of a study in a better band is planned and
+   no device is free, the worst-served running pack gives its device up at its next epoch
+   boundary (:func:`packs_to_yield`); its trials keep what they trained (a checkpoint at
+   that epoch) and are planned again, so that a small study behind a large one waits for
+   an epoch of the large one's pack, not for the whole pack.
 
 A trial's expected remaining work (:func:`expected_remaining`) is what is left of its
 current rung plus each later rung's span weighted by the chance of reaching it under
@@ -114,3 +120,25 @@ def covered_seconds(spans: Iterable[tuple[float, float]]) -> float:
         total += end - max(start, reach)
         reach = end
     return total
+
+
+def packs_to_yield(
+    running: Mapping[int, int], waiting: Iterable[int], free_devices: int
+) -> list[int]:
+    """Which running packs give their device up at their next epoch boundary.
+
+    ``running``: pack id -> its band (the best fair-share band of the studies it holds);
+    ``waiting``: the bands of the packs planned and not yet started; ``free_devices``:
+    devices with no pack running. A waiting pack first takes a free device; each one left
+    over that is in a strictly better band than a running pack takes the device of the
+    worst-served running pack (the highest band, then the newest pack). Equal bands never
+    preempt each other, so two studies served alike do not take turns pack by pack.
+    """
+    left = sorted(waiting)[max(0, free_devices) :]
+    victims = sorted(running.items(), key=lambda item: (-item[1], -item[0]))
+    out: list[int] = []
+    for want in left:
+        if not victims or victims[0][1] <= want:
+            break
+        out.append(victims.pop(0)[0])
+    return out

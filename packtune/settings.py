@@ -108,6 +108,15 @@ class Settings(BaseSettings):
             "'id' takes studies and packs in the order they were created."
         ),
     )
+    preempt: bool = Field(
+        default=True,
+        description=(
+            "With dispatch_order 'fair': a running pack gives its device up at its next "
+            "epoch boundary when a pack of a study in a better fair-share band waits and no "
+            "device is free; its trials keep what they trained and are planned again. "
+            "false: a running pack always trains to its end."
+        ),
+    )
     fair_share_quantum: float | None = Field(
         default=None,
         gt=0,

@@ -8,6 +8,7 @@ the pure planners; writes the packs (status ``pending``) and marks their trials
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from packtune.fleet import (
     StudyLoad,
     band,
     expected_remaining,
+    packs_to_yield,
     study_order,
     unit_key,
 )
@@ -45,6 +47,8 @@ from service.models import Pack, PackStatus, Profile, Study, TrialStatus, Worker
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MEMORY = MemoryModel(base=DEFAULT_BASE_BYTES, per_trial=DEFAULT_PER_TRIAL_BYTES)
 UNFINISHED = (PackStatus.pending, PackStatus.queued, PackStatus.running)
@@ -157,7 +161,54 @@ def plan_fleet(
     for p in planned:
         key = ("cap", _cap(p.spec), p.band) if settings.share_packs else ("study", p.study.id)
         groups.setdefault(key, []).append(p)
-    return sum(_plan_group(s, group, workers, settings, order) for group in groups.values())
+    made = sum(_plan_group(s, group, workers, settings, order) for group in groups.values())
+    if order == "fair" and settings.preempt:
+        _yield_for(s, loads, quantum, workers, settings, now)
+    return made
+
+
+def _yield_for(
+    s: Session,
+    loads: dict[int, StudyLoad],
+    quantum: float,
+    workers: list[Worker],
+    settings: Settings,
+    now: datetime,
+) -> list[int]:
+    """Ask running packs to give their device up (:func:`packtune.fleet.packs_to_yield`)
+    where a pack of a study in a better fair-share band waits and no device is free: the
+    running pack stops at its next epoch boundary, its trials checkpointed there and ready
+    again, and the waiting pack takes the device. Without it a small study behind a large
+    one waits, at every rung, for the whole of the large one's running pack. Returns the
+    packs asked."""
+    running = store.packs_with_status(s, PackStatus.running)
+    waiting = [
+        p for p in store.packs_with_status(s, (PackStatus.pending, PackStatus.queued))
+        if p.retry_after is None or p.retry_after <= now
+    ]  # fmt: skip
+    if not running or not waiting:
+        return []
+    studies = store.studies_of_packs(s, [p.id for p in (*running, *waiting)])
+
+    def best_band(pack: Pack) -> int | None:
+        bands = [band(loads[i], quantum) for i in studies[pack.id] if i in loads]
+        return min(bands) if bands else None
+
+    asked = sum(p.yield_requested_at is not None for p in running)
+    busy = {p.device for p in running}
+    free = sum(name not in busy for name in devices_of(workers, settings)) + asked
+    candidates = {
+        p.id: b for p in running
+        if p.yield_requested_at is None and (b := best_band(p)) is not None
+    }  # fmt: skip
+    wanted = [b for p in waiting if (b := best_band(p)) is not None]
+    asked_now = store.request_yield(s, packs_to_yield(candidates, wanted, free))
+    if asked_now:
+        log.info(
+            "packs %s asked to give their device up at the next epoch: a study with a "
+            "better fair share waits", asked_now,
+        )  # fmt: skip
+    return asked_now
 
 
 def _withdraw_for(

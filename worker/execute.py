@@ -47,7 +47,7 @@ NOT_A_TRIAL_FAULT = (StoreUnavailable, SQLAlchemyError, torch.cuda.OutOfMemoryEr
 
 
 #: how one array of a pack ran (``packs.arrays``): trials, stacks ({trials, mode}), notes,
-#: failed trials
+#: failed trials, gave_up (it stopped short: the pack gave its device up)
 ArrayRun = dict[str, Any]
 
 
@@ -114,20 +114,22 @@ def _steps(job: ArrayJob, steps_per_epoch: int) -> tuple[int, int]:
     return round(job.from_resource * steps_per_epoch), round(job.to_resource * steps_per_epoch)
 
 
-def _mark_done(job: ArrayJob, done: dict[int, str]) -> None:
-    """Trials whose unit is finished: resource, checkpoint, and ``paused`` for the scheduler
-    at their rung, or ``pending`` when the unit was a segment on the way to it."""
+def _mark_done(job: ArrayJob, done: dict[int, str], resource: float | None = None) -> None:
+    """Trials whose unit is finished (or, with ``resource``, that stopped there on the way,
+    their pack giving its device up): resource, checkpoint, and ``paused`` for the scheduler
+    at their rung, or ``pending`` when they are not at it yet."""
     targets = {m.trial_id: m.rung_resource for m in job.members}
+    reached = job.to_resource if resource is None else resource
 
     def write(s: Session) -> None:
         for trial_id, path in done.items():
-            at_rung = job.to_resource >= targets[trial_id] or math.isclose(
-                job.to_resource, targets[trial_id], rel_tol=1e-9
+            at_rung = reached >= targets[trial_id] or math.isclose(
+                reached, targets[trial_id], rel_tol=1e-9
             )
             store.move_trials(  # only from running: a trial cancelled meanwhile stays so
                 s, [trial_id], TrialStatus.paused if at_rung else TrialStatus.pending,
                 only_from=(TrialStatus.running,),
-                resource_done=job.to_resource, checkpoint_path=path,
+                resource_done=reached, checkpoint_path=path,
             )  # fmt: skip
 
     retrying(write)
@@ -213,12 +215,17 @@ def run_array(
     checkpoint_dir: Path,
     shared: bool = False,
     stop: threading.Event | None = None,
+    give_up: threading.Event | None = None,
 ) -> list[ArrayRun]:
     """Train ``job``'s members from its from- to its to-resource, recording as it goes;
     returns how the array ran (its stacks and notes: the pack keeps them).
 
     ``shared``: other arrays train at the same time (threads of one job); its speed is
-    then not its own, so it records no throughput reading.
+    then not its own, so it records no throughput reading. ``stop``: the study was
+    cancelled (:class:`PackCancelled` at the next step). ``give_up``: the device is wanted
+    elsewhere: the array stops at its next epoch boundary and its members are checkpointed
+    there and ``pending`` again (an array not begun yet is left as it is: the job releases
+    its members).
     """
     workload = get_workload(job.workload)
     parts = _structural_parts(workload, job)
@@ -233,7 +240,13 @@ def run_array(
             run
             for part in parts
             for run in run_array(
-                dataclasses.replace(job, members=part), device, kind, checkpoint_dir, True, stop
+                dataclasses.replace(job, members=part),
+                device,
+                kind,
+                checkpoint_dir,
+                True,
+                stop,
+                give_up,
             )
         ]
     configs = {m.trial_id: job.config(m) for m in job.members}
@@ -257,7 +270,7 @@ def run_array(
             )
     if done:
         _mark_done(job, done)
-    if not todo:
+    if not todo or (give_up is not None and give_up.is_set()):
         return []
     try:
         data = None if workload.streams else workload.data(first, device)
@@ -304,7 +317,7 @@ def run_array(
     started = time.perf_counter()
     try:
         with GLOBAL_RNG if array.stochastic else nullcontext():
-            train(array, to_step, on_report=record, stop=stop)
+            train(array, to_step, on_report=record, stop=stop, give_up=give_up)
     except NOT_A_TRIAL_FAULT:
         raise
     except Exception as exc:
@@ -318,16 +331,25 @@ def run_array(
         )
         for key in array.keys
     }
-    _mark_done(job, saved)
-    if to_step > from_step and seconds > 0 and not shared:
-        value = k * (to_step - from_step) / seconds
+    stopped_short = array.step < to_step and bool(array.groups)
+    gave_up = give_up is not None and give_up.is_set() and stopped_short
+    _mark_done(job, saved, array.step / spe if gave_up else None)
+    if array.step > from_step and seconds > 0 and not shared:
+        value = k * (array.step - from_step) / seconds
         retrying(lambda s: store.record_throughput(s, job.workload, job.fusion_key, kind, k, value))
+    notes = [*([array.warning] if array.warning else []), *array.notes]
+    if gave_up:
+        notes.append(
+            f"gave the device up after epoch {array.step / spe:g} of {job.to_resource:g}: a "
+            "study with a better fair share was waiting; its trials go on from there"
+        )
     return [
         {
             "trials": [m.trial_id for m in todo],
             "stacks": [{"trials": [_id(key) for key in keys], "mode": mode}
                        for keys, mode in array.stacks],
-            "notes": [*([array.warning] if array.warning else []), *array.notes],
+            "notes": notes,
             "failed": [],
+            "gave_up": gave_up,
         }
     ]  # fmt: skip

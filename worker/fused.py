@@ -313,6 +313,15 @@ class FusedArray:
                     [s["optimizer"] if s else None for s in (states[i] for i in idx)], stack,
                 ))  # fmt: skip
         self.stochastic = any(group.stochastic for group in self.groups)
+        #: steps of the current epoch trained before a member's checkpoint (taken in the
+        #: middle of an epoch, when its pack gave its device up): their summed losses are
+        #: carried, so that the epoch's train_loss is the one an unbroken epoch gives
+        self.carried_steps: dict[Hashable, int] = {}
+        for key, state in zip(keys, states, strict=True):
+            if state and "epoch_loss" in state:
+                group, i = self._locate(key)
+                group.losses.carry(i, float(state["epoch_loss"]))
+                self.carried_steps[key] = int(state["epoch_loss_steps"])
         self.streaming = workload.streams
         if self.streaming:
             self.train_split = self.val_split = None
@@ -497,16 +506,27 @@ class FusedArray:
             self.groups.remove(group)
 
     def reset_train_loss(self) -> None:
+        self.carried_steps = {}
         for group in self.groups:
             group.losses.reset()
 
     def train_loss(self, steps: int) -> dict[Hashable, float]:
-        """Each member's summed step losses since :meth:`reset_train_loss`, over ``steps``."""
+        """Each member's summed step losses since :meth:`reset_train_loss` (or carried from
+        its checkpoint), over ``steps`` (plus the steps carried)."""
         return {
-            key: float(total) / max(steps, 1)
+            key: float(total) / max(steps + self.carried_steps.get(key, 0), 1)
             for group in self.groups
             for key, total in zip(group.keys, group.losses.totals(), strict=True)
         }
+
+    def epoch_loss(self, key: Hashable, epoch_start: int) -> dict[str, Any]:
+        """What a checkpoint taken in the middle of an epoch carries of it: ``key``'s summed
+        step losses so far and over how many steps (nothing at an epoch boundary)."""
+        if self.step == epoch_start:
+            return {}
+        group, i = self._locate(key)
+        steps = self.step - epoch_start
+        return {"epoch_loss": group.losses.totals()[i], "epoch_loss_steps": steps}
 
     @torch.no_grad()
     def evaluate(self) -> dict[Hashable, dict[str, float]]:
@@ -572,6 +592,7 @@ class FusedArray:
             "optimizer": group.optimizer.member_state(i),
             "rng": self.generators[key].get_state(),
             "steps_done": self.step,
+            **self.epoch_loss(key, self.step - self.step % self.steps_per_epoch),
         }
 
 
@@ -599,6 +620,7 @@ def train(
     to_step: int,
     on_report: Callable[[Report], None] | None = None,
     stop: threading.Event | None = None,
+    give_up: threading.Event | None = None,
 ) -> list[Report]:
     """Train ``array`` from its current step to global step ``to_step``.
 
@@ -606,21 +628,35 @@ def train(
     ``s // steps_per_epoch``, so stopping and resuming at any step is exact.
     At each epoch boundary and at ``to_step`` the members are evaluated; the
     report's ``train_loss`` is the mean step loss of the epoch's steps run in
-    this call. ``stop`` set (e.g. the study was cancelled) ends training at the next
+    this call, and of those its checkpoints carried (an epoch broken by a give-up).
+    ``stop`` set (e.g. the study was cancelled) ends training at the next
     step boundary, without evaluating the epoch begun: the reports so far stand.
+    ``give_up`` set (the device is wanted for a study with a better fair share) ends it at
+    the next step boundary where divergence was just checked and no member diverged in
+    this epoch yet (else at the epoch's end), after at least one step: the array is then
+    checkpointed there with the epoch's losses so far, and resumed exactly, every epoch's
+    metrics whole.
     """
     if to_step < array.step:
         raise ValueError(f"array is at step {array.step}, past to_step={to_step}")
     spe = array.steps_per_epoch
     reports: list[Report] = []
+    first = array.step
     while array.step < to_step and array.groups:
         epoch = array.step // spe
         end, start = min(to_step, (epoch + 1) * spe), array.step
         inputs = array.epoch_inputs(epoch, start - epoch * spe, end - start)
         diverged_before = set(array.diverged)
-        array.reset_train_loss()
+        if not (start == first and start % spe and array.carried_steps):
+            array.reset_train_loss()  # not when resuming an epoch whose losses were carried
         for batch in inputs:
             if stop is not None and stop.is_set():
+                return reports
+            if (
+                give_up is not None and give_up.is_set() and array.step > first
+                and array.step % array.check_every == 0
+                and not set(array.diverged) - diverged_before
+            ):  # fmt: skip
                 return reports
             array.train_step(batch)
             if not array.groups:
@@ -636,4 +672,6 @@ def train(
         reports.append(report)
         if on_report is not None:
             on_report(report)
+        if give_up is not None and give_up.is_set() and array.step % spe == 0:
+            break
     return reports

@@ -42,7 +42,7 @@ from packtune.packing import MemoryModel, Unit, split_in_two
 from packtune.rungs import rung_resource
 from packtune.settings import get_settings
 from packtune.spec import StoredSpec
-from packtune.tuning import CANCEL_CHECK_SECONDS, GPU_ARRAY_THREADS
+from packtune.tuning import CANCEL_CHECK_SECONDS, GPU_ARRAY_THREADS, YIELD_CHECK_SECONDS
 from service import store
 from service.db import DATABASE_ERRORS, retrying
 from service.models import CheckStatus, PackStatus, StudyStatus, TrialStatus
@@ -181,14 +181,12 @@ def run_pack(pack_id: int) -> str:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
-    watch = CancelWatch({m.study_id for a in arrays for m in a.members}) if arrays else None
+    watch = PackWatch(pack_id, {m.study_id for a in arrays for m in a.members})
     try:
         size = sum(len(a.members) for a in arrays)
         if settings.oom_above is not None and size > settings.oom_above:
             raise InjectedOutOfMemory(f"injected: {size} trials > PACKTUNE_OOM_ABOVE")
-        runs = _run_arrays(
-            arrays, device, kind, settings.checkpoint_dir, watch.stop if watch else None
-        )
+        runs = _run_arrays(arrays, device, kind, settings.checkpoint_dir, watch.stop, watch.give_up)
     except PackCancelled as exc:
         log.info("%s; stopped at a step boundary", exc)
         retrying(lambda s: store.finish_pack(s, store.get_pack(s, pack_id), PackStatus.cancelled,
@@ -202,20 +200,30 @@ def run_pack(pack_id: int) -> str:
         _back_to_pending(pack_id, exc)
         return "failed"
     finally:
-        if watch is not None:
-            watch.close()
+        watch.close()
     peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
     seconds = time.perf_counter() - started
 
-    def finish(s: Session) -> None:
+    def finish(s: Session) -> bool:
         pack = store.get_pack(s, pack_id)
+        ran = list(runs)
+        # arrays that had not begun when the pack gave its device up: planned anew
+        released = store.release_members(s, pack) if watch.give_up.is_set() else []
+        if released:
+            note = "not begun: the pack gave its device up first; planned again"
+            ran.append({"trials": released, "stacks": [], "notes": [note], "failed": [],
+                        "gave_up": True})  # fmt: skip
+        gave_up = any(run.get("gave_up") for run in ran)
         store.finish_pack(
-            s, pack, PackStatus.completed, peak_bytes=peak, train_seconds=seconds, arrays=runs
+            s, pack, PackStatus.completed, peak_bytes=peak, train_seconds=seconds, arrays=ran
         )
-        if peak is not None and len(arrays) == 1:
+        if peak is not None and len(arrays) == 1 and not gave_up:
             _correct_memory(s, arrays[0], kind, len(arrays[0].members), peak)
+        return gave_up
 
-    retrying(finish)
+    if retrying(finish):
+        log.info("pack %s gave its device up after %.2f s", pack_id, seconds)
+        return "yielded"
     return "completed"
 
 
@@ -242,6 +250,7 @@ def _run_arrays(
     kind: str,
     ckpt_dir: Any,
     stop: threading.Event | None = None,
+    give_up: threading.Event | None = None,
 ) -> list[ArrayRun]:
     """Train the pack's arrays, several at once where :func:`array_threads` allows and every
     fusion key's memory is already measured (a probe measures the device's peak memory,
@@ -252,11 +261,12 @@ def _run_arrays(
     if threads <= 1 or not all(is_profiled(a, kind) for a in arrays):
         return [
             run for array in arrays for run in _run_isolating(array, device, kind, ckpt_dir,
-                                                              stop=stop)
+                                                              stop=stop, give_up=give_up)
         ]  # fmt: skip
     with ThreadPoolExecutor(threads, thread_name_prefix="packtune-array") as pool:
         futures = [
-            pool.submit(_run_isolating, a, device, kind, ckpt_dir, True, stop) for a in arrays
+            pool.submit(_run_isolating, a, device, kind, ckpt_dir, True, stop, give_up)
+            for a in arrays
         ]
     errors = [exc for f in futures if (exc := f.exception()) is not None]
     oom = [exc for exc in errors if isinstance(exc, torch.cuda.OutOfMemoryError)]
@@ -272,12 +282,13 @@ def _run_isolating(
     ckpt_dir: Any,
     shared: bool = False,
     stop: threading.Event | None = None,
+    give_up: threading.Event | None = None,
 ) -> list[ArrayRun]:
     """Run an array; if the workload raises, run its members one by one to find the culprit.
     Returns how it ran, the trials failed included."""
     ids = [m.trial_id for m in array.members]
     try:
-        return run_array(array, device, kind, ckpt_dir, shared, stop)
+        return run_array(array, device, kind, ckpt_dir, shared, stop, give_up)
     except TrialError as exc:
         if len(array.members) == 1:
             _fail_trial(array.members[0].trial_id, exc.text)
@@ -287,7 +298,9 @@ def _run_isolating(
         failed: list[int] = []
         for member in array.members:
             try:
-                for run in run_array(array.alone(member), device, kind, ckpt_dir, shared, stop):
+                for run in run_array(
+                    array.alone(member), device, kind, ckpt_dir, shared, stop, give_up
+                ):
                     stacks += run["stacks"]
             except TrialError as solo:
                 _fail_trial(member.trial_id, solo.text)
@@ -297,27 +310,50 @@ def _run_isolating(
         return [{"trials": ids, "stacks": stacks, "notes": [note], "failed": failed}]
 
 
-class CancelWatch:
-    """Sets ``stop`` once every study of the pack is cancelled (or ended otherwise), read
-    every :data:`~packtune.tuning.CANCEL_CHECK_SECONDS` in a thread of its own, so that a
-    running pack stops at its next step boundary instead of training to its end. A pack
-    shared with a study that goes on trains to its end (what it wrote for a cancelled
-    study's trials is not kept: they are cancelled)."""
+class PackWatch:
+    """Watches a running pack from a thread of its own:
 
-    def __init__(self, study_ids: set[int]) -> None:
-        self.study_ids, self.stop, self._closed = study_ids, threading.Event(), threading.Event()
-        self._thread = threading.Thread(target=self._run, name="packtune-cancel", daemon=True)
+    - ``stop`` is set once every study of the pack is cancelled (or ended otherwise), read
+      every :data:`~packtune.tuning.CANCEL_CHECK_SECONDS`, so that the pack stops at its
+      next step boundary instead of training to its end. A pack shared with a study that
+      goes on trains to its end (what it wrote for a cancelled study's trials is not kept:
+      they are cancelled).
+    - ``give_up`` is set once the scheduler asks the pack to give its device up
+      (``packs.yield_requested_at``, read every :data:`~packtune.tuning.YIELD_CHECK_SECONDS`
+      and once at the start): its arrays stop at their next epoch boundary.
+    """
+
+    def __init__(self, pack_id: int, study_ids: set[int]) -> None:
+        self.pack_id, self.study_ids = pack_id, study_ids
+        self.stop, self.give_up, self._closed = (
+            threading.Event(), threading.Event(), threading.Event()
+        )  # fmt: skip
+        self._look_for_yield()
+        self._thread = threading.Thread(target=self._run, name="packtune-watch", daemon=True)
         self._thread.start()
+
+    def _look_for_yield(self) -> None:
+        try:
+            if retrying(lambda s: store.yield_requested(s, self.pack_id)):
+                self.give_up.set()
+        except Exception as exc:  # the database is away: train on, look again later
+            log.debug("pack watch: %s", exc)
 
     def _run(self) -> None:
         ended = (StudyStatus.cancelled, StudyStatus.failed, StudyStatus.completed)
-        while not self._closed.wait(CANCEL_CHECK_SECONDS):
+        last_study_look = time.monotonic()
+        while not self._closed.wait(YIELD_CHECK_SECONDS):
+            if not self.give_up.is_set():
+                self._look_for_yield()
+            if time.monotonic() - last_study_look < CANCEL_CHECK_SECONDS:
+                continue
+            last_study_look = time.monotonic()
             try:
                 statuses = retrying(
                     lambda s: [store.get_study(s, i).status for i in sorted(self.study_ids)]
                 )
             except Exception as exc:  # the database is away: train on, look again later
-                log.debug("cancel watch: %s", exc)
+                log.debug("pack watch: %s", exc)
                 continue
             if all(status in ended for status in statuses):
                 self.stop.set()

@@ -158,6 +158,8 @@ def _pack_row(pack: Pack, study_id: int, study_of: dict[int, int]) -> Row:
         "parent_id": pack.parent_id,
         "arrays": pack.arrays,
         "failed_trials": sorted(t for a in pack.arrays or [] for t in a.get("failed", [])),
+        "yield_requested_at": pack.yield_requested_at,
+        "yielded": any(a.get("gave_up") for a in pack.arrays or []),
     }
 
 

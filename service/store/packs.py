@@ -12,6 +12,7 @@ from typing import Any
 from sqlalchemy import (
     func,
     select,
+    update,
 )
 from sqlalchemy.orm import Session
 
@@ -213,6 +214,42 @@ def unfinished_members(
         and trials[m.trial_id].status in wanted
         and math.isclose(trials[m.trial_id].resource_done, m.from_resource, abs_tol=1e-9)
     ]  # fmt: skip
+
+
+def request_yield(s: Session, pack_ids: Iterable[int]) -> list[int]:
+    """Ask running packs to give their device up at their next epoch boundary (their job
+    reads :func:`yield_requested` while it trains). A pack asked already, or no longer
+    running, is left alone. Returns the packs asked now."""
+    ids = sorted(set(pack_ids))
+    if not ids:
+        return []
+    stmt = (
+        update(Pack)
+        .where(
+            Pack.id.in_(ids),
+            Pack.status == PackStatus.running,
+            Pack.yield_requested_at.is_(None),
+        )
+        .values(yield_requested_at=utcnow())
+        .returning(Pack.id)
+    )
+    return sorted(int(i) for i in s.scalars(stmt))
+
+
+def yield_requested(s: Session, pack_id: int) -> bool:
+    """Whether pack ``pack_id`` was asked to give its device up."""
+    stmt = select(Pack.yield_requested_at).where(Pack.id == pack_id)
+    return s.scalar(stmt) is not None
+
+
+def release_members(s: Session, pack: Pack) -> list[int]:
+    """A pack that gave its device up: its members still running at the unit's start (an
+    array that had not begun) are ``pending`` again, to be planned anew; those that trained
+    part of the unit were made ``pending`` at the epoch they reached. Returns the trials
+    released."""
+    ids = [m.trial_id for m in unfinished_members(s, pack, (TrialStatus.running,))]
+    move_trials(s, ids, TrialStatus.pending, only_from=(TrialStatus.running,))
+    return ids
 
 
 def requeue_packs_of(s: Session, worker_name: str, reason: str) -> list[int]:

@@ -15,6 +15,7 @@ from packtune.fleet import (
     covered_seconds,
     entitled_shares,
     expected_remaining,
+    packs_to_yield,
     split_seconds,
     study_order,
     unit_key,
@@ -104,6 +105,39 @@ def test_covered_seconds_counts_overlaps_once(raw: list[tuple[float, float]]) ->
 # -- the planner's lanes and ranks ------------------------------------------------------------
 
 MEMORY = MemoryModel(base=0, per_trial=1)
+
+
+def test_a_waiting_pack_of_a_better_band_takes_the_worst_served_running_pack() -> None:
+    # pack ids -> bands; one device free takes the best waiting pack, the next best (band 0)
+    # preempts the worst running pack (band 3, the newest of the two at 3), band 2 the other
+    assert packs_to_yield({1: 3, 2: 1, 3: 3}, [2, 0, 0], free_devices=1) == [3, 1]
+    assert packs_to_yield({1: 3}, [0], free_devices=1) == []  # a free device takes it
+    assert packs_to_yield({1: 0}, [0, 0], free_devices=0) == []  # equal bands never preempt
+    assert packs_to_yield({1: 2, 2: 1}, [1], free_devices=0) == [1]
+    assert packs_to_yield({}, [0], free_devices=0) == []
+
+
+@given(
+    running=st.dictionaries(st.integers(1, 50), st.integers(0, 5), max_size=8),
+    waiting=st.lists(st.integers(0, 5), max_size=8),
+    free=st.integers(0, 3),
+)
+def test_preemption_only_ever_serves_a_strictly_better_band(
+    running: dict[int, int], waiting: list[int], free: int
+) -> None:
+    """Each pack asked to yield is running, asked once, and matched to its own waiting pack
+    (one no free device takes) of a strictly better band; no running pack kept is worse
+    than a waiting pack left without a device."""
+    out = packs_to_yield(running, waiting, free)
+    assert len(set(out)) == len(out) and set(out) <= set(running)
+    left = sorted(waiting)[free:]
+    assert len(out) <= len(left)
+    for pack, want in zip(out, left, strict=False):
+        assert running[pack] > want
+    kept = [b for p, b in running.items() if p not in out]
+    unserved = left[len(out) :]
+    if kept and unserved:
+        assert max(kept) <= min(unserved)
 
 
 def test_units_of_different_lanes_never_share_an_array() -> None:

@@ -359,6 +359,29 @@ def test_pack_life_cycle(factory: Factory) -> None:
         assert [p.id for p in multi] == [pack_id]
 
 
+def test_a_yield_is_asked_of_running_packs_once_and_releases_what_had_not_begun(
+    factory: Factory,
+) -> None:
+    study_id, (a, b, c) = study_with_trials(factory)
+    with session_scope(factory) as s:
+        running = store.create_pack(s, study_id=study_id, members=[(a, "f", 0, 3), (b, "f", 0, 3)])
+        waiting = store.create_pack(s, study_id=study_id, members=[(c, "f", 0, 1)])
+        ids = (running.id, waiting.id)
+        store.move_trials(s, [a, b, c], TrialStatus.queued)
+    with session_scope(factory) as s:
+        assert store.claim_pack(s, ids[0], worker_name="w1", device="cpu") is not None
+        store.move_trials(s, [a, b], TrialStatus.running)
+    with session_scope(factory) as s:
+        assert store.request_yield(s, ids) == [ids[0]]  # only a running pack is asked
+        assert store.request_yield(s, ids) == []  # and only once
+        assert store.yield_requested(s, ids[0]) and not store.yield_requested(s, ids[1])
+    with session_scope(factory) as s:  # a trained on to epoch 1.5; b's array had not begun
+        store.move_trials(s, [a], TrialStatus.pending, resource_done=1.5)
+        assert store.release_members(s, store.get_pack(s, ids[0])) == [b]
+        statuses = {t.id: (t.status, t.resource_done) for t in store.trials_by_id(s, [a, b])}
+        assert statuses == {a: (TrialStatus.pending, 1.5), b: (TrialStatus.pending, 0.0)}
+
+
 def test_claim_pack_only_once_across_sessions(factory: Factory) -> None:
     study_id, (a, *_) = study_with_trials(factory)
     with session_scope(factory) as s:

@@ -4,6 +4,9 @@ submitted behind a large one."""
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import selectinload
@@ -22,6 +25,7 @@ from tests.scheduler.test_scheduler import (
     run_to_end,
     scheduler,
 )
+from worker.fused import FusedArray
 from worker.jobs import run_pack
 
 __all__ = ["db"]  # the fixture, used by name
@@ -137,3 +141,78 @@ def test_a_small_study_behind_a_big_one_gets_the_next_free_slot(
     new = [p for p in all_packs() if p.id not in {probe.id} | {q.id for q in queued}]
     assert len(new) == 1
     assert {big: "big", small: "small"}[new[0].study_id] == served
+
+
+@pytest.mark.parametrize(("order", "outcome"), [("fair", "yielded"), ("id", "completed")])
+def test_a_running_pack_gives_its_device_up_to_a_study_with_a_better_fair_share(
+    db: None, monkeypatch: pytest.MonkeyPatch, order: str, outcome: str
+) -> None:
+    """A small study submitted while a big one's pack trains: with fair share the running
+    pack is asked to give its device up, stops inside an epoch, and its trials go on from
+    there in later packs; the big study's results equal its run alone. In id order the pack
+    trains to its end."""
+    monkeypatch.setenv("PACKTUNE_DISPATCH_ORDER", order)
+    monkeypatch.setenv("PACKTUNE_FAIR_SHARE_QUANTUM", "0.000001")
+    get_settings.cache_clear()
+    big_spec = {
+        **SPEC, "name": "alone", "sampler": "random", "seed": 3,
+        "hyperband": {"max_resource": 9, "min_resource": 1, "eta": 3},
+        "packing": {"enabled": True, "max_pack_size": None, "align_rungs": False},
+    }  # fmt: skip
+    alone = new_study(big_spec)
+    assert run_to_end(scheduler(SyncDispatcher()), alone) == StudyStatus.completed
+    before = {p.id for p in all_packs()}
+
+    big = new_study({**big_spec, "name": "big"})
+    dispatcher = SyncDispatcher(run=False)
+    sched = scheduler(dispatcher)
+    sched.tick()
+    (first,) = [p for p in all_packs() if p.id not in before]
+    assert max(m.to_resource for m in first.members) == 9  # a unit of 9 epochs, no cuts
+
+    # the worker: training blocks at step 20 (inside epoch 2) until the test lets it go on
+    reached, go_on = threading.Event(), threading.Event()
+    step = FusedArray.train_step
+
+    def gated(self: FusedArray, batch: Any) -> None:
+        if self.step == 20:
+            reached.set()
+            assert go_on.wait(60)
+        step(self, batch)
+
+    monkeypatch.setattr(FusedArray, "train_step", gated)
+    result: list[str] = []
+    worker = threading.Thread(target=lambda: result.append(run_pack(first.id)))
+    worker.start()
+    assert reached.wait(60)
+    small = new_study({**SPEC, "name": "small", "sampler": "random", "seed": 4})
+    sched.tick()
+    go_on.set()
+    worker.join(60)
+    assert result == [outcome]
+    monkeypatch.setattr(FusedArray, "train_step", step)
+
+    packs = {p.id: p for p in all_packs()}
+    assert (packs[first.id].yield_requested_at is not None) == (outcome == "yielded")
+    if outcome == "yielded":
+        runs = packs[first.id].arrays or []
+        assert any(r["gave_up"] for r in runs), runs
+        notes = " ".join(n for r in runs for n in r["notes"])
+        assert "gave the device up after epoch" in notes
+        with session_scope(get_sessionmaker()) as s:
+            stopped = [t for t in store.trials_of(s, big) if t.resource_done % 1]
+        # inside an epoch, before the unit's end, checkpointed and ready again
+        assert stopped and all(t.status == TrialStatus.pending for t in stopped)
+        assert all(t.resource_done < 9 for t in stopped), [t.resource_done for t in stopped]
+        # the API says so too
+        with session_scope(get_sessionmaker()) as s:
+            rows, _ = queries.packs(s, big, limit=500)
+        assert any(r["yielded"] for r in rows if r["id"] == first.id)
+
+    sched = scheduler(SyncDispatcher())  # the rest, run as it comes
+    for study_id in (small, big):
+        assert run_to_end(sched, study_id) == StudyStatus.completed
+    where_alone, values_alone = final_values(alone)
+    where_big, values_big = final_values(big)
+    assert where_big == where_alone
+    assert values_big == pytest.approx(values_alone, rel=1e-5, abs=1e-6)

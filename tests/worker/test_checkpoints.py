@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,55 @@ def test_resume_is_exact(tmp_path, mode, extra):
     for key, _ in members:
         assert_same_state(resumed.member_state(key), straight.member_state(key))
         assert torch.equal(resumed.member_state(key)["rng"], straight.member_state(key)["rng"])
+
+
+class GiveUpAt(threading.Event):
+    """A give-up request that comes when ``array`` reaches ``step`` (the pack's watch sets
+    it from another thread, at a moment training does not choose)."""
+
+    def __init__(self, array: FusedArray, step: int) -> None:
+        super().__init__()
+        self.array, self.step = array, step
+
+    def is_set(self) -> bool:
+        return self.array.step >= self.step
+
+
+@pytest.mark.parametrize("mode", ["bmm", "vmap"])
+@pytest.mark.parametrize(
+    "extra", [{"dropout": 0.3, "optimizer": "sgd"}, {"batch_norm": True, "optimizer": "adam"}]
+)
+def test_giving_the_device_up_in_the_middle_of_an_epoch_changes_nothing(tmp_path, mode, extra):
+    """A pack that gives its device up stops at a step inside an epoch; its members are
+    checkpointed there with the epoch's losses so far and resumed: every epoch's report
+    (train_loss included) and the final state equal an unbroken run's, bit for bit."""
+    workload = TinyMLP()
+    members = configs(3, **extra)
+    straight = FusedArray(workload, members, mode=mode)
+    spe = straight.steps_per_epoch
+    assert spe >= 4
+    expected = train(straight, 3 * spe)
+
+    array = FusedArray(workload, members, mode=mode)
+    reports = []
+    for stop_at in (1, spe + 2, 2 * spe + spe // 2):
+        reports += train(array, 3 * spe, give_up=GiveUpAt(array, stop_at))
+        assert array.step == stop_at  # stopped inside the epoch, not at its end
+        array = FusedArray(workload, members, mode=mode, states=checkpointed(array, tmp_path))
+    reports += train(array, 3 * spe)
+    assert reports == expected
+    for key, _ in members:
+        assert_same_state(array.member_state(key), straight.member_state(key))
+
+
+def test_a_give_up_waits_for_at_least_one_step():
+    """Asked before its first step, an array still trains one (no pack can be kept from
+    making progress by requests that keep coming)."""
+    array = FusedArray(TinyMLP(), configs(2))
+    give_up = threading.Event()
+    give_up.set()
+    assert train(array, 2 * array.steps_per_epoch, give_up=give_up) == []
+    assert array.step == 1
 
 
 @pytest.mark.parametrize("mode", ["bmm", "vmap"])
