@@ -204,6 +204,14 @@ def _yield_for(
     wanted = [b for p in waiting if (b := best_band(p)) is not None]
     asked_now = store.request_yield(s, packs_to_yield(candidates, wanted, free))
     if asked_now:
+        # A device freed by a yield takes the next job of its queue, first in first out
+        # (RQ's queue, the embedded runner's): a pack of a worse band queued before the
+        # waiting one would take it, and the waiting pack would ask for another yield.
+        served = min(wanted)
+        for pack in waiting:
+            b = best_band(pack)
+            if pack.status == PackStatus.queued and b is not None and b > served:
+                _withdraw(s, pack)
         log.info(
             "packs %s asked to give their device up at the next epoch: a study with a "
             "better fair share waits", asked_now,
@@ -243,11 +251,17 @@ def _withdraw_for(
         bands = [band(loads[i], quantum) for i in studies[pack.id] if i in loads]
         if not bands or min(bands) <= best:
             continue
-        members = [m.trial_id for m in store.unfinished_members(s, pack, (TrialStatus.queued,))]
-        reason = "withdrawn before it started: the slot went to a study with a better fair share"
-        if store.move_pack(s, pack, PackStatus.cancelled, only_from=(PackStatus.queued,),
-                           error=reason):  # fmt: skip
-            store.move_trials(s, members, TrialStatus.pending, only_from=(TrialStatus.queued,))
+        _withdraw(s, pack)
+
+
+def _withdraw(s: Session, pack: Pack) -> None:
+    """Cancel a queued pack before it starts (its job, when it comes, finds nothing to
+    claim); its trials are ready again."""
+    members = [m.trial_id for m in store.unfinished_members(s, pack, (TrialStatus.queued,))]
+    reason = "withdrawn before it started: the slot went to a study with a better fair share"
+    if store.move_pack(s, pack, PackStatus.cancelled, only_from=(PackStatus.queued,),
+                       error=reason):  # fmt: skip
+        store.move_trials(s, members, TrialStatus.pending, only_from=(TrialStatus.queued,))
 
 
 def _units(s: Session, p: _Planned, order: Order) -> list[Unit]:
