@@ -199,11 +199,6 @@ def test_a_running_pack_gives_its_device_up_to_a_study_with_a_better_fair_share(
         assert any(r["gave_up"] for r in runs), runs
         notes = " ".join(n for r in runs for n in r["notes"])
         assert "gave the device up after epoch" in notes
-        with session_scope(get_sessionmaker()) as s:
-            stopped = [t for t in store.trials_of(s, big) if t.resource_done % 1]
-        # inside an epoch, before the unit's end, checkpointed and ready again
-        assert stopped and all(t.status == TrialStatus.pending for t in stopped)
-        assert all(t.resource_done < 9 for t in stopped), [t.resource_done for t in stopped]
         # the API says so too
         with session_scope(get_sessionmaker()) as s:
             rows, _ = queries.packs(s, big, limit=500)
