@@ -770,9 +770,41 @@ def test_a_disk_full_for_a_while_costs_time_not_trials(
 # Seed 24 samples relu for the three trials of bracket s=1 (sample indices 0-2) and for
 # index 3 of bracket s=0, tanh for index 4 (asserted below, so that a change of sampling
 # fails loudly): packs over the span 0 -> 1 hold a relu array and a tanh array.
+SLOW_PLUGIN = '''
+import time
+
+from worker.workloads.digits import DigitsMLP
+
+
+class SlowDigitsMLP(DigitsMLP):
+    """digits-mlp whose epochs after the first start 0.3 s late: a unit beyond the first
+    rung runs long enough for a test polling the database to see it running (digits-mlp:
+    ~30 ms), and the first rung's packs (probes included) are planned as for digits-mlp."""
+
+    name = "slow-digits-mlp"
+
+    def batch_indices(self, config, epoch):
+        if epoch >= 1:
+            time.sleep(0.3)
+        return super().batch_indices(config, epoch)
+'''
+
+
+@pytest.fixture
+def slow_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """``slow-digits-mlp`` installed for this process and (through ``PYTHONPATH``) the
+    processes it starts."""
+    root = tmp_path / "slow-plugin"
+    root.mkdir()
+    (root / "slow_packtune_plugin.py").write_text(SLOW_PLUGIN)
+    install_plugin(root, "slow_packtune_plugin", {"slow": "slow_packtune_plugin:SlowDigitsMLP"})
+    with registered(monkeypatch, root, ("slow_packtune_plugin",)):
+        yield root
+
+
 MOVED_ON_SPEC: dict[str, Any] = {
     "name": "moved-on",
-    "workload": "digits-mlp",
+    "workload": "slow-digits-mlp",
     "space": {
         "activation": {"type": "choice", "values": ["relu", "tanh"]},
         "lr": {"type": "loguniform", "low": 0.01, "high": 0.3},
@@ -783,12 +815,18 @@ MOVED_ON_SPEC: dict[str, Any] = {
 }
 
 
-def undisturbed(spec: dict[str, Any], tmp: Path) -> Outcome:
-    """``spec`` run by ``packtune run`` (SQLite, packs in a child process)."""
+def with_path(env: dict[str, str], root: Path) -> dict[str, str]:
+    """``env`` with ``root`` first on the started processes' ``PYTHONPATH``."""
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))}
+
+
+def undisturbed(spec: dict[str, Any], tmp: Path, plugin: Path) -> Outcome:
+    """``spec`` run by ``packtune run`` (SQLite, packs in a child process), with ``plugin``
+    on its path."""
     tmp.mkdir()
     (tmp / "spec.json").write_text(json.dumps(spec))
     url = f"sqlite:///{tmp / 'packtune.db'}"
-    env = packtune_env(database_url=url, checkpoint_dir=tmp / "ckpt", **COMMON)
+    env = with_path(packtune_env(database_url=url, checkpoint_dir=tmp / "ckpt", **COMMON), plugin)
     Services(env, tmp / "run.log").run("run", str(tmp / "spec.json"))
     return outcome(url, 1)
 
@@ -813,7 +851,7 @@ def training_elsewhere(engine: sa.Engine, pack_id: int) -> tuple[int, str] | Non
 
 
 def test_a_retried_pack_leaves_alone_the_trials_that_moved_on(
-    cluster: Services, database: str, tmp_path: Path
+    cluster: Services, database: str, tmp_path: Path, slow_plugin: Path
 ) -> None:
     """Issue (defect 1, data loss): a pack failed after one of its arrays had finished; the
     finished trials went on in other packs, the pack's retry claimed them again, failed on
@@ -825,8 +863,14 @@ def test_a_retried_pack_leaves_alone_the_trials_that_moved_on(
     another pack; while that pack trains, its worker is frozen (SIGSTOP) until the first
     pack has been retried more often than a trial's own errors may fail it
     (``max_attempts``), so that the retries surely meet the moved-on trial. Then the storage
-    has room again: the study must end exactly as an undisturbed run."""
-    reference = undisturbed(MOVED_ON_SPEC, tmp_path / "reference")
+    has room again: the study must end exactly as an undisturbed run. The workload is
+    digits-mlp with its later epochs started 0.3 s late: the moved-on unit of plain
+    digits-mlp trained in ~30 ms, and the poll below saw it running in about half the runs."""
+    reference = undisturbed(MOVED_ON_SPEC, tmp_path / "reference", slow_plugin)
+    cluster.env = with_path(cluster.env, slow_plugin)
+    # first fit: the relu and tanh arrays in pack 1, the premise; spreading a plan over the
+    # free devices (the default) puts them in packs of their own, one per worker
+    cluster.env["PACKTUNE_SHARE_PACKS"] = "false"
     cluster.env["PACKTUNE_RETRY_BACKOFF"] = "0"  # the failing pack comes back at once
     cluster.env["PACKTUNE_HEARTBEAT_TIMEOUT"] = "15"  # the frozen worker is not dead
     tanh_id = 5  # a fresh database: trial ids follow sample indices from 1
