@@ -14,12 +14,12 @@ from the database. Three rules, applied in this order:
    study goes first, so that long chains (a bracket's survivors, the few trials that train
    to the maximum resource) start early and overlap with other work instead of running
    alone at the end.
-3. **Preemption at epoch boundaries.** A pack that is already running keeps its device
-   only while nothing better waits: when a pack of a study in a better band is planned and
-   no device is free, the worst-served running pack gives its device up at its next epoch
-   boundary (:func:`packs_to_yield`); its trials keep what they trained (a checkpoint at
-   that epoch) and are planned again, so that a small study behind a large one waits for
-   an epoch of the large one's pack, not for the whole pack.
+3. **Preemption.** A pack that is already running keeps its device only while nothing
+   better waits: when a pack of a study in a better band is planned and no device is free,
+   the worst-served running pack gives its device up at its next training step
+   (:func:`packs_to_yield`); its trials keep what they trained (a checkpoint at that step)
+   and are planned again, so that a small study behind a large one waits for a step and a
+   checkpoint of the large one's pack, not for the whole pack.
 
 A trial's expected remaining work (:func:`expected_remaining`) is what is left of its
 current rung plus each later rung's span weighted by the chance of reaching it under
@@ -125,7 +125,7 @@ def covered_seconds(spans: Iterable[tuple[float, float]]) -> float:
 def packs_to_yield(
     running: Mapping[int, int], waiting: Iterable[int], free_devices: int
 ) -> list[int]:
-    """Which running packs give their device up at their next epoch boundary.
+    """Which running packs give their device up at their next training step.
 
     ``running``: pack id -> its band (the best fair-share band of the studies it holds);
     ``waiting``: the bands of the packs planned and not yet started; ``free_devices``:

@@ -112,7 +112,7 @@ class Settings(BaseSettings):
         default=True,
         description=(
             "With dispatch_order 'fair': a running pack gives its device up at its next "
-            "epoch boundary when a pack of a study in a better fair-share band waits and no "
+            "training step when a pack of a study in a better fair-share band waits and no "
             "device is free; its trials keep what they trained and are planned again. "
             "false: a running pack always trains to its end."
         ),

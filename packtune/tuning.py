@@ -84,7 +84,7 @@ CUDA_CHECK_EVERY = 16
 #: seconds between a running pack's looks at its study: a cancel stops it within about this
 CANCEL_CHECK_SECONDS = 1.0
 #: seconds between a running pack's looks at its own row for a request to give its device
-#: up (one primary-key read); it stops at the first epoch boundary after it sees one
+#: up (one primary-key read); it stops at the next training step after it sees one
 YIELD_CHECK_SECONDS = 0.1
 #: on a CPU, arrays up to this size compute their members' losses one call each
 LOOP_LOSS_MAX = 8

@@ -221,7 +221,7 @@ class Pack(Base):
     #: a failed pack is not dispatched again before this (backoff)
     retry_after: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     #: set while it runs when a study with a better fair share waits for its device: the
-    #: pack stops at its next epoch boundary and its trials are planned again from there
+    #: pack stops at its next training step and its trials are planned again from there
     yield_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     estimated_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     peak_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)

@@ -177,7 +177,7 @@ def _yield_for(
 ) -> list[int]:
     """Ask running packs to give their device up (:func:`packtune.fleet.packs_to_yield`)
     where a pack of a study in a better fair-share band waits and no device is free: the
-    running pack stops at its next epoch boundary, its trials checkpointed there and ready
+    running pack stops at its next training step, its trials checkpointed there and ready
     again, and the waiting pack takes the device. Without it a small study behind a large
     one waits, at every rung, for the whole of the large one's running pack. Returns the
     packs asked."""
@@ -191,8 +191,7 @@ def _yield_for(
     studies = store.studies_of_packs(s, [p.id for p in (*running, *waiting)])
 
     def best_band(pack: Pack) -> int | None:
-        bands = [band(loads[i], quantum) for i in studies[pack.id] if i in loads]
-        return min(bands) if bands else None
+        return _best_band(studies[pack.id], loads, quantum)
 
     asked = sum(p.yield_requested_at is not None for p in running)
     busy = {p.device for p in running}
@@ -213,7 +212,7 @@ def _yield_for(
             if pack.status == PackStatus.queued and b is not None and b > served:
                 _withdraw(s, pack)
         log.info(
-            "packs %s asked to give their device up at the next epoch: a study with a "
+            "packs %s asked to give their device up at their next step: a study with a "
             "better fair share waits", asked_now,
         )  # fmt: skip
     return asked_now
@@ -248,10 +247,15 @@ def _withdraw_for(
         if not mine:
             continue
         pack = max(mine, key=lambda p: p.id)  # the newest: the one that waits longest
-        bands = [band(loads[i], quantum) for i in studies[pack.id] if i in loads]
-        if not bands or min(bands) <= best:
-            continue
-        _withdraw(s, pack)
+        theirs = _best_band(studies[pack.id], loads, quantum)
+        if theirs is not None and theirs > best:
+            _withdraw(s, pack)
+
+
+def _best_band(study_ids: set[int], loads: dict[int, StudyLoad], quantum: float) -> int | None:
+    """The best fair-share band of a pack's studies (None: none of them is planned now)."""
+    bands = [band(loads[i], quantum) for i in study_ids if i in loads]
+    return min(bands) if bands else None
 
 
 def _withdraw(s: Session, pack: Pack) -> None:

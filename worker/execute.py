@@ -223,7 +223,7 @@ def run_array(
     ``shared``: other arrays train at the same time (threads of one job); its speed is
     then not its own, so it records no throughput reading. ``stop``: the study was
     cancelled (:class:`PackCancelled` at the next step). ``give_up``: the device is wanted
-    elsewhere: the array stops at its next epoch boundary and its members are checkpointed
+    elsewhere: the array stops at its next training step and its members are checkpointed
     there and ``pending`` again (an array not begun yet is left as it is: the job releases
     its members).
     """

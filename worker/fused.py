@@ -519,13 +519,13 @@ class FusedArray:
             for key, total in zip(group.keys, group.losses.totals(), strict=True)
         }
 
-    def epoch_loss(self, key: Hashable, epoch_start: int) -> dict[str, Any]:
+    def epoch_loss(self, key: Hashable) -> dict[str, Any]:
         """What a checkpoint taken in the middle of an epoch carries of it: ``key``'s summed
         step losses so far and over how many steps (nothing at an epoch boundary)."""
-        if self.step == epoch_start:
+        steps = self.step % self.steps_per_epoch
+        if not steps:
             return {}
         group, i = self._locate(key)
-        steps = self.step - epoch_start
         return {"epoch_loss": group.losses.totals()[i], "epoch_loss_steps": steps}
 
     @torch.no_grad()
@@ -592,7 +592,7 @@ class FusedArray:
             "optimizer": group.optimizer.member_state(i),
             "rng": self.generators[key].get_state(),
             "steps_done": self.step,
-            **self.epoch_loss(key, self.step - self.step % self.steps_per_epoch),
+            **self.epoch_loss(key),
         }
 
 

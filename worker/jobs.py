@@ -319,8 +319,8 @@ class PackWatch:
       goes on trains to its end (what it wrote for a cancelled study's trials is not kept:
       they are cancelled).
     - ``give_up`` is set once the scheduler asks the pack to give its device up
-      (``packs.yield_requested_at``, read every :data:`~packtune.tuning.YIELD_CHECK_SECONDS`
-      and once at the start): its arrays stop at their next epoch boundary.
+      (``packs.yield_requested_at``, read every :data:`~packtune.tuning.YIELD_CHECK_SECONDS`):
+      its arrays stop at their next training step.
     """
 
     def __init__(self, pack_id: int, study_ids: set[int]) -> None:
@@ -328,7 +328,6 @@ class PackWatch:
         self.stop, self.give_up, self._closed = (
             threading.Event(), threading.Event(), threading.Event()
         )  # fmt: skip
-        self._look_for_yield()
         self._thread = threading.Thread(target=self._run, name="packtune-watch", daemon=True)
         self._thread.start()
 

@@ -6,7 +6,7 @@ Create Date: 2026-11-25
 
 - ``packs.yield_requested_at``: set by the scheduler when a pack of a study with a better
   fair share waits and no device is free; the pack's job reads it while it trains and stops
-  at the next epoch boundary, its trials checkpointed there and ready again. NULL for every
+  at its next training step, its trials checkpointed there and ready again. NULL for every
   pack before.
 """
 

@@ -184,7 +184,7 @@ class ArrayRun(BaseModel):
     stacks: list[StackRun]
     notes: list[str]
     failed: list[int]
-    #: it stopped short (at an epoch boundary, or before it began): the pack gave its device
+    #: it stopped short (at a training step, or before it began): the pack gave its device
     #: up to a study with a better fair share, and its trials were planned again from there
     gave_up: bool = False
 
@@ -216,7 +216,7 @@ class PackPublic(BaseModel):
     #: for the others
     failed_trials: list[int] = []
     #: when the scheduler asked it to give its device up (a study with a better fair share
-    #: waited), and whether it did: it then stopped at an epoch boundary, its trials planned
+    #: waited), and whether it did: it then stopped at a training step, its trials planned
     #: again from there
     yield_requested_at: datetime | None = None
     yielded: bool = False

@@ -217,7 +217,7 @@ def unfinished_members(
 
 
 def request_yield(s: Session, pack_ids: Iterable[int]) -> list[int]:
-    """Ask running packs to give their device up at their next epoch boundary (their job
+    """Ask running packs to give their device up at their next training step (their job
     reads :func:`yield_requested` while it trains). A pack asked already, or no longer
     running, is left alone. Returns the packs asked now."""
     ids = sorted(set(pack_ids))
@@ -245,8 +245,8 @@ def yield_requested(s: Session, pack_id: int) -> bool:
 def release_members(s: Session, pack: Pack) -> list[int]:
     """A pack that gave its device up: its members still running at the unit's start (an
     array that had not begun) are ``pending`` again, to be planned anew; those that trained
-    part of the unit were made ``pending`` at the epoch they reached. Returns the trials
-    released."""
+    part of the unit were made ``pending`` at the (fractional) epoch they reached. Returns
+    the trials released."""
     ids = [m.trial_id for m in unfinished_members(s, pack, (TrialStatus.running,))]
     move_trials(s, ids, TrialStatus.pending, only_from=(TrialStatus.running,))
     return ids

@@ -12,8 +12,8 @@ The moves, as the scheduler and the workers make them (docs/design.md draws
 them as a state machine):
 
 - trial: pending -> queued (planned) -> running (claimed) -> paused (at its
-  rung) or pending (a segment on the way, or its pack gave its device up at an
-  epoch boundary); paused -> pending (promoted),
+  rung) or pending (a segment on the way, or its pack gave its device up at a
+  training step); paused -> pending (promoted),
   stopped (not promoted) or completed (last rung); running -> diverged or
   failed; running -> queued (its pack split or retried); queued -> pending (its
   pack withdrawn before it started, for a study with a better fair-share claim);
