@@ -366,9 +366,9 @@ def dispatch_order(
         return sorted(packs, key=lambda pack: pack.id)
     ids = [m.trial_id for pack in packs for m in pack.members]
     trials = {t.id: t for t in store.trials_by_id(s, ids)}
-    studies = {t.study_id for t in trials.values()}
-    specs = {i: StoredSpec.of(store.get_study(s, i).spec) for i in studies}
-    loads = study_loads(s, [store.get_study(s, i) for i in sorted(studies)], settings, now)
+    studies = {i: store.get_study(s, i) for i in sorted({t.study_id for t in trials.values()})}
+    specs = {i: StoredSpec.of(study.spec) for i, study in studies.items()}
+    loads = study_loads(s, list(studies.values()), settings, now)
     quantum = fair_share_quantum(s, settings)
 
     def key(pack: Pack) -> tuple[float, ...]:
