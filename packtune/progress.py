@@ -69,9 +69,11 @@ def watch(
     console: Console | None = None,
     interval: float = 0.5,
     until: Callable[[], bool] | None = None,
+    sleep: Callable[[float], Any] = time.sleep,
 ) -> dict[str, Any]:
     """Show a progress bar (units done / total, packs running, best so far) until the study
-    is finished; returns the last summary."""
+    is finished; returns the last summary. ``sleep(interval)`` waits between looks (it may
+    return early: ``packtune run`` joins its scheduler thread, which ends with the study)."""
     console = console or output_console()
     summary = fetch()
     metric = summary.get("objective", {}).get("metric", "val_loss")
@@ -102,7 +104,7 @@ def watch(
             )
             if summary.get("status") in FINISHED or (until is not None and until()):
                 break
-            time.sleep(interval)
+            sleep(interval)
             summary = fetch()
     return summary
 
