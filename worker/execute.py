@@ -30,14 +30,14 @@ from sqlalchemy.orm import Session
 from packtune.errors import StoreUnavailable
 from packtune.settings import get_settings
 from packtune.space import fusion_key, trial_seed
-from packtune.tuning import LARGER_PROBE_SIZES
+from packtune.tuning import DROP_BELOW_S, LARGER_PROBE_SIZES
 from packtune.workloads import get_workload
 from packtune.workloads.base import Workload
 from service import store
 from service.db import retrying
 from service.models import TrialStatus
 from worker.checkpoints import load_checkpoint, save_checkpoint
-from worker.fused import BuildError, FusedArray, Report, train
+from worker.fused import BuildError, Dropped, FusedArray, Report, train
 from worker.memory import probe
 from worker.rng import GLOBAL_RNG
 
@@ -224,8 +224,10 @@ def run_array(
     then not its own, so it records no throughput reading. ``stop``: the study was
     cancelled (:class:`PackCancelled` at the next step). ``give_up``: the device is wanted
     elsewhere: the array stops at its next training step and its members are checkpointed
-    there and ``pending`` again (an array not begun yet is left as it is: the job releases
-    its members).
+    there and ``pending`` again; an array not begun yet, or asked within
+    :data:`~packtune.tuning.DROP_BELOW_S` of its start before it reported an epoch, is left
+    as it was (its training dropped: the job releases its members, which resume from their
+    checkpoints).
     """
     workload = get_workload(job.workload)
     parts = _structural_parts(workload, job)
@@ -317,7 +319,16 @@ def run_array(
     started = time.perf_counter()
     try:
         with GLOBAL_RNG if array.stochastic else nullcontext():
-            train(array, to_step, on_report=record, stop=stop, give_up=give_up)
+            train(array, to_step, on_report=record, stop=stop, give_up=give_up,
+                  drop=lambda: time.perf_counter() - started < DROP_BELOW_S)  # fmt: skip
+    except Dropped:
+        steps = array.step - from_step
+        note = (
+            f"gave the device up {steps} steps into its unit: that progress was dropped "
+            "(cheaper than checkpointing it); its trials go on from their checkpoints"
+        )
+        return [{"trials": [m.trial_id for m in todo], "stacks": [], "notes": [note],
+                 "failed": [], "gave_up": True, "dropped": True}]  # fmt: skip
     except NOT_A_TRIAL_FAULT:
         raise
     except Exception as exc:

@@ -605,6 +605,11 @@ def _member_batch(batch: Any, group: Group, single: Group) -> Any:
     return tree_map(lambda t: t[i : i + 1], batch)
 
 
+class Dropped(Exception):
+    """:func:`train` stopped for a give-up before any report of its call: the array's state
+    since its start is to be thrown away (the members resume from their checkpoints)."""
+
+
 @dataclass(frozen=True)
 class Report:
     """Metrics of every active member at ``step``; ``resource`` is in epochs."""
@@ -621,6 +626,7 @@ def train(
     on_report: Callable[[Report], None] | None = None,
     stop: threading.Event | None = None,
     give_up: threading.Event | None = None,
+    drop: Callable[[], bool] | None = None,
 ) -> list[Report]:
     """Train ``array`` from its current step to global step ``to_step``.
 
@@ -635,7 +641,9 @@ def train(
     the next step boundary where divergence was just checked and no member diverged in
     this epoch yet (else at the epoch's end), after at least one step: the array is then
     checkpointed there with the epoch's losses so far, and resumed exactly, every epoch's
-    metrics whole.
+    metrics whole. ``drop``: asked at each step while ``give_up`` is set and nothing has
+    been reported in this call yet; True raises :class:`Dropped` there at once (the caller
+    throws the call's training away, cheaper than checkpointing it when it has just begun).
     """
     if to_step < array.step:
         raise ValueError(f"array is at step {array.step}, past to_step={to_step}")
@@ -652,6 +660,8 @@ def train(
         for batch in inputs:
             if stop is not None and stop.is_set():
                 return reports
+            if give_up is not None and give_up.is_set() and not reports and drop and drop():
+                raise Dropped(f"dropped at step {array.step} (began at {first})")
             if (
                 give_up is not None and give_up.is_set() and array.step > first
                 and array.step % array.check_every == 0

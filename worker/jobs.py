@@ -209,6 +209,8 @@ def run_pack(pack_id: int) -> str:
         ran = list(runs)
         # arrays that had not begun when the pack gave its device up: planned anew
         released = store.release_members(s, pack) if watch.give_up.is_set() else []
+        reported = {t for run in ran for t in run["trials"]}  # dropped arrays say so
+        released = [t for t in released if t not in reported]
         if released:
             note = "not begun: the pack gave its device up first; planned again"
             ran.append({"trials": released, "stacks": [], "notes": [note], "failed": [],

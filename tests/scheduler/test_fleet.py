@@ -25,8 +25,9 @@ from tests.scheduler.test_scheduler import (
     run_to_end,
     scheduler,
 )
+from worker import execute
 from worker.fused import FusedArray
-from worker.jobs import run_pack
+from worker.jobs import PackWatch, run_pack
 
 __all__ = ["db"]  # the fixture, used by name
 
@@ -143,14 +144,20 @@ def test_a_small_study_behind_a_big_one_gets_the_next_free_slot(
     assert {big: "big", small: "small"}[new[0].study_id] == served
 
 
-@pytest.mark.parametrize(("order", "outcome"), [("fair", "yielded"), ("id", "completed")])
+@pytest.mark.parametrize(
+    ("order", "epochs", "outcome"),
+    [("fair", 1, "yielded"), ("fair", 0, "dropped"), ("id", 1, "completed")],
+)
 def test_a_running_pack_gives_its_device_up_to_a_study_with_a_better_fair_share(
-    db: None, monkeypatch: pytest.MonkeyPatch, order: str, outcome: str
+    db: None, monkeypatch: pytest.MonkeyPatch, order: str, epochs: int, outcome: str
 ) -> None:
     """A small study submitted while a big one's pack trains: with fair share the running
     pack is asked to give its device up, stops inside an epoch, and its trials go on from
-    there in later packs; the big study's results equal its run alone. In id order the pack
-    trains to its end."""
+    there in later packs; asked before its first epoch's end (``epochs`` 0) while it may
+    still drop what it trained (here: always), it drops it and its trials go on from where
+    they were. Either way the big study's results equal its run
+    alone. In id order the pack trains to its end."""
+    monkeypatch.setattr(execute, "DROP_BELOW_S", 3600.0)  # a reported epoch still forbids it
     monkeypatch.setenv("PACKTUNE_DISPATCH_ORDER", order)
     monkeypatch.setenv("PACKTUNE_FAIR_SHARE_QUANTUM", "0.000001")
     get_settings.cache_clear()
@@ -170,15 +177,24 @@ def test_a_running_pack_gives_its_device_up_to_a_study_with_a_better_fair_share(
     (first,) = [p for p in all_packs() if p.id not in before]
     assert max(m.to_resource for m in first.members) == 9  # a unit of 9 epochs, no cuts
 
-    # the worker: training blocks at step 20 (inside epoch 2) until the test lets it go on
+    # the worker: the first array to reach step 3 of the epoch after `epochs` whole ones
+    # blocks there until the test lets it go on, and then (fair share) until the pack's
+    # watch has read the request
     reached, go_on = threading.Event(), threading.Event()
-    step = FusedArray.train_step
+    step, watches, watch_init = FusedArray.train_step, [], PackWatch.__init__
+
+    def watched(self: PackWatch, *args: Any) -> None:
+        watches.append(self)
+        watch_init(self, *args)
 
     def gated(self: FusedArray, batch: Any) -> None:
-        if self.step == 20:
+        if self.step == epochs * self.steps_per_epoch + 3 and not reached.is_set():
             reached.set()
             assert go_on.wait(60)
+            assert order != "fair" or watches[0].give_up.wait(60)
         step(self, batch)
+
+    monkeypatch.setattr(PackWatch, "__init__", watched)
 
     monkeypatch.setattr(FusedArray, "train_step", gated)
     result: list[str] = []
@@ -189,16 +205,25 @@ def test_a_running_pack_gives_its_device_up_to_a_study_with_a_better_fair_share(
     sched.tick()
     go_on.set()
     worker.join(60)
-    assert result == [outcome]
+    assert result == ["completed" if outcome == "completed" else "yielded"]
     monkeypatch.setattr(FusedArray, "train_step", step)
 
     packs = {p.id: p for p in all_packs()}
-    assert (packs[first.id].yield_requested_at is not None) == (outcome == "yielded")
-    if outcome == "yielded":
+    assert (packs[first.id].yield_requested_at is not None) == (outcome != "completed")
+    if outcome != "completed":
         runs = packs[first.id].arrays or []
         assert any(r["gave_up"] for r in runs), runs
         notes = " ".join(n for r in runs for n in r["notes"])
-        assert "gave the device up after epoch" in notes
+        kept = [r for r in runs if r["gave_up"] and not r.get("dropped") and r["stacks"]]
+        dropped = [t for r in runs if r.get("dropped") for t in r["trials"]]
+        if outcome == "yielded":  # the array held had reported its first epoch: kept
+            assert kept and "gave the device up after epoch" in notes, notes
+        else:  # nothing kept: its trials are where they were, with no measurement yet
+            assert dropped and "steps into its unit: that progress was dropped" in notes, notes
+            with session_scope(get_sessionmaker()) as s:
+                trials = [store.get_trial(s, t) for t in dropped]
+                assert {(t.status, t.resource_done) for t in trials} == {(TrialStatus.pending, 0.0)}
+                assert not any(store.measurements_of(s, t) for t in dropped)
         # the API says so too
         with session_scope(get_sessionmaker()) as s:
             rows, _ = queries.packs(s, big, limit=500)
