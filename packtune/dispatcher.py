@@ -70,4 +70,9 @@ class Dispatcher(Protocol):
         ``memory_budget``, ``busy``), which the scheduler writes for it; None for RQ."""
         ...
 
+    def nudge(self) -> None:
+        """Running packs were just asked to give their device up (committed): have the
+        runners read their packs' rows now rather than at their next look; optional."""
+        ...
+
     def close(self) -> None: ...

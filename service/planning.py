@@ -126,8 +126,10 @@ def plan_fleet(
     workers: list[Worker],
     settings: Settings,
     now: datetime,
+    asked: list[int] | None = None,
 ) -> int:
-    """Plan and record packs for the pending trials of ``studies``; returns the packs made.
+    """Plan and record packs for the pending trials of ``studies``; returns the packs made
+    (and appends to ``asked`` the running packs asked to give their device up).
 
     With ``settings.share_packs`` studies with the same pack size limit are planned
     together: their units share packs, and fuse into one array where their lanes agree
@@ -163,7 +165,9 @@ def plan_fleet(
         groups.setdefault(key, []).append(p)
     made = sum(_plan_group(s, group, workers, settings, order) for group in groups.values())
     if order == "fair" and settings.preempt:
-        _yield_for(s, loads, quantum, workers, settings, now)
+        yielding = _yield_for(s, loads, quantum, workers, settings, now)
+        if asked is not None:
+            asked.extend(yielding)
     return made
 
 

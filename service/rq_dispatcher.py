@@ -101,6 +101,9 @@ class RQDispatcher:
     def runner_status(self) -> dict[str, Any] | None:
         return None  # RQ workers send their own heartbeats
 
+    def nudge(self) -> None:
+        """RQ workers read their packs' rows every ``YIELD_CHECK_SECONDS``: nothing to do."""
+
     def close(self) -> None:
         if self._listener is not None:
             self._listener.stop.set()

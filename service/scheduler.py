@@ -69,6 +69,7 @@ class TickReport:
     sampled: int = 0  # trials sampled by this tick (of every study: SAMPLE_CHUNK at most)
     queue_error: str | None = None  # the job queue could not be reached
     finished_studies: list[int] = field(default_factory=list)
+    yields: list[int] = field(default_factory=list)  # running packs asked to give way
 
 
 def _now() -> datetime:
@@ -129,6 +130,9 @@ class Scheduler:
             self._cancelled(s)
             to_enqueue = self._dispatch(s, now, report)
             checks = self._checks(s)
+        nudge = getattr(self.dispatcher, "nudge", None)
+        if report.yields and nudge is not None:
+            nudge()  # committed: the runner reads the request now, not at its next look
         for pack_id, job_id in to_enqueue:
             try:
                 self.dispatcher.enqueue(pack_id, job_id)
@@ -282,7 +286,9 @@ class Scheduler:
         an error undoes only the planning, and the next tick tries again."""
         try:
             with s.begin_nested():
-                report.planned += planning.plan_fleet(s, studies, workers, self.settings, now)
+                report.planned += planning.plan_fleet(
+                    s, studies, workers, self.settings, now, asked=report.yields
+                )
         except DATABASE_ERRORS:
             raise
         except Exception:

@@ -31,10 +31,11 @@ from worker.gpu import gpu_readings
 log = logging.getLogger(__name__)
 
 
-def _init_runner(parent: int, nice: int) -> None:
+def _init_runner(parent: int, nice: int, nudges: Any = None) -> None:
     """In the child, first thing: train at a lower CPU priority (``nice``: on a laptop the
-    API, the dashboard and the scheduler share the cores with training), and exit once
-    ``parent`` is gone (the child is re-parented).
+    API, the dashboard and the scheduler share the cores with training), exit once
+    ``parent`` is gone (the child is re-parented), and let ``nudges`` (an event the
+    scheduler sets, :meth:`EmbeddedDispatcher.nudge`) wake a running pack's watch.
 
     Without it, ``packtune serve`` ended by SIGTERM (uvicorn re-raises the signal, so
     no clean-up runs) or SIGKILL left its runner idle for ever, holding ~400 MB.
@@ -53,6 +54,10 @@ def _init_runner(parent: int, nice: int) -> None:
         # picklable dataset. Fork them, as in any Linux process (and as RQ's work-horse does).
         multiprocessing.set_start_method("fork", force=True)
     threading.Thread(target=watch, name="packtune-parent-watch", daemon=True).start()
+    if nudges is not None:
+        from worker.jobs import listen_for_nudges
+
+        listen_for_nudges(nudges)
 
 
 def _warm_up(workload: str | None) -> str:
@@ -97,6 +102,7 @@ class EmbeddedDispatcher:
         self._nice = settings.runner_nice
         self._device, self._memory_budget = settings.device, settings.cpu_memory_budget
         self._ctx = multiprocessing.get_context("spawn")
+        self._nudges = self._ctx.Event()
         self._pool: ProcessPoolExecutor | None = None
         self._jobs: dict[str, Future[str]] = {}
         self.warm_up: Future[str] | None = None
@@ -119,7 +125,7 @@ class EmbeddedDispatcher:
                 max_workers=1,
                 mp_context=self._ctx,
                 initializer=_init_runner,
-                initargs=(os.getpid(), self._nice),
+                initargs=(os.getpid(), self._nice, self._nudges),
             )
         return self._pool
 
@@ -170,6 +176,11 @@ class EmbeddedDispatcher:
             "memory_budget": self._memory_budget,
             "busy": self.busy() > 0,
         }
+
+    def nudge(self) -> None:
+        """The running pack's watch reads its row at once (it looks every
+        ``YIELD_CHECK_SECONDS`` otherwise)."""
+        self._nudges.set()
 
     def close(self) -> None:
         """Stop the runner at once: closed during its start-up (e.g. the database could not be

@@ -312,6 +312,24 @@ def _run_isolating(
         return [{"trials": ids, "stacks": stacks, "notes": [note], "failed": failed}]
 
 
+#: set to make the running pack's watch look at once (the embedded runner's scheduler sets
+#: the multiprocessing event that :func:`listen_for_nudges` puts here)
+_nudges: Any = threading.Event()
+
+
+def listen_for_nudges(event: Any) -> None:
+    """In the embedded runner: ``event``, set by the scheduler when it asks a pack to give
+    its device up, wakes the running pack's watch."""
+    global _nudges
+    _nudges = event
+
+
+def nudge_watches() -> None:
+    """Make the running packs' watches of this process look at once (what the embedded
+    runner's scheduler does through the event :func:`listen_for_nudges` installs)."""
+    _nudges.set()
+
+
 class PackWatch:
     """Watches a running pack from a thread of its own:
 
@@ -321,8 +339,9 @@ class PackWatch:
       goes on trains to its end (what it wrote for a cancelled study's trials is not kept:
       they are cancelled).
     - ``give_up`` is set once the scheduler asks the pack to give its device up
-      (``packs.yield_requested_at``, read every :data:`~packtune.tuning.YIELD_CHECK_SECONDS`):
-      its arrays stop at their next training step.
+      (``packs.yield_requested_at``, read every :data:`~packtune.tuning.YIELD_CHECK_SECONDS`,
+      and at once when the embedded runner's scheduler nudges it): its arrays stop at their
+      next training step.
     """
 
     def __init__(self, pack_id: int, study_ids: set[int]) -> None:
@@ -343,7 +362,11 @@ class PackWatch:
     def _run(self) -> None:
         ended = (StudyStatus.cancelled, StudyStatus.failed, StudyStatus.completed)
         last_study_look = time.monotonic()
-        while not self._closed.wait(YIELD_CHECK_SECONDS):
+        while True:
+            _nudges.wait(YIELD_CHECK_SECONDS)
+            if self._closed.is_set():
+                return
+            _nudges.clear()  # before the read: a nudge from now on wakes the next look
             if not self.give_up.is_set():
                 self._look_for_yield()
             if time.monotonic() - last_study_look < CANCEL_CHECK_SECONDS:
@@ -362,6 +385,7 @@ class PackWatch:
 
     def close(self) -> None:
         self._closed.set()
+        _nudges.set()  # wakes this watch now (the next pack's watch then looks once at once)
         self._thread.join(timeout=5)
 
 

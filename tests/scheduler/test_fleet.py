@@ -25,7 +25,7 @@ from tests.scheduler.test_scheduler import (
     run_to_end,
     scheduler,
 )
-from worker import execute
+from worker import execute, jobs
 from worker.fused import FusedArray
 from worker.jobs import PackWatch, run_pack
 
@@ -158,6 +158,8 @@ def test_a_running_pack_gives_its_device_up_to_a_study_with_a_better_fair_share(
     they were. Either way the big study's results equal its run
     alone. In id order the pack trains to its end."""
     monkeypatch.setattr(execute, "DROP_BELOW_S", 3600.0)  # a reported epoch still forbids it
+    # the pack's watch looks when the scheduler nudges it, not on its own
+    monkeypatch.setattr(jobs, "YIELD_CHECK_SECONDS", 3600.0)
     monkeypatch.setenv("PACKTUNE_DISPATCH_ORDER", order)
     monkeypatch.setenv("PACKTUNE_FAIR_SHARE_QUANTUM", "0.000001")
     get_settings.cache_clear()
@@ -206,6 +208,7 @@ def test_a_running_pack_gives_its_device_up_to_a_study_with_a_better_fair_share(
     go_on.set()
     worker.join(60)
     assert result == ["completed" if outcome == "completed" else "yielded"]
+    assert dispatcher.nudged == (outcome != "completed")
     monkeypatch.setattr(FusedArray, "train_step", step)
 
     packs = {p.id: p for p in all_packs()}

@@ -68,6 +68,14 @@ class SyncDispatcher:
     def state(self, job_id: str) -> tuple[JobState, str | None]:
         return self.states.get(job_id, (JobState.missing, None))
 
+    nudged = 0
+
+    def nudge(self) -> None:  # as the embedded runner's: the watches of this process look now
+        from worker.jobs import nudge_watches
+
+        self.nudged += 1
+        nudge_watches()
+
     def lose(self) -> None:
         self.states.clear()
 
@@ -330,7 +338,7 @@ def test_an_unexpected_error_in_planning_is_logged_and_undone(
     study_id = new_study()
     real = planning.plan_fleet
 
-    def plan_fleet(s: Any, *args: Any) -> Any:
+    def plan_fleet(s: Any, *args: Any, **kwargs: Any) -> Any:
         store.create_pack(s, study_id=study_id, members=[(first_trial(s), "k", 0.0, 1.0)])
         raise AttributeError("a bug in the planner")
 
