@@ -101,6 +101,9 @@ class RecordingDispatcher:
     def runner_status(self) -> None:
         return None
 
+    def nudge(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

@@ -72,7 +72,7 @@ class Dispatcher(Protocol):
 
     def nudge(self) -> None:
         """Running packs were just asked to give their device up (committed): have the
-        runners read their packs' rows now rather than at their next look; optional."""
+        runners read their packs' rows now rather than at their next look (RQ: nothing)."""
         ...
 
     def close(self) -> None: ...

@@ -130,9 +130,8 @@ class Scheduler:
             self._cancelled(s)
             to_enqueue = self._dispatch(s, now, report)
             checks = self._checks(s)
-        nudge = getattr(self.dispatcher, "nudge", None)
-        if report.yields and nudge is not None:
-            nudge()  # committed: the runner reads the request now, not at its next look
+        if report.yields:  # committed: the runner reads the request now, not at its next look
+            self.dispatcher.nudge()
         for pack_id, job_id in to_enqueue:
             try:
                 self.dispatcher.enqueue(pack_id, job_id)

@@ -36,7 +36,7 @@ from tests.support.cluster import (
     wait_for,
     wait_study,
 )
-from tests.support.plugins import install_plugin, registered
+from tests.support.plugins import install_plugin, plugin_module, registered
 from tests.support.processes import (
     free_port,
     packtune_env,
@@ -441,11 +441,10 @@ TRIAL_FAULTS_SPEC: dict[str, Any] = {
 def faulty_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A throwaway installed distribution registering ``faulty-mlp`` as a workload, on the
     path of this process (``monkeypatch``) and of the processes it starts (``PYTHONPATH``)."""
-    root = tmp_path / "plugin"
-    root.mkdir()
-    (root / "faulty_packtune_plugin.py").write_text(FAULTY_PLUGIN)
-    install_plugin(root, "faulty_packtune_plugin", {"faulty": "faulty_packtune_plugin:FaultyMLP"})
-    with registered(monkeypatch, root, ("faulty_packtune_plugin",)):
+    entry = {"faulty": "faulty_packtune_plugin:FaultyMLP"}
+    with plugin_module(
+        monkeypatch, tmp_path / "plugin", "faulty_packtune_plugin", FAULTY_PLUGIN, entry
+    ) as root:
         yield root
 
 
@@ -794,11 +793,10 @@ class SlowDigitsMLP(DigitsMLP):
 def slow_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """``slow-digits-mlp`` installed for this process and (through ``PYTHONPATH``) the
     processes it starts."""
-    root = tmp_path / "slow-plugin"
-    root.mkdir()
-    (root / "slow_packtune_plugin.py").write_text(SLOW_PLUGIN)
-    install_plugin(root, "slow_packtune_plugin", {"slow": "slow_packtune_plugin:SlowDigitsMLP"})
-    with registered(monkeypatch, root, ("slow_packtune_plugin",)):
+    entry = {"slow": "slow_packtune_plugin:SlowDigitsMLP"}
+    with plugin_module(
+        monkeypatch, tmp_path / "slow-plugin", "slow_packtune_plugin", SLOW_PLUGIN, entry
+    ) as root:
         yield root
 
 

@@ -40,3 +40,20 @@ def registered(
         workloads.registry.cache_clear()
         for module in modules:
             sys.modules.pop(module, None)
+
+
+@contextmanager
+def plugin_module(
+    monkeypatch: pytest.MonkeyPatch,
+    root: Path,
+    module: str,
+    source: str,
+    entry_points: Mapping[str, str],
+) -> Iterator[Path]:
+    """``source`` written as ``<root>/<module>.py``, installed as distribution ``module``
+    with ``entry_points`` (:func:`install_plugin`) and :func:`registered` while open."""
+    root.mkdir()
+    (root / f"{module}.py").write_text(source)
+    install_plugin(root, module, entry_points)
+    with registered(monkeypatch, root, (module,)):
+        yield root
