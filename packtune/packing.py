@@ -15,7 +15,10 @@ plain values only:
    its key (:func:`best_array_size`, Omnivore's "grow while it gains 10%"),
    the study's ``max_pack_size``, and the largest size whose estimated memory
    fits the roomiest device. A unit that fits no device even alone is
-   *unplaceable*: the caller must say so, not wait for it.
+   *unplaceable*: the caller must say so, not wait for it; or, with ``spill``, it
+   becomes an array of its own marked ``spilled`` (trained shard by shard through
+   a device: :mod:`packtune.spilling`), which takes a device whole, in a pack of its
+   own, on a device nothing else was planned onto in this call (else deferred).
 3. First-fit-decreasing: arrays by rank (their best unit's), then estimated bytes,
    largest first, go into the
    first open pack whose device still has room (and whose trial count stays
@@ -166,6 +169,7 @@ class PlannedArray:
     to_resource: float
     units: tuple[Unit, ...]
     estimated_bytes: int
+    spilled: bool = False
 
     @property
     def rank(self) -> tuple[float, ...]:
@@ -186,6 +190,10 @@ class PlannedPack:
     @property
     def units(self) -> tuple[Unit, ...]:
         return tuple(unit for array in self.arrays for unit in array.units)
+
+    @property
+    def spilled(self) -> bool:
+        return any(array.spilled for array in self.arrays)
 
 
 @dataclass
@@ -209,6 +217,7 @@ def _arrays(
     max_pack_size: int | None,
     largest_capacity: int,
     unplaceable: list[Unit],
+    spill: bool = False,
 ) -> list[PlannedArray]:
     arrays = []
     for (key, _, start, stop), members in groupby(
@@ -220,6 +229,9 @@ def _arrays(
         if max_pack_size is not None:
             limit = min(limit, max_pack_size)
         limit = model.max_fit(largest_capacity, limit)
+        if limit == 0 and spill:
+            arrays += [PlannedArray(key, start, stop, (u,), model.bytes(1), True) for u in group]
+            continue
         if limit == 0:
             unplaceable.extend(group)
             continue
@@ -252,6 +264,7 @@ def plan_packs(
     max_pack_size: int | None = None,
     max_packs_per_device: int | None = None,
     spread: bool = False,
+    spill: bool = False,
 ) -> PackPlan:
     """Bin-pack ready units into packs that fit their devices (see the module docstring).
 
@@ -275,19 +288,31 @@ def plan_packs(
     plan = PackPlan()
     largest = max(device.capacity for device in devices)
     arrays = _arrays(
-        units, memory, array_size, default_memory, max_pack_size, largest, plan.unplaceable
-    )
+        units, memory, array_size, default_memory, max_pack_size, largest, plan.unplaceable,
+        spill,
+    )  # fmt: skip
     used = {device.name: 0 for device in devices}
     count = {device.name: 0 for device in devices}
     open_packs: list[_OpenPack] = []
     deferred: list[Unit] = []
     # sorted() is stable: equal ranks and estimates keep the deterministic group order.
     for array in sorted(arrays, key=lambda array: (array.rank, -array.estimated_bytes)):
+        if array.spilled:  # a device of its own, whole
+            empty = [device for device in devices if count[device.name] == 0]
+            if not empty:
+                deferred.extend(array.units)
+                continue
+            device = max(empty, key=attrgetter("capacity"))
+            open_packs.append(_OpenPack(device, [array]))
+            count[device.name] += 1
+            used[device.name] = device.capacity
+            continue
         size = array.estimated_bytes
         room = [
             pack
             for pack in open_packs
-            if used[pack.device.name] + size <= pack.device.capacity
+            if not pack.arrays[0].spilled
+            and used[pack.device.name] + size <= pack.device.capacity
             and (max_pack_size is None or pack.trials() + len(array.units) <= max_pack_size)
         ]
         candidates = [

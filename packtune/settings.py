@@ -75,6 +75,12 @@ class Settings(BaseSettings):
     cpu_memory_budget: int = Field(
         default=4 * 2**30, gt=0, description="Bytes a CPU device may give one pack."
     )
+    spill: bool = Field(
+        default=True,
+        description="Train a trial whose estimated memory exceeds every device's by spilling: "
+        "its model (an nn.Sequential) cut into shards of layers kept in host memory and moved "
+        "through the device in turn; false: such a trial fails as fitting no device.",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
         default="auto", description="Device a worker trains on."
     )

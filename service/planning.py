@@ -333,6 +333,8 @@ def _plan_group(
         # shared packs would put every study's work on the first free device; one study per
         # pack (PACKTUNE_SHARE_PACKS=false) plans as packtune did before, first fit
         spread=settings.share_packs,
+        # a unit too large for every device trains alone, spilled (PACKTUNE_SPILL)
+        spill=settings.spill,
     )
     plan.deferred += later
     queued: list[int] = []
@@ -354,7 +356,8 @@ def _plan_group(
         [u.trial_id for u in plan.unplaceable],
         TrialStatus.failed,
         only_from=(TrialStatus.pending,),
-        error="fits no device: its estimated memory exceeds every live device's free memory",
+        error="fits no device: its estimated memory exceeds every live device's free memory "
+        "(PACKTUNE_SPILL=true would train it spilled, if its model is an nn.Sequential)",
     )
     s.flush()
     return len(plan.packs)

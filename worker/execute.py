@@ -28,9 +28,10 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from packtune.errors import StoreUnavailable
+from packtune.packing import MemoryModel
 from packtune.settings import get_settings
 from packtune.space import fusion_key, trial_seed
-from packtune.tuning import DROP_BELOW_S, LARGER_PROBE_SIZES
+from packtune.tuning import DROP_BELOW_S, HEADROOM, LARGER_PROBE_SIZES
 from packtune.workloads import get_workload
 from packtune.workloads.base import Workload
 from service import store
@@ -146,12 +147,35 @@ def _settle_heap() -> None:
     gc.freeze()
 
 
-def _larger_probe_sizes(bytes_for: Callable[[int], int], device: torch.device) -> tuple[int, ...]:
+def _free_bytes(device: torch.device) -> int:
+    """A GPU's free memory; a CPU's ``PACKTUNE_CPU_MEMORY_BUDGET``."""
     if device.type == "cuda":
-        free = int(torch.cuda.mem_get_info(device)[0])
-    else:
-        free = get_settings().cpu_memory_budget
+        return int(torch.cuda.mem_get_info(device)[0])
+    return get_settings().cpu_memory_budget
+
+
+def device_capacity(device: torch.device) -> int:
+    """Bytes a pack may use on ``device``: its free bytes with the planner's headroom."""
+    return int(_free_bytes(device) * HEADROOM)
+
+
+def _larger_probe_sizes(bytes_for: Callable[[int], int], device: torch.device) -> tuple[int, ...]:
+    free = _free_bytes(device)
     return tuple(k for k in LARGER_PROBE_SIZES if bytes_for(k) <= free // 2)
+
+
+def spill_budget(job: ArrayJob, kind: str, device: torch.device, k: int) -> int | None:
+    """The device bytes ``job``'s array of ``k`` may use spilled, when its estimated memory
+    exceeds the device's capacity (the planner planned it alone for that reason); None
+    when it fits, or with ``PACKTUNE_SPILL=false``."""
+    if not get_settings().spill:
+        return None
+    profile = retrying(lambda s: store.get_profile(s, job.workload, job.fusion_key, kind))
+    if profile is None or profile.base_bytes is None or profile.per_trial_bytes is None:
+        return None
+    capacity = device_capacity(device)
+    need = MemoryModel(int(profile.base_bytes), int(profile.per_trial_bytes)).bytes(k)
+    return capacity if need > capacity else None
 
 
 def is_profiled(job: ArrayJob, kind: str) -> bool:
@@ -277,10 +301,11 @@ def run_array(
     try:
         data = None if workload.streams else workload.data(first, device)
         _ensure_profile(job, first, device, kind, data)
+        budget = spill_budget(job, kind, device, len(todo))
         with GLOBAL_RNG:
             array = FusedArray(
                 workload, [(m.trial_id, configs[m.trial_id]) for m in todo],
-                device=device, states=states, data=data,
+                device=device, states=states, data=data, spill_budget=budget,
             )  # fmt: skip
     except NOT_A_TRIAL_FAULT:
         raise
@@ -345,10 +370,10 @@ def run_array(
     stopped_short = array.step < to_step and bool(array.groups)
     gave_up = give_up is not None and give_up.is_set() and stopped_short
     _mark_done(job, saved, array.step / spe if gave_up else None)
-    if array.step > from_step and seconds > 0 and not shared:
+    if array.step > from_step and seconds > 0 and not shared and budget is None:
         value = k * (array.step - from_step) / seconds
         retrying(lambda s: store.record_throughput(s, job.workload, job.fusion_key, kind, k, value))
-    notes = [*([array.warning] if array.warning else []), *array.notes]
+    notes = [*([array.warning] if array.warning else []), *array.notes, *array.spill_notes()]
     if gave_up:
         notes.append(
             f"gave the device up after epoch {array.step / spe:g} of {job.to_resource:g}: a "

@@ -46,8 +46,11 @@ class FlatStack:
             start += size
         self.width = start
 
-    def empty(self) -> Tensor:
-        return torch.empty(self.k, self.width, dtype=self.dtype, device=self.device)
+    def empty(self, pin: bool = False) -> Tensor:
+        """An uninitialised ``[k, N]`` buffer; ``pin``: in page-locked host memory (what an
+        asynchronous copy to a GPU reads from)."""
+        return torch.empty(self.k, self.width, dtype=self.dtype, device=self.device,
+                           pin_memory=pin)  # fmt: skip
 
     def zeros(self) -> Tensor:
         return torch.zeros(self.k, self.width, dtype=self.dtype, device=self.device)
@@ -64,8 +67,9 @@ class FlatStack:
         return torch.cat([t.reshape(self.k, -1) for t in tensors], dim=1, out=out)
 
 
-def flatten_(params: Mapping[str, Tensor]) -> list[tuple[FlatStack, Tensor]]:
-    """Move ``params`` (stacked ``[k, ...]`` tensors) into one buffer per dtype and device.
+def flatten_(params: Mapping[str, Tensor], pin: bool = False) -> list[tuple[FlatStack, Tensor]]:
+    """Move ``params`` (stacked ``[k, ...]`` tensors) into one buffer per dtype and device
+    (``pin``: host buffers page-locked, for a spilled array's copies to its GPU).
 
     Returns ``(layout, buffer)`` pairs; every tensor of ``params`` now views its
     columns of ``buffer`` (same object, same values, same ``requires_grad``).
@@ -79,7 +83,9 @@ def flatten_(params: Mapping[str, Tensor]) -> list[tuple[FlatStack, Tensor]]:
         k = tensors[0].shape[0]
         stack = FlatStack(names, [t.shape[1:] for t in tensors], k, dtype, device)
         with torch.no_grad():
-            buffer = stack.pack([t.detach() for t in tensors], stack.empty())
+            buffer = stack.pack(
+                [t.detach() for t in tensors], stack.empty(pin and device.type == "cpu")
+            )
             for j, t in enumerate(tensors):
                 t.data = stack.view(buffer, j)
         stacks.append((stack, buffer))

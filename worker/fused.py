@@ -52,6 +52,7 @@ from torch import Tensor, nn
 
 from packtune.errors import DETAILS
 from packtune.schedules import SCHEDULE_PARAMS, Schedule, schedule_of
+from packtune.spilling import Unspillable
 from packtune.tuning import CUDA_CHECK_EVERY
 from packtune.workloads.base import OPTIMIZER_PARAMS, Split, Workload
 from worker.batches import (
@@ -72,6 +73,7 @@ from worker.fused_forward import (
 from worker.fused_group import Group, Stack
 from worker.fusion_guard import model_signature, partition, split_causes
 from worker.optim import OPTIMIZER_HYPER, build_optimizer
+from worker.spill import SpilledGroup, spill_problem
 
 StackMode = Literal["auto", "vmap", "bmm", "serial"]
 
@@ -259,6 +261,12 @@ class FusedArray:
     (:func:`worker.fusion_guard.model_signature`) are stacked apart: each such
     part has its own template and forward, on the same batches. ``warning``
     then says why, naming the parameter; ``mode`` is the first part's.
+
+    ``spill_budget`` (bytes): the array does not fit its device; its stacks keep their
+    tensors on the host and train shard by shard through that much of the device
+    (:mod:`worker.spill`), with the same results. A model that cannot be spilled (not an
+    ``nn.Sequential``, or a workload with its own ``training_loss``) raises
+    :class:`~packtune.spilling.Unspillable`.
     """
 
     def __init__(
@@ -270,6 +278,7 @@ class FusedArray:
         mode: StackMode = "auto",
         states: Sequence[Mapping[str, Any] | None] | None = None,
         data: tuple[Split, Split] | None = None,
+        spill_budget: int | None = None,
     ) -> None:
         if not members:
             raise ValueError("an array needs at least one member")
@@ -283,6 +292,9 @@ class FusedArray:
         if len(done) != 1:
             raise ValueError(f"members of one array must be at the same step; got {sorted(done)}")
         self.workload, self.device = workload, torch.device(device)
+        #: device bytes a spilled array may use (None: the array trains in device memory)
+        self.spill_budget = spill_budget
+        home = torch.device("cpu") if spill_budget is not None else self.device
         self.config = configs[0]
         self.configs = dict(zip(keys, configs, strict=True))
         self.step = done.pop()
@@ -305,9 +317,15 @@ class FusedArray:
         for part in parts:
             template = copy.deepcopy(models[part[0]]).to("meta")
             stochastic = _is_stochastic(workload, template)
+            problem = spill_problem(workload, template) if spill_budget is not None else None
+            if problem is not None:
+                raise Unspillable(
+                    f"{workload.name} needs more memory than the device has ({spill_budget:,} "
+                    f"bytes), and it cannot be spilled: {problem}"
+                )
             for idx, stack in _forwards(workload, template, part, mode, stochastic,
                                         self.precision):  # fmt: skip
-                params, buffers = _stack([models[i] for i in idx], self.device)
+                params, buffers = _stack([models[i] for i in idx], home)
                 self.groups.append(self._group(
                     [keys[i] for i in idx], params, buffers,
                     [s["optimizer"] if s else None for s in (states[i] for i in idx)], stack,
@@ -342,7 +360,11 @@ class FusedArray:
             nesterov=bool(self.config.get("nesterov", False)),
             states=list(optimizer_states),
             schedules=schedules(configs, self.steps_per_epoch),
+            pin=self.spill_budget is not None and self.device.type == "cuda",
         )  # fmt: skip
+        if self.spill_budget is not None:
+            return SpilledGroup(keys, params, buffers, optimizer, stack, self.precision,
+                                self.device, self.spill_budget)  # fmt: skip
         return Group(keys, params, buffers, optimizer, stack, self.precision)
 
     def _split_per_member(self, group: Group, error: BaseException) -> list[Group]:
@@ -370,6 +392,16 @@ class FusedArray:
                 stack,
             )  # fmt: skip
             for i, key in enumerate(group.keys)
+        ]
+
+    def spill_notes(self) -> list[str]:
+        """What a spilled array says of how it ran (nothing for an array in device memory)."""
+        return [
+            f"spilled: larger than the device's {group.budget:,} bytes, so "
+            f"{'trials' if len(group.keys) > 1 else 'trial'} {', '.join(map(str, group.keys))} "
+            f"trained in {group.shard_count} shards of layers, moved through the device in turn"
+            for group in self.groups
+            if isinstance(group, SpilledGroup) and group.shard_count
         ]
 
     @property
@@ -444,7 +476,7 @@ class FusedArray:
             if group.stochastic:
                 self._reseed(group)
             group.step(batch, self.workload, self.step + 1)
-        except torch.cuda.OutOfMemoryError:
+        except (torch.cuda.OutOfMemoryError, Unspillable):
             raise
         except Exception as exc:
             for n, b in group.buffers.items():

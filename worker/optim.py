@@ -89,8 +89,10 @@ class StackedOptimizer(abc.ABC):
         hyper: Mapping[str, Tensor],
         states: Sequence[MemberState | None] | None = None,
         schedules: Sequence[Schedule] | None = None,
+        pin: bool = False,
     ) -> None:
         first = next(iter(params.values()))
+        self.pin = pin  # parameters in page-locked host memory (a spilled array's)
         k, device = first.shape[0], first.device
         missing = set(self.hyper_keys) - set(hyper)
         if missing:
@@ -135,7 +137,7 @@ class StackedOptimizer(abc.ABC):
     def _place(self, params: Mapping[str, Tensor], flat_state: list[Slots] | None = None) -> None:
         """Flatten ``params`` and view ``flat_state`` (zeros if ``None``) per parameter."""
         self.params = dict(params)
-        self.stacks = flatten_(self.params)
+        self.stacks = flatten_(self.params, self.pin)
         self.flat_state = flat_state or [
             {key: stack.zeros() for key in self.state_keys} for stack, _ in self.stacks
         ]
@@ -463,6 +465,7 @@ def build_optimizer(
     nesterov: bool = False,
     states: Sequence[MemberState | None] | None = None,
     schedules: Sequence[Schedule] | None = None,
+    pin: bool = False,
 ) -> StackedOptimizer:
     """The stacked optimizer called ``name`` (one of :data:`OPTIMIZERS`).
 
@@ -472,9 +475,10 @@ def build_optimizer(
     ``states`` optionally gives each member's exported state (``None`` for a
     fresh member), so an array can resume trials that trained elsewhere.
     ``schedules`` gives each member's learning-rate schedule (constant if omitted).
-    ``params`` are moved into the optimizer's flat buffers (:mod:`worker.flat`).
+    ``params`` are moved into the optimizer's flat buffers (:mod:`worker.flat`), page-locked
+    with ``pin`` (host parameters of a spilled array on a GPU).
     """
-    kwargs: dict[str, Any] = {"states": states, "schedules": schedules}
+    kwargs: dict[str, Any] = {"states": states, "schedules": schedules, "pin": pin}
     if name == "sgd":
         return StackedSGD(params, hyper, nesterov=nesterov, **kwargs)
     if name in ("adam", "adamw"):

@@ -198,6 +198,29 @@ def test_a_unit_that_fits_nowhere_is_unplaceable() -> None:
     assert sorted(unit.trial_id for unit in placed(plan)) == [2, 3]
 
 
+def test_with_spill_a_unit_that_fits_nowhere_takes_a_device_alone() -> None:
+    huge = MemoryModel(base=2000 * MiB, per_trial=MiB)
+    other = Device("other", 1024 * MiB)
+    ready = units("huge", range(3)) + units("ok", range(3, 5))
+    plan = plan_packs(
+        ready, [GPU, other], {"huge": huge}, {"huge": 2}, default_memory=SMALL, spill=True
+    )
+    assert plan.unplaceable == []
+    # the largest arrays first: two spilled units take a device each, whole; the third and
+    # the small units wait for a later plan
+    assert [(pack.device, [u.trial_id for u in pack.units]) for pack in plan.packs] == [
+        ("other", [0]),
+        ("gpu0", [1]),  # the roomiest device first
+    ]
+    assert all(pack.spilled for pack in plan.packs)
+    assert plan.packs[0].arrays[0].estimated_bytes == huge.bytes(1)
+    assert [unit.trial_id for unit in plan.deferred] == [2, 3, 4]
+    again = plan_packs(
+        ready, [GPU, other], {"huge": huge}, {"huge": 2}, default_memory=SMALL, spill=False
+    )
+    assert [unit.trial_id for unit in again.unplaceable] == [0, 1, 2]
+
+
 def test_deferral_under_max_packs_per_device() -> None:
     ready = units("a", range(6))
     plan = plan_packs(
@@ -252,6 +275,7 @@ def planner_inputs(draw: st.DrawFn) -> dict:
         "default_memory": draw(model),
         "max_pack_size": draw(st.none() | st.integers(1, 12)),
         "max_packs_per_device": draw(st.none() | st.integers(1, 3)),
+        "spill": draw(st.booleans()),
     }
 
 
@@ -263,8 +287,15 @@ def test_plan_properties(inputs: dict) -> None:
     capacity = {device.name: device.capacity for device in inputs["devices"]}
     used: Counter[str] = Counter()
     packs_on: Counter[str] = Counter()
+    largest = max(capacity.values(), default=None)
     for pack in plan.packs:
         assert pack.arrays
+        if pack.spilled:  # alone on its device, larger than any
+            assert inputs["spill"] and len(pack.units) == 1 and len(pack.arrays) == 1
+            model = inputs["memory"].get(pack.arrays[0].fusion_key, inputs["default_memory"])
+            assert largest is not None and pack.estimated_bytes == model.bytes(1) > largest
+            assert [p.device for p in plan.packs].count(pack.device) == 1
+            continue
         assert pack.estimated_bytes <= capacity[pack.device]
         used[pack.device] += pack.estimated_bytes
         packs_on[pack.device] += 1
@@ -281,7 +312,7 @@ def test_plan_properties(inputs: dict) -> None:
         assert total <= capacity[name]
     if inputs["max_packs_per_device"] is not None:
         assert all(count <= inputs["max_packs_per_device"] for count in packs_on.values())
-    largest = max(capacity.values(), default=None)
+    assert not (inputs["spill"] and plan.unplaceable)
     for unit in plan.unplaceable:
         model = inputs["memory"].get(unit.fusion_key, inputs["default_memory"])
         assert largest is not None and model.bytes(1) > largest

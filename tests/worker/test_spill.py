@@ -1,0 +1,143 @@
+"""Spilled training (a stack cut into shards of layers, moved through a small simulated
+device budget) equals in-memory training of the same trials: parameters, BatchNorm
+statistics, optimizer state and validation metrics, through every forward, optimizer,
+clipping, schedules, dropout and a resume from a checkpoint."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from packtune.spilling import Unspillable
+from tests.support.tiny_workloads import TinyCNN, TinyMLP
+from worker.fused import FusedArray, train
+from worker.spill import SpilledGroup
+
+STEPS = 14  # over two epochs of the tiny workloads (6 steps each)
+
+
+def members(extra: dict[str, Any], k: int = 3) -> list[tuple[str, dict[str, Any]]]:
+    shape = {} if "channels" in extra else {"hidden": 24, "layers": 3}  # an MLP's
+    return [
+        (f"t{i}", {"seed": 5 + i, "data_seed": 2, "lr": 0.05 * (i + 1), **shape, **extra})
+        for i in range(k)
+    ]
+
+
+def trained(workload: Any, extra: dict[str, Any], mode: str, budget: int | None,
+            steps: int = STEPS, states: Any = None, k: int = 3) -> FusedArray:  # fmt: skip
+    array = FusedArray(workload, members(extra, k), mode=mode, spill_budget=budget,
+                       states=states)  # fmt: skip
+    train(array, steps)
+    return array
+
+
+def assert_same(a: FusedArray, b: FusedArray) -> None:
+    """Equal to float rounding (float64: reassociated sums differ by ~1e-10 after Adam)."""
+    assert a.keys == b.keys
+    ev_a, ev_b = a.evaluate(), b.evaluate()
+    for key in a.keys:
+        sa, sb = a.member_state(key), b.member_state(key)
+        for part in ("params", "buffers"):
+            for name, t in sa[part].items():
+                torch.testing.assert_close(sb[part][name], t, rtol=1e-6, atol=1e-8)
+        for name, slots in sa["optimizer"]["state"].items():
+            for slot, t in slots.items():
+                torch.testing.assert_close(sb["optimizer"]["state"][name][slot], t,
+                                           rtol=1e-6, atol=1e-8)  # fmt: skip
+        assert sb["optimizer"]["step"] == sa["optimizer"]["step"]
+        for metric, value in ev_a[key].items():
+            assert ev_b[key][metric] == pytest.approx(value, rel=1e-6, abs=1e-8)
+
+
+def shards(array: FusedArray) -> list[int]:
+    return [g.shard_count for g in array.groups if isinstance(g, SpilledGroup)]
+
+
+# budgets small enough to cut the tiny models into several shards (a stack of one member,
+# serial mode, needs a third of a stack of three)
+MLP_BUDGET, SERIAL_MLP_BUDGET = 200_000, 80_000
+CNN_BUDGET = {"vmap": 1_000_000, "serial": 320_000}
+
+
+@pytest.mark.parametrize(
+    ("extra", "mode", "budget"),
+    [
+        ({}, "bmm", MLP_BUDGET),
+        ({"optimizer": "adam", "clip_norm": 0.5, "batch_norm": True}, "bmm", MLP_BUDGET),
+        ({"optimizer": "adam", "clip_norm": 0.5, "batch_norm": True}, "vmap", MLP_BUDGET),
+        ({"optimizer": "adamw", "weight_decay": 0.01, "schedule": "cosine"}, "serial",
+         SERIAL_MLP_BUDGET),
+        ({"optimizer": "rmsprop", "batch_norm": True, "momentum": 0.5}, "auto", MLP_BUDGET),
+        # stochastic: serial, each member's masks its own, redrawn alike by the recompute
+        ({"dropout": 0.3}, "auto", SERIAL_MLP_BUDGET),
+    ],
+)  # fmt: skip
+def test_spilled_mlp_trains_as_in_memory(extra: dict[str, Any], mode: str, budget: int) -> None:
+    mlp = TinyMLP()
+    spilled = trained(mlp, extra, mode, budget)
+    assert all(n >= 2 for n in shards(spilled)) and shards(spilled), shards(spilled)
+    assert_same(trained(mlp, extra, mode, None), spilled)
+    assert spilled.spill_notes() and "shards" in spilled.spill_notes()[0]
+
+
+@pytest.mark.parametrize("mode", ["vmap", "serial"])
+def test_spilled_cnn_trains_as_in_memory(mode: str) -> None:
+    cnn = TinyCNN()
+    extra = {"batch_norm": True, "channels": 6, "optimizer": "sgd", "momentum": 0.9}
+    spilled = trained(cnn, extra, mode, CNN_BUDGET[mode])
+    assert all(n >= 2 for n in shards(spilled)) and shards(spilled), shards(spilled)
+    assert_same(trained(cnn, extra, mode, None), spilled)
+
+
+def test_a_spilled_array_resumes_exactly_from_its_checkpoint_state() -> None:
+    mlp, extra = TinyMLP(), {"optimizer": "adam", "batch_norm": True, "dropout": 0.2}
+    half = trained(mlp, extra, "auto", SERIAL_MLP_BUDGET, steps=9)  # mid-epoch
+    states = [half.member_state(key) for key in half.keys]
+    resumed = FusedArray(mlp, members(extra), spill_budget=SERIAL_MLP_BUDGET, states=states)
+    train(resumed, STEPS)
+    assert_same(trained(mlp, extra, "auto", None), resumed)
+
+
+def test_a_diverging_member_leaves_a_spilled_array_and_the_others_are_unchanged() -> None:
+    mlp = TinyMLP()
+    extra = {"optimizer": "sgd", "momentum": 0.0}
+    configs = members(extra)
+    configs[1][1]["lr"] = 1e6  # diverges
+    a = FusedArray(mlp, configs, mode="bmm", spill_budget=MLP_BUDGET)
+    b = FusedArray(mlp, configs, mode="bmm")
+    train(a, STEPS)
+    train(b, STEPS)
+    assert a.diverged == b.diverged and "t1" in a.diverged
+    assert_same(b, a)
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(x + self.a(x))
+
+
+class NotAChain(TinyMLP):
+    name = "not-a-chain"
+
+    def build_model(self, config: Any) -> nn.Module:
+        return Residual().double()
+
+
+def test_a_model_that_is_not_a_chain_cannot_be_spilled_and_says_why() -> None:
+    with pytest.raises(Unspillable, match=r"not-a-chain's model is a Residual, not an nn\.Seq"):
+        FusedArray(NotAChain(), members({}), spill_budget=MLP_BUDGET)
+    FusedArray(NotAChain(), members({}))  # in memory it trains as ever
+
+
+def test_a_budget_too_small_for_one_layer_names_the_layer() -> None:
+    array = FusedArray(TinyMLP(), members({}), spill_budget=2_000)
+    with pytest.raises(Unspillable, match=r"layers 0-1 \(Linear, ReLU\) would take [0-9,]+ bytes"):
+        train(array, 1)
