@@ -144,8 +144,9 @@ class Settings(BaseSettings):
     )
     oom_above: int | None = Field(
         default=None,
-        ge=1,
-        description="Fault injection: packs with more trials than this raise CUDA out-of-memory.",
+        ge=0,
+        description="Fault injection: packs with more trials than this raise CUDA out-of-memory "
+        "(0: every pack, as a model larger than the device).",
     )
     disk_full_while: Path | None = Field(
         default=None,

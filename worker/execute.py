@@ -354,6 +354,10 @@ def run_array(
         )
         return [{"trials": [m.trial_id for m in todo], "stacks": [], "notes": [note],
                  "failed": [], "gave_up": True, "dropped": True}]  # fmt: skip
+    except torch.cuda.OutOfMemoryError as exc:
+        if budget is None:
+            raise  # the pack is split, or its trial planned alone to train spilled
+        raise TrialError(RuntimeError(f"out of memory even spilled: {exc}")) from exc
     except NOT_A_TRIAL_FAULT:
         raise
     except Exception as exc:

@@ -436,6 +436,14 @@ def _split_pack(
         per = int(profile.per_trial_bytes or 1) if profile else 1
         raised = MemoryModel(base, per).after_oom(k, capacity)
         store.set_memory_model(s, workload, key, kind, raised.base, raised.per_trial)
+    if len(units) == 1 and get_settings().spill:
+        # its memory model now exceeds the device alone: the planner gives it a device of
+        # its own and the worker trains it spilled (an out-of-memory while spilled fails it)
+        store.move_trials(s, [units[0].trial_id], TrialStatus.pending)
+        store.finish_pack(
+            s, pack, PackStatus.split, error=f"{error}; planned again alone, to train spilled"
+        )
+        return
     if len(units) < 2:
         store.move_trials(
             s, [u.trial_id for u in units], TrialStatus.failed,

@@ -8,8 +8,10 @@ from typing import Any
 
 import pytest
 
+from packtune.packing import Device, MemoryModel, Unit, plan_packs
 from packtune.settings import get_settings
 from packtune.space import fusion_key
+from packtune.tuning import HEADROOM
 from packtune.workloads import get_workload
 from service import store
 from service.db import get_sessionmaker, session_scope
@@ -176,6 +178,49 @@ def test_out_of_memory_splits_the_pack_and_raises_the_memory_model(
             store.get_pack(s, hid).status = PackStatus.queued
         assert run_pack(hid) == "completed"
     assert {v[0] for v in snapshot(ids).values()} == {TrialStatus.paused}
+
+
+@pytest.mark.parametrize("spill", [True, False])
+def test_a_trial_out_of_memory_alone_is_planned_again_to_train_spilled(
+    db: pytest.MonkeyPatch, spill: bool
+) -> None:
+    """A GPU's way to a model larger than the device: the probe or the first step of a
+    lone trial runs out of memory. With spilling on, the trial is pending again and its
+    memory model exceeds the device alone, so the planner gives it a device of its own and
+    the next pack trains it spilled; with it off, the trial fails as before."""
+    db.setenv("PACKTUNE_OOM_ABOVE", "0")
+    db.setenv("PACKTUNE_SPILL", str(spill).lower())
+    get_settings.cache_clear()
+    pack_id, (trial_id,) = make_pack([0.05])
+    assert run_pack(pack_id) == "split"
+    capacity = int(get_settings().cpu_memory_budget * HEADROOM)
+    with session_scope(get_sessionmaker()) as s:
+        pack, trial = store.get_pack(s, pack_id), store.get_trial(s, trial_id)
+        profile = store.get_profile(s, "digits-mlp", trial.fusion_key, "cpu")
+        assert profile is not None and profile.base_bytes is not None
+        model = MemoryModel(int(profile.base_bytes), int(profile.per_trial_bytes or 0))
+        key, status, error = trial.fusion_key, trial.status, trial.error
+    assert model.bytes(1) > capacity
+    if not spill:
+        assert pack.status == PackStatus.failed and status == TrialStatus.failed
+        assert "out of memory even alone" in (error or "")
+        return
+    assert pack.status == PackStatus.split and "train spilled" in (pack.error or "")
+    assert status == TrialStatus.pending
+    unit = Unit(trial_id, key, 0.0, 1.0)
+    plan = plan_packs([unit], [Device("cpu", get_settings().cpu_memory_budget)], {key: model},
+                      {key: 2}, default_memory=model, spill=True)  # fmt: skip
+    assert [p.spilled for p in plan.packs] == [True]
+    db.delenv("PACKTUNE_OOM_ABOVE")  # the device holds a shard at a time
+    get_settings.cache_clear()
+    with session_scope(get_sessionmaker()) as s:
+        store.move_trials(s, [trial_id], TrialStatus.queued)
+    spilled = _pack_for(trial_id, 0.0, 1.0)
+    assert run_pack(spilled) == "completed"
+    assert snapshot([trial_id])[trial_id][:2] == (TrialStatus.paused, 1.0)
+    with session_scope(get_sessionmaker()) as s:
+        notes = [n for run in store.get_pack(s, spilled).arrays or [] for n in run["notes"]]
+    assert any(n.startswith("spilled:") for n in notes), notes
 
 
 def _pack_for(trial_id: int, start: float, end: float) -> int:
