@@ -178,6 +178,21 @@ def _scheduler_rows(pattern: str) -> Iterator[Row]:
             )  # fmt: skip
 
 
+def spill_rows() -> Iterator[Row]:
+    """Spilled over in-memory trial-steps/s of a model twice its device budget, per device
+    (on a GPU with the bound the host-to-device bandwidth sets)."""
+    for _, (path, data) in sorted(newest("spill_*.json").items()):
+        r = data["result"]
+        value = (
+            f"{r['fraction']:.2f}x ({r['spilled_steps_per_s']:.3g} / "
+            f"{r['memory_steps_per_s']:.3g} steps/s, {r['shards']} shards)"
+        )
+        if r.get("bound_steps_per_s"):
+            value += f"; bus bound {r['bound_steps_per_s']:.3g} steps/s"
+        yield Row("h. spilled / in-memory trial-steps/s, model 2x the budget", value,
+                  "stated", None, path, data)  # fmt: skip
+
+
 def load_rows() -> Iterator[Row]:
     """Read endpoints' p99 latency under 100 clients, per database."""
     for path in sorted(RESULTS.rglob("load_*.json")):
@@ -213,6 +228,7 @@ def render() -> str:
         *quality_rows(),
         *multi_rows(),
         *scheduler_rows(),
+        *spill_rows(),
         *load_rows(),
     ]
     lines = [

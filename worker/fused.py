@@ -345,6 +345,12 @@ class FusedArray:
             self.train_split = self.val_split = None
         else:
             self.train_split, self.val_split = data or workload.data(self.config, self.device)
+            if spill_budget is not None:  # the data set lives on the device beside the shards
+                held = sum(t.numel() * t.element_size() for split in (self.train_split,
+                           self.val_split) for t in (split.x, split.y))  # fmt: skip
+                for group in self.groups:
+                    if isinstance(group, SpilledGroup):
+                        group.budget = spill_budget - held
 
     def _group(
         self,
