@@ -2,9 +2,9 @@
 through a small simulated CPU budget) and end exactly as the same study in memory.
 
 Two real ``packtune run`` studies (SQLite, packs trained by the embedded runner's child
-process): one with the default CPU budget (4 GiB), one with 10 MB (0.3 MB of it the data set), which a trial of this
-model (~10 MB of weights, gradients and momentum) exceeds, and one of its 640x640 layers
-(~3.9 MB with its gradient and activations) fits half of.
+process): one with the default CPU budget (4 GiB), one with 10 MB (0.3 MB of it the data
+set), which a trial of this model (~10 MB of weights, gradients and momentum) exceeds, and
+one of its 640x640 layers (~3.9 MB with its gradient and activations) fits half of.
 """
 
 from __future__ import annotations
