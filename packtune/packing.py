@@ -12,7 +12,8 @@ plain values only:
    different studies fuse only where that is exact); ``rank`` is the caller's
    priority (lower first; by default all equal).
 2. Cut each group into arrays no larger than the best array size measured for
-   its key (:func:`best_array_size`, Omnivore's "grow while it gains 10%"),
+   its key (:func:`best_array_size`: over the whole measured curve, a larger size
+   only where it gains 10%),
    the study's ``max_pack_size``, and the largest size whose estimated memory
    fits the roomiest device. A unit that fits no device even alone is
    *unplaceable*: the caller must say so, not wait for it; or, with ``spill``, it
@@ -130,20 +131,25 @@ class Device:
 def best_array_size(throughput: Mapping[int, float], cap: int | None) -> int:
     """The array size to use next, from measured trial-steps/second by array size.
 
-    Start at the smallest measured k and double while 2k is measured and gains
-    at least 10 %. Stopping because 2k was measured and gained less returns k;
-    stopping because 2k was never measured proposes 2k, to explore. An empty
-    table proposes 2. The result is clamped to ``[1, cap]``.
+    The whole measured curve decides (Omnivore: measure, then choose): from the smallest
+    measured k, each larger measured k in turn becomes the choice when it gains at least
+    10 % over the choice so far, so a dip at some k (noise, a cache boundary) does not hide
+    a larger k that is much faster. When the choice is the largest k measured, the curve
+    still rises there: propose 2k, to explore. An empty table proposes 2. The result is
+    clamped to ``[1, cap]``.
     """
     if cap is not None and cap < 1:
         raise ValueError(f"cap must be >= 1, got {cap}")
     if not throughput:
         choice = 2
     else:
-        k = min(throughput)
-        while 2 * k in throughput and _gains(throughput[k], throughput[2 * k]):
-            k *= 2
-        choice = k if 2 * k in throughput else 2 * k
+        sizes = sorted(throughput)
+        choice = sizes[0]
+        for k in sizes[1:]:
+            if _gains(throughput[choice], throughput[k]):
+                choice = k
+        if choice == sizes[-1]:
+            choice *= 2
     return max(1, choice if cap is None else min(choice, cap))
 
 

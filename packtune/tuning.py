@@ -13,7 +13,7 @@ from __future__ import annotations
 
 #: share of a device's free memory that a pack's estimated memory may fill
 HEADROOM = 0.9
-#: Omnivore's rule: double an array's size while trial-steps/s grow by at least this much (%)
+#: Omnivore's rule: a larger array only where its trial-steps/s gain at least this much (%)
 MIN_GAIN_PERCENT = 10
 #: packs a device may have outstanding (one running, one waiting), so that each plan uses
 #: the newest throughput and memory measurements

@@ -92,8 +92,12 @@ def test_memory_model_properties(base: int, per_trial: int, k: int, target: int)
         ({1: 100.0, 2: 109.0}, None, 1),
         ({1: 100.0, 2: 80.0, 4: 90.0}, None, 1),  # k=1 is best
         ({1: 100.0, 2: 150.0, 4: 300.0}, 4, 4),  # capped by max_pack_size
-        ({1: 100.0, 2: 150.0, 8: 400.0}, None, 4),  # 4 never measured: try it
+        ({1: 100.0, 2: 150.0, 8: 400.0}, None, 16),  # rising at its largest: explore
         ({2: 100.0, 4: 200.0}, None, 8),
+        # the whole curve: a dip at 2 does not hide a much faster 4 (the doubling walk
+        # stopped at the dip and kept 1); 8 gains too little over 4 to be worth it
+        ({1: 100.0, 2: 95.0, 4: 300.0, 8: 320.0}, None, 4),
+        ({1: 100.0, 2: 95.0, 4: 300.0, 8: 320.0, 16: 500.0}, 8, 8),
     ],
 )
 def test_best_array_size(table: dict[int, float], cap: int | None, expected: int) -> None:
