@@ -19,7 +19,9 @@ plain values only:
    *unplaceable*: the caller must say so, not wait for it; or, with ``spill``, it
    becomes an array of its own marked ``spilled`` (trained shard by shard through
    a device: :mod:`packtune.spilling`), which takes a device whole, in a pack of its
-   own, on a device nothing else was planned onto in this call (else deferred).
+   own, on a device nothing else was planned onto in this call; with every device
+   taken, it joins a pack of spilled arrays (up to :data:`SPILL_ALTERNATE`), which
+   alternate on their device; else it is deferred.
 3. First-fit-decreasing: arrays by rank (their best unit's), then estimated bytes,
    largest first, go into the
    first open pack whose device still has room (and whose trial count stays
@@ -47,7 +49,7 @@ from itertools import groupby
 from operator import attrgetter
 from typing import Any
 
-from packtune.tuning import HEADROOM, MIN_GAIN_PERCENT, RETRY_BACKOFF_MAX_S
+from packtune.tuning import HEADROOM, MIN_GAIN_PERCENT, RETRY_BACKOFF_MAX_S, SPILL_ALTERNATE
 
 
 @dataclass(frozen=True)
@@ -303,15 +305,22 @@ def plan_packs(
     deferred: list[Unit] = []
     # sorted() is stable: equal ranks and estimates keep the deterministic group order.
     for array in sorted(arrays, key=lambda array: (array.rank, -array.estimated_bytes)):
-        if array.spilled:  # a device of its own, whole
+        if array.spilled:  # a device of its own, or alternating with other spilled arrays
             empty = [device for device in devices if count[device.name] == 0]
-            if not empty:
+            sharing = [
+                pack for pack in open_packs
+                if pack.arrays[0].spilled and len(pack.arrays) < SPILL_ALTERNATE
+                and (max_pack_size is None or pack.trials() + len(array.units) <= max_pack_size)
+            ]  # fmt: skip
+            if empty:
+                device = max(empty, key=attrgetter("capacity"))
+                open_packs.append(_OpenPack(device, [array]))
+                count[device.name] += 1
+                used[device.name] = device.capacity
+            elif sharing:
+                sharing[0].arrays.append(array)
+            else:
                 deferred.extend(array.units)
-                continue
-            device = max(empty, key=attrgetter("capacity"))
-            open_packs.append(_OpenPack(device, [array]))
-            count[device.name] += 1
-            used[device.name] = device.capacity
             continue
         size = array.estimated_bytes
         room = [

@@ -15,6 +15,10 @@ from __future__ import annotations
 HEADROOM = 0.9
 #: Omnivore's rule: a larger array only where its trial-steps/s gain at least this much (%)
 MIN_GAIN_PERCENT = 10
+#: spilled arrays (models larger than the device) one pack may hold: they alternate on its
+#: device, each in its share of it, one's shard computing while another's is copied in
+#: (Hydra's shard alternation); a new one takes an empty device first
+SPILL_ALTERNATE = 2
 #: packs a device may have outstanding (one running, one waiting), so that each plan uses
 #: the newest throughput and memory measurements
 QUEUE_DEPTH = 2

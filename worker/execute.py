@@ -31,6 +31,7 @@ from packtune.errors import StoreUnavailable
 from packtune.packing import MemoryModel
 from packtune.settings import get_settings
 from packtune.space import fusion_key, trial_seed
+from packtune.spilling import Unspillable
 from packtune.tuning import DROP_BELOW_S, HEADROOM, LARGER_PROBE_SIZES
 from packtune.workloads import get_workload
 from packtune.workloads.base import Workload
@@ -164,9 +165,17 @@ def _larger_probe_sizes(bytes_for: Callable[[int], int], device: torch.device) -
     return tuple(k for k in LARGER_PROBE_SIZES if bytes_for(k) <= free // 2)
 
 
-def spill_budget(job: ArrayJob, kind: str, device: torch.device, k: int) -> int | None:
+class SpillAlone(Exception):
+    """A spilled array alternating with others found a layer too large for its share of
+    the device, before it trained a step: it is to run again with the device to itself."""
+
+
+def spill_budget(
+    job: ArrayJob, kind: str, device: torch.device, k: int, share: int = 1
+) -> int | None:
     """The device bytes ``job``'s array of ``k`` may use spilled, when its estimated memory
-    exceeds the device's capacity (the planner planned it alone for that reason); None
+    exceeds the device's capacity (the planner planned it alone for that reason, or with
+    other such arrays to alternate with: then ``share`` of them split the device); None
     when it fits, or with ``PACKTUNE_SPILL=false``."""
     if not get_settings().spill:
         return None
@@ -175,7 +184,7 @@ def spill_budget(job: ArrayJob, kind: str, device: torch.device, k: int) -> int 
         return None
     capacity = device_capacity(device)
     need = MemoryModel(int(profile.base_bytes), int(profile.per_trial_bytes)).bytes(k)
-    return capacity if need > capacity else None
+    return capacity // share if need > capacity else None
 
 
 def is_profiled(job: ArrayJob, kind: str) -> bool:
@@ -240,10 +249,13 @@ def run_array(
     shared: bool = False,
     stop: threading.Event | None = None,
     give_up: threading.Event | None = None,
+    spill_share: int = 1,
 ) -> list[ArrayRun]:
     """Train ``job``'s members from its from- to its to-resource, recording as it goes;
     returns how the array ran (its stacks and notes: the pack keeps them).
 
+    ``spill_share``: this many spilled arrays of the pack alternate on the device, each in
+    its share of it, one shard at a time (:class:`SpillAlone` where a layer does not fit).
     ``shared``: other arrays train at the same time (threads of one job); its speed is
     then not its own, so it records no throughput reading. ``stop``: the study was
     cancelled (:class:`PackCancelled` at the next step). ``give_up``: the device is wanted
@@ -273,6 +285,7 @@ def run_array(
                 True,
                 stop,
                 give_up,
+                spill_share,
             )
         ]
     configs = {m.trial_id: job.config(m) for m in job.members}
@@ -301,11 +314,12 @@ def run_array(
     try:
         data = None if workload.streams else workload.data(first, device)
         _ensure_profile(job, first, device, kind, data)
-        budget = spill_budget(job, kind, device, len(todo))
+        budget = spill_budget(job, kind, device, len(todo), spill_share)
         with GLOBAL_RNG:
             array = FusedArray(
                 workload, [(m.trial_id, configs[m.trial_id]) for m in todo],
                 device=device, states=states, data=data, spill_budget=budget,
+                spill_prefetch=spill_share == 1,
             )  # fmt: skip
     except NOT_A_TRIAL_FAULT:
         raise
@@ -354,6 +368,10 @@ def run_array(
         )
         return [{"trials": [m.trial_id for m in todo], "stacks": [], "notes": [note],
                  "failed": [], "gave_up": True, "dropped": True}]  # fmt: skip
+    except Unspillable as exc:
+        if spill_share > 1 and array.step == from_step:
+            raise SpillAlone(str(exc)) from exc
+        raise TrialError(exc) from exc
     except torch.cuda.OutOfMemoryError as exc:
         if budget is None:
             raise  # the pack is split, or its trial planned alone to train spilled

@@ -264,7 +264,8 @@ class FusedArray:
 
     ``spill_budget`` (bytes): the array does not fit its device; its stacks keep their
     tensors on the host and train shard by shard through that much of the device
-    (:mod:`worker.spill`), with the same results. A model that cannot be spilled (not an
+    (:mod:`worker.spill`), with the same results; ``spill_prefetch`` False: one shard at a
+    time in that budget (another array alternates with it). A model that cannot be spilled (not an
     ``nn.Sequential``, or a workload with its own ``training_loss``) raises
     :class:`~packtune.spilling.Unspillable`.
     """
@@ -279,6 +280,7 @@ class FusedArray:
         states: Sequence[Mapping[str, Any] | None] | None = None,
         data: tuple[Split, Split] | None = None,
         spill_budget: int | None = None,
+        spill_prefetch: bool = True,
     ) -> None:
         if not members:
             raise ValueError("an array needs at least one member")
@@ -293,7 +295,7 @@ class FusedArray:
             raise ValueError(f"members of one array must be at the same step; got {sorted(done)}")
         self.workload, self.device = workload, torch.device(device)
         #: device bytes a spilled array may use (None: the array trains in device memory)
-        self.spill_budget = spill_budget
+        self.spill_budget, self.spill_prefetch = spill_budget, spill_prefetch
         home = torch.device("cpu") if spill_budget is not None else self.device
         self.config = configs[0]
         self.configs = dict(zip(keys, configs, strict=True))
@@ -370,7 +372,7 @@ class FusedArray:
         )  # fmt: skip
         if self.spill_budget is not None:
             return SpilledGroup(keys, params, buffers, optimizer, stack, self.precision,
-                                self.device, self.spill_budget)  # fmt: skip
+                                self.device, self.spill_budget, self.spill_prefetch)  # fmt: skip
         return Group(keys, params, buffers, optimizer, stack, self.precision)
 
     def _split_per_member(self, group: Group, error: BaseException) -> list[Group]:
@@ -406,6 +408,13 @@ class FusedArray:
             f"spilled: larger than the device's {group.budget:,} bytes, so "
             f"{'trials' if len(group.keys) > 1 else 'trial'} {', '.join(map(str, group.keys))} "
             f"trained in {group.shard_count} shards of layers, moved through the device in turn"
+            + (
+                ", alternating with the pack's other spilled arrays"
+                if group.alternating
+                else ""
+                if group.prefetch
+                else ", one at a time (a layer is too large to copy the next in meanwhile)"
+            )
             for group in self.groups
             if isinstance(group, SpilledGroup) and group.shard_count
         ]

@@ -51,9 +51,11 @@ from worker.execute import (
     ArrayRun,
     MemberJob,
     PackCancelled,
+    SpillAlone,
     TrialError,
     is_profiled,
     run_array,
+    spill_budget,
 )
 
 log = logging.getLogger(__name__)
@@ -265,16 +267,26 @@ def _run_arrays(
             run for array in arrays for run in _run_isolating(array, device, kind, ckpt_dir,
                                                               stop=stop, give_up=give_up)
         ]  # fmt: skip
+    # spilled arrays (the planner packs up to SPILL_ALTERNATE together) alternate: each in
+    # its share of the device, one's shard computing while another's is copied in
+    spilled = sum(spill_budget(a, kind, device, len(a.members)) is not None for a in arrays)
+    share = spilled if spilled > 1 else 1
     with ThreadPoolExecutor(threads, thread_name_prefix="packtune-array") as pool:
         futures = [
-            pool.submit(_run_isolating, a, device, kind, ckpt_dir, True, stop, give_up)
+            pool.submit(_run_isolating, a, device, kind, ckpt_dir, True, stop, give_up, share)
             for a in arrays
         ]
     errors = [exc for f in futures if (exc := f.exception()) is not None]
+    alone = [a for a, f in zip(arrays, futures, strict=True)
+             if isinstance(f.exception(), SpillAlone)]  # fmt: skip
+    errors = [exc for exc in errors if not isinstance(exc, SpillAlone)]
     oom = [exc for exc in errors if isinstance(exc, torch.cuda.OutOfMemoryError)]
     if errors:
         raise (oom or errors)[0]
-    return [run for f in futures for run in f.result()]
+    runs = [run for f in futures if f.exception() is None for run in f.result()]
+    for array in alone:  # a layer too large for a share: the device to itself, in turn
+        runs += _run_isolating(array, device, kind, ckpt_dir, True, stop, give_up)
+    return runs
 
 
 def _run_isolating(
@@ -285,12 +297,13 @@ def _run_isolating(
     shared: bool = False,
     stop: threading.Event | None = None,
     give_up: threading.Event | None = None,
+    spill_share: int = 1,
 ) -> list[ArrayRun]:
     """Run an array; if the workload raises, run its members one by one to find the culprit.
     Returns how it ran, the trials failed included."""
     ids = [m.trial_id for m in array.members]
     try:
-        return run_array(array, device, kind, ckpt_dir, shared, stop, give_up)
+        return run_array(array, device, kind, ckpt_dir, shared, stop, give_up, spill_share)
     except TrialError as exc:
         if len(array.members) == 1:
             _fail_trial(array.members[0].trial_id, exc.text)
@@ -301,7 +314,14 @@ def _run_isolating(
         for member in array.members:
             try:
                 for run in run_array(
-                    array.alone(member), device, kind, ckpt_dir, shared, stop, give_up
+                    array.alone(member),
+                    device,
+                    kind,
+                    ckpt_dir,
+                    shared,
+                    stop,
+                    give_up,
+                    spill_share,
                 ):
                     stacks += run["stacks"]
             except TrialError as solo:

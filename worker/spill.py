@@ -28,7 +28,7 @@ once, by the first pass; dropout masks are redrawn from the same generator state
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,7 @@ from packtune.workloads.base import Workload
 from worker.fused_forward import Forward, bmm_forward, bmm_plan, single_forward, vmap_forward
 from worker.fused_group import DeviceLosses, Group, HostLosses, Stack, full
 from worker.optim import StackedOptimizer
+from worker.rng import GLOBAL_RNG
 
 
 def chain_of(template: nn.Module) -> list[tuple[str, nn.Module]] | None:
@@ -92,7 +93,10 @@ def _costs(chain: list[tuple[str, nn.Module]], x: Tensor, k: int) -> tuple[list[
     shapes from a pass on the meta device (``chain`` is the meta template's)."""
     costs, outputs = [], []
     h = torch.empty(x.shape, dtype=x.dtype, device="meta")
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+    # under the lock on torch's global generator: a layer that draws on the meta device
+    # draws nothing, but fork_rng restores the generator's state on the way out, which must
+    # not land in the middle of another array's seeded build in another thread
+    with GLOBAL_RNG, torch.no_grad(), torch.random.fork_rng(devices=[]):
         for _, layer in chain:
             h = layer(h)
             weights = sum(p.numel() * p.element_size() for p in layer.parameters())
@@ -116,8 +120,14 @@ class SpilledGroup(Group):
         precision: str,
         device: torch.device,
         budget: int,
+        prefetch: bool = True,
     ) -> None:
         super().__init__(keys, params, buffers, optimizer, stack, precision)
+        #: copy the next shard in while the current one computes (False: the stack
+        #: alternates with another on its device, one shard in its share at a time; or a
+        #: layer is too large for half the budget)
+        self.prefetch = prefetch
+        self.alternating = not prefetch
         chain = chain_of(stack.template)
         if chain is None:
             raise Unspillable(f"a {type(stack.template).__name__} is not a chain of layers")
@@ -152,16 +162,29 @@ class SpilledGroup(Group):
             for b in blocks
         ]  # fmt: skip
         batch = sample.numel() * sample.element_size() * k
-        reserved, cuts = batch, None
-        for _ in range(4):  # the kept boundary activations depend on the cuts: settle them
-            cuts = [
-                range(blocks[r.start].start, blocks[r.stop - 1].stop)
-                for r in plan_shards(block_costs, self.budget, reserved, names)
-            ]
-            kept = sum(outputs[r.start - 1] for r in cuts[1:])
-            if batch + kept <= reserved:
-                break
-            reserved = batch + kept
+
+        def cut(buffers: int) -> list[range]:
+            reserved, cuts = batch, None
+            for _ in range(4):  # the kept boundary activations depend on the cuts: settle
+                cuts = [
+                    range(blocks[r.start].start, blocks[r.stop - 1].stop)
+                    for r in plan_shards(block_costs, self.budget, reserved, names, buffers)
+                ]
+                kept = sum(outputs[r.start - 1] for r in cuts[1:])
+                if batch + kept <= reserved:
+                    break
+                reserved = batch + kept
+            assert cuts is not None
+            return cuts
+
+        try:
+            cuts = cut(2 if self.prefetch else 1)
+        except Unspillable:
+            if not self.prefetch:
+                raise
+            # a layer fits the budget but not half of it: one shard at a time, without
+            # copying the next one in during the compute (slower, not failed)
+            cuts, self.prefetch = cut(1), False
         assert cuts is not None
         for j, layers in enumerate(cuts):
             named = [self.chain[i] for i in layers]
@@ -210,6 +233,19 @@ class SpilledGroup(Group):
                 t.record_stream(current)  # allocated on the side stream, used on this one
         return params, buffers
 
+    def _walk(self, order: list[int]) -> Iterator[tuple[dict[str, Tensor], dict[str, Tensor]]]:
+        """The tensors of the shards ``order`` names, on the device, one after another; with
+        ``prefetch`` the next shard's copy starts before the current one is handed out
+        (double buffering), else only once it is asked for (the device's other share is
+        another stack's, alternating)."""
+        ahead = self._fetch(self.shards[order[0]]) if order else None
+        for n in range(len(order)):
+            fetched = ahead if ahead is not None else self._fetch(self.shards[order[n]])
+            ahead = None
+            if self.prefetch and n + 1 < len(order):
+                ahead = self._fetch(self.shards[order[n + 1]])
+            yield self._arrived(fetched)
+
     def _return_buffers(self, shard: Shard, buffers: dict[str, Tensor]) -> None:
         if self.side is not None:
             for n in shard.buffers:
@@ -232,18 +268,17 @@ class SpilledGroup(Group):
         shards = self._plan(x)
         last, shared = len(shards) - 1, not self.stack.stacked
         kept: list[tuple[Tensor, dict[str, Tensor], tuple[Tensor, Tensor | None]]] = []
-        fetched = self._fetch(shards[0])
+        # forward 0..last, then the backward's recompute last-1..0
+        walk = self._walk([*range(last + 1), *range(last - 1, -1, -1)])
         h = x
         for j, shard in enumerate(shards[:last]):
-            params, buffers = self._arrived(fetched)
-            fetched = self._fetch(shards[j + 1])
+            params, buffers = next(walk)
             kept.append((h, {n: b.clone() for n, b in buffers.items()}, self._rng_state()))
             with torch.no_grad(), self.autocast():
                 h = shard.forward(j == 0 and shared)(params, buffers, h)
             self._return_buffers(shard, buffers)
-        params, buffers = self._arrived(fetched)
-        if last > 0:
-            fetched = self._fetch(shards[last - 1])
+            del params, buffers  # before the next shard's copy: two on the device at most
+        params, buffers = next(walk)
         h = h.detach().requires_grad_(last > 0)
         leaves = {n: p.detach().requires_grad_(p.requires_grad) for n, p in params.items()}
         with self.autocast():
@@ -254,10 +289,9 @@ class SpilledGroup(Group):
         losses.sum().backward()
         self._gradients_home(leaves)
         grad = h.grad
+        del params, buffers, leaves, out
         for j in range(last - 1, -1, -1):
-            params, _ = self._arrived(fetched)
-            if j > 0:
-                fetched = self._fetch(shards[j - 1])
+            params, _ = next(walk)
             inputs, scratch, rng = kept[j]
             self._set_rng_state(rng)
             h = inputs.detach().requires_grad_(j > 0)
@@ -268,6 +302,7 @@ class SpilledGroup(Group):
             out.backward(grad)
             self._gradients_home(leaves)
             grad = h.grad
+            del params, leaves, out
         if after is not None:
             self._set_rng_state(after)
         self.optimizer.step()
@@ -284,13 +319,10 @@ class SpilledGroup(Group):
     def outputs(self, x: Tensor) -> Tensor:
         """The members' outputs ``[k, B, ...]`` on a shared input, shard by shard."""
         shards = self._plan(x)
-        fetched = self._fetch(shards[0])
         h = x
         with torch.no_grad():
-            for j, shard in enumerate(shards):
-                params, buffers = self._arrived(fetched)
-                if j + 1 < len(shards):
-                    fetched = self._fetch(shards[j + 1])
+            for j, (params, buffers) in enumerate(self._walk(list(range(len(shards))))):
                 with self.autocast():
-                    h = shard.forward(j == 0)(params, buffers, h)
+                    h = shards[j].forward(j == 0)(params, buffers, h)
+                del params, buffers
         return full(h)

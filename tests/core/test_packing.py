@@ -18,6 +18,7 @@ from packtune.packing import (
     plan_packs,
     split_in_two,
 )
+from packtune.tuning import SPILL_ALTERNATE
 
 MiB = 2**20
 GPU = Device("gpu0", 1000 * MiB)  # capacity 900 MiB
@@ -202,7 +203,7 @@ def test_a_unit_that_fits_nowhere_is_unplaceable() -> None:
     assert sorted(unit.trial_id for unit in placed(plan)) == [2, 3]
 
 
-def test_with_spill_a_unit_that_fits_nowhere_takes_a_device_alone() -> None:
+def test_with_spill_a_unit_that_fits_nowhere_takes_a_device_or_alternates() -> None:
     huge = MemoryModel(base=2000 * MiB, per_trial=MiB)
     other = Device("other", 1024 * MiB)
     ready = units("huge", range(3)) + units("ok", range(3, 5))
@@ -210,15 +211,21 @@ def test_with_spill_a_unit_that_fits_nowhere_takes_a_device_alone() -> None:
         ready, [GPU, other], {"huge": huge}, {"huge": 2}, default_memory=SMALL, spill=True
     )
     assert plan.unplaceable == []
-    # the largest arrays first: two spilled units take a device each, whole; the third and
-    # the small units wait for a later plan
+    # the largest arrays first: two spilled units take a device each, whole; the third
+    # joins the first device's pack to alternate with its unit; the small units wait for
+    # a later plan (no device has room left)
     assert [(pack.device, [u.trial_id for u in pack.units]) for pack in plan.packs] == [
-        ("other", [0]),
+        ("other", [0, 2]),
         ("gpu0", [1]),  # the roomiest device first
     ]
-    assert all(pack.spilled for pack in plan.packs)
+    assert all(pack.spilled and all(len(a.units) == 1 for a in pack.arrays)
+               for pack in plan.packs)  # fmt: skip
     assert plan.packs[0].arrays[0].estimated_bytes == huge.bytes(1)
-    assert [unit.trial_id for unit in plan.deferred] == [2, 3, 4]
+    assert [unit.trial_id for unit in plan.deferred] == [3, 4]
+    alone = plan_packs(ready[:3], [GPU], {"huge": huge}, {"huge": 2}, default_memory=SMALL,
+                       spill=True)  # fmt: skip
+    assert [[u.trial_id for u in p.units] for p in alone.packs] == [[0, 1]]  # SPILL_ALTERNATE
+    assert [u.trial_id for u in alone.deferred] == [2]
     again = plan_packs(
         ready, [GPU, other], {"huge": huge}, {"huge": 2}, default_memory=SMALL, spill=False
     )
@@ -294,10 +301,12 @@ def test_plan_properties(inputs: dict) -> None:
     largest = max(capacity.values(), default=None)
     for pack in plan.packs:
         assert pack.arrays
-        if pack.spilled:  # alone on its device, larger than any
-            assert inputs["spill"] and len(pack.units) == 1 and len(pack.arrays) == 1
-            model = inputs["memory"].get(pack.arrays[0].fusion_key, inputs["default_memory"])
-            assert largest is not None and pack.estimated_bytes == model.bytes(1) > largest
+        if pack.spilled:  # alone on its device, or alternating with other spilled units
+            assert inputs["spill"] and 1 <= len(pack.arrays) <= SPILL_ALTERNATE
+            for array in pack.arrays:
+                assert array.spilled and len(array.units) == 1
+                model = inputs["memory"].get(array.fusion_key, inputs["default_memory"])
+                assert largest is not None and array.estimated_bytes == model.bytes(1) > largest
             assert [p.device for p in plan.packs].count(pack.device) == 1
             continue
         assert pack.estimated_bytes <= capacity[pack.device]

@@ -35,8 +35,16 @@ def db(embedded_db: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     return embedded_db
 
 
-def make_pack(lrs: list[float], start: float = 0.0, end: float = 1.0) -> tuple[int, list[int]]:
+def make_pack(
+    lrs: list[float],
+    start: float = 0.0,
+    end: float = 1.0,
+    extra: list[dict[str, Any]] | None = None,
+) -> tuple[int, list[int]]:
+    """A queued pack of digits-mlp trials of learning rates ``lrs`` (and ``extra`` config
+    each), in a study of its own."""
     workload = get_workload("digits-mlp")
+    extra = extra or [{} for _ in lrs]
     with session_scope(get_sessionmaker()) as s:
         study = store.create_study(s, name="jobs", workload="digits-mlp", spec=SPEC, seed=3)
         rows = [
@@ -44,12 +52,14 @@ def make_pack(lrs: list[float], start: float = 0.0, end: float = 1.0) -> tuple[i
                 "sample_index": i,
                 "bracket": 1,
                 "rung": 0,
-                "config": {"lr": lr},
+                "config": {"lr": lr, **more},
                 "fusion_key": fusion_key(
-                    "digits-mlp", workload.resolve({"lr": lr}), workload.structural_params()
+                    "digits-mlp",
+                    workload.resolve({"lr": lr, **more}),
+                    workload.structural_params(),
                 ),
             }
-            for i, lr in enumerate(lrs)
+            for i, (lr, more) in enumerate(zip(lrs, extra, strict=True))
         ]
         store.add_trials(s, study.id, rows)
         trials = store.trials_of(s, study.id)
@@ -221,6 +231,41 @@ def test_a_trial_out_of_memory_alone_is_planned_again_to_train_spilled(
     with session_scope(get_sessionmaker()) as s:
         notes = [n for run in store.get_pack(s, spilled).arrays or [] for n in run["notes"]]
     assert any(n.startswith("spilled:") for n in notes), notes
+
+
+@pytest.mark.parametrize(
+    ("budget", "alternating"),
+    [
+        (8_000_000, 2),  # ~10 MB a trial, 3.6 MB a share: both alternate
+        # a share is too small for the 512-wide trial's layers: it runs after the other,
+        # the device to itself, one shard at a time (half would be too small too)
+        (6_700_000, 1),
+    ],
+)
+def test_spilled_arrays_of_one_pack_alternate_on_the_device_with_in_memory_results(
+    db: pytest.MonkeyPatch, budget: int, alternating: int
+) -> None:
+    """Two trials of different structure, each larger than the device, in one pack (as the
+    planner puts them when no device is free): they train at once in two threads, each in
+    half the device one shard at a time, and end as they do in memory."""
+    db.setenv("PACKTUNE_ARRAY_THREADS", "2")
+    get_settings.cache_clear()
+    shapes = [{"hidden": 512, "layers": 4}, {"hidden": 448, "layers": 4}]
+    reference, ref_ids = make_pack([0.05, 0.1], extra=shapes)
+    assert run_pack(reference) == "completed"  # in memory (4 GiB); probes both keys
+    db.setenv("PACKTUNE_CPU_MEMORY_BUDGET", str(budget))
+    get_settings.cache_clear()
+    pack_id, ids = make_pack([0.05, 0.1], extra=shapes)
+    assert run_pack(pack_id) == "completed"
+    with session_scope(get_sessionmaker()) as s:
+        notes = [n for run in store.get_pack(s, pack_id).arrays or [] for n in run["notes"]]
+    assert len([n for n in notes if n.startswith("spilled:")]) == 2, notes
+    assert len([n for n in notes if "alternating" in n]) == alternating, notes
+    want, got = snapshot(ref_ids), snapshot(ids)
+    for a, b in zip(ref_ids, ids, strict=True):
+        assert got[b][:2] == want[a][:2] == (TrialStatus.paused, 1.0), got[b]
+        (_, mine), (_, theirs) = got[b][4][-1], want[a][4][-1]
+        assert mine["val_loss"] == pytest.approx(theirs["val_loss"], rel=1e-5)
 
 
 def _pack_for(trial_id: int, start: float, end: float) -> int:

@@ -115,6 +115,29 @@ def test_a_diverging_member_leaves_a_spilled_array_and_the_others_are_unchanged(
     assert_same(b, a)
 
 
+def test_a_layer_too_large_for_half_the_budget_trains_one_shard_at_a_time() -> None:
+    """Between a budget whose half holds every layer (double buffering) and one that no
+    layer fits, the shards go through the device one at a time: slower, never failed."""
+    mlp = TinyMLP()
+    spilled = trained(mlp, {}, "bmm", 120_000)
+    (group,) = spilled.groups
+    assert isinstance(group, SpilledGroup) and not group.prefetch and group.shard_count >= 2
+    assert "one at a time" in spilled.spill_notes()[0]
+    assert_same(trained(mlp, {}, "bmm", None), spilled)
+    doubled = trained(mlp, {}, "bmm", MLP_BUDGET)
+    assert all(g.prefetch for g in doubled.groups if isinstance(g, SpilledGroup))
+
+
+def test_alternating_arrays_hold_one_shard_each_in_their_share() -> None:
+    mlp = TinyMLP()
+    array = FusedArray(mlp, members({}), mode="bmm", spill_budget=120_000, spill_prefetch=False)
+    train(array, STEPS)
+    (group,) = array.groups
+    assert isinstance(group, SpilledGroup) and group.alternating and not group.prefetch
+    assert "alternating" in array.spill_notes()[0]
+    assert_same(trained(mlp, {}, "bmm", None), array)
+
+
 class Residual(nn.Module):
     def __init__(self) -> None:
         super().__init__()
