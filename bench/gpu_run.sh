@@ -41,5 +41,5 @@ timeout "${B_TIMEOUT:-170}" python3 -m bench.study_walltime --modes ${B_MODES:-e
     --device cuda --repeats "${B_REPEATS:-2}" --out-dir "$OUT" --no-append 2>&1 | tee "$OUT/b_gpu.log" | tail -12
 
 # 4. benchmark h: a model twice the device budget, spilled vs in memory, with the bus bound
-timeout "${H_TIMEOUT:-120}" python3 -m bench.spill --device cuda --out-dir "$OUT" --no-append \
+timeout "${H_TIMEOUT:-120}" python3 -m bench.spill --device cuda --alternate --out-dir "$OUT" --no-append \
     2>&1 | tee "$OUT/h_gpu.log" | tail -6

@@ -9,6 +9,11 @@ and the gradients up, so it cannot beat ``3 * weight bytes / bandwidth`` per ste
 CPU nothing is copied (the device is the host): the figure is the cost of the recompute
 and of the shard-by-shard walk alone.
 
+With ``--alternate``, also two such trials (different seeds) one after another, each with
+the budget, against the two alternating (in two threads, each in half the budget, one
+shard at a time), as the worker runs a pack of two spilled arrays. A GPU figure: on a CPU
+the two threads also split the cores, which says nothing about alternation.
+
     python -m bench.spill                 # this CPU
     python -m bench.spill --device cuda   # a GPU
 """
@@ -54,6 +59,45 @@ def _steps_per_second(config: dict[str, Any], device: str, budget: int | None,
     return steps / seconds, shards
 
 
+def _alternation(config: dict[str, Any], device: str, budget: int, steps: int) -> dict[str, float]:
+    """Seconds for two spilled trials of ``steps`` steps: one after another, and alternating."""
+    import threading
+
+    import torch
+
+    from packtune.workloads import get_workload
+    from worker.fused import FusedArray, train
+
+    workload = get_workload("synthetic-mlp")
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def arrays(share: int) -> list[FusedArray]:
+        built = [
+            FusedArray(workload, [(0, {**config, "seed": seed})], device=device,
+                       spill_budget=budget // share, spill_prefetch=share == 1)
+            for seed in (1, 2)
+        ]  # fmt: skip
+        for array in built:
+            train(array, 1)  # warm-up and shard plan
+        sync()
+        return built
+
+    one, two = arrays(1), arrays(2)
+    started = time.perf_counter()
+    for array in one:
+        train(array, 1 + steps)
+    sync()
+    sequential = time.perf_counter() - started
+    started = time.perf_counter()
+    threads = [threading.Thread(target=train, args=(a, 1 + steps)) for a in two]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    sync()
+    return {"sequential_s": sequential, "alternating_s": time.perf_counter() - started}
+
+
 def _bandwidth(device: str, size: int = 256 * 2**20) -> float | None:
     """Bytes/s of a page-locked host-to-device copy (None on a CPU)."""
     if not device.startswith("cuda"):
@@ -74,7 +118,12 @@ def _bandwidth(device: str, size: int = 256 * 2**20) -> float | None:
 
 
 def measure(
-    config: dict[str, Any], device: str, repeats: int, steps: int, fraction: float = 0.5
+    config: dict[str, Any],
+    device: str,
+    repeats: int,
+    steps: int,
+    fraction: float = 0.5,
+    alternate: bool = False,
 ) -> dict[str, Any]:
     import torch
 
@@ -94,6 +143,13 @@ def measure(
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     bandwidth = _bandwidth(device)
     memory, spilled = recording.median(runs["memory"]), recording.median(runs["spilled"])
+    alternation = None
+    if alternate:
+        timed = [_alternation(config, device, budget, steps) for _ in range(repeats)]
+        alternation = {
+            key: recording.median([t[key] for t in timed])
+            for key in ("sequential_s", "alternating_s")
+        }
     return {
         "config": config,
         "estimated_bytes": estimate,
@@ -107,6 +163,7 @@ def measure(
         "fraction": spilled / memory,
         "bandwidth_bytes_per_s": bandwidth,
         "bound_steps_per_s": bandwidth / (3 * weights) if bandwidth else None,
+        "alternation": alternation,
     }
 
 
@@ -125,6 +182,14 @@ def report(result: dict[str, Any]) -> list[str]:
             f" GB/s; a spilled step moves 3 x {result['weight_bytes'] / 1e6:.1f} MB of weights "
             f"and gradients: at most {result['bound_steps_per_s']:.1f} steps/s.",
         ]
+    if result.get("alternation"):
+        a = result["alternation"]
+        lines += [
+            "",
+            f"Two spilled trials, {result['steps']} steps each: one after another "
+            f"{a['sequential_s']:.2f} s, alternating {a['alternating_s']:.2f} s "
+            f"({a['sequential_s'] / a['alternating_s']:.2f}x).",
+        ]
     return lines
 
 
@@ -136,6 +201,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget", type=float, default=0.5,
                         help="the spilled run's device budget, a fraction of the trial's "
                         "estimated memory")  # fmt: skip
+    parser.add_argument(
+        "--alternate", action="store_true",
+        help="also two spilled trials alternating vs one after another (a GPU figure)",
+    )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="tiny sizes; appends nothing")
     parser.add_argument("--out-dir", type=Path, default=None, help="JSON here")
     parser.add_argument("--no-append", action="store_true", help="leave HISTORY.md alone")
@@ -145,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
         args.repeats, args.steps, args.budget = 1, 2, 1.0
     load = recording.load_average()
     info = recording.machine(args.device)
-    result = measure(config, args.device, args.repeats, args.steps, args.budget)
+    result = measure(config, args.device, args.repeats, args.steps, args.budget, args.alternate)
     body = report(result)
     print("\n".join(body))
     if args.quick and args.out_dir is None:

@@ -191,6 +191,11 @@ def spill_rows() -> Iterator[Row]:
             value += f"; bus bound {r['bound_steps_per_s']:.3g} steps/s"
         yield Row("h. spilled / in-memory trial-steps/s, model 2x the budget", value,
                   "stated", None, path, data)  # fmt: skip
+        alternation = r.get("alternation")
+        if alternation and data["machine"]["device"] != "cpu":  # a GPU figure (module doc)
+            gain = alternation["sequential_s"] / alternation["alternating_s"]
+            yield Row("h. two spilled trials, one after another / alternating", f"{gain:.2f}x",
+                      "> 1x", gain > 1, path, data)  # fmt: skip
 
 
 def load_rows() -> Iterator[Row]:

@@ -38,9 +38,10 @@ def test_fused_throughput_quick(capsys: pytest.CaptureFixture[str]) -> None:
 def test_spill_quick(tmp_path: Path) -> None:
     from bench import spill
 
-    spill.main(["--quick", "--out-dir", str(tmp_path), "--no-append"])
+    spill.main(["--quick", "--alternate", "--out-dir", str(tmp_path), "--no-append"])
     result = json.loads((tmp_path / "spill_cpu.json").read_text())["result"]
     assert result["shards"] >= 2 and result["spilled_steps_per_s"] > 0
+    assert result["alternation"]["alternating_s"] > 0
 
 
 def test_scheduler_scale_quick(tmp_path: Path) -> None:
