@@ -164,18 +164,19 @@ class SpilledGroup(Group):
         batch = sample.numel() * sample.element_size() * k
 
         def cut(buffers: int) -> list[range]:
-            reserved, cuts = batch, None
-            for _ in range(4):  # the kept boundary activations depend on the cuts: settle
+            # the activations kept at the shards' boundaries depend on the cuts: reserve
+            # what the cuts keep, and cut again, until the reserve covers them (it only
+            # grows, through values of a finite set: this ends, in a plan or Unspillable)
+            reserved = batch
+            while True:
                 cuts = [
                     range(blocks[r.start].start, blocks[r.stop - 1].stop)
                     for r in plan_shards(block_costs, self.budget, reserved, names, buffers)
                 ]
-                kept = sum(outputs[r.start - 1] for r in cuts[1:])
-                if batch + kept <= reserved:
-                    break
-                reserved = batch + kept
-            assert cuts is not None
-            return cuts
+                need = batch + sum(outputs[r.start - 1] for r in cuts[1:])
+                if need <= reserved:
+                    return cuts
+                reserved = need
 
         try:
             cuts = cut(2 if self.prefetch else 1)
@@ -185,7 +186,6 @@ class SpilledGroup(Group):
             # a layer fits the budget but not half of it: one shard at a time, without
             # copying the next one in during the compute (slower, not failed)
             cuts, self.prefetch = cut(1), False
-        assert cuts is not None
         for j, layers in enumerate(cuts):
             named = [self.chain[i] for i in layers]
             sub = nn.Sequential(OrderedDict(named))  # the template's own layers and names

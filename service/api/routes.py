@@ -19,6 +19,7 @@ from service.api.schemas import (
     LeaderboardEntry,
     ListOf,
     PackPublic,
+    ProfilePublic,
     StudyPatch,
     StudyPublic,
     TrialPublic,
@@ -219,6 +220,14 @@ def list_packs(
     """The study's packs, newest first, with members, device, memory and timing."""
     rows, count = queries.packs(s, study_id, status=status, limit=limit, offset=offset)
     return {"data": rows, "count": count}
+
+
+@router.get("/{study_id}/profiles", response_model=ListOf[ProfilePublic], responses=ONE_STUDY)
+def list_profiles(study_id: StudyId, s: SessionDep) -> dict[str, Any]:
+    """Per fusion key of the study and device kind: the memory model, the measured
+    trial-steps/s by array size, and the array size the planner takes next."""
+    rows = queries.profiles(s, study_id)
+    return {"data": rows, "count": len(rows)}
 
 
 @router.get("/{study_id}/curves", response_model=ListOf[CurvePublic], responses=ONE_STUDY)

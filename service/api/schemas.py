@@ -232,6 +232,25 @@ class CurvePublic(BaseModel):
     points: list[CurvePoint]
 
 
+class ThroughputPoint(BaseModel):
+    k: int = Field(description="array size (trials fused into one model)")
+    steps_per_s: float = Field(description="trial-steps per second measured at that size")
+
+
+class ProfilePublic(BaseModel):
+    fusion_key: str
+    device_kind: str
+    base_bytes: int | None = Field(description="memory model: bytes(k) = base + k * per_trial")
+    per_trial_bytes: int | None
+    throughput: list[ThroughputPoint] = Field(description="the measured curve, by k")
+    array_size: int = Field(
+        description="the array size the planner takes next from the curve (a larger size "
+        "only where it gains 10%; one beyond the largest measured while the curve rises)"
+    )
+    capped: bool = Field(description="the study's max_pack_size holds it below the curve's choice")
+    updated_at: datetime
+
+
 class WorkerPublic(BaseModel):
     name: str
     host: str

@@ -2,7 +2,7 @@
 
 Callers use ``from service import queries`` and ``queries.<function>``; the
 functions live in :mod:`.studies`, :mod:`.trials` and :mod:`.runs` (brackets,
-packs, workers, workloads).
+packs, workers, workloads, measured array sizes).
 
 ORM rows never leave this module. Every function costs a fixed number of
 queries whatever the study's size (no query per trial): a trial's latest
@@ -21,6 +21,7 @@ from service.queries.rows import Row
 from service.queries.runs import (
     brackets,
     packs,
+    profiles,
     workers,
     workloads,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "leaderboard",
     "list_studies",
     "packs",
+    "profiles",
     "Row",
     "study_summary",
     "trials",

@@ -1,4 +1,4 @@
-"""Brackets and their rungs, packs, workers and workloads."""
+"""Brackets and their rungs, packs, workers, workloads and measured array sizes."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ from sqlalchemy.orm import Session, selectinload
 
 from packtune.hyperband import total_trials
 from packtune.iterations import asha_ladder
+from packtune.packing import best_array_size
 from packtune.spec import StoredSpec
 from packtune.tuning import UPDATE_CHUNK
 from service import store
 from service.models import (
     Pack,
     PackStatus,
+    Profile,
     Trial,
     Worker,
     WorkerStatus,
@@ -186,6 +188,39 @@ def workers(s: Session, timeout_seconds: float, now: datetime | None = None) -> 
             }
         )
     return out
+
+
+def profiles(s: Session, study_id: int) -> list[Row]:
+    """What the planner measured for each fusion key of the study's trials, per device kind:
+    the memory model, trial-steps/s by array size, and the array size it plans next from
+    them (:func:`packtune.packing.best_array_size`, capped by the study's ``max_pack_size``)."""
+    study = store.get_study(s, study_id)
+    spec = StoredSpec.of(study.spec)
+    keys = list(s.scalars(select(Trial.fusion_key).where(Trial.study_id == study_id).distinct()))
+    if not keys:
+        return []
+    stmt = (
+        select(Profile)
+        .where(Profile.workload == study.workload, Profile.fusion_key.in_(keys))
+        .order_by(Profile.device_kind, Profile.fusion_key)
+    )
+    rows = []
+    for profile in s.scalars(stmt):
+        table = {int(k): float(v) for k, v in (profile.throughput or {}).items()}
+        rows.append(
+            {
+                "fusion_key": profile.fusion_key,
+                "device_kind": profile.device_kind,
+                "base_bytes": profile.base_bytes,
+                "per_trial_bytes": profile.per_trial_bytes,
+                "throughput": [{"k": k, "steps_per_s": table[k]} for k in sorted(table)],
+                "array_size": best_array_size(table, spec.packing.max_pack_size),
+                "capped": best_array_size(table, spec.packing.max_pack_size)
+                < best_array_size(table, None),
+                "updated_at": profile.updated_at,
+            }
+        )
+    return rows
 
 
 def workloads() -> list[Row]:

@@ -137,7 +137,7 @@ def test_a_running_study_changes_priority_and_owner(any_client: TestClient) -> N
 
 @pytest.mark.parametrize(
     "path",
-    ["", "/trials", "/brackets", "/packs", "/curves", "/leaderboard"],
+    ["", "/trials", "/brackets", "/packs", "/curves", "/leaderboard", "/profiles"],
 )
 def test_unknown_ids_are_404_and_bad_ids_422(any_client: TestClient, path: str) -> None:
     missing = any_client.get(f"/api/studies/424242{path}")
@@ -557,6 +557,32 @@ def test_brackets_show_rungs_trials_and_promotions(
     assert [len(r["trials"]) for r in body["data"][2]["rungs"]] == [3]
 
 
+def test_profiles_show_the_measured_curve_and_the_array_size_planned_from_it(
+    populated: tuple[TestClient, int, dict[int, int]],
+) -> None:
+    client, study_id, _ = populated
+    key = 'digits-mlp|{"hidden":64}'
+    assert client.get(f"/api/studies/{study_id}/profiles").json() == {"data": [], "count": 0}
+    with session_scope(client.app.state.sessionmaker) as s:  # type: ignore[attr-defined]
+        store.set_memory_model(s, "digits-mlp", key, "cpu", 1000, 200)
+        for k, value in ((1, 100.0), (2, 95.0), (4, 300.0), (8, 320.0)):
+            store.record_throughput(s, "digits-mlp", key, "cpu", k, value)
+        store.set_memory_model(s, "digits-mlp", 'digits-mlp|{"hidden":8}', "cpu", 1, 1)  # not its
+    time.sleep(get_settings().read_cache_seconds)
+    body = client.get(f"/api/studies/{study_id}/profiles").json()
+    assert body["count"] == 1
+    (row,) = body["data"]
+    assert (row["fusion_key"], row["device_kind"]) == (key, "cpu")
+    assert (row["base_bytes"], row["per_trial_bytes"]) == (1000, 200)
+    assert [(p["k"], p["steps_per_s"]) for p in row["throughput"]] == [
+        (1, 100.0),
+        (2, 95.0),
+        (4, 300.0),
+        (8, 320.0),
+    ]
+    assert row["array_size"] == 4 and not row["capped"]  # past the dip at 2; 8 gains <10%
+
+
 def test_packs_with_members_and_timing(
     populated: tuple[TestClient, int, dict[int, int]],
 ) -> None:
@@ -654,7 +680,8 @@ def test_reads_cost_a_bounded_number_of_queries_for_any_study_size(client: TestC
     engine = factory.kw["bind"]
     sa.event.listen(engine, "before_cursor_execute", count)
     try:
-        for path in ("", "/trials", "/brackets", "/packs", "/curves", "/leaderboard?limit=5"):
+        for path in ("", "/trials", "/brackets", "/packs", "/curves", "/leaderboard?limit=5",
+                     "/profiles"):  # fmt: skip
             costs = []
             for study_id in studies:
                 statements = 0

@@ -90,6 +90,11 @@ DOM_STATE = """() => {
     budget: document.querySelector('[data-testid=budget]')?.textContent ?? null,
     fleet: [...q('[data-panel=summary] .kpi')].map((k) => k.textContent)
       .find((t) => t.includes('device time')) ?? null,
+    profiles: [...q('[data-panel=profiles] .profile')].map((p) => ({
+      key: p.dataset.key, device: p.dataset.device,
+      size: p.querySelector('[data-testid=array-size]').textContent,
+      points: p.querySelectorAll('circle.point').length,
+    })),
   };
 }"""
 
@@ -324,6 +329,14 @@ def test_a_running_study_is_shown_live(service: dict[str, Any], page: Any) -> No
     assert any("share 100%" in (s["fleet"] or "") for s in live), live[-1]
     assert "waited" in final["fleet"] and "priority 1" in final["fleet"], final["fleet"]
     assert summary["fleet"]["device_seconds"] > 0 and summary["fleet"]["share"] is None
+    # the measured array-size curve of its fusion key, and the size planned from it
+    profiles = httpx.get(f"{url}/api/studies/{study_id}/profiles", timeout=10).json()["data"]
+    assert profiles and len(final["profiles"]) == len(profiles), (final["profiles"], profiles)
+    for shown, row in zip(final["profiles"], profiles, strict=True):
+        assert (shown["key"], shown["device"]) == (row["fusion_key"], row["device_kind"])
+        assert shown["size"].startswith(f"plans arrays of {row['array_size']} "), shown
+        assert ("max_pack_size caps it" in shown["size"]) == row["capped"], (shown, row)
+        assert shown["points"] == len(row["throughput"]) > 0, (shown, row)
 
 
 def test_hover_links_a_pack_to_its_trials(service: dict[str, Any], page: Any) -> None:

@@ -46,6 +46,7 @@ export class Changes {
     this.packs = new Set();
     this.workers = false;
     this.leaders = false;
+    this.profiles = false;
   }
 }
 
@@ -60,6 +61,8 @@ export class StudyFeed {
     this.packs = new Map(); // id -> pack row
     this.workers = [];
     this.leaders = [];
+    this.profiles = []; // measured trial-steps/s by array size, per fusion key and device kind
+    this._profilesKey = null;
     this.settled = false; // finished and fully read: only the summary and workers are polled
     this._rowKeys = new Map();
     this._statusKey = "";
@@ -92,6 +95,7 @@ export class StudyFeed {
     const finished = FINISHED.has(summary.status);
     await this._trials(ch);
     await Promise.all([this._curves(ch), this._packs(ch), this._brackets(ch), this._leaders(ch)]);
+    await this._profiles(ch);
     this.settled = finished; // read once more after the study ended, then stop
     return ch;
   }
@@ -137,6 +141,16 @@ export class StudyFeed {
   async _brackets(ch) {
     if (!ch.brackets) return;
     this.brackets = (await getJSON(`${this.base}/brackets`)).data;
+  }
+
+  /** Read again when a pack changed (a finished pack measures its array size). */
+  async _profiles(ch) {
+    if (this._profilesKey !== null && ch.packs.size === 0) return;
+    const rows = (await getJSON(`${this.base}/profiles`)).data;
+    const key = JSON.stringify(rows);
+    ch.profiles = key !== this._profilesKey;
+    this._profilesKey = key;
+    this.profiles = rows;
   }
 
   async _leaders(ch) {

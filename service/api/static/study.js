@@ -4,6 +4,7 @@ import { StudyFeed, unit } from "./api.js";
 import { BracketsPanel } from "./brackets.js";
 import { CurvesPanel } from "./curves.js";
 import { ParamsPanel } from "./params.js";
+import { ProfilesPanel } from "./profiles.js";
 import { elapsed, progressBar, statusBadge } from "./studies.js";
 import { fmtConfig, fmtNum, fmtSeconds, h } from "./svg.js";
 import { TimelinePanel } from "./timeline.js";
@@ -51,6 +52,7 @@ export class StudyView {
       timeline: new TimelinePanel(this.link),
       params: new ParamsPanel(this.link),
       workers: new WorkersPanel(),
+      profiles: new ProfilesPanel(),
     };
     this.link.panels = [this.panels.curves, this.panels.brackets, this.panels.timeline,
       this.panels.params];
@@ -62,6 +64,7 @@ export class StudyView {
         card("leaderboard", "Leaderboard", this.board)),
       card("brackets", "Brackets and rungs", p.brackets.root),
       card("timeline", "Packs per device", p.timeline.root),
+      card("profiles", "Array sizes: trial-steps/s measured by trials per fused model", p.profiles.root),
       h("div", { class: "row" },
         card("params", "Hyperparameters against the objective", p.params.root),
         card("workers", "Workers", p.workers.root))
