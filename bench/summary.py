@@ -198,6 +198,21 @@ def spill_rows() -> Iterator[Row]:
                       "> 1x", gain > 1, path, data)  # fmt: skip
 
 
+def decoupled_rows() -> Iterator[Row]:
+    """Decoupled training (synthetic intermediate labels) against end to end: accuracy,
+    bytes per step and seconds per trial, medians over seeds."""
+    for _, (path, data) in sorted(newest("decoupled_*.json").items()):
+        e2e, dec = data["summary"]["end_to_end"], data["summary"]["decoupled"]
+        value = (
+            f"accuracy {dec['accuracy']:.3f} vs {e2e['accuracy']:.3f}; bytes per step "
+            f"{dec['step_bytes'] / e2e['step_bytes']:.2f}x; seconds per trial "
+            f"{dec['seconds'] / e2e['seconds']:.2f}x"
+        )
+        yield Row("i. decoupled / end-to-end training, 6-layer MLP cut in two (digits)", value,
+                  "similar accuracy, less memory", dec["accuracy"] >= e2e["accuracy"] - 0.01
+                  and dec["step_bytes"] < e2e["step_bytes"], path, data)  # fmt: skip
+
+
 def load_rows() -> Iterator[Row]:
     """Read endpoints' p99 latency under 100 clients, per database."""
     for path in sorted(RESULTS.rglob("load_*.json")):
@@ -234,6 +249,7 @@ def render() -> str:
         *multi_rows(),
         *scheduler_rows(),
         *spill_rows(),
+        *decoupled_rows(),
         *load_rows(),
     ]
     lines = [

@@ -44,6 +44,14 @@ def test_spill_quick(tmp_path: Path) -> None:
     assert result["alternation"]["alternating_s"] > 0
 
 
+def test_decoupled_quick(tmp_path: Path) -> None:
+    from bench import decoupled
+
+    decoupled.main(["--quick", "--out-dir", str(tmp_path), "--no-append"])
+    summary = json.loads((tmp_path / "decoupled_cpu.json").read_text())["summary"]
+    assert summary["decoupled"]["step_bytes"] < summary["end_to_end"]["step_bytes"]
+
+
 def test_scheduler_scale_quick(tmp_path: Path) -> None:
     from bench import scheduler_scale
 
