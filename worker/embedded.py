@@ -102,7 +102,10 @@ class EmbeddedDispatcher:
         self._nice = settings.runner_nice
         self._device, self._memory_budget = settings.device, settings.cpu_memory_budget
         self._ctx = multiprocessing.get_context("spawn")
-        self._nudges = self._ctx.Event()
+        #: set to nudge the runner's pack watch; made with the runner, released at close (its
+        #: five named semaphores would otherwise outlive a ``packtune run`` that ends with
+        #: ``os._exit``, and multiprocessing's tracker would warn of them)
+        self._nudges: Any = None
         self._pool: ProcessPoolExecutor | None = None
         self._jobs: dict[str, Future[str]] = {}
         self.warm_up: Future[str] | None = None
@@ -121,6 +124,8 @@ class EmbeddedDispatcher:
 
     def _executor(self) -> ProcessPoolExecutor:
         if self._pool is None:
+            if self._nudges is None:
+                self._nudges = self._ctx.Event()
             self._pool = ProcessPoolExecutor(
                 max_workers=1,
                 mp_context=self._ctx,
@@ -180,7 +185,8 @@ class EmbeddedDispatcher:
     def nudge(self) -> None:
         """The running pack's watch reads its row at once (it looks every
         ``YIELD_CHECK_SECONDS`` otherwise)."""
-        self._nudges.set()
+        if self._nudges is not None:
+            self._nudges.set()
 
     def close(self) -> None:
         """Stop the runner at once: closed during its start-up (e.g. the database could not be
@@ -189,9 +195,9 @@ class EmbeddedDispatcher:
         had been killed, and the next scheduler finds its job missing and dispatches it again;
         closed idle, its jobs' writes are all committed, so do not wait for its interpreter's
         clean-up either (~0.1 s with torch loaded, at the end of every ``packtune run``)."""
-        if self._pool is None:
-            return
-        for proc in list(getattr(self._pool, "_processes", {}).values()):
-            proc.terminate()
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self._pool = None
+        if self._pool is not None:
+            for proc in list(getattr(self._pool, "_processes", {}).values()):
+                proc.terminate()
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        self._nudges = None  # the last reference: its semaphores are unlinked now
