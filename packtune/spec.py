@@ -138,6 +138,26 @@ class SamplerSettings(_Strict):
         return {"name": value} if isinstance(value, str) else value
 
 
+class TrainingSettings(_Strict):
+    """How each trial's model trains: ``end_to_end`` (back-propagation through the whole
+    model), or ``decoupled``: its chain of layers (an ``nn.Sequential``) cut into
+    ``segments`` that learn independently, each against a fixed random target vector per
+    class at its cut (synthetic intermediate labels, drawn from the study seed), segment
+    after the first from the previous cut's label with Gaussian ``noise``; the composed
+    model is evaluated. For in-memory classification workloads with the plain step."""
+
+    mode: Literal["end_to_end", "decoupled"] = "end_to_end"
+    segments: Annotated[int, Field(ge=2, le=16)] = 2
+    noise: Annotated[float, Field(ge=0, le=10, allow_inf_nan=False)] = 0.1
+
+    @property
+    def lane(self) -> str:
+        """What trials must share to train in one array (empty for end to end)."""
+        if self.mode == "end_to_end":
+            return ""
+        return f"decoupled:{self.segments}:{self.noise!r}"
+
+
 class Budget(_Strict):
     """How much a study may spend: Hyperband's outer loop is repeated (each iteration's
     sampler learning from every earlier one) until the first of these is reached.
@@ -221,6 +241,7 @@ class StudySpec(_Strict):
     #: (:mod:`packtune.asha`) on the ladder of the most aggressive bracket
     scheduler: Literal["hyperband", "asha"] = "hyperband"
     budget: Budget = Budget()
+    training: TrainingSettings = TrainingSettings()
     seed: Annotated[int, Field(ge=0, le=2**63 - 1)] = 0
     #: its share of device time against other running studies (weighted fair share)
     priority: Annotated[float, Field(gt=0, le=1_000, allow_inf_nan=False)] = 1.0
@@ -283,6 +304,7 @@ class StoredSpec:
     scheduler: Literal["hyperband", "asha"] = "hyperband"
     priority: float = 1.0
     owner: str | None = None
+    training: TrainingSettings = TrainingSettings()
 
     @classmethod
     def of(cls, spec: Mapping[str, Any]) -> StoredSpec:
@@ -311,6 +333,7 @@ class StoredSpec:
             scheduler="asha" if spec.get("scheduler") == "asha" else "hyperband",
             priority=float(spec.get("priority") or 1.0),
             owner=spec.get("owner"),
+            training=TrainingSettings.model_construct(**(spec.get("training") or {})),
         )
 
     @property

@@ -274,7 +274,9 @@ def _withdraw(s: Session, pack: Pack) -> None:
 
 def _units(s: Session, p: _Planned, order: Order) -> list[Unit]:
     spec, study = p.spec, p.study
-    lane = f"{study.seed}|{float(spec.hyperband.max_resource)!r}"
+    # what trials of different studies must share to fuse: batches (the seed), schedules
+    # (the horizon) and how they train (decoupled segments)
+    lane = f"{study.seed}|{float(spec.hyperband.max_resource)!r}|{spec.training.lane}"
     brackets = spec.brackets
     s_max = len(brackets) - 1
     units = []

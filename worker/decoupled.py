@@ -103,7 +103,7 @@ class Segment:
             return x
         table = self.labels[self.index - 1].to(x.device)
         clean = table[y]
-        noise = torch.randn(clean.shape, generator=generator).to(x.device)
+        noise = torch.randn(clean.shape, generator=generator, dtype=clean.dtype).to(x.device)
         return clean + self.noise * noise
 
     def loss(self, outputs: Tensor, y: Tensor, final: Callable[[Tensor, Tensor], Tensor]) -> Tensor:

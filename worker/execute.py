@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from packtune.errors import StoreUnavailable
 from packtune.packing import MemoryModel
 from packtune.settings import get_settings
 from packtune.space import fusion_key, trial_seed
+from packtune.spec import TrainingSettings
 from packtune.spilling import Unspillable
 from packtune.tuning import DROP_BELOW_S, HEADROOM, LARGER_PROBE_SIZES
 from packtune.workloads import get_workload
@@ -93,6 +94,8 @@ class ArrayJob:
     from_resource: float
     to_resource: float
     members: list[MemberJob]
+    #: how the members train (end to end, or decoupled segments): their studies' setting
+    training: TrainingSettings = field(default_factory=TrainingSettings)
 
     def alone(self, member: MemberJob) -> ArrayJob:
         return dataclasses.replace(self, members=[member])
@@ -319,7 +322,7 @@ def run_array(
             array = FusedArray(
                 workload, [(m.trial_id, configs[m.trial_id]) for m in todo],
                 device=device, states=states, data=data, spill_budget=budget,
-                spill_prefetch=spill_share == 1,
+                spill_prefetch=spill_share == 1, training=job.training,
             )  # fmt: skip
     except NOT_A_TRIAL_FAULT:
         raise

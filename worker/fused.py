@@ -52,6 +52,7 @@ from torch import Tensor, nn
 
 from packtune.errors import DETAILS
 from packtune.schedules import SCHEDULE_PARAMS, Schedule, schedule_of
+from packtune.spec import TrainingSettings
 from packtune.spilling import Unspillable
 from packtune.tuning import CUDA_CHECK_EVERY
 from packtune.workloads.base import OPTIMIZER_PARAMS, Split, Workload
@@ -63,6 +64,7 @@ from worker.batches import (
     started,
     tree_map,
 )
+from worker.decoupled_group import decoupled_group, decoupled_problem
 from worker.fused_forward import (
     bmm_forward,
     bmm_plan,
@@ -281,6 +283,7 @@ class FusedArray:
         data: tuple[Split, Split] | None = None,
         spill_budget: int | None = None,
         spill_prefetch: bool = True,
+        training: TrainingSettings | None = None,
     ) -> None:
         if not members:
             raise ValueError("an array needs at least one member")
@@ -296,6 +299,10 @@ class FusedArray:
         self.workload, self.device = workload, torch.device(device)
         #: device bytes a spilled array may use (None: the array trains in device memory)
         self.spill_budget, self.spill_prefetch = spill_budget, spill_prefetch
+        #: decoupled segments (training.mode), or None: end to end
+        self.decoupled = training if training and training.mode == "decoupled" else None
+        if self.decoupled is not None and spill_budget is not None:
+            raise ValueError("decoupled training and spilling do not combine yet")
         home = torch.device("cpu") if spill_budget is not None else self.device
         self.config = configs[0]
         self.configs = dict(zip(keys, configs, strict=True))
@@ -315,10 +322,19 @@ class FusedArray:
         self.precision = str(self.config.get("precision", "fp32"))
         #: what the array did that its caller should know (a vmap stack split per member)
         self.notes: list[str] = []
+        self.streaming = workload.streams
+        self.train_split: Split | None = None
+        self.val_split: Split | None = None
+        if not self.streaming:
+            self.train_split, self.val_split = data or workload.data(self.config, self.device)
         self.groups: list[Group] = []
         for part in parts:
             template = copy.deepcopy(models[part[0]]).to("meta")
             stochastic = _is_stochastic(workload, template)
+            if self.decoupled is not None:
+                problem = decoupled_problem(workload, template, self.decoupled.segments)
+                if problem is not None:
+                    raise ValueError(f"cannot train decoupled: {problem}")
             problem = spill_problem(workload, template) if spill_budget is not None else None
             if problem is not None:
                 raise Unspillable(
@@ -342,17 +358,12 @@ class FusedArray:
                 group, i = self._locate(key)
                 group.losses.carry(i, float(state["epoch_loss"]))
                 self.carried_steps[key] = int(state["epoch_loss_steps"])
-        self.streaming = workload.streams
-        if self.streaming:
-            self.train_split = self.val_split = None
-        else:
-            self.train_split, self.val_split = data or workload.data(self.config, self.device)
-            if spill_budget is not None:  # the data set lives on the device beside the shards
-                held = sum(t.numel() * t.element_size() for split in (self.train_split,
-                           self.val_split) for t in (split.x, split.y))  # fmt: skip
-                for group in self.groups:
-                    if isinstance(group, SpilledGroup):
-                        group.budget = spill_budget - held
+        if spill_budget is not None:  # the data set lives on the device beside the shards
+            splits = [split for split in (self.train_split, self.val_split) if split is not None]
+            held = sum(t.numel() * t.element_size() for split in splits for t in (split.x, split.y))
+            for group in self.groups:
+                if isinstance(group, SpilledGroup):
+                    group.budget = spill_budget - held
 
     def _group(
         self,
@@ -363,13 +374,23 @@ class FusedArray:
         stack: Stack,
     ) -> Group:
         configs = [self.configs[key] for key in keys]
-        optimizer = build_optimizer(
-            str(self.config["optimizer"]), params, hyper_tensors(configs),
-            nesterov=bool(self.config.get("nesterov", False)),
-            states=list(optimizer_states),
-            schedules=schedules(configs, self.steps_per_epoch),
-            pin=self.spill_budget is not None and self.device.type == "cuda",
-        )  # fmt: skip
+
+        def build(params: dict[str, Tensor], states: Sequence[Any]) -> Any:
+            return build_optimizer(
+                str(self.config["optimizer"]), params, hyper_tensors(configs),
+                nesterov=bool(self.config.get("nesterov", False)),
+                states=list(states),
+                schedules=schedules(configs, self.steps_per_epoch),
+                pin=self.spill_budget is not None and self.device.type == "cuda",
+            )  # fmt: skip
+
+        if self.decoupled is not None:
+            assert self.train_split is not None
+            return decoupled_group(
+                keys, params, buffers, optimizer_states, stack, self.precision, self.decoupled,
+                int(self.config.get("data_seed", 0)), self.train_split.x[:2], build,
+            )  # fmt: skip
+        optimizer = build(params, optimizer_states)
         if self.spill_budget is not None:
             return SpilledGroup(keys, params, buffers, optimizer, stack, self.precision,
                                 self.device, self.spill_budget, self.spill_prefetch)  # fmt: skip

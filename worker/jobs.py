@@ -41,7 +41,7 @@ from packtune.errors import QueueUnavailable, StoreUnavailable, error_cause
 from packtune.packing import MemoryModel, Unit, split_in_two
 from packtune.rungs import rung_resource
 from packtune.settings import get_settings
-from packtune.spec import StoredSpec
+from packtune.spec import StoredSpec, TrainingSettings
 from packtune.tuning import CANCEL_CHECK_SECONDS, GPU_ARRAY_THREADS, YIELD_CHECK_SECONDS
 from service import store
 from service.db import DATABASE_ERRORS, retrying
@@ -105,14 +105,18 @@ def _claim(s: Session, pack_id: int, worker: str, device: torch.device) -> list[
     specs = {i: StoredSpec.of(study.spec) for i, study in live.items()}
     store.move_trials(s, [m.trial_id for m in members], TrialStatus.running)
     trials = {t.id: t for t in store.trials_by_id(s, [m.trial_id for m in members])}
-    groups: dict[tuple[str, float, float, int, float], list[MemberJob]] = defaultdict(list)
+    groups: dict[tuple[str, float, float, int, float, str], list[MemberJob]] = defaultdict(list)
+    training: dict[str, TrainingSettings] = {}
     for m in members:
         trial = trials[m.trial_id]
         if trial.status != TrialStatus.running:
             continue
         study, spec = live[trial.study_id], specs[trial.study_id]
         horizon = float(spec.hyperband.max_resource)
-        groups[(m.fusion_key, m.from_resource, m.to_resource, study.seed, horizon)].append(
+        training[spec.training.lane] = spec.training
+        key = (m.fusion_key, m.from_resource, m.to_resource, study.seed, horizon,
+               spec.training.lane)  # fmt: skip
+        groups[key].append(
             MemberJob(
                 trial_id=trial.id,
                 sample_index=trial.sample_index,
@@ -135,8 +139,9 @@ def _claim(s: Session, pack_id: int, worker: str, device: torch.device) -> list[
             from_resource=start,
             to_resource=end,
             members=group,
+            training=training[lane],
         )
-        for (key, start, end, seed, horizon), group in sorted(groups.items())
+        for (key, start, end, seed, horizon, lane), group in sorted(groups.items())
     ]
 
 

@@ -60,7 +60,9 @@ def spill_problem(workload: Workload, template: nn.Module) -> str | None:
     return None
 
 
-def _forward(sub: nn.Sequential, mode: str, stacked: bool) -> Forward:
+def stack_forward(sub: nn.Sequential, mode: str, stacked: bool) -> Forward:
+    """The forward of a stack over the layers ``sub`` (a part of its template) in ``mode``:
+    from the shared batch, or with ``stacked`` from the members' own inputs."""
     if mode == "bmm":
         plan = bmm_plan(sub)
         if plan is not None:
@@ -193,8 +195,8 @@ class SpilledGroup(Group):
             bufs = {f"{name}.{n}" for name, layer in named for n, _ in layer.named_buffers()}
             self.shards.append(Shard(
                 layers, [n for n in self.params if n in own],
-                [n for n in self.buffers if n in bufs], _forward(sub, self.mode, True),
-                _forward(sub, self.mode, False) if j == 0 else None,
+                [n for n in self.buffers if n in bufs], stack_forward(sub, self.mode, True),
+                stack_forward(sub, self.mode, False) if j == 0 else None,
             ))  # fmt: skip
         return self.shards
 

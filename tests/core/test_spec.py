@@ -68,6 +68,13 @@ def test_defaults_fill_the_optional_parts() -> None:
     assert spec.budget.iterations() == 1  # no budget: one Hyperband iteration
     assert validate_spec({**GOOD, "budget": {"max_seconds": 60}}).budget.iterations() > 1
     assert validate_spec({**GOOD, "sampler": "random"}).sampler.name == "random"
+    assert spec.training.mode == "end_to_end" and spec.training.lane == ""
+    decoupled = validate_spec({**GOOD, "training": {"mode": "decoupled", "segments": 3}})
+    assert (decoupled.training.segments, decoupled.training.noise) == (3, 0.1)
+    stored = StoredSpec.of({**GOOD, "training": {"mode": "decoupled", "segments": 3}})
+    assert stored.training == decoupled.training and stored.training.lane == "decoupled:3:0.1"
+    # a study stored before training modes existed trains end to end
+    assert StoredSpec.of({"hyperband": {"max_resource": 9}}).training.mode == "end_to_end"
     # a study stored before samplers existed keeps being sampled as it was: at random
     assert StoredSpec.of({"hyperband": {"max_resource": 9}}).sampler.name == "random"
 
@@ -122,8 +129,13 @@ def test_defaults_fill_the_optional_parts() -> None:
         ("budget", {"target": float("nan")}, "budget.target", "finite"),
         ("budget", {"max_iterations": 5000}, "budget.max_iterations", f"more than {MAX_TRIALS}"),
         ("budget", {"deadline": 3}, "budget.deadline", "unknown key"),
+        ("training", {"mode": "greedy"}, "training.mode", "'end_to_end' or 'decoupled'"),
+        ("training", {"mode": "decoupled", "segments": 1}, "training.segments",
+         "greater than or equal to 2"),
+        ("training", {"mode": "decoupled", "noise": -1.0}, "training.noise",
+         "greater than or equal to 0"),
     ],
-)
+)  # fmt: skip
 def test_each_rule_names_its_field(path: str, value: Any, field: str, words: str) -> None:
     error = rejected(with_(path, value))
     assert error.field == field

@@ -58,8 +58,11 @@ def test_a_study_beside_others_gives_what_it_gives_alone(db: None) -> None:
          "space": {"lr": {"type": "loguniform", "low": 0.001, "high": 0.05}}}
     )  # fmt: skip
     other_seed = new_study({**twin_spec, "name": "other-seed", "seed": 6})
+    # same seed, trained decoupled: shares packs, never an array with end-to-end trials
+    decoupled = new_study({**twin_spec, "name": "decoupled",
+                           "training": {"mode": "decoupled", "segments": 2}})  # fmt: skip
     sched = scheduler(SyncDispatcher())
-    for study_id in (twin, same_seed, other_seed):
+    for study_id in (twin, same_seed, other_seed, decoupled):
         assert run_to_end(sched, study_id) == StudyStatus.completed
 
     where_alone, values_alone = final_values(alone)
@@ -67,11 +70,11 @@ def test_a_study_beside_others_gives_what_it_gives_alone(db: None) -> None:
     assert where_twin == where_alone
     assert values_twin == pytest.approx(values_alone, rel=1e-5, abs=1e-6)
 
-    studies = {i: trial_ids(i) for i in (twin, same_seed, other_seed)}
+    studies = {i: trial_ids(i) for i in (twin, same_seed, other_seed, decoupled)}
     study_of = {t: i for i, ids in studies.items() for t in ids}
     shared = [p for p in all_packs() if p.id not in first_packs]
     held = [{study_of[m.trial_id] for m in p.members} for p in shared]
-    assert any(len(h) == 3 for h in held), held  # one pack, three studies
+    assert any(len(h) >= 3 for h in held), held  # one pack, three studies or more
     fused = []
     for p in shared:
         for array in p.arrays or []:
@@ -79,12 +82,13 @@ def test_a_study_beside_others_gives_what_it_gives_alone(db: None) -> None:
                 of = {study_of[t] for t in stack["trials"]}
                 fused.append(of)
                 assert other_seed not in of or of == {other_seed}, p.arrays  # its own lane
+                assert decoupled not in of or of == {decoupled}, p.arrays
     assert {twin, same_seed} in fused  # trained as one model
     # the API's packs of a study list its own units, and say who else was in the pack
     with session_scope(get_sessionmaker()) as s:
         rows, _ = queries.packs(s, twin, limit=500)
     assert {m["trial_id"] for r in rows for m in r["members"]} == studies[twin]
-    assert any(set(r["shared_with"]) == {same_seed, other_seed} for r in rows)
+    assert any({same_seed, other_seed} <= set(r["shared_with"]) for r in rows)
     assert all(r["shared_trials"] == 0 for r in rows if not r["shared_with"])
 
 

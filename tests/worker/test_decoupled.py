@@ -8,7 +8,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from packtune.spec import TrainingSettings
+from tests.support.tiny_workloads import TinyMLP
 from worker.decoupled import Segment, compose, cut_points, split, synthetic_labels, widths
+from worker.decoupled_group import DecoupledGroup
+from worker.fused import FusedArray, train
 
 
 def mlp(layers: int, hidden: int = 32) -> nn.Sequential:
@@ -73,3 +77,84 @@ def test_a_network_trained_decoupled_classifies_digits() -> None:
     for seed in (0, 1):
         result = train(seed, epochs=10, decoupled=True)
         assert result["accuracy"] > 0.85, result
+
+
+# -- decoupled arrays (worker.decoupled_group): fused, exact, resumable -----------------
+
+DECOUPLED = TrainingSettings(mode="decoupled", segments=2, noise=0.1)
+
+
+def tiny_members(k: int, extra: dict[str, object] | None = None) -> list[tuple[str, dict]]:
+    return [
+        (f"t{i}", {"seed": 5 + i, "data_seed": 2, "lr": 0.05 * (i + 1), "hidden": 24,
+                   "layers": 3, **(extra or {})})
+        for i in range(k)
+    ]  # fmt: skip
+
+
+def final_state(array: FusedArray) -> dict[str, dict]:
+    return {key: array.member_state(key) for key in array.keys}
+
+
+def assert_states_close(a: dict, b: dict) -> None:
+    for part in ("params", "buffers"):
+        for name, t in a[part].items():
+            torch.testing.assert_close(b[part][name], t, rtol=1e-6, atol=1e-8)
+    for name, slots in a["optimizer"]["state"].items():
+        for slot, t in slots.items():
+            torch.testing.assert_close(b["optimizer"]["state"][name][slot], t,
+                                       rtol=1e-6, atol=1e-8)  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["bmm", "vmap", "serial"])
+def test_a_decoupled_array_trains_each_member_as_it_trains_alone(mode: str) -> None:
+    mlp = TinyMLP()
+    extra = {"optimizer": "adam", "batch_norm": True}
+    together = FusedArray(mlp, tiny_members(3, extra), mode=mode, training=DECOUPLED)
+    train(together, 14)
+    assert isinstance(together.groups[0], DecoupledGroup)
+    ev = together.evaluate()
+    for key, config in tiny_members(3, extra):
+        alone = FusedArray(mlp, [(key, config)], mode=mode, training=DECOUPLED)
+        train(alone, 14)
+        assert_states_close(alone.member_state(key), together.member_state(key))
+        assert ev[key]["val_loss"] == pytest.approx(alone.evaluate()[key]["val_loss"], rel=1e-6)
+
+
+def test_a_decoupled_array_resumes_exactly_and_differs_from_end_to_end() -> None:
+    mlp = TinyMLP()
+    straight = FusedArray(mlp, tiny_members(2), training=DECOUPLED)
+    train(straight, 14)
+    half = FusedArray(mlp, tiny_members(2), training=DECOUPLED)
+    train(half, 9)  # mid-epoch
+    states = [half.member_state(key) for key in half.keys]
+    resumed = FusedArray(mlp, tiny_members(2), training=DECOUPLED, states=states)
+    train(resumed, 14)
+    for key in straight.keys:
+        assert_states_close(straight.member_state(key), resumed.member_state(key))
+    end_to_end = FusedArray(mlp, tiny_members(2))
+    train(end_to_end, 14)
+    first = straight.keys[0]
+    assert not torch.allclose(  # the segments learned from labels, not through each other
+        end_to_end.member_state(first)["params"]["0.weight"],
+        straight.member_state(first)["params"]["0.weight"],
+    )
+
+
+def test_a_member_whose_segment_diverges_leaves_and_the_others_are_unchanged() -> None:
+    mlp = TinyMLP()
+    configs = tiny_members(3, {"optimizer": "sgd", "momentum": 0.0})
+    configs[1][1]["lr"] = 1e300  # its weights overflow at the first step: its losses are nan
+    together = FusedArray(mlp, configs, mode="bmm", training=DECOUPLED)
+    train(together, 14)
+    assert list(together.diverged) == ["t1"]
+    for key, config in (configs[0], configs[2]):
+        alone = FusedArray(mlp, [(key, config)], mode="bmm", training=DECOUPLED)
+        train(alone, 14)
+        assert_states_close(alone.member_state(key), together.member_state(key))
+
+
+def test_a_model_that_cannot_train_decoupled_says_why() -> None:
+    with pytest.raises(ValueError, match="cannot be cut into 5 segments"):
+        FusedArray(TinyMLP(), tiny_members(1, {"layers": 1}),
+                   training=TrainingSettings(mode="decoupled", segments=5))  # fmt: skip

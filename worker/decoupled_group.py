@@ -1,0 +1,178 @@
+"""Decoupled stacks: the members of a fused stack trained segment by segment, each segment
+against synthetic intermediate labels (the rule: :mod:`worker.decoupled`).
+
+A :class:`DecoupledGroup` stands where a :class:`~worker.fused_group.Group` would (the
+array's members, stacked); inside it every segment is a group of its own, with its part of
+the stacked weights and buffers, its own stacked optimizer and its own forward, so that the
+segments of all members train fused, and no segment sees another's activations or
+gradients. A step trains every segment once on the step's batch: the first on the inputs,
+the others on the previous cut's synthetic labels of the batch's classes (with noise drawn
+from the study seed and the step number: the same whoever shares the array, and after a
+resume). The members' recorded loss is the last segment's (against the true classes),
+non-finite when any segment's is, so that a member whose segment diverged leaves the array.
+Evaluation runs the composed model.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from packtune.spec import TrainingSettings
+from packtune.workloads.base import Workload, batch_order_seed
+from worker.decoupled import Segment, cut_points, synthetic_labels
+from worker.fused_forward import Forward
+from worker.fused_group import Group, Stack, full
+from worker.optim import StackedOptimizer
+from worker.spill import chain_of, stack_forward
+
+
+def decoupled_problem(workload: Workload, template: nn.Module, segments: int) -> str | None:
+    """Why ``template``'s members cannot train decoupled, in one sentence; None if they can."""
+    if workload.streams or workload.custom_step:
+        return f"{workload.name} streams its batches or defines its own training_loss()"
+    chain = chain_of(template)
+    if chain is None:
+        return f"{workload.name}'s model is a {type(template).__name__}, not an nn.Sequential"
+    try:
+        cut_points(nn.Sequential(OrderedDict(chain)), segments)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _widths(parts: Sequence[nn.Module], example: Tensor) -> list[int]:
+    """Each segment's output width per example, from a pass on the meta device."""
+    out, h = [], torch.empty(example.shape, dtype=example.dtype, device="meta")
+    with torch.no_grad():
+        for part in parts:
+            h = part(h)
+            out.append(int(h[0].numel()))
+    return out
+
+
+class _Optimizers:
+    """The segments' stacked optimizers, read as one (what checkpoints take)."""
+
+    def __init__(self, groups: list[Group]) -> None:
+        self.groups = groups
+
+    def member_state(self, i: int) -> dict[str, Any]:
+        states = [g.optimizer.member_state(i) for g in self.groups]
+        return {"step": states[0]["step"], "state": {n: s for st in states for n, s in
+                                                     st["state"].items()}}  # fmt: skip
+
+
+class DecoupledGroup(Group):
+    """Members trained as ``training.segments`` independent segments (see the module)."""
+
+    def __init__(
+        self,
+        keys: list[Hashable],
+        segments: list[Group],
+        stacked: list[Forward],
+        stack: Stack,
+        precision: str,
+        labels: list[Tensor],
+        training: TrainingSettings,
+        data_seed: int,
+    ) -> None:
+        self.segments, self.stacked = segments, stacked
+        self.rules = [Segment(j, len(segments), labels, training.noise)
+                      for j in range(len(segments))]  # fmt: skip
+        self.data_seed = data_seed
+        params = {n: p for g in segments for n, p in g.params.items()}
+        buffers = {n: b for g in segments for n, b in g.buffers.items()}
+        super().__init__(keys, params, buffers, segments[0].optimizer, stack, precision)
+        self.optimizer = _Optimizers(segments)  # type: ignore[assignment]
+        self.proven = True  # a vmap stack that fails here fails its trials (no per-member split)
+
+    def _noise(self, number: int, j: int) -> torch.Generator:
+        """The noise of step ``number``'s segment ``j``: from the study seed and the step."""
+        return torch.Generator().manual_seed((batch_order_seed(self.data_seed, number) * 31 + j)
+                                             % 2**63)  # fmt: skip
+
+    def step(self, batch: Any, workload: Workload, number: int) -> None:
+        """Optimizer step ``number`` of every segment on ``batch`` (each on its own inputs)."""
+        x, y = batch
+        last = len(self.segments) - 1
+        each: list[Tensor] = []
+        for j, (group, rule) in enumerate(zip(self.segments, self.rules, strict=True)):
+            inputs = rule.inputs(x, y, self._noise(number, j))
+            with self.autocast():
+                out = full(group.forward(group.params, group.buffers, inputs))
+            if j == last:
+                losses = group._losses(out, y, workload, False)
+            else:
+                target = rule.labels[j].to(out.device)[y]
+                losses = (out.flatten(2) - target).square().mean(dim=(1, 2))
+            losses.sum().backward()
+            group.optimizer.step()
+            group.optimizer.zero_grad()
+            each.append(losses.detach())
+        # the last segment's loss, made non-finite by any segment's (0 * nan is nan): a
+        # member whose segment diverged leaves the array
+        self.losses.record(each[-1] + 0 * torch.stack(each[:-1]).sum(dim=0), number)
+
+    def outputs(self, x: Tensor) -> Tensor:
+        """The composed model's outputs ``[k, B, ...]`` on a shared input."""
+        h = x
+        for j, (group, stacked) in enumerate(zip(self.segments, self.stacked, strict=True)):
+            forward = group.forward if j == 0 else stacked
+            with self.autocast():
+                h = forward(group.params, group.buffers, h)
+        return full(h)
+
+    def keep(self, index: list[int]) -> None:
+        for group in self.segments:
+            group.keep(index)
+        self.keys = [self.keys[i] for i in index]
+        self.params = {n: p for g in self.segments for n, p in g.params.items()}
+        self.buffers = {n: b for g in self.segments for n, b in g.buffers.items()}
+        self.losses.keep(index)
+
+
+def decoupled_group(
+    keys: list[Hashable],
+    params: dict[str, Tensor],
+    buffers: dict[str, Tensor],
+    optimizer_states: Sequence[Mapping[str, Any] | None],
+    stack: Stack,
+    precision: str,
+    training: TrainingSettings,
+    data_seed: int,
+    example: Tensor,
+    build: Any,
+) -> DecoupledGroup:
+    """``keys``' stacked ``params`` and ``buffers`` as a :class:`DecoupledGroup`: cut where
+    :func:`worker.decoupled.cut_points` cuts ``stack.template``; ``build(params, states)``
+    makes a segment's stacked optimizer; ``example``: one input batch (for the widths)."""
+    chain = chain_of(stack.template)
+    assert chain is not None
+    runs = cut_points(nn.Sequential(OrderedDict(chain)), training.segments)
+    subs = [nn.Sequential(OrderedDict(chain[i] for i in run)) for run in runs]
+    widths = _widths(subs, example)
+    labels = [t.to(example.dtype) for t in synthetic_labels(widths[-1], widths[:-1], data_seed)]
+    segments, stacked = [], []
+    for sub in subs:
+        own = {f"{name}.{n}" for name, layer in sub.named_children()
+               for n, _ in layer.named_parameters()}  # fmt: skip
+        bufs = {f"{name}.{n}" for name, layer in sub.named_children()
+                for n, _ in layer.named_buffers()}  # fmt: skip
+        seg_params = {n: p for n, p in params.items() if n in own}
+        states = [
+            None if st is None else {"step": st["step"], "state": {
+                n: v for n, v in st["state"].items() if n in own}}
+            for st in optimizer_states
+        ]  # fmt: skip
+        optimizer: StackedOptimizer = build(seg_params, states)
+        seg_stack = Stack(stack_forward(sub, stack.mode, False), sub, stack.stochastic,
+                          stack.mode)  # fmt: skip
+        segments.append(Group(keys, seg_params, {n: b for n, b in buffers.items() if n in bufs},
+                              optimizer, seg_stack, precision))  # fmt: skip
+        stacked.append(stack_forward(sub, stack.mode, True))
+    return DecoupledGroup(keys, segments, stacked, stack, precision, labels, training, data_seed)
