@@ -338,6 +338,12 @@ def _print_check(report: dict[str, Any], members: int, steps: int) -> None:
     for k, ms in report["step_ms"].items():
         table.add_row(str(k), f"{ms:.2f}", f"{1000 * int(k) / ms:.0f}" if ms > 0 else "-")
     console.print(table)
+    if "spill_problem" in report:  # reports of workers from before these say nothing of it
+        spill, decoupled = report["spill_problem"], report["decoupled_problem"]
+        console.print("larger than a device: " + (f"cannot spill ({spill})" if spill
+                      else "trains spilled, shard by shard"))  # fmt: skip
+        console.print("decoupled training: " + (f"not possible ({decoupled})" if decoupled
+                      else "possible (training: {mode: decoupled})"))  # fmt: skip
     for line in report["warnings"]:
         console.print(f"[yellow]warning:[/] {line}")
 

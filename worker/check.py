@@ -23,7 +23,9 @@ import torch
 from packtune.space import parse_space, sample_config, trial_seed
 from packtune.workloads import get_workload
 from packtune.workloads.base import Workload
+from worker.decoupled_group import decoupled_problem
 from worker.fused import FusedArray, train
+from worker.spill import spill_problem
 
 #: relative and absolute tolerance of "equal to float rounding" after a few steps
 RTOL, ATOL = 1e-4, 1e-5
@@ -44,6 +46,10 @@ class CheckReport:
     #: the first stack's leaf layers: (name, module type, how they run: ``bmm`` hand-fused,
     #: ``vmap``, ``serial`` one member at a time)
     layers: list[tuple[str, str, str]] = field(default_factory=list)
+    #: why a trial larger than the device could not train spilled (None: it can)
+    spill_problem: str | None = None
+    #: why the model could not train decoupled in two segments (None: it can)
+    decoupled_problem: str | None = None
 
     def as_json(self) -> dict[str, Any]:
         """The report as JSON values (member keys as they are, ``step_ms`` keyed by k)."""
@@ -55,6 +61,8 @@ class CheckReport:
             "step_ms": {str(k): ms for k, ms in self.step_ms.items()},
             "layers": [list(layer) for layer in self.layers],
             "warnings": list(self.warnings),
+            "spill_problem": self.spill_problem,
+            "decoupled_problem": self.decoupled_problem,
         }  # fmt: skip
 
     @property
@@ -117,6 +125,10 @@ def check(
         members=[{k: v for k, v in c.items() if k not in ("data_seed",)} for c in configs],
     )
     data = None if workload.streams else workload.data(workload.resolve(configs[0]), device)
+    torch.manual_seed(0)
+    template = workload.build_model(workload.resolve(configs[0])).to("meta")
+    report.spill_problem = spill_problem(workload, template)
+    report.decoupled_problem = decoupled_problem(workload, template, 2)
     chosen = [(i, configs[i]) for i in range(members)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

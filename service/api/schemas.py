@@ -305,7 +305,8 @@ class CheckPublic(BaseModel):
     status: Literal["queued", "running", "passed", "failed", "error"]
     request: dict[str, Any]
     #: once run: structural, fusible, members, max_difference, exact, stacks
-    #: ([member keys, forward]), step_ms ({k: ms}), warnings, split, ok
+    #: ([member keys, forward]), step_ms ({k: ms}), warnings, split, ok, spill_problem and
+    #: decoupled_problem (why a trial could not train spilled or decoupled; null: it can)
     report: dict[str, Any] | None
     error: str | None
     worker: str | None

@@ -76,6 +76,7 @@ def test_a_check_runs_on_the_service_runner_and_reports(
     assert set(report["step_ms"]) == {"1", "2", "4", "8"}
     assert all(ms > 0 for ms in report["step_ms"].values())
     assert "lr" in report["fusible"] and "hidden" in report["structural"]
+    assert report["spill_problem"] is None and report["decoupled_problem"] is None
     assert done["worker"].startswith("embedded@") and done["finished_at"] is not None
 
 
@@ -103,6 +104,9 @@ def test_a_step_vmap_cannot_run_passes_with_the_fallback_named(
     assert done["report"]["stacks"] == [[[0], "serial"], [[1], "serial"], [[2], "serial"],
                                         [[3], "serial"]]  # fmt: skip
     assert any("vmap could not run the fused step" in w for w in done["report"]["warnings"])
+    # its own training_loss sees the whole model: it can neither spill nor train decoupled
+    assert "defines its own training_loss" in done["report"]["spill_problem"]
+    assert "training_loss" in done["report"]["decoupled_problem"]
 
 
 def test_the_cli_runs_a_check_through_the_service(

@@ -181,6 +181,8 @@ def test_check_says_how_a_workload_fuses(env: dict[str, str], tmp_path: Path) ->
     out = result.stdout
     assert "structural" in out and "fusible" in out and "lr" in out
     assert "stacks bmm x4" in out and "(exact)" in out
+    assert "larger than a device: trains spilled" in out
+    assert "decoupled training: possible" in out
     for k in ("1", "2", "4", "8"):
         assert f"│ {k} " in out  # a step time for each array size
 
