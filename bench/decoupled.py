@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -107,36 +108,64 @@ def train(seed: int, epochs: int, decoupled: bool, segments: int = 2) -> dict[st
     return {"accuracy": accuracy, "val_loss": loss, "step_bytes": peak, "seconds": seconds}
 
 
+def packtune_seconds(seed: int, epochs: int, decoupled: bool, segments: int = 2) -> float:
+    """Seconds packtune's worker takes to train one such trial (a fused array of one, as a
+    worker runs it: on a CPU the segments one after another)."""
+    from packtune.spec import TrainingSettings
+    from packtune.workloads import get_workload
+    from worker.fused import FusedArray, train
+
+    workload = get_workload("digits-mlp")
+    config = {**CONFIG, "optimizer": "adam", "seed": seed, "data_seed": seed}
+    training = TrainingSettings(mode="decoupled" if decoupled else "end_to_end", segments=segments)
+    array = FusedArray(workload, [(0, config)], training=training)
+    started = time.perf_counter()
+    train(array, epochs * array.steps_per_epoch)
+    return time.perf_counter() - started
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument(
+        "--threads", type=int, default=None,
+        help="torch threads (default: cores - 1, as a worker uses)",
+    )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="tiny run; appends nothing")
     parser.add_argument("--out-dir", type=Path, default=None, help="JSON here")
     parser.add_argument("--no-append", action="store_true", help="leave HISTORY.md alone")
     args = parser.parse_args(argv)
     if args.quick:
         args.seeds, args.epochs = 1, 2
+    import torch
+
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
     load = recording.load_average()
     info = recording.machine("cpu")
     runs: dict[str, list[dict[str, Any]]] = {"end_to_end": [], "decoupled": []}
     for seed in range(args.seeds):  # alternating, so that drift in the machine hits both
-        runs["end_to_end"].append(train(seed, args.epochs, decoupled=False))
-        runs["decoupled"].append(train(seed, args.epochs, decoupled=True))
+        for mode in runs:
+            run = train(seed, args.epochs, decoupled=mode == "decoupled")
+            run["packtune_seconds"] = packtune_seconds(seed, args.epochs, mode == "decoupled")
+            runs[mode].append(run)
     summary = {
         mode: {key: recording.median([r[key] for r in rows]) for key in rows[0]}
         for mode, rows in runs.items()
     }
     body = recording.table(
-        ["training", "val accuracy (median)", "val_loss", "bytes per step", "seconds per trial"],
-        [[mode, s["accuracy"], s["val_loss"], int(s["step_bytes"]), s["seconds"]]
-         for mode, s in summary.items()],
+        ["training", "val accuracy (median)", "val_loss", "bytes per step",
+         "s per trial (one loop)", "s per trial (packtune worker)"],
+        [[mode, s["accuracy"], s["val_loss"], int(s["step_bytes"]), s["seconds"],
+          s["packtune_seconds"]] for mode, s in summary.items()],
     )  # fmt: skip
     body += [
         "",
         f"digits-mlp {CONFIG}, Adam, {args.epochs} epochs, {args.seeds} seeds; decoupled: "
         "cut in two, synthetic labels uniform in [0, 1) per class, noise 0.1 on a "
-        "segment's synthetic inputs.",
+        "segment's synthetic inputs. One loop: both segments in turn in a plain training "
+        f"loop; packtune worker: a fused array of one, {torch.get_num_threads()} torch "
+        "thread(s).",
     ]
     print("\n".join(body))
     if args.quick and args.out_dir is None:

@@ -208,6 +208,8 @@ def decoupled_rows() -> Iterator[Row]:
             f"{dec['step_bytes'] / e2e['step_bytes']:.2f}x; seconds per trial "
             f"{dec['seconds'] / e2e['seconds']:.2f}x"
         )
+        if "packtune_seconds" in dec:  # the worker's path, segments at once
+            value += f" ({dec['packtune_seconds'] / e2e['packtune_seconds']:.2f}x in a worker)"
         yield Row("i. decoupled / end-to-end training, 6-layer MLP cut in two (digits)", value,
                   "similar accuracy, less memory", dec["accuracy"] >= e2e["accuracy"] - 0.01
                   and dec["step_bytes"] < e2e["step_bytes"], path, data)  # fmt: skip

@@ -121,6 +121,24 @@ def test_a_decoupled_array_trains_each_member_as_it_trains_alone(mode: str) -> N
         assert ev[key]["val_loss"] == pytest.approx(alone.evaluate()[key]["val_loss"], rel=1e-6)
 
 
+def test_segments_trained_at_once_in_threads_compute_what_they_compute_in_turn() -> None:
+    mlp = TinyMLP()
+    extra = {"optimizer": "adam", "batch_norm": True, "layers": 4}
+    training = TrainingSettings(mode="decoupled", segments=3)
+    arrays = []
+    for threads in (1, 3):
+        array = FusedArray(mlp, tiny_members(2, extra), mode="bmm", training=training)
+        (group,) = array.groups
+        assert isinstance(group, DecoupledGroup)
+        group.threads = threads
+        train(array, 14)
+        arrays.append(array)
+    for key in arrays[0].keys:
+        one, other = (a.member_state(key) for a in arrays)
+        for name, t in one["params"].items():
+            assert torch.equal(other["params"][name], t), name
+
+
 def test_a_decoupled_array_resumes_exactly_and_differs_from_end_to_end() -> None:
     mlp = TinyMLP()
     straight = FusedArray(mlp, tiny_members(2), training=DECOUPLED)
