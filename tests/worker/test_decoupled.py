@@ -9,6 +9,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from packtune.spec import TrainingSettings
+from tests.support.states import assert_member_states_close
 from tests.support.tiny_workloads import TinyMLP
 from worker.decoupled import Segment, compose, cut_points, split, synthetic_labels, widths
 from worker.decoupled_group import DecoupledGroup
@@ -92,20 +93,6 @@ def tiny_members(k: int, extra: dict[str, object] | None = None) -> list[tuple[s
     ]  # fmt: skip
 
 
-def final_state(array: FusedArray) -> dict[str, dict]:
-    return {key: array.member_state(key) for key in array.keys}
-
-
-def assert_states_close(a: dict, b: dict) -> None:
-    for part in ("params", "buffers"):
-        for name, t in a[part].items():
-            torch.testing.assert_close(b[part][name], t, rtol=1e-6, atol=1e-8)
-    for name, slots in a["optimizer"]["state"].items():
-        for slot, t in slots.items():
-            torch.testing.assert_close(b["optimizer"]["state"][name][slot], t,
-                                       rtol=1e-6, atol=1e-8)  # fmt: skip
-
-
 @pytest.mark.parametrize("mode", ["bmm", "vmap", "serial"])
 def test_a_decoupled_array_trains_each_member_as_it_trains_alone(mode: str) -> None:
     mlp = TinyMLP()
@@ -117,7 +104,7 @@ def test_a_decoupled_array_trains_each_member_as_it_trains_alone(mode: str) -> N
     for key, config in tiny_members(3, extra):
         alone = FusedArray(mlp, [(key, config)], mode=mode, training=DECOUPLED)
         train(alone, 14)
-        assert_states_close(alone.member_state(key), together.member_state(key))
+        assert_member_states_close(alone.member_state(key), together.member_state(key))
         assert ev[key]["val_loss"] == pytest.approx(alone.evaluate()[key]["val_loss"], rel=1e-6)
 
 
@@ -149,7 +136,7 @@ def test_a_decoupled_array_resumes_exactly_and_differs_from_end_to_end() -> None
     resumed = FusedArray(mlp, tiny_members(2), training=DECOUPLED, states=states)
     train(resumed, 14)
     for key in straight.keys:
-        assert_states_close(straight.member_state(key), resumed.member_state(key))
+        assert_member_states_close(straight.member_state(key), resumed.member_state(key))
     end_to_end = FusedArray(mlp, tiny_members(2))
     train(end_to_end, 14)
     first = straight.keys[0]
@@ -169,7 +156,7 @@ def test_a_member_whose_segment_diverges_leaves_and_the_others_are_unchanged() -
     for key, config in (configs[0], configs[2]):
         alone = FusedArray(mlp, [(key, config)], mode="bmm", training=DECOUPLED)
         train(alone, 14)
-        assert_states_close(alone.member_state(key), together.member_state(key))
+        assert_member_states_close(alone.member_state(key), together.member_state(key))
 
 
 def test_a_model_that_cannot_train_decoupled_says_why() -> None:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from packtune.spilling import Unspillable
+from tests.support.states import assert_member_states_close
 from tests.support.tiny_workloads import TinyCNN, TinyMLP
 from worker.fused import FusedArray, train
 from worker.spill import SpilledGroup
@@ -40,15 +41,7 @@ def assert_same(a: FusedArray, b: FusedArray) -> None:
     assert a.keys == b.keys
     ev_a, ev_b = a.evaluate(), b.evaluate()
     for key in a.keys:
-        sa, sb = a.member_state(key), b.member_state(key)
-        for part in ("params", "buffers"):
-            for name, t in sa[part].items():
-                torch.testing.assert_close(sb[part][name], t, rtol=1e-6, atol=1e-8)
-        for name, slots in sa["optimizer"]["state"].items():
-            for slot, t in slots.items():
-                torch.testing.assert_close(sb["optimizer"]["state"][name][slot], t,
-                                           rtol=1e-6, atol=1e-8)  # fmt: skip
-        assert sb["optimizer"]["step"] == sa["optimizer"]["step"]
+        assert_member_states_close(a.member_state(key), b.member_state(key))
         for metric, value in ev_a[key].items():
             assert ev_b[key][metric] == pytest.approx(value, rel=1e-6, abs=1e-8)
 
