@@ -39,12 +39,17 @@ probed). A pack's estimate is the sum of its arrays'. Models only grow:
 :meth:`MemoryModel.corrected` after a measured peak, :meth:`MemoryModel.after_oom`
 after a CUDA out-of-memory error (the caller re-queues both halves of
 :func:`split_in_two`).
+
+A trial trained as decoupled segments may be several units, one per segment
+(``Unit.segment``); :func:`whole_trials` keeps such a trial in a plan only with all of
+its segments.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import groupby
 from operator import attrgetter
 from typing import Any
@@ -55,7 +60,9 @@ from packtune.tuning import HEADROOM, MIN_GAIN_PERCENT, RETRY_BACKOFF_MAX_S, SPI
 @dataclass(frozen=True)
 class Unit:
     """Train ``trial_id`` from cumulative resource ``from_resource`` to ``to_resource``;
-    ``lane`` and ``rank``: see the module docstring."""
+    ``lane`` and ``rank``: see the module docstring; ``segment``: only that segment of the
+    trial's decoupled model (``-1``: the whole trial; the caller puts the segment in the
+    lane, so that an array holds one segment of its trials)."""
 
     trial_id: int
     fusion_key: str
@@ -63,6 +70,7 @@ class Unit:
     to_resource: float
     lane: str = ""
     rank: tuple[float, ...] = ()
+    segment: int = -1
 
     @property
     def group(self) -> tuple[str, float, float]:
@@ -214,7 +222,7 @@ class PackPlan:
 
 
 def _sort_key(unit: Unit) -> tuple[Any, ...]:
-    return (*unit.array_key, unit.rank, unit.trial_id)
+    return (*unit.array_key, unit.rank, unit.trial_id, unit.segment)
 
 
 def _arrays(
@@ -280,8 +288,8 @@ def plan_packs(
     device that has no pack yet while one is free, else to the open pack with the least
     work (trial-resource) that has room; first-fit otherwise."""
     units = list(units)
-    if len({unit.trial_id for unit in units}) != len(units):
-        raise ValueError("a trial may have only one ready unit of work")
+    if len({(unit.trial_id, unit.segment) for unit in units}) != len(units):
+        raise ValueError("a trial (or a segment of one) may have only one ready unit of work")
     if len({device.name for device in devices}) != len(devices):
         raise ValueError("device names must be unique")
     for name, value in (
@@ -366,3 +374,24 @@ def retry_delay(base: float, attempt: int, jitter: float) -> float:
     all come back at once."""
     capped = min(RETRY_BACKOFF_MAX_S, base * 2 ** max(0, attempt - 1))
     return capped * (0.5 + 0.5 * jitter)
+
+
+def whole_trials(plan: PackPlan, segments: Mapping[int, int]) -> PackPlan:
+    """``plan`` with only the trials planned whole: a trial of ``segments[trial]`` segment
+    units is planned in this call with all of them or not at all (its status moves once);
+    the segments of one left out are deferred, and a pack left empty is dropped."""
+    placed = Counter(u.trial_id for pack in plan.packs for u in pack.units if u.segment >= 0)
+    partial = {t for t, n in placed.items() if n < segments.get(t, 0)}
+    if not partial:
+        return plan
+    packs, deferred = [], list(plan.deferred)
+    for pack in plan.packs:
+        arrays = []
+        for array in pack.arrays:
+            kept = tuple(u for u in array.units if u.trial_id not in partial)
+            deferred += [u for u in array.units if u.trial_id in partial]
+            if kept:
+                arrays.append(replace(array, units=kept))
+        if arrays:
+            packs.append(replace(pack, arrays=tuple(arrays)))
+    return replace(plan, packs=packs, deferred=deferred)

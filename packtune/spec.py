@@ -144,18 +144,40 @@ class TrainingSettings(_Strict):
     ``segments`` that learn independently, each against a fixed random target vector per
     class at its cut (synthetic intermediate labels, drawn from the study seed), segment
     after the first from the previous cut's label with Gaussian ``noise``; the composed
-    model is evaluated. For in-memory classification workloads with the plain step."""
+    model is evaluated. For in-memory classification workloads with the plain step.
+
+    ``units``: what the scheduler plans as a unit of work. ``trial``: a trial's segments
+    train together in its array, every epoch evaluated. ``segment``: each segment of a
+    trial's rung span is a unit of its own, fused with the same segment of other trials
+    and run on whichever device is free (a trial's segments on several devices at once);
+    the composed model is evaluated when the last of its segments ends the span (the
+    trial's curve then has a point per rung, not per epoch)."""
 
     mode: Literal["end_to_end", "decoupled"] = "end_to_end"
     segments: Annotated[int, Field(ge=2, le=16)] = 2
     noise: Annotated[float, Field(ge=0, le=10, allow_inf_nan=False)] = 0.1
+    units: Literal["trial", "segment"] = "trial"
+
+    @model_validator(mode="after")
+    def _units_need_segments(self) -> TrainingSettings:
+        if self.units == "segment" and self.mode != "decoupled":
+            raise ValueError("units: segment needs mode: decoupled (an end-to-end model has "
+                             "no segments)")  # fmt: skip
+        return self
 
     @property
     def lane(self) -> str:
         """What trials must share to train in one array (empty for end to end)."""
         if self.mode == "end_to_end":
             return ""
-        return f"decoupled:{self.segments}:{self.noise!r}"
+        units = ":segment-units" if self.units == "segment" else ""
+        return f"decoupled:{self.segments}:{self.noise!r}{units}"
+
+    @property
+    def segment_units(self) -> int:
+        """How many units of work a trial's rung span is: its segments with ``units:
+        segment``, else 0 (the trial is one unit)."""
+        return self.segments if self.units == "segment" else 0
 
 
 class Budget(_Strict):

@@ -32,6 +32,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -242,7 +243,8 @@ class Pack(Base):
 
 
 class PackMember(Base):
-    """One unit of work in a pack: train ``trial`` from ``from_resource`` to ``to_resource``."""
+    """One unit of work in a pack: train ``trial`` from ``from_resource`` to ``to_resource``;
+    ``segment``: only that segment of the trial's decoupled model (``-1``: the whole trial)."""
 
     __tablename__ = "pack_members"
     __table_args__ = (Index("ix_pack_members_trial", "trial_id"),)
@@ -252,6 +254,9 @@ class PackMember(Base):
     )
     trial_id: Mapped[int] = mapped_column(
         ForeignKey("trials.id", ondelete="CASCADE"), primary_key=True
+    )
+    segment: Mapped[int] = mapped_column(
+        Integer, primary_key=True, default=-1, server_default=text("-1")
     )
     fusion_key: Mapped[str] = mapped_column(String(500))
     from_resource: Mapped[float] = mapped_column(Float)

@@ -30,6 +30,7 @@ from packtune.packing import (
     Unit,
     best_array_size,
     plan_packs,
+    whole_trials,
 )
 from packtune.rungs import rung_resource, unit_end
 from packtune.settings import Settings
@@ -81,6 +82,9 @@ def _probe_first(
     out, kept = [], Counter[str]()
     ordered = sorted(units, key=lambda u: (u.to_resource - u.from_resource, u.trial_id))
     for u in ordered:
+        if u.segment >= 0:  # segment units record no throughput: nothing to wait for
+            out.append(u)
+            continue
         if u.fusion_key not in measured and u.fusion_key in in_flight:
             continue
         if u.fusion_key in measured or kept[u.fusion_key] < PROBE_UNITS:
@@ -202,7 +206,8 @@ def _yield_for(
     free = sum(name not in busy for name in devices_of(workers, settings)) + asked
     candidates = {
         p.id: b for p in running
-        if p.yield_requested_at is None and (b := best_band(p)) is not None
+        if p.yield_requested_at is None and not _has_segments(p)
+        and (b := best_band(p)) is not None
     }  # fmt: skip
     wanted = [b for p in waiting if (b := best_band(p)) is not None]
     asked_now = store.request_yield(s, packs_to_yield(candidates, wanted, free))
@@ -242,7 +247,8 @@ def _withdraw_for(
     best = min(ready)
     busy = store.packs_per_device(s, UNFINISHED)
     full = {name for name in devices_of(workers, settings) if busy[name] >= QUEUE_DEPTH}
-    waiting = [p for p in store.packs_with_status(s, PackStatus.queued) if p.device in full]
+    waiting = [p for p in store.packs_with_status(s, PackStatus.queued)
+               if p.device in full and not _has_segments(p)]  # fmt: skip
     if not waiting:
         return
     studies = store.studies_of_packs(s, [p.id for p in waiting])
@@ -260,6 +266,13 @@ def _best_band(study_ids: set[int], loads: dict[int, StudyLoad], quantum: float)
     """The best fair-share band of a pack's studies (None: none of them is planned now)."""
     bands = [band(loads[i], quantum) for i in study_ids if i in loads]
     return min(bands) if bands else None
+
+
+def _has_segments(pack: Pack) -> bool:
+    """Whether ``pack`` trains segment units: such a pack is neither asked to give its
+    device up nor withdrawn (its trials' other segments are in other packs, and a trial's
+    status moves once all of them have ended the span)."""
+    return any(m.segment >= 0 for m in pack.members)
 
 
 def _withdraw(s: Session, pack: Pack) -> None:
@@ -285,7 +298,12 @@ def _units(s: Session, p: _Planned, order: Order) -> list[Unit]:
         end = unit_end(spec, t.resource_done, target)
         left = expected_remaining(brackets[s_max - t.bracket], t.rung, t.resource_done)
         rank = unit_key(order, p.band, study.id, left, t.id)
-        units.append(Unit(t.id, t.fusion_key, t.resource_done, end, lane, rank))
+        if not spec.training.segment_units:
+            units.append(Unit(t.id, t.fusion_key, t.resource_done, end, lane, rank))
+            continue
+        # each segment its own unit: an array holds one segment of its trials (the lane)
+        units += [Unit(t.id, t.fusion_key, t.resource_done, end, f"{lane}|segment {j}", rank, j)
+                  for j in range(spec.training.segment_units)]  # fmt: skip
     return units
 
 
@@ -294,10 +312,13 @@ def _plan_group(
 ) -> int:
     """Plan the pending units of one group of studies (one pack size limit); the packs made."""
     study_of: dict[int, int] = {}
+    segments: dict[int, int] = {}  # trial -> its segment units (studies with units: segment)
     units: list[Unit] = []
     for p in group:
         mine = _units(s, p, order)
         study_of.update({u.trial_id: p.study.id for u in mine})
+        if p.spec.training.segment_units:
+            segments.update({u.trial_id: p.spec.training.segment_units for u in mine})
         units += mine
     if not units:
         return 0
@@ -338,11 +359,13 @@ def _plan_group(
         # a unit too large for every device trains alone, spilled (PACKTUNE_SPILL)
         spill=settings.spill,
     )
+    plan = whole_trials(plan, segments)
     plan.deferred += later
     queued: list[int] = []
     for planned in plan.packs:
         members = [
-            (u.trial_id, u.fusion_key, u.from_resource, u.to_resource) for u in planned.units
+            (u.trial_id, u.fusion_key, u.from_resource, u.to_resource, u.segment)
+            for u in planned.units
         ]
         store.create_pack(
             s,
@@ -352,7 +375,7 @@ def _plan_group(
             estimated_bytes=planned.estimated_bytes,
         )
         queued += [u.trial_id for u in planned.units]
-    store.move_trials(s, queued, TrialStatus.queued, only_from=(TrialStatus.pending,))
+    store.move_trials(s, sorted(set(queued)), TrialStatus.queued, only_from=(TrialStatus.pending,))
     store.move_trials(
         s,
         [u.trial_id for u in plan.unplaceable],

@@ -11,14 +11,16 @@ of work of its own: it needs only its own weights, its own activations and the l
 The composed model, segment after segment, is what is evaluated.
 
 This module holds the rule: where to cut, the labels, each segment's inputs, targets and
-loss. ``bench/decoupled.py`` measures it against end-to-end training; the scheduler does
-not plan segments as units yet.
+loss, and how the states of a trial's segments, trained apart, make the trial's
+(:func:`merge_segments`). ``bench/decoupled.py`` measures it against end-to-end training;
+``worker/segment_units.py`` runs segments as units of work of their own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -117,3 +119,32 @@ def compose(parts: list[nn.Sequential], x: Tensor) -> Tensor:
     for part in parts:
         x = part(x)
     return x
+
+
+def merge_segments(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The trial's state from its segments' (each a segment unit's checkpoint: that
+    segment's weights, buffers and optimizer state, all at one step): every segment's
+    tensors together, the first segment's random state, and the last one's train loss (the
+    trial's, as in an array that trains every segment)."""
+    steps = {int(p["steps_done"]) for p in parts}
+    if len(steps) != 1:
+        raise ValueError(f"segments at different steps: {sorted(steps)}")
+    if sorted(int(p["segment"]) for p in parts) != list(range(len(parts))):
+        raise ValueError("one state per segment, 0 to K-1, is needed")
+    ordered = sorted(parts, key=lambda p: int(p["segment"]))
+    first = ordered[0]
+    merged = {
+        "key": first["key"],
+        "config": dict(first["config"]),
+        "rng": first["rng"],
+        "steps_done": steps.pop(),
+        "params": {n: t for p in ordered for n, t in p["params"].items()},
+        "buffers": {n: t for p in ordered for n, t in p["buffers"].items()},
+        "optimizer": {
+            "step": first["optimizer"]["step"],
+            "state": {n: v for p in ordered for n, v in p["optimizer"]["state"].items()},
+        },
+    }
+    if "train_loss" in ordered[-1]:
+        merged["train_loss"] = float(ordered[-1]["train_loss"])
+    return merged

@@ -95,8 +95,11 @@ class DecoupledGroup(Group):
         labels: list[Tensor],
         training: TrainingSettings,
         data_seed: int,
+        only: int | None = None,
     ) -> None:
         self.segments, self.stacked = segments, stacked
+        #: train this segment alone (a segment unit, ``units: segment``), or every segment
+        self.only = only
         self.rules = [Segment(j, len(segments), labels, training.noise)
                       for j in range(len(segments))]  # fmt: skip
         self.data_seed = data_seed
@@ -138,6 +141,9 @@ class DecoupledGroup(Group):
             group.optimizer.zero_grad()
             return losses.detach()
 
+        if self.only is not None:  # a segment unit: its loss is the members' recorded one
+            self.losses.record(one(self.only), number)
+            return
         if self.threads > 1 and not self.stochastic:
             each = list(_pool(self.threads).map(one, range(len(self.segments))))
         else:
@@ -145,6 +151,17 @@ class DecoupledGroup(Group):
         # the last segment's loss, made non-finite by any segment's (0 * nan is nan): a
         # member whose segment diverged leaves the array
         self.losses.record(each[-1] + 0 * torch.stack(each[:-1]).sum(dim=0), number)
+
+    def segment_state(self, i: int) -> dict[str, Any]:
+        """Member ``i``'s part of the segment trained alone (:attr:`only`): its weights,
+        buffers and optimizer state, on the CPU (what a segment unit's checkpoint holds)."""
+        assert self.only is not None
+        group = self.segments[self.only]
+        return {
+            "params": {n: p[i].detach().to("cpu", copy=True) for n, p in group.params.items()},
+            "buffers": {n: b[i].to("cpu", copy=True) for n, b in group.buffers.items()},
+            "optimizer": group.optimizer.member_state(i),
+        }
 
     def outputs(self, x: Tensor) -> Tensor:
         """The composed model's outputs ``[k, B, ...]`` on a shared input."""
@@ -175,10 +192,12 @@ def decoupled_group(
     data_seed: int,
     example: Tensor,
     build: Any,
+    only: int | None = None,
 ) -> DecoupledGroup:
     """``keys``' stacked ``params`` and ``buffers`` as a :class:`DecoupledGroup`: cut where
     :func:`worker.decoupled.cut_points` cuts ``stack.template``; ``build(params, states)``
-    makes a segment's stacked optimizer; ``example``: one input batch (for the widths)."""
+    makes a segment's stacked optimizer; ``example``: one input batch (for the widths);
+    ``only``: the segment to train alone (None: all)."""
     chain = chain_of(stack.template)
     assert chain is not None
     runs = cut_points(nn.Sequential(OrderedDict(chain)), training.segments)
@@ -203,4 +222,7 @@ def decoupled_group(
         segments.append(Group(keys, seg_params, {n: b for n, b in buffers.items() if n in bufs},
                               optimizer, seg_stack, precision))  # fmt: skip
         stacked.append(stack_forward(sub, stack.mode, True))
-    return DecoupledGroup(keys, segments, stacked, stack, precision, labels, training, data_seed)
+    if only is not None and not 0 <= only < len(segments):
+        raise ValueError(f"segment {only} of a model cut into {len(segments)}")
+    return DecoupledGroup(keys, segments, stacked, stack, precision, labels, training, data_seed,
+                          only)  # fmt: skip

@@ -96,6 +96,9 @@ class ArrayJob:
     members: list[MemberJob]
     #: how the members train (end to end, or decoupled segments): their studies' setting
     training: TrainingSettings = field(default_factory=TrainingSettings)
+    #: the one segment of the members' decoupled models to train (a segment unit:
+    #: :mod:`worker.segment_units`); -1: the whole model
+    segment: int = -1
 
     def alone(self, member: MemberJob) -> ArrayJob:
         return dataclasses.replace(self, members=[member])
@@ -115,11 +118,11 @@ def _id(key: Hashable) -> int:
     return key
 
 
-def _steps(job: ArrayJob, steps_per_epoch: int) -> tuple[int, int]:
+def span_steps(job: ArrayJob, steps_per_epoch: int) -> tuple[int, int]:
     return round(job.from_resource * steps_per_epoch), round(job.to_resource * steps_per_epoch)
 
 
-def _mark_done(job: ArrayJob, done: dict[int, str], resource: float | None = None) -> None:
+def mark_done(job: ArrayJob, done: dict[int, str], resource: float | None = None) -> None:
     """Trials whose unit is finished (or, with ``resource``, that stopped there on the way,
     their pack giving its device up): resource, checkpoint, and ``paused`` for the scheduler
     at their rung, or ``pending`` when they are not at it yet."""
@@ -200,7 +203,7 @@ def is_profiled(job: ArrayJob, kind: str) -> bool:
     return bool(retrying(probed))
 
 
-def _ensure_profile(
+def ensure_profile(
     job: ArrayJob, config: dict[str, Any], device: torch.device, kind: str, data: Any
 ) -> None:
     """Probe memory (k=1, k=2) and throughput (k=1, 2 and :data:`LARGER_PROBE_SIZES`) the
@@ -268,6 +271,10 @@ def run_array(
     as it was (its training dropped: the job releases its members, which resume from their
     checkpoints).
     """
+    if job.segment >= 0:
+        from worker.segment_units import run_segment_array  # it builds on this module
+
+        return run_segment_array(job, device, kind, checkpoint_dir, stop)
     workload = get_workload(job.workload)
     parts = _structural_parts(workload, job)
     if len(parts) > 1:
@@ -294,7 +301,7 @@ def run_array(
     configs = {m.trial_id: job.config(m) for m in job.members}
     first = workload.resolve(next(iter(configs.values())))
     spe = workload.steps_per_epoch(first)
-    from_step, to_step = _steps(job, spe)
+    from_step, to_step = span_steps(job, spe)
     todo, states, done = [], [], {}
     for m in job.members:
         state = load_checkpoint(m.checkpoint_path) if m.checkpoint_path else None
@@ -311,12 +318,12 @@ def run_array(
                 f"trial {m.trial_id}: checkpoint at step {steps}, expected {from_step}"
             )
     if done:
-        _mark_done(job, done)
+        mark_done(job, done)
     if not todo or (give_up is not None and give_up.is_set()):
         return []
     try:
         data = None if workload.streams else workload.data(first, device)
-        _ensure_profile(job, first, device, kind, data)
+        ensure_profile(job, first, device, kind, data)
         budget = spill_budget(job, kind, device, len(todo), spill_share)
         with GLOBAL_RNG:
             array = FusedArray(
@@ -394,7 +401,7 @@ def run_array(
     }
     stopped_short = array.step < to_step and bool(array.groups)
     gave_up = give_up is not None and give_up.is_set() and stopped_short
-    _mark_done(job, saved, array.step / spe if gave_up else None)
+    mark_done(job, saved, array.step / spe if gave_up else None)
     if array.step > from_step and seconds > 0 and not shared and budget is None:
         value = k * (array.step - from_step) / seconds
         retrying(lambda s: store.record_throughput(s, job.workload, job.fusion_key, kind, k, value))

@@ -64,7 +64,7 @@ from worker.batches import (
     started,
     tree_map,
 )
-from worker.decoupled_group import decoupled_group, decoupled_problem
+from worker.decoupled_group import DecoupledGroup, decoupled_group, decoupled_problem
 from worker.fused_forward import (
     bmm_forward,
     bmm_plan,
@@ -284,6 +284,7 @@ class FusedArray:
         spill_budget: int | None = None,
         spill_prefetch: bool = True,
         training: TrainingSettings | None = None,
+        segment: int | None = None,
     ) -> None:
         if not members:
             raise ValueError("an array needs at least one member")
@@ -303,6 +304,10 @@ class FusedArray:
         self.decoupled = training if training and training.mode == "decoupled" else None
         if self.decoupled is not None and spill_budget is not None:
             raise ValueError("decoupled training and spilling do not combine yet")
+        if segment is not None and self.decoupled is None:
+            raise ValueError("a segment trains alone only in decoupled training")
+        #: the one segment this array trains (a segment unit), or None: the whole model
+        self.segment = segment
         home = torch.device("cpu") if spill_budget is not None else self.device
         self.config = configs[0]
         self.configs = dict(zip(keys, configs, strict=True))
@@ -389,6 +394,7 @@ class FusedArray:
             return decoupled_group(
                 keys, params, buffers, optimizer_states, stack, self.precision, self.decoupled,
                 int(self.config.get("data_seed", 0)), self.train_split.x[:2], build,
+                self.segment,
             )  # fmt: skip
         optimizer = build(params, optimizer_states)
         if self.spill_budget is not None:
@@ -604,6 +610,10 @@ class FusedArray:
         outputs at once. Streamed data, or a workload's own step: the size-weighted means
         of the validation batches' values.
         """
+        if self.segment is not None:
+            # one segment is not the trial's model: the composed one is evaluated once
+            # every segment has ended the span (worker.segment_units)
+            return {key: {} for key in self.keys}
         templates = {id(group.template): group.template for group in self.groups}
         for template in templates.values():
             template.eval()
@@ -650,8 +660,14 @@ class FusedArray:
         return {key: {n: v / examples for n, v in values.items()} for key, values in sums.items()}
 
     def member_state(self, key: Hashable) -> dict[str, Any]:
-        """What resuming ``key`` elsewhere needs, on the CPU (checkpoint-ready)."""
+        """What resuming ``key`` elsewhere needs, on the CPU (checkpoint-ready); of an array
+        training one segment, that segment's part only."""
         group, i = self._locate(key)
+        if self.segment is not None:
+            assert isinstance(group, DecoupledGroup)
+            return {"key": key, "config": dict(self.configs[key]), "segment": self.segment,
+                    "rng": self.generators[key].get_state(), "steps_done": self.step,
+                    **group.segment_state(i)}  # fmt: skip
         return {
             "key": key,
             "config": dict(self.configs[key]),

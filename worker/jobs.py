@@ -103,9 +103,11 @@ def _claim(s: Session, pack_id: int, worker: str, device: torch.device) -> list[
         store.finish_pack(s, pack, PackStatus.cancelled, error=f"study {status or 'ended'}")
         return None
     specs = {i: StoredSpec.of(study.spec) for i, study in live.items()}
-    store.move_trials(s, [m.trial_id for m in members], TrialStatus.running)
+    store.move_trials(s, sorted({m.trial_id for m in members}), TrialStatus.running)
     trials = {t.id: t for t in store.trials_by_id(s, [m.trial_id for m in members])}
-    groups: dict[tuple[str, float, float, int, float, str], list[MemberJob]] = defaultdict(list)
+    groups: dict[tuple[str, float, float, int, float, str, int], list[MemberJob]] = defaultdict(
+        list
+    )
     training: dict[str, TrainingSettings] = {}
     for m in members:
         trial = trials[m.trial_id]
@@ -115,7 +117,7 @@ def _claim(s: Session, pack_id: int, worker: str, device: torch.device) -> list[
         horizon = float(spec.hyperband.max_resource)
         training[spec.training.lane] = spec.training
         key = (m.fusion_key, m.from_resource, m.to_resource, study.seed, horizon,
-               spec.training.lane)  # fmt: skip
+               spec.training.lane, m.segment)  # fmt: skip
         groups[key].append(
             MemberJob(
                 trial_id=trial.id,
@@ -140,8 +142,9 @@ def _claim(s: Session, pack_id: int, worker: str, device: torch.device) -> list[
             to_resource=end,
             members=group,
             training=training[lane],
+            segment=segment,
         )
-        for (key, start, end, seed, horizon, lane), group in sorted(groups.items())
+        for (key, start, end, seed, horizon, lane, segment), group in sorted(groups.items())
     ]
 
 
@@ -448,10 +451,10 @@ def _split_pack(
     if pack.status == PackStatus.split:
         return  # an earlier try went through, but the connection broke before it heard so
     units = [
-        Unit(m.trial_id, m.fusion_key, m.from_resource, m.to_resource)
+        Unit(m.trial_id, m.fusion_key, m.from_resource, m.to_resource, segment=m.segment)
         for m in store.unfinished_members(s, pack, (TrialStatus.running,))
     ]
-    store.move_trials(s, [u.trial_id for u in units], TrialStatus.queued)
+    store.move_trials(s, sorted({u.trial_id for u in units}), TrialStatus.queued)
     workloads = {array.fusion_key: array.workload for array in arrays}
     for key in {u.fusion_key for u in units}:
         workload = workloads.get(key) or key.split("|", 1)[0]  # a key starts with its workload
@@ -461,7 +464,7 @@ def _split_pack(
         per = int(profile.per_trial_bytes or 1) if profile else 1
         raised = MemoryModel(base, per).after_oom(k, capacity)
         store.set_memory_model(s, workload, key, kind, raised.base, raised.per_trial)
-    if len(units) == 1 and get_settings().spill:
+    if len(units) == 1 and get_settings().spill and units[0].segment < 0:
         # its memory model now exceeds the device alone: the planner gives it a device of
         # its own and the worker trains it spilled (an out-of-memory while spilled fails it)
         store.move_trials(s, [units[0].trial_id], TrialStatus.pending)
@@ -479,7 +482,8 @@ def _split_pack(
     for half in split_in_two(units):
         store.create_pack(
             s, study_id=pack.study_id, parent_id=pack.id,
-            members=[(u.trial_id, u.fusion_key, u.from_resource, u.to_resource) for u in half],
+            members=[(u.trial_id, u.fusion_key, u.from_resource, u.to_resource, u.segment)
+                     for u in half],
         )  # fmt: skip
     store.finish_pack(s, pack, PackStatus.split, error=error)
 

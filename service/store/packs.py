@@ -34,12 +34,13 @@ def create_pack(
     s: Session,
     *,
     study_id: int,
-    members: Sequence[tuple[int, str, float, float]],
+    members: Sequence[tuple[int, str, float, float] | tuple[int, str, float, float, int]],
     device: str | None = None,
     estimated_bytes: int | None = None,
     parent_id: int | None = None,
 ) -> Pack:
-    """A ``pending`` pack of units of work (trial id, fusion key, from resource, to resource)."""
+    """A ``pending`` pack of units of work (trial id, fusion key, from resource, to resource
+    and optionally the segment: -1, the whole trial, when left out)."""
     if not members:
         raise ValueError("a pack needs at least one member")
     pack = Pack(
@@ -55,9 +56,10 @@ def create_pack(
     # one statement, not an ORM object per member: packs of hundreds of trials are planned
     # inside a scheduler tick
     rows = [
-        {"pack_id": pack.id, "trial_id": t, "fusion_key": k, "from_resource": a, "to_resource": b}
-        for t, k, a, b in members
-    ]
+        {"pack_id": pack.id, "trial_id": m[0], "fusion_key": m[1], "from_resource": m[2],
+         "to_resource": m[3], "segment": m[4] if len(m) > 4 else -1}
+        for m in members
+    ]  # fmt: skip
     stmt, params = insert_rows(s, PackMember, rows)
     s.execute(stmt, params)
     s.expire(pack, ["members"])

@@ -21,7 +21,7 @@ from service.models import Base
 
 PG_SCHEMA = "packtune_test_migrations"
 REPO = Path(__file__).resolve().parents[2]
-HEAD = "0008"
+HEAD = "0009"
 TABLES = {table.name for table in Base.metadata.sorted_tables}
 
 
@@ -163,3 +163,53 @@ def test_0002_fills_each_trials_latest_objective(empty_url: str | URL) -> None:
         ).all()
     engine.dispose()
     assert [tuple(row) for row in rows] == [(1, 3.0, 0.75), (2, 1.0, None), (3, None, None)]
+
+
+def test_0009_keeps_pack_members_as_whole_trials(empty_url: str | URL) -> None:
+    """Members planned before 0009 become whole-trial members (segment -1); after it, two
+    segments of one trial may share a pack; downgrading keeps one row per trial."""
+    command.upgrade(alembic_config(empty_url), "0008")
+    engine = make_engine(empty_url)
+    stamp = "'2026-11-25 00:00:00'"
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "INSERT INTO studies (id, name, workload, spec, seed, status, created_at)"
+            f" VALUES (1, 's', 'digits-mlp', '{{}}', 0, 'running', {stamp})"
+        )
+        conn.exec_driver_sql(
+            "INSERT INTO trials (id, study_id, sample_index, bracket, rung, config, fusion_key,"
+            f" status, resource_done, created_at, updated_at) VALUES (1, 1, 0, 0, 0, '{{}}',"
+            f" 'k', 'queued', 0, {stamp}, {stamp})"
+        )
+        conn.exec_driver_sql(
+            "INSERT INTO packs (id, study_id, status, attempts, created_at)"
+            f" VALUES (1, 1, 'pending', 0, {stamp})"
+        )
+        conn.exec_driver_sql(
+            "INSERT INTO pack_members (pack_id, trial_id, fusion_key, from_resource, to_resource)"
+            " VALUES (1, 1, 'k', 0, 1)"
+        )
+    engine.dispose()
+    upgrade(empty_url)
+    engine = make_engine(empty_url)
+    with engine.begin() as conn:
+        rows = conn.exec_driver_sql("SELECT trial_id, segment FROM pack_members").all()
+        assert [tuple(r) for r in rows] == [(1, -1)]
+        for segment in (0, 1):
+            conn.exec_driver_sql(
+                "INSERT INTO pack_members (pack_id, trial_id, segment, fusion_key,"
+                f" from_resource, to_resource) VALUES (1, 1, {segment}, 'k', 1, 3)"
+            )
+        with pytest.raises(sa.exc.IntegrityError):  # (pack, trial, segment) is the key
+            with conn.begin_nested():
+                conn.exec_driver_sql(
+                    "INSERT INTO pack_members (pack_id, trial_id, segment, fusion_key,"
+                    " from_resource, to_resource) VALUES (1, 1, 1, 'k', 1, 3)"
+                )
+    engine.dispose()
+    command.downgrade(alembic_config(empty_url), "0008")
+    engine = make_engine(empty_url)
+    with engine.connect() as conn:
+        rows = conn.exec_driver_sql("SELECT trial_id, to_resource FROM pack_members")
+        assert [tuple(r) for r in rows] == [(1, 1.0)]  # segment -1, the lowest
+    engine.dispose()

@@ -1,0 +1,244 @@
+"""Segment units: one segment of an array's decoupled trials trained over their rung span,
+as a unit of work of its own (a study's ``training: {mode: decoupled, units: segment}``).
+
+The scheduler plans each segment of a trial's span as a pack member of its own
+(``pack_members.segment``), fused with the same segment of other trials, on any device: a
+trial's segments may train at once on several devices, since they exchange nothing while
+they train (:mod:`worker.decoupled`). A segment unit
+
+1. starts from the trial's checkpoint at the span's start (the composed model: every
+   segment's weights), trains its segment alone to the span's end, and saves that
+   segment's part to a checkpoint of its own (``trial-<id>.segment<j>.pt``);
+2. then looks at its trials' other segments: a trial whose every segment's checkpoint is at
+   the span's end is *finished* here: its segments' states are merged into the trial's
+   checkpoint (:func:`worker.decoupled.merge_segments`), the composed model is evaluated,
+   the measurement recorded at the span's end and the trial moved on (paused at its rung,
+   or pending), as an array that trains every segment would.
+
+Whichever of a trial's units ends last finishes it (both may, when two end at once: the
+merge, the evaluation and the measurement are the same, and the trial moves once, from
+``running``). Crash-safe by the checkpoints: a unit run again finds its segment already at
+the span's end and only tries to finish; a trial whose merged checkpoint is at the span's
+end but whose move was lost is finished again by its next unit to run. Per-epoch metrics
+are not recorded (a lone segment is not the trial's model): the trial's curve has a point
+at each rung, and ``train_loss`` there is its last segment's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from packtune.checkpoints import checkpoint_path
+from packtune.workloads import get_workload
+from service import store
+from service.db import retrying
+from service.models import TrialStatus
+from worker.checkpoints import load_checkpoint, save_checkpoint
+from worker.decoupled import merge_segments
+from worker.execute import (
+    NOT_A_TRIAL_FAULT,
+    ArrayJob,
+    ArrayRun,
+    MemberJob,
+    PackCancelled,
+    TrialError,
+    ensure_profile,
+    mark_done,
+    span_steps,
+)
+from worker.fused import FusedArray, Report, train
+from worker.rng import GLOBAL_RNG
+
+
+def segment_path(directory: Any, study_id: int, trial_id: int, segment: int) -> Path:
+    """Where segment ``segment`` of a trial keeps its part between units."""
+    return checkpoint_path(directory, study_id, f"{trial_id}.segment{segment}")
+
+
+def _steps_of(path: Any) -> int | None:
+    state = load_checkpoint(path) if path else None
+    return None if state is None else int(state["steps_done"])
+
+
+def run_segment_array(
+    job: ArrayJob,
+    device: torch.device,
+    kind: str,
+    checkpoint_dir: Path,
+    stop: Any = None,
+) -> list[ArrayRun]:
+    """Train segment ``job.segment`` of ``job``'s trials over the span, then finish the
+    trials whose every segment has ended it (see the module)."""
+    workload = get_workload(job.workload)
+    segment = job.segment
+    configs = {m.trial_id: job.config(m) for m in job.members}
+    first = workload.resolve(next(iter(configs.values())))
+    from_step, to_step = span_steps(job, workload.steps_per_epoch(first))
+    todo: list[MemberJob] = []
+    states: list[dict[str, Any] | None] = []
+    ended: list[MemberJob] = []
+    for m in job.members:
+        state = load_checkpoint(m.checkpoint_path) if m.checkpoint_path else None
+        steps = int(state["steps_done"]) if state else 0
+        if state is None and m.resource_done > 0:
+            raise RuntimeError(f"trial {m.trial_id}: checkpoint {m.checkpoint_path} is missing")
+        own = segment_path(checkpoint_dir, m.study_id, m.trial_id, segment)
+        if (steps == to_step or _steps_of(own) == to_step) and to_step > from_step:
+            ended.append(m)  # merged, or this segment trained, by a run that died since
+        elif steps == from_step:
+            todo.append(m)
+            states.append(state)
+        else:
+            raise RuntimeError(
+                f"trial {m.trial_id}: checkpoint at step {steps}, expected {from_step}"
+            )
+    runs: list[ArrayRun] = []
+    if todo:
+        runs.append(_train(job, todo, states, device, kind, checkpoint_dir, to_step, stop))
+        trained = set(runs[-1]["trials"]) - set(runs[-1]["failed"])
+        ended += [m for m in todo if m.trial_id in trained]
+    finished = finish_spans(job, ended, device, checkpoint_dir, to_step)
+    if finished:
+        note = f"finished trials {finished}: every segment had ended the span"
+        if runs:
+            runs[-1]["notes"].append(note)
+        else:
+            runs.append({"trials": finished, "stacks": [], "notes": [note], "failed": []})
+    for run in runs:
+        run["segment"] = segment
+    return runs
+
+
+def _train(
+    job: ArrayJob,
+    todo: list[MemberJob],
+    states: list[dict[str, Any] | None],
+    device: torch.device,
+    kind: str,
+    checkpoint_dir: Path,
+    to_step: int,
+    stop: Any,
+) -> ArrayRun:
+    workload = get_workload(job.workload)
+    configs = {m.trial_id: job.config(m) for m in todo}
+    first = workload.resolve(next(iter(configs.values())))
+    try:
+        data = workload.data(first, device)
+        ensure_profile(job, first, device, kind, data)
+        with GLOBAL_RNG:
+            array = FusedArray(
+                workload, [(m.trial_id, configs[m.trial_id]) for m in todo], device=device,
+                states=states, data=data, training=job.training, segment=job.segment,
+            )  # fmt: skip
+    except NOT_A_TRIAL_FAULT:
+        raise
+    except Exception as exc:
+        raise TrialError(exc) from exc
+    member = {m.trial_id: m for m in todo}
+    spe = array.steps_per_epoch
+
+    def diverged(report: Report) -> None:
+        if not report.diverged:
+            return
+
+        def write(s: Any) -> None:
+            for key in report.diverged:
+                trial_id = _id(key)
+                step = array.diverged[key]
+                store.record_measurement(s, trial_id, step / spe, {"train_loss": math.nan},
+                                         metric=member[trial_id].metric)  # fmt: skip
+                store.move_trials(s, [trial_id], TrialStatus.diverged,
+                                  error=f"segment {job.segment}'s loss became non-finite at "
+                                        f"step {step}")  # fmt: skip
+
+        retrying(write)
+
+    try:
+        with GLOBAL_RNG if array.stochastic else nullcontext():
+            reports = train(array, to_step, on_report=diverged, stop=stop)
+    except NOT_A_TRIAL_FAULT:
+        raise
+    except Exception as exc:
+        raise TrialError(exc) from exc
+    if stop is not None and stop.is_set():
+        raise PackCancelled(f"pack {job.pack_id}: its study was cancelled")
+    losses = reports[-1].metrics if reports else {}
+    for key in array.keys:
+        m = member[_id(key)]
+        state = array.member_state(key)
+        state["train_loss"] = float(losses.get(key, {}).get("train_loss", math.nan))
+        save_checkpoint(checkpoint_dir, m.study_id, f"{m.trial_id}.segment{job.segment}", state)
+    return {
+        "trials": [m.trial_id for m in todo],
+        "stacks": [{"trials": [_id(k) for k in keys], "mode": mode} for keys, mode in array.stacks],
+        "notes": [*([array.warning] if array.warning else []), *array.notes],
+        "failed": [],
+        "diverged": [_id(k) for k in array.diverged],
+    }
+
+
+def _id(key: Hashable) -> int:
+    assert isinstance(key, int)
+    return key
+
+
+def finish_spans(
+    job: ArrayJob,
+    members: list[MemberJob],
+    device: torch.device,
+    checkpoint_dir: Path,
+    to_step: int,
+) -> list[int]:
+    """Finish the ``members`` whose every segment is at ``to_step``: merge, evaluate the
+    composed model, record the measurement at the span's end, move the trial on. Returns
+    the trials finished."""
+    segments = job.training.segments
+    ready: list[tuple[MemberJob, dict[str, Any]]] = []
+    paths: dict[int, str] = {}
+    for m in members:
+        state = load_checkpoint(m.checkpoint_path) if m.checkpoint_path else None
+        if state is not None and int(state["steps_done"]) == to_step:
+            ready.append((m, state))  # merged by a unit whose move was lost
+            paths[m.trial_id] = str(m.checkpoint_path)
+            continue
+        parts = [load_checkpoint(segment_path(checkpoint_dir, m.study_id, m.trial_id, j))
+                 for j in range(segments)]  # fmt: skip
+        if any(p is None or int(p["steps_done"]) != to_step for p in parts):
+            continue  # another segment is still on its way
+        merged = merge_segments([p for p in parts if p is not None])
+        # the trial's checkpoint first: a unit that dies after it finishes from it again
+        paths[m.trial_id] = str(save_checkpoint(checkpoint_dir, m.study_id, m.trial_id, merged))
+        ready.append((m, merged))
+    if not ready:
+        return []
+    workload = get_workload(job.workload)
+    try:
+        with GLOBAL_RNG:
+            array = FusedArray(
+                workload, [(m.trial_id, job.config(m)) for m, _ in ready], device=device,
+                states=[state for _, state in ready], training=job.training,
+            )  # fmt: skip
+            evaluated = array.evaluate()
+    except NOT_A_TRIAL_FAULT:
+        raise
+    except Exception as exc:
+        raise TrialError(exc) from exc
+    rows: dict[str, list[tuple[int, float, dict[str, float]]]] = {}
+    for m, state in ready:
+        metrics = {"train_loss": float(state.get("train_loss", math.nan)),
+                   **evaluated[m.trial_id]}  # fmt: skip
+        rows.setdefault(m.metric, []).append((m.trial_id, job.to_resource, metrics))
+
+    def write(s: Any) -> None:
+        for name, batch in rows.items():
+            store.record_measurements(s, batch, metric=name)
+
+    retrying(write)
+    mark_done(job, paths)
+    return sorted(paths)
