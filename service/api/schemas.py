@@ -168,6 +168,11 @@ class PackMemberPublic(BaseModel):
     fusion_key: str
     from_resource: float
     to_resource: float
+    segment: int | None = Field(
+        default=None,
+        description="the one segment of the trial's decoupled model this unit trains "
+        "(training.units: segment); null: the whole trial",
+    )
 
 
 class StackRun(BaseModel):
@@ -187,6 +192,8 @@ class ArrayRun(BaseModel):
     #: it stopped short (at a training step, or before it began): the pack gave its device
     #: up to a study with a better fair share, and its trials were planned again from there
     gave_up: bool = False
+    #: the segment of its trials' decoupled models it trained (training.units: segment)
+    segment: int | None = None
 
 
 class PackPublic(BaseModel):

@@ -140,6 +140,7 @@ def _pack_row(pack: Pack, study_id: int, study_of: dict[int, int]) -> Row:
                 "fusion_key": m.fusion_key,
                 "from_resource": m.from_resource,
                 "to_resource": m.to_resource,
+                "segment": m.segment if m.segment >= 0 else None,
             }
             for m in mine
         ],

@@ -73,6 +73,10 @@ def test_defaults_fill_the_optional_parts() -> None:
     assert (decoupled.training.segments, decoupled.training.noise) == (3, 0.1)
     stored = StoredSpec.of({**GOOD, "training": {"mode": "decoupled", "segments": 3}})
     assert stored.training == decoupled.training and stored.training.lane == "decoupled:3:0.1"
+    assert decoupled.training.segment_units == 0  # a trial is one unit unless asked
+    units = validate_spec({**GOOD, "training": {"mode": "decoupled", "units": "segment"}})
+    # its trials never share an array with those that train their segments together
+    assert units.training.segment_units == 2 and units.training.lane != "decoupled:2:0.1"
     # a study stored before training modes existed trains end to end
     assert StoredSpec.of({"hyperband": {"max_resource": 9}}).training.mode == "end_to_end"
     # a study stored before samplers existed keeps being sampled as it was: at random
@@ -134,6 +138,9 @@ def test_defaults_fill_the_optional_parts() -> None:
          "greater than or equal to 2"),
         ("training", {"mode": "decoupled", "noise": -1.0}, "training.noise",
          "greater than or equal to 0"),
+        ("training", {"mode": "decoupled", "units": "layer"}, "training.units",
+         "'trial' or 'segment'"),
+        ("training", {"units": "segment"}, "training", "units: segment needs mode: decoupled"),
     ],
 )  # fmt: skip
 def test_each_rule_names_its_field(path: str, value: Any, field: str, words: str) -> None:

@@ -5,17 +5,30 @@ whose trials train their segments together (``units: trial``), at every rung."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 
 from service.db import make_engine, session_factory, session_scope
-from service.models import Pack
+from service.models import Pack, PackMember, Worker
 from tests.e2e.test_decoupled_study import SPEC
-from tests.support.cluster import Services, outcome
+from tests.faults.test_faults import STUDY_TIMEOUT, cluster, database, redis_server, start_all
+from tests.support.cluster import (
+    Outcome,
+    Services,
+    assert_same_outcome,
+    outcome,
+    submit,
+    wait_for,
+    wait_study,
+)
 from tests.support.processes import packtune_env
+
+__all__ = ["cluster", "database", "redis_server"]  # fixtures, used by name
 
 RUNGS = (1.0, 3.0, 9.0)
 
@@ -27,8 +40,6 @@ def _spec(units: str) -> dict[str, Any]:
 
 def run_study(tmp: Path, spec: dict[str, Any]) -> tuple[Any, list[list[tuple[int, int]]]]:
     """The study's outcome, and each pack's (trial, segment) members."""
-    import json
-
     tmp.mkdir()
     (tmp / "spec.json").write_text(json.dumps(spec))
     url = f"sqlite:///{tmp / 'packtune.db'}"
@@ -66,3 +77,106 @@ def test_segment_units_give_the_results_of_segments_trained_together(tmp_path: P
             compared += 1
     assert compared >= len(want.curves)
     assert got.best == want.best
+
+
+# -- on RQ: two workers, a trial's segments on both at once; a worker killed mid-segment --
+
+RQ_SPEC: dict[str, Any] = {
+    **_spec("segment"),
+    "name": "segments-rq",
+    # wider, so that a 6-epoch segment unit lasts long enough to be caught running
+    "space": {**SPEC["space"], "hidden": {"type": "choice", "values": [256]}},
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Outcome:
+    """The same study embedded (``packtune run``: one device, a pack at a time)."""
+    tmp = tmp_path_factory.mktemp("segments-reference")
+    return run_study(tmp / "run", RQ_SPEC)[0]
+
+
+def segment_packs(engine: sa.Engine) -> list[tuple[int, str, str, int, int, float]]:
+    """(pack, status, worker, trial, segment, from_resource) of every segment member."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.select(Pack.id, Pack.status, Pack.worker_name, PackMember.trial_id,
+                      PackMember.segment, PackMember.from_resource)
+            .join(PackMember, PackMember.pack_id == Pack.id)
+            .where(PackMember.segment >= 0)
+        )  # fmt: skip
+        return [(int(p), str(getattr(st, "value", st)), str(w), int(t), int(seg), float(a))
+                for p, st, w, t, seg, a in rows]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_on_two_workers_a_trials_segments_train_on_both(
+    cluster: Services, database: str, reference: Outcome
+) -> None:
+    """On RQ with two workers the scheduler spreads a span's segments over both devices;
+    the study ends as it does embedded, on one device."""
+    start_all(cluster)
+    engine = make_engine(database)
+    try:
+        # both devices known before the first plan, which then spreads the segments
+        count = sa.select(sa.func.count()).select_from(Worker)
+
+        def both() -> bool:
+            with engine.connect() as conn:
+                return conn.execute(count).scalar_one() == 2
+
+        wait_for(both, 60, "two workers")
+        study_id = submit(engine, RQ_SPEC)
+        assert wait_study(engine, study_id, STUDY_TIMEOUT, cluster) == "completed"
+        rows = segment_packs(engine)
+    finally:
+        engine.dispose()
+    where: dict[tuple[int, float], set[str]] = {}
+    packs: dict[tuple[int, float], set[int]] = {}
+    for pack, _, worker, trial, _, start in rows:
+        where.setdefault((trial, start), set()).add(worker)
+        packs.setdefault((trial, start), set()).add(pack)
+    spread = [span for span, workers in where.items() if len(workers) == 2]
+    assert spread, where
+    engine = make_engine(database)
+    try:
+        with engine.connect() as conn:
+            times = {int(i): (a, b) for i, a, b in conn.execute(
+                sa.select(Pack.id, Pack.started_at, Pack.finished_at))}  # fmt: skip
+    finally:
+        engine.dispose()
+    at_once = sum(
+        max(times[p][0] for p in packs[span]) < min(times[p][1] for p in packs[span])
+        for span in spread
+    )
+    print(f"{len(spread)} of {len(where)} spans on both workers, {at_once} of them at once")
+    assert at_once > 0
+    print(f"largest difference: {assert_same_outcome(outcome(database, study_id), reference):.3g}")
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_segment(cluster: Services, database: str, reference: Outcome) -> None:
+    """kill -9 of a worker training a segment unit of resumed trials: the scheduler re-queues
+    that unit alone, the other worker trains it, and the trials are finished once (by
+    whichever of their units ends last) with the values of the undisturbed study."""
+    start_all(cluster)
+    engine = make_engine(database)
+    try:
+        study_id = submit(engine, RQ_SPEC)
+
+        def running() -> tuple[int, str] | None:
+            for pack, status, worker, _, _, start in segment_packs(engine):
+                if status == "running" and start > 0:
+                    return pack, worker
+            return None
+
+        pack_id, victim = wait_for(running, 90, "a running segment unit", every=0.05)
+        cluster.kill(victim)
+        assert wait_study(engine, study_id, STUDY_TIMEOUT, cluster) == "completed"
+    finally:
+        engine.dispose()
+    got = outcome(database, study_id)
+    print(f"largest difference: {assert_same_outcome(got, reference):.3g}")
+    pack = next(p for p in got.packs if p.id == pack_id)
+    assert (pack.status, pack.attempts) == ("completed", 2), pack
+    assert pack.error is not None and f"worker {victim} stopped sending heartbeats" in pack.error

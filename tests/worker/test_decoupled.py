@@ -11,7 +11,15 @@ from torch.nn import functional as F
 from packtune.spec import TrainingSettings
 from tests.support.states import assert_member_states_close
 from tests.support.tiny_workloads import TinyMLP
-from worker.decoupled import Segment, compose, cut_points, split, synthetic_labels, widths
+from worker.decoupled import (
+    Segment,
+    compose,
+    cut_points,
+    merge_segments,
+    split,
+    synthetic_labels,
+    widths,
+)
 from worker.decoupled_group import DecoupledGroup
 from worker.fused import FusedArray, train
 
@@ -163,3 +171,47 @@ def test_a_model_that_cannot_train_decoupled_says_why() -> None:
     with pytest.raises(ValueError, match="cannot be cut into 5 segments"):
         FusedArray(TinyMLP(), tiny_members(1, {"layers": 1}),
                    training=TrainingSettings(mode="decoupled", segments=5))  # fmt: skip
+
+
+def test_segments_trained_alone_make_the_array_that_trains_them_together() -> None:
+    """Each segment trained alone (a segment unit), from the same state, and the states
+    merged: the member states of an array that trains every segment, bit for bit."""
+    mlp = TinyMLP()
+    extra = {"optimizer": "adam", "batch_norm": True, "layers": 4}
+    training = TrainingSettings(mode="decoupled", segments=3, units="segment")
+    start = FusedArray(mlp, tiny_members(2, extra), mode="bmm", training=training)
+    train(start, 5)
+    states = [start.member_state(key) for key in start.keys]
+    together = FusedArray(mlp, tiny_members(2, extra), mode="bmm", training=training,
+                          states=states)  # fmt: skip
+    train(together, 14)
+    parts = []
+    for j in range(3):
+        alone = FusedArray(mlp, tiny_members(2, extra), mode="bmm", training=training,
+                           states=states, segment=j)  # fmt: skip
+        train(alone, 14)
+        assert alone.evaluate() == {key: {} for key in alone.keys}  # one segment: no model
+        parts.append({key: alone.member_state(key) for key in alone.keys})
+    for key in together.keys:
+        merged = merge_segments([part[key] for part in parts])
+        want = together.member_state(key)
+        assert merged["steps_done"] == want["steps_done"] == 14
+        for what in ("params", "buffers"):
+            assert merged[what].keys() == want[what].keys()
+            for name, t in want[what].items():
+                assert torch.equal(merged[what][name], t), name
+        assert merged["optimizer"]["step"] == want["optimizer"]["step"]
+        for name, slots in want["optimizer"]["state"].items():
+            for slot, t in slots.items():
+                assert torch.equal(merged["optimizer"]["state"][name][slot], t), (name, slot)
+
+
+def test_merging_needs_every_segment_at_one_step() -> None:
+    part = {"key": "t", "config": {}, "rng": None, "params": {}, "buffers": {},
+            "optimizer": {"step": 3, "state": {}}}  # fmt: skip
+    with pytest.raises(ValueError, match="different steps"):
+        merge_segments([{**part, "segment": 0, "steps_done": 3},
+                        {**part, "segment": 1, "steps_done": 4}])  # fmt: skip
+    with pytest.raises(ValueError, match="one state per segment"):
+        merge_segments([{**part, "segment": 0, "steps_done": 3},
+                        {**part, "segment": 2, "steps_done": 3}])  # fmt: skip
