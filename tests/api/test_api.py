@@ -602,6 +602,7 @@ def test_packs_with_members_and_timing(
             "fusion_key": 'digits-mlp|{"hidden":64}',
             "from_resource": 1.0,
             "to_resource": 3.0,
+            "segment": None,  # whole trials
         }
         for t in sorted([ids[1], ids[3]])
     ]
