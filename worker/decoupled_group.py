@@ -98,10 +98,11 @@ class DecoupledGroup(Group):
         only: int | None = None,
     ) -> None:
         self.segments, self.stacked = segments, stacked
-        #: train this segment alone (a segment unit, ``units: segment``), or every segment
+        #: the one segment trained (a segment unit, ``units: segment``: ``segments`` then
+        #: holds that one alone, so that the others' weights take no memory), or None: all
         self.only = only
-        self.rules = [Segment(j, len(segments), labels, training.noise)
-                      for j in range(len(segments))]  # fmt: skip
+        indices = [only] if only is not None else list(range(len(segments)))
+        self.rules = [Segment(j, training.segments, labels, training.noise) for j in indices]
         self.data_seed = data_seed
         #: segments trained at once, in threads: on a GPU all (one thread's launches leave
         #: the device idle, another's fill it, as for a pack's arrays: GPU_ARRAY_THREADS); on
@@ -124,14 +125,14 @@ class DecoupledGroup(Group):
         the segments at once in threads where that cannot change what they compute (no
         random draws but the noise, which has its own generator)."""
         x, y = batch
-        last = len(self.segments) - 1
 
-        def one(j: int) -> Tensor:
-            group, rule = self.segments[j], self.rules[j]
+        def one(position: int) -> Tensor:
+            group, rule = self.segments[position], self.rules[position]
+            j = rule.index
             inputs = rule.inputs(x, y, self._noise(number, j))
             with self.autocast():
                 out = full(group.forward(group.params, group.buffers, inputs))
-            if j == last:
+            if j == rule.count - 1:
                 losses = group._losses(out, y, workload, False)
             else:
                 target = rule.labels[j].to(out.device)[y]
@@ -142,7 +143,7 @@ class DecoupledGroup(Group):
             return losses.detach()
 
         if self.only is not None:  # a segment unit: its loss is the members' recorded one
-            self.losses.record(one(self.only), number)
+            self.losses.record(one(0), number)
             return
         if self.threads > 1 and not self.stochastic:
             each = list(_pool(self.threads).map(one, range(len(self.segments))))
@@ -156,7 +157,7 @@ class DecoupledGroup(Group):
         """Member ``i``'s part of the segment trained alone (:attr:`only`): its weights,
         buffers and optimizer state, on the CPU (what a segment unit's checkpoint holds)."""
         assert self.only is not None
-        group = self.segments[self.only]
+        (group,) = self.segments
         return {
             "params": {n: p[i].detach().to("cpu", copy=True) for n, p in group.params.items()},
             "buffers": {n: b[i].to("cpu", copy=True) for n, b in group.buffers.items()},
@@ -165,6 +166,7 @@ class DecoupledGroup(Group):
 
     def outputs(self, x: Tensor) -> Tensor:
         """The composed model's outputs ``[k, B, ...]`` on a shared input."""
+        assert self.only is None, "one segment is not the model"
         h = x
         for j, (group, stacked) in enumerate(zip(self.segments, self.stacked, strict=True)):
             forward = group.forward if j == 0 else stacked
@@ -204,8 +206,12 @@ def decoupled_group(
     subs = [nn.Sequential(OrderedDict(chain[i] for i in run)) for run in runs]
     widths = _widths(subs, example)
     labels = [t.to(example.dtype) for t in synthetic_labels(widths[-1], widths[:-1], data_seed)]
+    if only is not None and not 0 <= only < len(subs):
+        raise ValueError(f"segment {only} of a model cut into {len(subs)}")
     segments, stacked = [], []
-    for sub in subs:
+    for j, sub in enumerate(subs):
+        if only is not None and j != only:
+            continue  # a segment unit holds its own segment only
         own = {f"{name}.{n}" for name, layer in sub.named_children()
                for n, _ in layer.named_parameters()}  # fmt: skip
         bufs = {f"{name}.{n}" for name, layer in sub.named_children()
@@ -222,7 +228,5 @@ def decoupled_group(
         segments.append(Group(keys, seg_params, {n: b for n, b in buffers.items() if n in bufs},
                               optimizer, seg_stack, precision))  # fmt: skip
         stacked.append(stack_forward(sub, stack.mode, True))
-    if only is not None and not 0 <= only < len(segments):
-        raise ValueError(f"segment {only} of a model cut into {len(segments)}")
     return DecoupledGroup(keys, segments, stacked, stack, precision, labels, training, data_seed,
                           only)  # fmt: skip

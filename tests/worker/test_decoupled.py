@@ -191,6 +191,8 @@ def test_segments_trained_alone_make_the_array_that_trains_them_together() -> No
                            states=states, segment=j)  # fmt: skip
         train(alone, 14)
         assert alone.evaluate() == {key: {} for key in alone.keys}  # one segment: no model
+        # it holds its own segment's weights only
+        assert set(alone.groups[0].params) < set(together.groups[0].params)
         parts.append({key: alone.member_state(key) for key in alone.keys})
     for key in together.keys:
         merged = merge_segments([part[key] for part in parts])
