@@ -215,6 +215,20 @@ def decoupled_rows() -> Iterator[Row]:
                   and dec["step_bytes"] < e2e["step_bytes"], path, data)  # fmt: skip
 
 
+def segment_unit_rows() -> Iterator[Row]:
+    """A decoupled study's wall with its segments trained together over its wall with each
+    segment a unit of its own, on RQ workers (the same values at every rung)."""
+    for _, (path, data) in sorted(newest("segment_units_*.json").items()):
+        r = data["result"]
+        walls = r["wall"]
+        value = (
+            f"{r['trial_over_segment']:.2f}x ({walls['trial']:.1f} s / {walls['segment']:.1f} s)"
+            + ("" if r["same_best"] else "; best trials differ")
+        )
+        yield Row(f"j. decoupled study, units trial / units segment wall, rq:{r['workers']}",
+                  value, "stated", None, path, data)  # fmt: skip
+
+
 def load_rows() -> Iterator[Row]:
     """Read endpoints' p99 latency under 100 clients, per database."""
     for path in sorted(RESULTS.rglob("load_*.json")):
@@ -252,6 +266,7 @@ def render() -> str:
         *scheduler_rows(),
         *spill_rows(),
         *decoupled_rows(),
+        *segment_unit_rows(),
         *load_rows(),
     ]
     lines = [

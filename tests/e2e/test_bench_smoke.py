@@ -52,6 +52,17 @@ def test_decoupled_quick(tmp_path: Path) -> None:
     assert summary["decoupled"]["step_bytes"] < summary["end_to_end"]["step_bytes"]
 
 
+@pytest.mark.postgres
+@pytest.mark.redis
+def test_segment_units_quick(tmp_path: Path, postgres_url: str, redis_url: str) -> None:
+    """Both variants on two RQ workers (the servers: the fixtures fail without them)."""
+    from bench import segment_units
+
+    segment_units.main(["--quick", "--out-dir", str(tmp_path), "--no-append"])
+    result = json.loads((tmp_path / "segment_units_cpu.json").read_text())["result"]
+    assert result["same_best"] and set(result["wall"]) == {"trial", "segment"}
+
+
 def test_scheduler_scale_quick(tmp_path: Path) -> None:
     from bench import scheduler_scale
 
