@@ -68,15 +68,17 @@ def save_checkpoint(
     return path
 
 
-def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+def load_checkpoint(path: str | os.PathLike[str], mmap: bool = False) -> dict[str, Any] | None:
     """The state saved at ``path``, on the CPU; ``None`` if there is no checkpoint.
+    ``mmap``: its tensors mapped from the file, read only when used (cheap when only
+    ``steps_done`` or a part of the state is wanted).
 
     A file that exists but cannot be read (corrupt, or holding objects the
     restricted unpickler refuses) raises: silently restarting a trial from
     scratch would corrupt the study's results.
     """
     try:
-        state = torch.load(Path(path), map_location="cpu", weights_only=True)
+        state = torch.load(Path(path), map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
         return None
     if not isinstance(state, dict):

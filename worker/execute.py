@@ -125,7 +125,9 @@ def span_steps(job: ArrayJob, steps_per_epoch: int) -> tuple[int, int]:
 def mark_done(job: ArrayJob, done: dict[int, str], resource: float | None = None) -> None:
     """Trials whose unit is finished (or, with ``resource``, that stopped there on the way,
     their pack giving its device up): resource, checkpoint, and ``paused`` for the scheduler
-    at their rung, or ``pending`` when they are not at it yet."""
+    at their rung, or ``pending`` when they are not at it yet. Only trials still running
+    and still at the unit's start move: one that a late writer finds on its next unit
+    already (a segment unit finishing a trial another had finished) is left alone."""
     targets = {m.trial_id: m.rung_resource for m in job.members}
     reached = job.to_resource if resource is None else resource
 
@@ -136,7 +138,7 @@ def mark_done(job: ArrayJob, done: dict[int, str], resource: float | None = None
             )
             store.move_trials(  # only from running: a trial cancelled meanwhile stays so
                 s, [trial_id], TrialStatus.paused if at_rung else TrialStatus.pending,
-                only_from=(TrialStatus.running,),
+                only_from=(TrialStatus.running,), only_at=job.from_resource,
                 resource_done=reached, checkpoint_path=path,
             )  # fmt: skip
 

@@ -56,14 +56,11 @@ from worker.fused import FusedArray, Report, train
 from worker.rng import GLOBAL_RNG
 
 
-def segment_path(directory: Any, study_id: int, trial_id: int, segment: int) -> Path:
-    """Where segment ``segment`` of a trial keeps its part between units."""
-    return checkpoint_path(directory, study_id, f"{trial_id}.segment{segment}")
-
-
-def _steps_of(path: Any) -> int | None:
-    state = load_checkpoint(path) if path else None
-    return None if state is None else int(state["steps_done"])
+def segment_path(directory: Any, study_id: int, trial_id: int, segment: int, step: int) -> Path:
+    """Where segment ``segment`` of a trial keeps its part at global step ``step`` (the
+    span's end), until the trial's checkpoint has it: named by the step, so that whether a
+    segment has ended a span is whether its file exists (nothing to read)."""
+    return checkpoint_path(directory, study_id, f"{trial_id}.segment{segment}.step{step}")
 
 
 def run_segment_array(
@@ -83,13 +80,15 @@ def run_segment_array(
     todo: list[MemberJob] = []
     states: list[dict[str, Any] | None] = []
     ended: list[MemberJob] = []
+    mains: dict[int, dict[str, Any] | None] = {}  # each trial's checkpoint, as loaded
     for m in job.members:
         state = load_checkpoint(m.checkpoint_path) if m.checkpoint_path else None
+        mains[m.trial_id] = state
         steps = int(state["steps_done"]) if state else 0
         if state is None and m.resource_done > 0:
             raise RuntimeError(f"trial {m.trial_id}: checkpoint {m.checkpoint_path} is missing")
-        own = segment_path(checkpoint_dir, m.study_id, m.trial_id, segment)
-        if (steps == to_step or _steps_of(own) == to_step) and to_step > from_step:
+        own = segment_path(checkpoint_dir, m.study_id, m.trial_id, segment, to_step)
+        if (steps == to_step or own.exists()) and to_step > from_step:
             ended.append(m)  # merged, or this segment trained, by a run that died since
         elif steps == from_step:
             todo.append(m)
@@ -99,11 +98,12 @@ def run_segment_array(
                 f"trial {m.trial_id}: checkpoint at step {steps}, expected {from_step}"
             )
     runs: list[ArrayRun] = []
+    parts: dict[int, dict[str, Any]] = {}  # this segment's part of each trial it trained
     if todo:
-        runs.append(_train(job, todo, states, device, kind, checkpoint_dir, to_step, stop))
-        trained = set(runs[-1]["trials"]) - set(runs[-1]["failed"])
-        ended += [m for m in todo if m.trial_id in trained]
-    finished = finish_spans(job, ended, device, checkpoint_dir, to_step)
+        run, parts = _train(job, todo, states, device, kind, checkpoint_dir, to_step, stop)
+        runs.append(run)
+        ended += [m for m in todo if m.trial_id in parts]
+    finished = finish_spans(job, ended, device, checkpoint_dir, to_step, mains, parts)
     if finished:
         note = f"finished trials {finished}: every segment had ended the span"
         if runs:
@@ -124,7 +124,9 @@ def _train(
     checkpoint_dir: Path,
     to_step: int,
     stop: Any,
-) -> ArrayRun:
+) -> tuple[ArrayRun, dict[int, dict[str, Any]]]:
+    """Train the segment of ``todo``'s trials and save its part of each; returns how the
+    array ran and the parts saved (of the trials that did not diverge)."""
     workload = get_workload(job.workload)
     configs = {m.trial_id: job.config(m) for m in todo}
     first = workload.resolve(next(iter(configs.values())))
@@ -169,18 +171,21 @@ def _train(
     if stop is not None and stop.is_set():
         raise PackCancelled(f"pack {job.pack_id}: its study was cancelled")
     losses = reports[-1].metrics if reports else {}
+    parts = {}
     for key in array.keys:
         m = member[_id(key)]
         state = array.member_state(key)
         state["train_loss"] = float(losses.get(key, {}).get("train_loss", math.nan))
-        save_checkpoint(checkpoint_dir, m.study_id, f"{m.trial_id}.segment{job.segment}", state)
+        save_checkpoint(checkpoint_dir, m.study_id,
+                        f"{m.trial_id}.segment{job.segment}.step{to_step}", state)  # fmt: skip
+        parts[m.trial_id] = state
     return {
         "trials": [m.trial_id for m in todo],
         "stacks": [{"trials": [_id(k) for k in keys], "mode": mode} for keys, mode in array.stacks],
         "notes": [*([array.warning] if array.warning else []), *array.notes],
         "failed": [],
         "diverged": [_id(k) for k in array.diverged],
-    }
+    }, parts
 
 
 def _id(key: Hashable) -> int:
@@ -194,24 +199,35 @@ def finish_spans(
     device: torch.device,
     checkpoint_dir: Path,
     to_step: int,
+    mains: dict[int, dict[str, Any] | None],
+    own: dict[int, dict[str, Any]],
 ) -> list[int]:
     """Finish the ``members`` whose every segment is at ``to_step``: merge, evaluate the
     composed model, record the measurement at the span's end, move the trial on. Returns
-    the trials finished."""
+    the trials finished. ``mains``: the trials' checkpoints as this unit loaded them;
+    ``own``: this unit's segment's part of the trials it trained (not read back)."""
     segments = job.training.segments
     ready: list[tuple[MemberJob, dict[str, Any]]] = []
     paths: dict[int, str] = {}
     for m in members:
-        state = load_checkpoint(m.checkpoint_path) if m.checkpoint_path else None
+        state = mains.get(m.trial_id)
         if state is not None and int(state["steps_done"]) == to_step:
             ready.append((m, state))  # merged by a unit whose move was lost
             paths[m.trial_id] = str(m.checkpoint_path)
             continue
-        parts = [load_checkpoint(segment_path(checkpoint_dir, m.study_id, m.trial_id, j))
+        files = [segment_path(checkpoint_dir, m.study_id, m.trial_id, j, to_step)
                  for j in range(segments)]  # fmt: skip
-        if any(p is None or int(p["steps_done"]) != to_step for p in parts):
+        if not all(j == job.segment and m.trial_id in own or f.exists()
+                   for j, f in enumerate(files)):  # fmt: skip
             continue  # another segment is still on its way
+        parts = [own[m.trial_id] if j == job.segment and m.trial_id in own
+                 else load_checkpoint(f, mmap=True) for j, f in enumerate(files)]  # fmt: skip
+        if any(p is None for p in parts):
+            continue  # finished and cleared by another unit meanwhile
         merged = merge_segments([p for p in parts if p is not None])
+        now = load_checkpoint(checkpoint_path(checkpoint_dir, m.study_id, m.trial_id), mmap=True)
+        if now is not None and int(now["steps_done"]) > to_step:
+            continue  # finished by another unit, and on its next span already: not ours
         # the trial's checkpoint first: a unit that dies after it finishes from it again
         paths[m.trial_id] = str(save_checkpoint(checkpoint_dir, m.study_id, m.trial_id, merged))
         ready.append((m, merged))
@@ -241,4 +257,7 @@ def finish_spans(
 
     retrying(write)
     mark_done(job, paths)
+    for m, _ in ready:  # the trial's checkpoint has them now
+        for j in range(segments):
+            segment_path(checkpoint_dir, m.study_id, m.trial_id, j, to_step).unlink(missing_ok=True)
     return sorted(paths)

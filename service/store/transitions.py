@@ -103,10 +103,12 @@ def move_trials(
     to: TrialStatus,
     *,
     only_from: Collection[TrialStatus] | None = None,
+    only_at: float | None = None,
     **values: Any,
 ) -> int:
-    """Move the trials ``ids`` that may go ``to`` (and are in ``only_from``, if given), setting
-    ``values`` too; returns how many moved.
+    """Move the trials ``ids`` that may go ``to`` (and are in ``only_from``, if given, and at
+    cumulative resource ``only_at``, if given), setting ``values`` too; returns how many
+    moved.
 
     Bulk, below the ORM: Trial objects already loaded in the session are not updated
     (callers work on ids and :class:`~service.store.TrialBrief` rows). One UPDATE on
@@ -116,8 +118,11 @@ def move_trials(
     if not ids or not allowed:
         return 0
     chunk = max(len(ids), 1) if is_postgres(s) else UPDATE_CHUNK
+    at = [] if only_at is None else [Trial.resource_done.between(only_at - 1e-9, only_at + 1e-9)]
     return sum(
-        _update_trials(s, [id_in(s, Trial.id, ids[start : start + chunk])], allowed, to, values)
+        _update_trials(
+            s, [id_in(s, Trial.id, ids[start : start + chunk]), *at], allowed, to, values
+        )
         for start in range(0, len(ids), chunk)
     )
 
