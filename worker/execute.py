@@ -122,6 +122,23 @@ def span_steps(job: ArrayJob, steps_per_epoch: int) -> tuple[int, int]:
     return round(job.from_resource * steps_per_epoch), round(job.to_resource * steps_per_epoch)
 
 
+def member_checkpoint(
+    m: MemberJob, from_step: int, to_step: int, trained_elsewhere: bool = False
+) -> tuple[dict[str, Any] | None, bool]:
+    """``m``'s checkpoint (None: a fresh trial) and whether its unit is trained already (its
+    checkpoint at ``to_step``, or ``trained_elsewhere``: by a run that died before it
+    recorded it); raises when the checkpoint is missing or at neither end of the unit."""
+    state = load_checkpoint(m.checkpoint_path) if m.checkpoint_path else None
+    steps = int(state["steps_done"]) if state else 0
+    if state is None and m.resource_done > 0:
+        raise RuntimeError(f"trial {m.trial_id}: checkpoint {m.checkpoint_path} is missing")
+    if (steps == to_step or trained_elsewhere) and to_step > from_step:
+        return state, True
+    if steps != from_step:
+        raise RuntimeError(f"trial {m.trial_id}: checkpoint at step {steps}, expected {from_step}")
+    return state, False
+
+
 def mark_done(job: ArrayJob, done: dict[int, str], resource: float | None = None) -> None:
     """Trials whose unit is finished (or, with ``resource``, that stopped there on the way,
     their pack giving its device up): resource, checkpoint, and ``paused`` for the scheduler
@@ -306,19 +323,12 @@ def run_array(
     from_step, to_step = span_steps(job, spe)
     todo, states, done = [], [], {}
     for m in job.members:
-        state = load_checkpoint(m.checkpoint_path) if m.checkpoint_path else None
-        steps = int(state["steps_done"]) if state else 0
-        if state is None and m.resource_done > 0:
-            raise RuntimeError(f"trial {m.trial_id}: checkpoint {m.checkpoint_path} is missing")
-        if steps == to_step and to_step > from_step:
+        state, trained = member_checkpoint(m, from_step, to_step)
+        if trained:
             done[m.trial_id] = str(m.checkpoint_path)  # trained by a run that died before recording
-        elif steps == from_step:
+        else:
             todo.append(m)
             states.append(state)
-        else:
-            raise RuntimeError(
-                f"trial {m.trial_id}: checkpoint at step {steps}, expected {from_step}"
-            )
     if done:
         mark_done(job, done)
     if not todo or (give_up is not None and give_up.is_set()):

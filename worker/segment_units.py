@@ -50,6 +50,7 @@ from worker.execute import (
     TrialError,
     ensure_profile,
     mark_done,
+    member_checkpoint,
     span_steps,
 )
 from worker.fused import FusedArray, Report, train
@@ -82,21 +83,14 @@ def run_segment_array(
     ended: list[MemberJob] = []
     mains: dict[int, dict[str, Any] | None] = {}  # each trial's checkpoint, as loaded
     for m in job.members:
-        state = load_checkpoint(m.checkpoint_path) if m.checkpoint_path else None
-        mains[m.trial_id] = state
-        steps = int(state["steps_done"]) if state else 0
-        if state is None and m.resource_done > 0:
-            raise RuntimeError(f"trial {m.trial_id}: checkpoint {m.checkpoint_path} is missing")
         own = segment_path(checkpoint_dir, m.study_id, m.trial_id, segment, to_step)
-        if (steps == to_step or own.exists()) and to_step > from_step:
+        state, trained = member_checkpoint(m, from_step, to_step, own.exists())
+        mains[m.trial_id] = state
+        if trained:
             ended.append(m)  # merged, or this segment trained, by a run that died since
-        elif steps == from_step:
+        else:
             todo.append(m)
             states.append(state)
-        else:
-            raise RuntimeError(
-                f"trial {m.trial_id}: checkpoint at step {steps}, expected {from_step}"
-            )
     runs: list[ArrayRun] = []
     parts: dict[int, dict[str, Any]] = {}  # this segment's part of each trial it trained
     if todo:
@@ -184,7 +178,6 @@ def _train(
         "stacks": [{"trials": [_id(k) for k in keys], "mode": mode} for keys, mode in array.stacks],
         "notes": [*([array.warning] if array.warning else []), *array.notes],
         "failed": [],
-        "diverged": [_id(k) for k in array.diverged],
     }, parts
 
 

@@ -5,7 +5,6 @@ whose trials train their segments together (``units: trial``), at every rung."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -13,9 +12,11 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from service import queries
+from service.api.schemas import PackPublic
 from service.db import make_engine, session_factory, session_scope
 from service.models import Pack, PackMember, Worker
-from tests.e2e.test_decoupled_study import SPEC
+from tests.e2e.test_decoupled_study import SPEC, run_study
 from tests.faults.test_faults import STUDY_TIMEOUT, cluster, database, redis_server, start_all
 from tests.support.cluster import (
     Outcome,
@@ -26,7 +27,6 @@ from tests.support.cluster import (
     wait_for,
     wait_study,
 )
-from tests.support.processes import packtune_env
 
 __all__ = ["cluster", "database", "redis_server"]  # fixtures, used by name
 
@@ -36,23 +36,6 @@ RUNGS = (1.0, 3.0, 9.0)
 def _spec(units: str) -> dict[str, Any]:
     return {**SPEC, "sampler": {"name": "random"},
             "training": {"mode": "decoupled", "segments": 2, "units": units}}  # fmt: skip
-
-
-def run_study(tmp: Path, spec: dict[str, Any]) -> tuple[Any, list[list[tuple[int, int]]]]:
-    """The study's outcome, and each pack's (trial, segment) members."""
-    tmp.mkdir()
-    (tmp / "spec.json").write_text(json.dumps(spec))
-    url = f"sqlite:///{tmp / 'packtune.db'}"
-    env = packtune_env(database_url=url, checkpoint_dir=tmp / "ckpt", torch_threads=1)
-    Services(env, tmp / "run.log").run("run", str(tmp / "spec.json"))
-    engine = make_engine(url)
-    try:
-        with session_scope(session_factory(engine)) as s:
-            packs = [sorted((m.trial_id, m.segment) for m in p.members)
-                     for p in s.scalars(sa.select(Pack).order_by(Pack.id))]  # fmt: skip
-    finally:
-        engine.dispose()
-    return outcome(url, 1), packs
 
 
 def test_segment_units_give_the_results_of_segments_trained_together(tmp_path: Path) -> None:
@@ -129,8 +112,12 @@ def test_on_two_workers_a_trials_segments_train_on_both(
         study_id = submit(engine, RQ_SPEC)
         assert wait_study(engine, study_id, STUDY_TIMEOUT, cluster) == "completed"
         rows = segment_packs(engine)
+        with session_scope(session_factory(engine)) as s:  # as GET .../packs serves them
+            public = [PackPublic.model_validate(row) for row in queries.packs(s, study_id)[0]]
     finally:
         engine.dispose()
+    assert all(m.segment in (0, 1) for p in public for m in p.members)
+    assert {a.segment for p in public for a in p.arrays or []} == {0, 1}
     where: dict[tuple[int, float], set[str]] = {}
     packs: dict[tuple[int, float], set[int]] = {}
     for pack, _, worker, trial, _, start in rows:

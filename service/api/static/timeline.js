@@ -183,20 +183,23 @@ export class TimelinePanel {
     const ranges = new Map();
     for (const m of p.members) {
       const r = `${fmtNum(m.from_resource)}→${fmtNum(m.to_resource)}`;
-      ranges.set(r, [...(ranges.get(r) ?? []), `#${m.trial_id}`]);
+      const part = m.segment == null ? "" : ` segment ${m.segment}`;  // a segment unit
+      ranges.set(r, [...(ranges.get(r) ?? []), `#${m.trial_id}${part}`]);
     }
     const took = p.duration ?? (serverNow() - Date.parse(p.started_at)) / 1000;
     const failed = p.failed_trials ?? [];
     const how = (p.arrays ?? []).map((a) => {
       const stacks = a.stacks.map((st) => `${MODES[st.mode] ?? st.mode} ×${st.trials.length}`);
       const notes = a.notes.length ? ` (${a.notes.join("; ").slice(0, 160)})` : "";
-      return `array ${a.trials.map((t) => `#${t}`).join(" ")}: ${stacks.join(", ") || "did not run"}${notes}`;
+      const part = a.segment == null ? "" : ` (segment ${a.segment})`;
+      return `array ${a.trials.map((t) => `#${t}`).join(" ")}${part}: ${stacks.join(", ") || "did not run"}${notes}`;
     });
     showTip(event,
       h("b", {}, `pack ${p.id} · ${p.status}`,
         failed.length ? ` · ${failed.length} trial${failed.length > 1 ? "s" : ""} failed` : "",
         p.attempts > 1 ? ` · attempt ${p.attempts}` : ""),
-      `${p.members.length} trial${p.members.length > 1 ? "s" : ""} trained together on ${p.device ?? "?"}`,
+      `${p.members.length} ${p.members.some((m) => m.segment != null) ? "unit" : "trial"}` +
+        `${p.members.length > 1 ? "s" : ""} trained together on ${p.device ?? "?"}`,
       ...[...ranges].map(([r, ids]) => `${r}: ${ids.join(" ")}`),
       `${p.finished_at ? "took" : "running for"} ${fmtSeconds(took)}` +
         (p.train_seconds ? ` (training ${fmtSeconds(p.train_seconds)})` : ""),
