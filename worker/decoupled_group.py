@@ -47,6 +47,34 @@ def decoupled_problem(workload: Workload, template: nn.Module, segments: int) ->
     return None
 
 
+def _segments(template: nn.Module, segments: int) -> list[nn.Sequential]:
+    """``template``'s chain cut where :func:`worker.decoupled.cut_points` cuts it, each
+    segment keeping its layers' names in the model."""
+    chain = chain_of(template)
+    assert chain is not None
+    runs = cut_points(nn.Sequential(OrderedDict(chain)), segments)
+    return [nn.Sequential(OrderedDict(chain[i] for i in run)) for run in runs]
+
+
+def _names(sub: nn.Sequential) -> tuple[set[str], set[str]]:
+    """The model's names of ``sub``'s parameters and of its buffers."""
+    params = {f"{name}.{n}" for name, layer in sub.named_children()
+              for n, _ in layer.named_parameters()}  # fmt: skip
+    buffers = {f"{name}.{n}" for name, layer in sub.named_children()
+               for n, _ in layer.named_buffers()}  # fmt: skip
+    return params, buffers
+
+
+def segment_names(template: nn.Module, segments: int, j: int) -> set[str]:
+    """The names of segment ``j``'s parameters and buffers in ``template`` cut into
+    ``segments``: what a segment unit puts on its device."""
+    subs = _segments(template, segments)
+    if not 0 <= j < len(subs):
+        raise ValueError(f"segment {j} of a model cut into {len(subs)}")
+    params, buffers = _names(subs[j])
+    return params | buffers
+
+
 def _widths(parts: Sequence[nn.Module], example: Tensor) -> list[int]:
     """Each segment's output width per example, from a pass on the meta device."""
     out, h = [], torch.empty(example.shape, dtype=example.dtype, device="meta")
@@ -200,10 +228,7 @@ def decoupled_group(
     :func:`worker.decoupled.cut_points` cuts ``stack.template``; ``build(params, states)``
     makes a segment's stacked optimizer; ``example``: one input batch (for the widths);
     ``only``: the segment to train alone (None: all)."""
-    chain = chain_of(stack.template)
-    assert chain is not None
-    runs = cut_points(nn.Sequential(OrderedDict(chain)), training.segments)
-    subs = [nn.Sequential(OrderedDict(chain[i] for i in run)) for run in runs]
+    subs = _segments(stack.template, training.segments)
     widths = _widths(subs, example)
     labels = [t.to(example.dtype) for t in synthetic_labels(widths[-1], widths[:-1], data_seed)]
     if only is not None and not 0 <= only < len(subs):
@@ -212,10 +237,7 @@ def decoupled_group(
     for j, sub in enumerate(subs):
         if only is not None and j != only:
             continue  # a segment unit holds its own segment only
-        own = {f"{name}.{n}" for name, layer in sub.named_children()
-               for n, _ in layer.named_parameters()}  # fmt: skip
-        bufs = {f"{name}.{n}" for name, layer in sub.named_children()
-                for n, _ in layer.named_buffers()}  # fmt: skip
+        own, bufs = _names(sub)
         seg_params = {n: p for n, p in params.items() if n in own}
         states = [
             None if st is None else {"step": st["step"], "state": {

@@ -64,7 +64,12 @@ from worker.batches import (
     started,
     tree_map,
 )
-from worker.decoupled_group import DecoupledGroup, decoupled_group, decoupled_problem
+from worker.decoupled_group import (
+    DecoupledGroup,
+    decoupled_group,
+    decoupled_problem,
+    segment_names,
+)
 from worker.fused_forward import (
     bmm_forward,
     bmm_plan,
@@ -168,19 +173,21 @@ def _check_fusible(workload: Workload, configs: Sequence[Mapping[str, Any]]) -> 
 
 
 def _stack(
-    models: Sequence[nn.Module], device: torch.device
+    models: Sequence[nn.Module], device: torch.device, only: set[str] | None = None
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """The members' parameters and buffers as ``[k, ...]`` tensors on ``device`` (as
     ``torch.func.stack_module_state``, which also insists on one class object: classes made
-    per ``build_model`` call are distinct objects of equal code, vetted by the guard)."""
+    per ``build_model`` call are distinct objects of equal code, vetted by the guard);
+    ``only``: those of these names (a segment unit's), the rest left on the host."""
     named = [(dict(m.named_parameters()), dict(m.named_buffers())) for m in models]
     first_params, first_buffers = named[0]
     params = {
         n: torch.stack([ps[n].detach() for ps, _ in named]).to(device).requires_grad_(
             p.requires_grad)
-        for n, p in first_params.items()
+        for n, p in first_params.items() if only is None or n in only
     }  # fmt: skip
-    buffers = {n: torch.stack([bs[n] for _, bs in named]).to(device) for n in first_buffers}
+    buffers = {n: torch.stack([bs[n] for _, bs in named]).to(device) for n in first_buffers
+               if only is None or n in only}  # fmt: skip
     return params, buffers
 
 
@@ -346,9 +353,11 @@ class FusedArray:
                     f"{workload.name} needs more memory than the device has ({spill_budget:,} "
                     f"bytes), and it cannot be spilled: {problem}"
                 )
+            only = (None if self.decoupled is None or segment is None
+                    else segment_names(template, self.decoupled.segments, segment))  # fmt: skip
             for idx, stack in _forwards(workload, template, part, mode, stochastic,
                                         self.precision):  # fmt: skip
-                params, buffers = _stack([models[i] for i in idx], home)
+                params, buffers = _stack([models[i] for i in idx], home, only)
                 self.groups.append(self._group(
                     [keys[i] for i in idx], params, buffers,
                     [s["optimizer"] if s else None for s in (states[i] for i in idx)], stack,

@@ -208,6 +208,12 @@ def test_segments_trained_alone_make_the_array_that_trains_them_together() -> No
                 assert torch.equal(merged["optimizer"]["state"][name][slot], t), (name, slot)
 
 
+def test_a_segment_outside_the_cut_is_refused() -> None:
+    training = TrainingSettings(mode="decoupled", segments=2, units="segment")
+    with pytest.raises(ValueError, match="segment 2 of a model cut into 2"):
+        FusedArray(TinyMLP(), tiny_members(1), training=training, segment=2)
+
+
 def test_merging_needs_every_segment_at_one_step() -> None:
     part = {"key": "t", "config": {}, "rng": None, "params": {}, "buffers": {},
             "optimizer": {"step": 3, "state": {}}}  # fmt: skip
