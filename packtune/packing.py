@@ -376,6 +376,12 @@ def retry_delay(base: float, attempt: int, jitter: float) -> float:
     return capped * (0.5 + 0.5 * jitter)
 
 
+def segment_key(fusion_key: str, segment: int, segments: int) -> str:
+    """The fusion key of segment ``segment`` of ``segments`` of a trial keyed ``fusion_key``:
+    segments differ in memory and speed, so each has its own profile."""
+    return f"{fusion_key}|segment {segment} of {segments}"
+
+
 def whole_trials(plan: PackPlan, segments: Mapping[int, int]) -> PackPlan:
     """``plan`` with only the trials planned whole: a trial of ``segments[trial]`` segment
     units is planned in this call with all of them or not at all (its status moves once);

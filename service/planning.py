@@ -30,6 +30,7 @@ from packtune.packing import (
     Unit,
     best_array_size,
     plan_packs,
+    segment_key,
     whole_trials,
 )
 from packtune.rungs import rung_resource, unit_end
@@ -301,9 +302,11 @@ def _units(s: Session, p: _Planned, order: Order) -> list[Unit]:
         if not spec.training.segment_units:
             units.append(Unit(t.id, t.fusion_key, t.resource_done, end, lane, rank))
             continue
-        # each segment its own unit: an array holds one segment of its trials (the lane)
-        units += [Unit(t.id, t.fusion_key, t.resource_done, end, f"{lane}|segment {j}", rank, j)
-                  for j in range(spec.training.segment_units)]  # fmt: skip
+        # each segment its own unit, with a fusion key (a memory model, a throughput curve)
+        # and a lane of its own: an array holds one segment of its trials
+        k = spec.training.segment_units
+        units += [Unit(t.id, segment_key(t.fusion_key, j, k), t.resource_done, end,
+                       f"{lane}|segment {j}", rank, j) for j in range(k)]  # fmt: skip
     return units
 
 

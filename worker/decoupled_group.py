@@ -104,6 +104,11 @@ class _Optimizers:
     def __init__(self, groups: list[Group]) -> None:
         self.groups = groups
 
+    @property
+    def state(self) -> dict[str, Any]:
+        """Every segment's optimizer slots by parameter name (what memory counts)."""
+        return {n: slots for g in self.groups for n, slots in g.optimizer.state.items()}
+
     def member_state(self, i: int) -> dict[str, Any]:
         states = [g.optimizer.member_state(i) for g in self.groups]
         return {"step": states[0]["step"], "state": {n: s for st in states for n, s in
@@ -155,16 +160,8 @@ class DecoupledGroup(Group):
         x, y = batch
 
         def one(position: int) -> Tensor:
-            group, rule = self.segments[position], self.rules[position]
-            j = rule.index
-            inputs = rule.inputs(x, y, self._noise(number, j))
-            with self.autocast():
-                out = full(group.forward(group.params, group.buffers, inputs))
-            if j == rule.count - 1:
-                losses = group._losses(out, y, workload, False)
-            else:
-                target = rule.labels[j].to(out.device)[y]
-                losses = (out.flatten(2) - target).square().mean(dim=(1, 2))
+            group = self.segments[position]
+            losses = self._segment_losses(position, x, y, workload, number)
             losses.sum().backward()
             group.optimizer.step()
             group.optimizer.zero_grad()
@@ -180,6 +177,28 @@ class DecoupledGroup(Group):
         # the last segment's loss, made non-finite by any segment's (0 * nan is nan): a
         # member whose segment diverged leaves the array
         self.losses.record(each[-1] + 0 * torch.stack(each[:-1]).sum(dim=0), number)
+
+    def _segment_losses(
+        self, position: int, x: Tensor, y: Tensor, workload: Workload, number: int
+    ) -> Tensor:
+        """The members' ``[k]`` losses of the segment at ``position`` (autograd) on step
+        ``number``'s batch ``(x, y)``: against its synthetic labels, the last against ``y``."""
+        group, rule = self.segments[position], self.rules[position]
+        j = rule.index
+        inputs = rule.inputs(x, y, self._noise(number, j))
+        with self.autocast():
+            out = full(group.forward(group.params, group.buffers, inputs))
+        if j == rule.count - 1:
+            return group._losses(out, y, workload, False)
+        target = rule.labels[j].to(out.device)[y]
+        return (out.flatten(2) - target).square().mean(dim=(1, 2))
+
+    def batch_losses(self, batch: Any, workload: Workload) -> Tensor:
+        """The members' ``[k]`` losses of every segment trained here, summed (what a step
+        back-propagates; the memory probe measures what it keeps)."""
+        x, y = batch
+        each = [self._segment_losses(p, x, y, workload, 0) for p in range(len(self.segments))]
+        return torch.stack(each).sum(dim=0)
 
     def segment_state(self, i: int) -> dict[str, Any]:
         """Member ``i``'s part of the segment trained alone (:attr:`only`): its weights,

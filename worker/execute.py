@@ -231,12 +231,16 @@ def ensure_profile(
     if is_profiled(job, kind):
         return
     _settle_heap()
-    result = probe(workload, config, device, ks=(1, 2), steps=2, data=data)
+    # a segment unit's key is its segment's: the probe measures that segment alone
+    segment = job.segment if job.segment >= 0 else None
+    result = probe(workload, config, device, ks=(1, 2), steps=2, data=data,
+                   training=job.training, segment=segment)  # fmt: skip
     throughput = dict(result.throughput_by_k)
     larger = _larger_probe_sizes(result.bytes_for, device)
     if len(larger) >= 2:
-        throughput.update(probe(workload, config, device, ks=larger, steps=2, data=data)
-                          .throughput_by_k)  # fmt: skip
+        more = probe(workload, config, device, ks=larger, steps=2, data=data,
+                     training=job.training, segment=segment)  # fmt: skip
+        throughput.update(more.throughput_by_k)
 
     def write(s: Session) -> None:
         store.set_memory_model(

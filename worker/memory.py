@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from packtune.spec import TrainingSettings
 from packtune.workloads.base import Split, Workload
 from worker.batches import tensors
 from worker.fused import FusedArray, StackMode
@@ -119,11 +120,14 @@ def probe(
     steps: int = 2,
     mode: StackMode = "auto",
     data: tuple[Split, Split] | None = None,
+    training: TrainingSettings | None = None,
+    segment: int | None = None,
 ) -> ProbeResult:
     """Measure peak memory and throughput of arrays of each size in ``ks``.
 
     ``config`` is one trial's config (``seed`` and ``data_seed`` optional);
-    member j of the probe array gets ``seed + j``.
+    member j of the probe array gets ``seed + j``. ``training`` and ``segment``: how the
+    arrays train (decoupled; one segment of a segment unit), as :class:`FusedArray`.
     """
     if len(set(ks)) < 2:
         raise ValueError("the probe needs at least two array sizes")
@@ -142,7 +146,8 @@ def probe(
             torch.cuda.synchronize(device)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-        array = FusedArray(workload, members, device=device, mode=mode, data=data)
+        array = FusedArray(workload, members, device=device, mode=mode, data=data,
+                           training=training, segment=segment)  # fmt: skip
         throughput[k] = k / _step_seconds(array, workload, steps)
         if cuda:
             peaks[k] = int(torch.cuda.max_memory_allocated(device))

@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session, selectinload
 
 from packtune.hyperband import total_trials
 from packtune.iterations import asha_ladder
-from packtune.packing import best_array_size
+from packtune.packing import best_array_size, segment_key
 from packtune.spec import StoredSpec
 from packtune.tuning import UPDATE_CHUNK
 from service import store
@@ -200,6 +200,8 @@ def profiles(s: Session, study_id: int) -> list[Row]:
     keys = list(s.scalars(select(Trial.fusion_key).where(Trial.study_id == study_id).distinct()))
     if not keys:
         return []
+    k = spec.training.segment_units  # each segment unit has a key, and a profile, of its own
+    keys += [segment_key(key, j, k) for key in keys for j in range(k)]
     stmt = (
         select(Profile)
         .where(Profile.workload == study.workload, Profile.fusion_key.in_(keys))

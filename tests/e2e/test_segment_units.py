@@ -114,8 +114,12 @@ def test_on_two_workers_a_trials_segments_train_on_both(
         rows = segment_packs(engine)
         with session_scope(session_factory(engine)) as s:  # as GET .../packs serves them
             public = [PackPublic.model_validate(row) for row in queries.packs(s, study_id)[0]]
+            profiles = queries.profiles(s, study_id)
     finally:
         engine.dispose()
+    # each segment probed on its own, under its own key: the first smaller than the whole
+    probed = {p["fusion_key"].rsplit("|", 1)[-1]: p for p in profiles if p["per_trial_bytes"]}
+    assert {"segment 0 of 2", "segment 1 of 2"} <= set(probed), list(probed)
     assert all(m.segment in (0, 1) for p in public for m in p.members)
     assert {a.segment for p in public for a in p.arrays or []} == {0, 1}
     where: dict[tuple[int, float], set[str]] = {}

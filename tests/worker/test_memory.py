@@ -42,6 +42,21 @@ def test_cpu_probe_of_a_cnn_under_vmap():
     assert result.per_trial_bytes > 0
 
 
+def test_cpu_probe_of_decoupled_segments_counts_each_alone():
+    """A segment unit's probe counts its segment's weights, optimizer state and activations:
+    less per trial than the decoupled model whole, and the segments' sum near the whole's
+    (the model's weights are split between them)."""
+    from packtune.spec import TrainingSettings
+
+    workload, config = TinyMLP(), {"hidden": 128, "layers": 4, "optimizer": "adam"}
+    training = TrainingSettings(mode="decoupled", segments=2, units="segment")
+    whole = probe(workload, config, training=training)
+    parts = [probe(workload, config, training=training, segment=j) for j in (0, 1)]
+    assert all(0 < p.per_trial_bytes < whole.per_trial_bytes for p in parts)
+    total = sum(p.per_trial_bytes for p in parts)
+    assert 0.8 * whole.per_trial_bytes <= total <= 1.2 * whole.per_trial_bytes
+
+
 def test_probe_needs_two_sizes():
     with pytest.raises(ValueError, match="two array sizes"):
         probe(TinyMLP(), {}, ks=(2,))

@@ -64,8 +64,10 @@ export function memoryScale(lane) {
 
 function parseKey(key) {
   const bar = key.indexOf("|");
+  const rest = key.slice(bar + 1);
+  const segment = rest.lastIndexOf("|segment ");  // a segment unit's key ends so
   try {
-    return bar >= 0 ? JSON.parse(key.slice(bar + 1)) : null;
+    return bar >= 0 ? JSON.parse(segment >= 0 ? rest.slice(0, segment) : rest) : null;
   } catch {
     return null;
   }
