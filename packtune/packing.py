@@ -41,15 +41,14 @@ after a CUDA out-of-memory error (the caller re-queues both halves of
 :func:`split_in_two`).
 
 A trial trained as decoupled segments may be several units, one per segment
-(``Unit.segment``); :func:`whole_trials` keeps such a trial in a plan only with all of
-its segments.
+(``Unit.segment``, its own key: :func:`segment_key`); they are planned like any units,
+together or across calls.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from itertools import groupby
 from operator import attrgetter
 from typing import Any
@@ -380,24 +379,3 @@ def segment_key(fusion_key: str, segment: int, segments: int) -> str:
     """The fusion key of segment ``segment`` of ``segments`` of a trial keyed ``fusion_key``:
     segments differ in memory and speed, so each has its own profile."""
     return f"{fusion_key}|segment {segment} of {segments}"
-
-
-def whole_trials(plan: PackPlan, segments: Mapping[int, int]) -> PackPlan:
-    """``plan`` with only the trials planned whole: a trial of ``segments[trial]`` segment
-    units is planned in this call with all of them or not at all (its status moves once);
-    the segments of one left out are deferred, and a pack left empty is dropped."""
-    placed = Counter(u.trial_id for pack in plan.packs for u in pack.units if u.segment >= 0)
-    partial = {t for t, n in placed.items() if n < segments.get(t, 0)}
-    if not partial:
-        return plan
-    packs, deferred = [], list(plan.deferred)
-    for pack in plan.packs:
-        arrays = []
-        for array in pack.arrays:
-            kept = tuple(u for u in array.units if u.trial_id not in partial)
-            deferred += [u for u in array.units if u.trial_id in partial]
-            if kept:
-                arrays.append(replace(array, units=kept))
-        if arrays:
-            packs.append(replace(pack, arrays=tuple(arrays)))
-    return replace(plan, packs=packs, deferred=deferred)

@@ -31,7 +31,6 @@ from packtune.packing import (
     best_array_size,
     plan_packs,
     segment_key,
-    whole_trials,
 )
 from packtune.rungs import rung_resource, unit_end
 from packtune.settings import Settings
@@ -293,20 +292,29 @@ def _units(s: Session, p: _Planned, order: Order) -> list[Unit]:
     lane = f"{study.seed}|{float(spec.hyperband.max_resource)!r}|{spec.training.lane}"
     brackets = spec.brackets
     s_max = len(brackets) - 1
+    k = spec.training.segment_units
+    # a trial of segment units may be queued or running with some of its span's segments
+    # planned (they did not all fit one plan): the rest are its ready units
+    ready = (TrialStatus.pending, TrialStatus.queued, TrialStatus.running) if k else (
+        TrialStatus.pending)  # fmt: skip
+    briefs = store.trial_briefs(s, study.id, status=ready)
+    planned = store.planned_segments(
+        s, [t.id for t in briefs if t.status != TrialStatus.pending]) if k else {}  # fmt: skip
     units = []
-    for t in store.trial_briefs(s, study.id, status=TrialStatus.pending):
+    for t in briefs:
         target = rung_resource(spec, t.bracket, t.rung)
         end = unit_end(spec, t.resource_done, target)
         left = expected_remaining(brackets[s_max - t.bracket], t.rung, t.resource_done)
         rank = unit_key(order, p.band, study.id, left, t.id)
-        if not spec.training.segment_units:
+        if not k:
             units.append(Unit(t.id, t.fusion_key, t.resource_done, end, lane, rank))
             continue
         # each segment its own unit, with a fusion key (a memory model, a throughput curve)
         # and a lane of its own: an array holds one segment of its trials
-        k = spec.training.segment_units
+        mine = planned.get(t.id, set())
         units += [Unit(t.id, segment_key(t.fusion_key, j, k), t.resource_done, end,
-                       f"{lane}|segment {j}", rank, j) for j in range(k)]  # fmt: skip
+                       f"{lane}|segment {j}", rank, j)
+                  for j in range(k) if (t.resource_done, j) not in mine]  # fmt: skip
     return units
 
 
@@ -315,13 +323,10 @@ def _plan_group(
 ) -> int:
     """Plan the pending units of one group of studies (one pack size limit); the packs made."""
     study_of: dict[int, int] = {}
-    segments: dict[int, int] = {}  # trial -> its segment units (studies with units: segment)
     units: list[Unit] = []
     for p in group:
         mine = _units(s, p, order)
         study_of.update({u.trial_id: p.study.id for u in mine})
-        if p.spec.training.segment_units:
-            segments.update({u.trial_id: p.spec.training.segment_units for u in mine})
         units += mine
     if not units:
         return 0
@@ -362,7 +367,6 @@ def _plan_group(
         # a unit too large for every device trains alone, spilled (PACKTUNE_SPILL)
         spill=settings.spill,
     )
-    plan = whole_trials(plan, segments)
     plan.deferred += later
     queued: list[int] = []
     for planned in plan.packs:

@@ -20,7 +20,7 @@ from packtune.errors import NotFound
 from packtune.fleet import split_seconds
 from packtune.packing import retry_delay
 from service.models import Pack, PackMember, PackStatus, Trial, TrialStatus, utcnow
-from service.store._sql import fresh, insert_rows, statuses
+from service.store._sql import fresh, id_in, insert_rows, statuses
 from service.store.transitions import FINISHED_PACK, move_pack, move_trials, of_study
 from service.store.trials import trials_by_id
 
@@ -216,6 +216,25 @@ def unfinished_members(
         and trials[m.trial_id].status in wanted
         and math.isclose(trials[m.trial_id].resource_done, m.from_resource, abs_tol=1e-9)
     ]  # fmt: skip
+
+
+def planned_segments(s: Session, trial_ids: Sequence[int]) -> dict[int, set[tuple[float, int]]]:
+    """``(from_resource, segment)`` of every segment unit of ``trial_ids`` in a pack that
+    still stands (not cancelled, failed or split: those units are planned again): a trial
+    of segment units may have some of a span's segments planned and the rest to come."""
+    if not trial_ids:
+        return {}
+    gone = (PackStatus.cancelled, PackStatus.failed, PackStatus.split)
+    stmt = (
+        select(PackMember.trial_id, PackMember.from_resource, PackMember.segment)
+        .join(Pack, Pack.id == PackMember.pack_id)
+        .where(id_in(s, PackMember.trial_id, trial_ids), PackMember.segment >= 0,
+               Pack.status.not_in(gone))
+    )  # fmt: skip
+    out: dict[int, set[tuple[float, int]]] = {}
+    for trial_id, start, segment in s.execute(stmt):
+        out.setdefault(int(trial_id), set()).add((float(start), int(segment)))
+    return out
 
 
 def request_yield(s: Session, pack_ids: Iterable[int]) -> list[int]:

@@ -17,7 +17,6 @@ from packtune.packing import (
     best_array_size,
     plan_packs,
     split_in_two,
-    whole_trials,
 )
 from packtune.tuning import SPILL_ALTERNATE
 
@@ -344,21 +343,3 @@ def test_segments_of_one_trial_are_units_of_their_own() -> None:
         (0, [1, 2]), (1, [1, 2])]  # fmt: skip
     with pytest.raises(ValueError, match="only one ready unit"):
         plan_packs([*ready, ready[0]], [GPU], {}, {}, default_memory=SMALL)
-
-
-def test_whole_trials_keeps_a_trial_only_with_all_its_segments() -> None:
-    """A trial of three segment units planned with two of them is taken out of the plan (its
-    two deferred, a pack left empty dropped); one planned whole, and a trial of one unit,
-    stay as they were."""
-    ready = [Unit(1, "a", 0, 1, f"s{j}", segment=j) for j in range(3)]
-    ready += [Unit(2, "a", 0, 1, f"s{j}", segment=j) for j in range(2)]
-    ready += [Unit(3, "b", 0, 1)]
-    roomy = plan_packs(ready, [GPU, Device("gpu1", 1000 * MiB)], {}, {"a": 8, "b": 8},
-                       default_memory=MemoryModel(0, MiB), spread=True)  # fmt: skip
-    # trial 2 was declared with three segments: it has only two here
-    got = whole_trials(roomy, {1: 3, 2: 3})
-    assert sorted((u.trial_id, u.segment) for u in placed(got)) == [
-        (1, 0), (1, 1), (1, 2), (3, -1)]  # fmt: skip
-    assert sorted((u.trial_id, u.segment) for u in got.deferred) == [(2, 0), (2, 1)]
-    assert all(pack.units for pack in got.packs)
-    assert whole_trials(roomy, {1: 3, 2: 2}) is roomy  # nothing partial: the same plan

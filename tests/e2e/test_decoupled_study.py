@@ -13,8 +13,8 @@ import sqlalchemy as sa
 
 from service.db import make_engine, session_factory, session_scope
 from service.models import Pack
-from tests.support.cluster import Services, outcome
-from tests.support.processes import packtune_env
+from tests.support.cluster import outcome
+from tests.support.processes import packtune_env, start
 
 SPEC: dict[str, Any] = {
     "name": "decoupled",
@@ -31,14 +31,19 @@ SPEC: dict[str, Any] = {
 }
 
 
-def run_study(tmp: Path, spec: dict[str, Any]) -> tuple[Any, list[list[tuple[int, int]]]]:
-    """``packtune run`` of ``spec``: the study's outcome, and each pack's (trial, segment)
-    members (segment -1: the whole trial)."""
+def run_study(
+    tmp: Path, spec: dict[str, Any], exit_code: int = 0, **settings: Any
+) -> tuple[Any, list[list[tuple[int, int]]]]:
+    """``packtune run`` of ``spec`` (with extra ``settings``; it must exit with
+    ``exit_code``: 1 for a failed study): the study's outcome, and each pack's (trial,
+    segment) members (segment -1: the whole trial)."""
     tmp.mkdir()
     (tmp / "spec.json").write_text(json.dumps(spec))
     url = f"sqlite:///{tmp / 'packtune.db'}"
-    env = packtune_env(database_url=url, checkpoint_dir=tmp / "ckpt", torch_threads=1)
-    Services(env, tmp / "run.log").run("run", str(tmp / "spec.json"))
+    env = packtune_env(database_url=url, checkpoint_dir=tmp / "ckpt", torch_threads=1,
+                       **settings)  # fmt: skip
+    proc = start(["run", str(tmp / "spec.json")], env, tmp / "run.log")
+    assert proc.wait(120) == exit_code, (tmp / "run.log").read_text()[-4000:]
     engine = make_engine(url)
     try:
         with session_scope(session_factory(engine)) as s:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from packtune.spec import validate_spec
 from service import queries
 from service.api.schemas import PackPublic
 from service.db import make_engine, session_factory, session_scope
@@ -60,6 +61,32 @@ def test_segment_units_give_the_results_of_segments_trained_together(tmp_path: P
             compared += 1
     assert compared >= len(want.curves)
     assert got.best == want.best
+
+
+def test_a_model_larger_than_the_device_trains_as_segment_units(tmp_path: Path) -> None:
+    """A decoupled model whose whole does not fit the device (a 5 MB CPU budget), whose
+    segments do: with segment units the study completes, every array planned and probed as
+    a segment; trained as whole trials it cannot (decoupled training does not spill)."""
+    from packtune.tuning import HEADROOM
+    from packtune.workloads import get_workload
+    from worker.memory import probe
+
+    budget = 5_000_000
+    space = {**SPEC["space"], "hidden": {"type": "choice", "values": [256]},
+             "layers": {"type": "choice", "values": [5]}}  # fmt: skip
+    spec = {**_spec("segment"), "space": space,
+            "hyperband": {"max_resource": 3, "min_resource": 1, "eta": 3}}  # fmt: skip
+    config = {"hidden": 256, "layers": 5, "optimizer": "adam"}
+    training = validate_spec(spec).training
+    whole = probe(get_workload("digits-mlp"), config, training=training)
+    assert whole.bytes_for(1) > budget * HEADROOM  # the model does not fit whole
+    got, packs = run_study(tmp_path / "segments", spec, cpu_memory_budget=budget)
+    assert got.status == "completed" and got.best is not None
+    assert {segment for p in packs for _, segment in p} == {0, 1}
+    failed, _ = run_study(tmp_path / "trials", {**spec, "training": {**spec["training"],
+                          "units": "trial"}}, exit_code=1, cpu_memory_budget=budget)  # fmt: skip
+    errors = {t["error"] for t in failed.trials.values()}
+    assert failed.status == "failed" and all("do not combine" in str(e) for e in errors), errors
 
 
 # -- on RQ: two workers, a trial's segments on both at once; a worker killed mid-segment --
