@@ -231,15 +231,17 @@ def ensure_profile(
     if is_profiled(job, kind):
         return
     _settle_heap()
-    # a segment unit's key is its segment's: the probe measures that segment alone
+    # a segment unit's key is its segment's: the probe measures that segment alone (other
+    # arrays, decoupled ones too, are probed end to end: an upper bound of their memory)
     segment = job.segment if job.segment >= 0 else None
+    training = job.training if segment is not None else None
     result = probe(workload, config, device, ks=(1, 2), steps=2, data=data,
-                   training=job.training, segment=segment)  # fmt: skip
+                   training=training, segment=segment)  # fmt: skip
     throughput = dict(result.throughput_by_k)
     larger = _larger_probe_sizes(result.bytes_for, device)
     if len(larger) >= 2:
         more = probe(workload, config, device, ks=larger, steps=2, data=data,
-                     training=job.training, segment=segment)  # fmt: skip
+                     training=training, segment=segment)  # fmt: skip
         throughput.update(more.throughput_by_k)
 
     def write(s: Session) -> None:
