@@ -82,7 +82,10 @@ def _probe_first(
     out, kept = [], Counter[str]()
     ordered = sorted(units, key=lambda u: (u.to_resource - u.from_resource, u.trial_id))
     for u in ordered:
-        if u.segment >= 0:  # segment units record no throughput: nothing to wait for
+        # segment units do not wait for their key's probe: each unit's job probes its key
+        # before it trains (worker.execute.ensure_profile), and a trial's other segments
+        # would otherwise wait on every segment's probe in turn
+        if u.segment >= 0:
             out.append(u)
             continue
         if u.fusion_key not in measured and u.fusion_key in in_flight:

@@ -200,17 +200,6 @@ class DecoupledGroup(Group):
         each = [self._segment_losses(p, x, y, workload, 0) for p in range(len(self.segments))]
         return torch.stack(each).sum(dim=0)
 
-    def segment_state(self, i: int) -> dict[str, Any]:
-        """Member ``i``'s part of the segment trained alone (:attr:`only`): its weights,
-        buffers and optimizer state, on the CPU (what a segment unit's checkpoint holds)."""
-        assert self.only is not None
-        (group,) = self.segments
-        return {
-            "params": {n: p[i].detach().to("cpu", copy=True) for n, p in group.params.items()},
-            "buffers": {n: b[i].to("cpu", copy=True) for n, b in group.buffers.items()},
-            "optimizer": group.optimizer.member_state(i),
-        }
-
     def outputs(self, x: Tensor) -> Tensor:
         """The composed model's outputs ``[k, B, ...]`` on a shared input."""
         assert self.only is None, "one segment is not the model"

@@ -64,12 +64,7 @@ from worker.batches import (
     started,
     tree_map,
 )
-from worker.decoupled_group import (
-    DecoupledGroup,
-    decoupled_group,
-    decoupled_problem,
-    segment_names,
-)
+from worker.decoupled_group import decoupled_group, decoupled_problem, segment_names
 from worker.fused_forward import (
     bmm_forward,
     bmm_plan,
@@ -670,14 +665,11 @@ class FusedArray:
 
     def member_state(self, key: Hashable) -> dict[str, Any]:
         """What resuming ``key`` elsewhere needs, on the CPU (checkpoint-ready); of an array
-        training one segment, that segment's part only."""
+        training one segment, that segment's part only (its group holds no other), marked
+        with the segment."""
         group, i = self._locate(key)
-        if self.segment is not None:
-            assert isinstance(group, DecoupledGroup)
-            return {"key": key, "config": dict(self.configs[key]), "segment": self.segment,
-                    "rng": self.generators[key].get_state(), "steps_done": self.step,
-                    **group.segment_state(i)}  # fmt: skip
         return {
+            **({"segment": self.segment} if self.segment is not None else {}),
             "key": key,
             "config": dict(self.configs[key]),
             "params": {n: p[i].detach().to("cpu", copy=True) for n, p in group.params.items()},

@@ -26,8 +26,9 @@ at each rung, and ``train_loss`` there is its last segment's.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Hashable
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ from worker.execute import (
     MemberJob,
     PackCancelled,
     TrialError,
+    _id,
     ensure_profile,
     mark_done,
     member_checkpoint,
@@ -57,11 +59,16 @@ from worker.fused import FusedArray, Report, train
 from worker.rng import GLOBAL_RNG
 
 
+def _segment_name(trial_id: int, segment: int, step: int) -> str:
+    """The checkpoint name of segment ``segment``'s part of a trial at global step ``step``
+    (the span's end), kept until the trial's checkpoint has it: named by the step, so that
+    whether a segment has ended a span is whether its file exists (nothing to read)."""
+    return f"{trial_id}.segment{segment}.step{step}"
+
+
 def segment_path(directory: Any, study_id: int, trial_id: int, segment: int, step: int) -> Path:
-    """Where segment ``segment`` of a trial keeps its part at global step ``step`` (the
-    span's end), until the trial's checkpoint has it: named by the step, so that whether a
-    segment has ended a span is whether its file exists (nothing to read)."""
-    return checkpoint_path(directory, study_id, f"{trial_id}.segment{segment}.step{step}")
+    """Where :func:`_segment_name`'s part lies."""
+    return checkpoint_path(directory, study_id, _segment_name(trial_id, segment, step))
 
 
 def run_segment_array(
@@ -78,6 +85,8 @@ def run_segment_array(
     configs = {m.trial_id: job.config(m) for m in job.members}
     first = workload.resolve(next(iter(configs.values())))
     from_step, to_step = span_steps(job, workload.steps_per_epoch(first))
+    # the workload's data, loaded once for training and evaluation, and only if either runs
+    data = functools.cache(lambda: workload.data(first, device))
     todo: list[MemberJob] = []
     states: list[dict[str, Any] | None] = []
     ended: list[MemberJob] = []
@@ -94,10 +103,10 @@ def run_segment_array(
     runs: list[ArrayRun] = []
     parts: dict[int, dict[str, Any]] = {}  # this segment's part of each trial it trained
     if todo:
-        run, parts = _train(job, todo, states, device, kind, checkpoint_dir, to_step, stop)
+        run, parts = _train(job, todo, states, device, kind, checkpoint_dir, to_step, stop, data)
         runs.append(run)
         ended += [m for m in todo if m.trial_id in parts]
-    finished = finish_spans(job, ended, device, checkpoint_dir, to_step, mains, parts)
+    finished = finish_spans(job, ended, device, checkpoint_dir, to_step, mains, parts, data)
     if finished:
         note = f"finished trials {finished}: every segment had ended the span"
         if runs:
@@ -118,6 +127,7 @@ def _train(
     checkpoint_dir: Path,
     to_step: int,
     stop: Any,
+    data: Callable[[], Any],
 ) -> tuple[ArrayRun, dict[int, dict[str, Any]]]:
     """Train the segment of ``todo``'s trials and save its part of each; returns how the
     array ran and the parts saved (of the trials that did not diverge)."""
@@ -125,12 +135,11 @@ def _train(
     configs = {m.trial_id: job.config(m) for m in todo}
     first = workload.resolve(next(iter(configs.values())))
     try:
-        data = workload.data(first, device)
-        ensure_profile(job, first, device, kind, data)
+        ensure_profile(job, first, device, kind, data())
         with GLOBAL_RNG:
             array = FusedArray(
                 workload, [(m.trial_id, configs[m.trial_id]) for m in todo], device=device,
-                states=states, data=data, training=job.training, segment=job.segment,
+                states=states, data=data(), training=job.training, segment=job.segment,
             )  # fmt: skip
     except NOT_A_TRIAL_FAULT:
         raise
@@ -171,7 +180,7 @@ def _train(
         state = array.member_state(key)
         state["train_loss"] = float(losses.get(key, {}).get("train_loss", math.nan))
         save_checkpoint(checkpoint_dir, m.study_id,
-                        f"{m.trial_id}.segment{job.segment}.step{to_step}", state)  # fmt: skip
+                        _segment_name(m.trial_id, job.segment, to_step), state)  # fmt: skip
         parts[m.trial_id] = state
     return {
         "trials": [m.trial_id for m in todo],
@@ -179,11 +188,6 @@ def _train(
         "notes": [*([array.warning] if array.warning else []), *array.notes],
         "failed": [],
     }, parts
-
-
-def _id(key: Hashable) -> int:
-    assert isinstance(key, int)
-    return key
 
 
 def finish_spans(
@@ -194,11 +198,13 @@ def finish_spans(
     to_step: int,
     mains: dict[int, dict[str, Any] | None],
     own: dict[int, dict[str, Any]],
+    data: Callable[[], Any],
 ) -> list[int]:
     """Finish the ``members`` whose every segment is at ``to_step``: merge, evaluate the
     composed model, record the measurement at the span's end, move the trial on. Returns
     the trials finished. ``mains``: the trials' checkpoints as this unit loaded them;
-    ``own``: this unit's segment's part of the trials it trained (not read back)."""
+    ``own``: this unit's segment's part of the trials it trained (not read back);
+    ``data()``: the workload's data."""
     segments = job.training.segments
     ready: list[tuple[MemberJob, dict[str, Any]]] = []
     paths: dict[int, str] = {}
@@ -231,7 +237,7 @@ def finish_spans(
         with GLOBAL_RNG:
             array = FusedArray(
                 workload, [(m.trial_id, job.config(m)) for m, _ in ready], device=device,
-                states=[state for _, state in ready], training=job.training,
+                states=[state for _, state in ready], data=data(), training=job.training,
             )  # fmt: skip
             evaluated = array.evaluate()
     except NOT_A_TRIAL_FAULT:
