@@ -7,6 +7,8 @@ back to the span it finished (status, resource and checkpoint are the next unit'
 
 from __future__ import annotations
 
+import dataclasses
+
 from sqlalchemy import update
 
 from packtune.spec import validate_spec
@@ -56,7 +58,7 @@ def test_a_late_report_leaves_a_trial_on_its_next_span_alone(db: None) -> None:
         (after,) = store.trials_by_id(s, [trial_id])
         assert (after.status, after.resource_done, after.checkpoint_path) == (
             TrialStatus.running, 3.0, path)  # fmt: skip
-    on_time = ArrayJob(**{**late.__dict__, "from_resource": 3.0, "to_resource": 3.0})
+    on_time = dataclasses.replace(late, from_resource=3.0, to_resource=3.0)
     mark_done(on_time, {trial_id: str(path)})  # a report at the trial's unit moves it
     with session_scope(get_sessionmaker()) as s:
         (after,) = store.trials_by_id(s, [trial_id])
