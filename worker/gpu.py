@@ -24,13 +24,21 @@ log = logging.getLogger(__name__)
 
 @functools.cache
 def _nvml() -> ModuleType | None:
-    """pynvml, initialised once per process; ``None`` (and one warning) where there is none."""
+    """pynvml, initialised once per process; ``None`` where there is none.
+
+    No NVIDIA library at all is a machine without an NVIDIA GPU (a laptop running
+    ``packtune run``): said once at INFO, since every run there would otherwise print a
+    warning about nothing. A library that is there but fails (a driver not loaded, a
+    mismatch) is a GPU box in trouble: a warning. A worker that trains on CUDA without
+    NVML warns (:func:`warn_if_cuda_without_nvml`).
+    """
     try:
         import pynvml
 
         pynvml.nvmlInit()
     except Exception as exc:  # noqa: BLE001 - missing library, driver or device alike
-        log.warning("NVML not available: %s", exc)
+        missing = type(exc).__name__ == "NVMLError_LibraryNotFound"
+        log.log(logging.INFO if missing else logging.WARNING, "NVML not available: %s", exc)
         return None
     return pynvml
 
@@ -110,6 +118,16 @@ def cuda_device_readings(cuda_index: int = 0) -> list[dict[str, Any]]:
     readings = gpu_readings()
     index = nvml_index(cuda_index, readings=readings)
     return [r for r in readings if r["index"] == index]
+
+
+@functools.cache
+def warn_if_cuda_without_nvml() -> None:
+    """Once per process, where torch trains on CUDA: warn if NVML cannot see the GPU."""
+    if _nvml() is None:
+        log.warning(
+            "training on CUDA without NVML (nvidia-ml-py and the driver's libnvidia-ml): the "
+            "worker reports its device as a CPU's, so packs are planned for the wrong memory"
+        )
 
 
 def device_kind(readings: Sequence[Mapping[str, Any]], index: int | None = None) -> str:

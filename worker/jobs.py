@@ -73,6 +73,9 @@ def pick_device() -> torch.device:
     # threads fighting the scheduler for a core ran ~10x slower than one.
     torch.set_num_threads(settings.torch_threads or max(1, (os.cpu_count() or 2) - 1))
     if settings.device == "cuda" or (settings.device == "auto" and torch.cuda.is_available()):
+        from worker.gpu import warn_if_cuda_without_nvml
+
+        warn_if_cuda_without_nvml()
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

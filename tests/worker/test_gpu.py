@@ -1,4 +1,5 @@
-"""NVML readings: no NVML means [] and one warning; real readings where there is a GPU."""
+"""NVML readings: no NVML means [] and one line of log (INFO where there is no NVIDIA library
+at all, a warning where it fails); real readings where there is a GPU."""
 
 from __future__ import annotations
 
@@ -14,22 +15,49 @@ READINGS = [
 ]
 
 
-def test_without_nvml_readings_are_empty_and_warn_once(caplog: pytest.LogCaptureFixture) -> None:
+def test_without_nvml_readings_are_empty_and_said_once(caplog: pytest.LogCaptureFixture) -> None:
     gpu._nvml.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="worker.gpu"):
+        with caplog.at_level(logging.INFO, logger="worker.gpu"):
             first = gpu.gpu_readings()
             second = gpu.gpu_readings(index=0)
         if first:
             pytest.skip("NVML is available on this host")
         assert first == [] and second == []
-        warnings = [r for r in caplog.records if "NVML not available" in r.getMessage()]
-        assert len(warnings) == 1
-        assert warnings[0].levelno == logging.WARNING
+        said = [r for r in caplog.records if "NVML not available" in r.getMessage()]
+        assert len(said) == 1
+        # no NVIDIA library: a CPU machine, not worth a warning on every `packtune run`
+        library_missing = "Library Not Found" in said[0].getMessage()
+        assert said[0].levelno == (logging.INFO if library_missing else logging.WARNING)
         assert gpu.device_kind(first) == "cpu"
         assert gpu.cuda_device_readings(0) == []
     finally:
         gpu._nvml.cache_clear()
+
+
+def test_a_failing_nvml_library_is_a_warning_and_cuda_without_nvml_too(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    pynvml = pytest.importorskip("pynvml")
+
+    def broken() -> None:
+        raise pynvml.NVMLError_DriverNotLoaded(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", broken)
+    gpu._nvml.cache_clear()
+    gpu.warn_if_cuda_without_nvml.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="worker.gpu"):
+            assert gpu.gpu_readings() == []
+            gpu.warn_if_cuda_without_nvml()
+            gpu.warn_if_cuda_without_nvml()
+        levels = [(r.levelno, r.getMessage()) for r in caplog.records]
+        assert levels[0][0] == logging.WARNING and "NVML not available" in levels[0][1]
+        cuda = [m for level, m in levels if "training on CUDA without NVML" in m]
+        assert len(cuda) == 1 and levels[-1][0] == logging.WARNING
+    finally:
+        gpu._nvml.cache_clear()
+        gpu.warn_if_cuda_without_nvml.cache_clear()
 
 
 def test_device_kind_names_the_chosen_gpu() -> None:
