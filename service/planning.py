@@ -170,7 +170,9 @@ def plan_fleet(
     for p in planned:
         key = ("cap", _cap(p.spec), p.band) if settings.share_packs else ("study", p.study.id)
         groups.setdefault(key, []).append(p)
-    made = sum(_plan_group(s, group, workers, settings, order) for group in groups.values())
+    made = sum(
+        _plan_group(s, group, workers, settings, order, loads, quantum) for group in groups.values()
+    )
     if order == "fair" and settings.preempt:
         yielding = _yield_for(s, loads, quantum, workers, settings, now)
         if asked is not None:
@@ -321,10 +323,42 @@ def _units(s: Session, p: _Planned, order: Order) -> list[Unit]:
     return units
 
 
+def _held_devices(s: Session, loads: dict[int, StudyLoad], quantum: float) -> dict[str, int]:
+    """Device -> the best fair-share band among the studies of its unfinished packs.
+
+    A device with a pack of a better-served study in hand keeps its second slot
+    (:data:`QUEUE_DEPTH`) for that study: a worse band's pack queued there would start the
+    moment the better study's pack ends, a step before that study's next pack is planned
+    (its next rung is decided by the tick its end wakes), and then be asked to give the
+    device up again (:func:`_yield_for`): a yield per rung of the small study, each a
+    pack's start and stop of the large one (0.1-0.8 s on a 2-core CPU, bench g). Held
+    back, the device waits for that tick instead (tens of ms), and the worse band's pack
+    is planned there once the better study has nothing ready.
+    """
+    unfinished = [p for p in store.packs_with_status(s, UNFINISHED) if p.device is not None]
+    if not unfinished:
+        return {}
+    studies = store.studies_of_packs(s, [p.id for p in unfinished])
+    out: dict[str, int] = {}
+    for pack in unfinished:
+        b = _best_band(studies[pack.id], loads, quantum)
+        if b is not None:
+            out[str(pack.device)] = min(b, out.get(str(pack.device), b))
+    return out
+
+
 def _plan_group(
-    s: Session, group: list[_Planned], workers: list[Worker], settings: Settings, order: Order
+    s: Session,
+    group: list[_Planned],
+    workers: list[Worker],
+    settings: Settings,
+    order: Order,
+    loads: dict[int, StudyLoad],
+    quantum: float,
 ) -> int:
-    """Plan the pending units of one group of studies (one pack size limit); the packs made."""
+    """Plan the pending units of one group of studies (one pack size limit); the packs made.
+    With fair order, a device held for a better band than the group's best
+    (:func:`_held_devices`) takes none of its packs."""
     study_of: dict[int, int] = {}
     units: list[Unit] = []
     for p in group:
@@ -335,7 +369,12 @@ def _plan_group(
         return 0
     devices = devices_of(workers, settings)
     busy = store.packs_per_device(s, UNFINISHED)
-    free = [dev for name, (dev, _) in devices.items() if busy[name] < QUEUE_DEPTH]
+    ours = min(p.band for p in group)
+    held = _held_devices(s, loads, quantum) if order == "fair" else {}
+    free = [
+        dev for name, (dev, _) in devices.items()
+        if busy[name] < QUEUE_DEPTH and (busy[name] == 0 or held.get(name, ours) >= ours)
+    ]  # fmt: skip
     if not free:
         return 0
     kind = devices[free[0].name][1]  # one device kind per plan; mixed fleets use the first

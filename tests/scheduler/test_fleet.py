@@ -148,6 +148,61 @@ def test_a_small_study_behind_a_big_one_gets_the_next_free_slot(
     assert {big: "big", small: "small"}[new[0].study_id] == served
 
 
+@pytest.mark.parametrize("order", ["fair", "id"])
+def test_a_device_busy_with_a_better_served_study_keeps_its_second_slot_for_it(
+    db: None, monkeypatch: pytest.MonkeyPatch, order: str
+) -> None:
+    """While a small study's pack is in a device's hands, the big study (a worse fair-share
+    band) does not queue a pack behind it: that pack would start the moment the small one's
+    ends, a tick before the small study's next rung is planned, and be asked to give the
+    device up again at every rung. Once the small study has nothing in hand, the big one
+    gets the device. In id order (no fair share) the big study's trials are queued at once."""
+    monkeypatch.setenv("PACKTUNE_DISPATCH_ORDER", order)
+    monkeypatch.setenv("PACKTUNE_FAIR_SHARE_QUANTUM", "0.000001")
+    get_settings.cache_clear()
+    big = new_study(
+        {**SPEC, "name": "big", "sampler": "random",
+         "hyperband": {"max_resource": 9, "min_resource": 1, "eta": 3}}
+    )  # fmt: skip
+    dispatcher = SyncDispatcher(run=False)
+    sched = scheduler(dispatcher)
+
+    def finish(pack: Pack) -> None:
+        assert run_pack(pack.id) == "completed"
+        dispatcher.states[pack.job_id or ""] = (JobState.finished, None)
+
+    def unfinished() -> list[Pack]:
+        return [p for p in all_packs() if p.status in (PackStatus.pending, PackStatus.queued)]
+
+    sched.tick()
+    (probe,) = all_packs()  # the first pack of a fusion key measures it; the rest waits
+    finish(probe)  # the big study has used device time: a worse band than a new study's
+    small = new_study(
+        {**SPEC, "name": "small", "sampler": "random",
+         "hyperband": {"max_resource": 3, "min_resource": 1, "eta": 3}}
+    )  # fmt: skip
+    sched.tick()
+    in_hand = unfinished()
+    if order == "id":
+        with session_scope(get_sessionmaker()) as s:  # its work is in the device's hands
+            assert TrialStatus.queued in {t.status for t in store.trials_of(s, big)}
+        return
+    assert [p.study_id for p in in_hand] == [small]  # the second slot waits for it
+    with session_scope(get_sessionmaker()) as s:
+        statuses = {t.status for t in store.trials_of(s, big)}
+    assert TrialStatus.pending in statuses  # ready, and held back
+    assert not statuses & {TrialStatus.queued, TrialStatus.running}
+    while (in_hand := unfinished()) and all(p.study_id == small for p in in_hand):
+        for pack in in_hand:
+            finish(pack)
+        sched.tick()
+    with session_scope(get_sessionmaker()) as s:
+        assert store.get_study(s, small).status == StudyStatus.completed
+    assert {p.study_id for p in in_hand} == {big}  # then the device is the big one's
+    sched = scheduler(SyncDispatcher())  # the rest, run as it comes
+    assert run_to_end(sched, big) == StudyStatus.completed
+
+
 @pytest.mark.parametrize(
     ("order", "epochs", "outcome"),
     [("fair", 1, "yielded"), ("fair", 0, "dropped"), ("id", 1, "completed")],
