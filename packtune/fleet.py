@@ -122,6 +122,18 @@ def covered_seconds(spans: Iterable[tuple[float, float]]) -> float:
     return total
 
 
+def seconds_to_leave_band(load: StudyLoad, quantum: float, rate: float) -> float:
+    """Seconds until ``load`` crosses into its next band while it gains ``rate``
+    device-seconds per second (its shares of the packs it trains in now); ``inf`` if it
+    trains in none. Equal bands never preempt each other, so this is the soonest moment a
+    waiting study of its present band may take its device: the scheduler looks again
+    then, instead of at its next regular tick (up to ``scheduler_interval`` later)."""
+    if rate <= 0:
+        return math.inf
+    gap = (band(load, quantum) + 1) * quantum - load.level
+    return max(0.0, gap * load.priority / rate)
+
+
 def packs_to_yield(
     running: Mapping[int, int], waiting: Iterable[int], free_devices: int
 ) -> list[int]:

@@ -9,6 +9,7 @@ the pure planners; writes the packs (status ``pending``) and marks their trials
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from packtune.fleet import (
     band,
     expected_remaining,
     packs_to_yield,
+    seconds_to_leave_band,
     study_order,
     unit_key,
 )
@@ -134,9 +136,11 @@ def plan_fleet(
     settings: Settings,
     now: datetime,
     asked: list[int] | None = None,
+    wake: list[float] | None = None,
 ) -> int:
     """Plan and record packs for the pending trials of ``studies``; returns the packs made
-    (and appends to ``asked`` the running packs asked to give their device up).
+    (and appends to ``asked`` the running packs asked to give their device up, and to
+    ``wake`` the seconds after which a waiting pack may preempt one: look again then).
 
     With ``settings.share_packs`` studies with the same pack size limit are planned
     together: their units share packs, and fuse into one array where their lanes agree
@@ -174,7 +178,7 @@ def plan_fleet(
         _plan_group(s, group, workers, settings, order, loads, quantum) for group in groups.values()
     )
     if order == "fair" and settings.preempt:
-        yielding = _yield_for(s, loads, quantum, workers, settings, now)
+        yielding = _yield_for(s, loads, quantum, workers, settings, now, wake)
         if asked is not None:
             asked.extend(yielding)
     return made
@@ -187,6 +191,7 @@ def _yield_for(
     workers: list[Worker],
     settings: Settings,
     now: datetime,
+    wake: list[float] | None = None,
 ) -> list[int]:
     """Ask running packs to give their device up (:func:`packtune.fleet.packs_to_yield`)
     where a pack of a study in a better fair-share band waits and no device is free: the
@@ -216,6 +221,8 @@ def _yield_for(
     }  # fmt: skip
     wanted = [b for p in waiting if (b := best_band(p)) is not None]
     asked_now = store.request_yield(s, packs_to_yield(candidates, wanted, free))
+    if not asked_now and wake is not None and len(wanted) > free:
+        wake += _when_preemptible(s, candidates, min(wanted), studies, loads, quantum)
     if asked_now:
         # A device freed by a yield takes the next job of its queue, first in first out
         # (RQ's queue, the embedded runner's): a pack of a worse band queued before the
@@ -230,6 +237,34 @@ def _yield_for(
             "better fair share waits", asked_now,
         )  # fmt: skip
     return asked_now
+
+
+def _when_preemptible(
+    s: Session,
+    candidates: dict[int, int],
+    wanted: int,
+    studies: dict[int, set[int]],
+    loads: dict[int, StudyLoad],
+    quantum: float,
+) -> list[float]:
+    """Seconds until the soonest running pack of band ``wanted`` (equal bands never preempt
+    each other) leaves it, as its studies' device time grows; [] if none is in it. A small
+    study behind a large one whose first packs began before it came waited here for the
+    scheduler's next regular tick (0.5 s) after the large study had crossed its band."""
+    equal = [pack_id for pack_id, b in candidates.items() if b == wanted]
+    if not equal:
+        return []
+    shares = store.study_shares(s, equal)
+    rate: dict[int, float] = {}
+    for by_study in shares.values():
+        for study_id, share in by_study.items():
+            rate[study_id] = rate.get(study_id, 0.0) + share
+    soonest = math.inf
+    for pack_id in equal:
+        mine = [i for i in studies[pack_id] if i in loads and band(loads[i], quantum) == wanted]
+        leaves = max(seconds_to_leave_band(loads[i], quantum, rate.get(i, 0.0)) for i in mine)
+        soonest = min(soonest, leaves)
+    return [soonest] if math.isfinite(soonest) else []
 
 
 def _withdraw_for(

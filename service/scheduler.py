@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from packtune.dispatcher import Dispatcher, JobState, check_job_id, job_id_for
 from packtune.errors import QueueUnavailable, StoreUnavailable, StudyCannotRun
 from packtune.settings import Settings, get_settings
-from packtune.tuning import MAX_FAULTS, PLAN_NEXT_TICK, SAMPLE_CHUNK
+from packtune.tuning import MAX_FAULTS, MIN_WAKE_S, PLAN_NEXT_TICK, SAMPLE_CHUNK
 from service import lifecycle, planning, store
 from service.db import DATABASE_ERRORS, get_sessionmaker, session_scope
 from service.models import (
@@ -70,6 +70,8 @@ class TickReport:
     queue_error: str | None = None  # the job queue could not be reached
     finished_studies: list[int] = field(default_factory=list)
     yields: list[int] = field(default_factory=list)  # running packs asked to give way
+    #: seconds after which a waiting pack may take a running one's device: tick then
+    wakes: list[float] = field(default_factory=list)
 
 
 def _now() -> datetime:
@@ -286,7 +288,13 @@ class Scheduler:
         try:
             with s.begin_nested():
                 report.planned += planning.plan_fleet(
-                    s, studies, workers, self.settings, now, asked=report.yields
+                    s,
+                    studies,
+                    workers,
+                    self.settings,
+                    now,
+                    asked=report.yields,
+                    wake=report.wakes,
                 )
         except DATABASE_ERRORS:
             raise
@@ -364,6 +372,8 @@ class Scheduler:
                 return
             busy = report.dispatched or report.planned or report.requeued or report.deferred
             wait = 0.0 if busy else max(0.0, interval - (time.monotonic() - started))
+            if report.wakes:  # a waiting pack's claim turns better then: look at once
+                wait = min(wait, max(MIN_WAKE_S, min(report.wakes) - (time.monotonic() - started)))
             self.wake.wait(wait)  # a finished pack (embedded runner, or RQ workers' notice)
 
     def _queue_outage(self, error: str | None) -> None:

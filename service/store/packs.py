@@ -199,6 +199,25 @@ def device_seconds(s: Session, study_ids: Iterable[int], now: datetime) -> dict[
     return used
 
 
+def study_shares(s: Session, pack_ids: Iterable[int]) -> dict[int, dict[int, float]]:
+    """Pack id -> study id -> the study's share of the pack's device time (the trial-resource
+    it trains there over the pack's; :func:`packtune.fleet.split_seconds`)."""
+    ids = list(pack_ids)
+    if not ids:
+        return {}
+    stmt = (
+        select(PackMember.pack_id, Trial.study_id,
+               func.sum(PackMember.to_resource - PackMember.from_resource))
+        .join(Trial, Trial.id == PackMember.trial_id)
+        .where(PackMember.pack_id.in_(ids))
+        .group_by(PackMember.pack_id, Trial.study_id)
+    )  # fmt: skip
+    work: dict[int, dict[int, float]] = {}
+    for pack_id, study_id, amount in s.execute(stmt):
+        work.setdefault(pack_id, {})[study_id] = float(amount or 0.0)
+    return {pack_id: split_seconds(1.0, by_study) for pack_id, by_study in work.items()}
+
+
 def unfinished_members(
     s: Session,
     pack: Pack,

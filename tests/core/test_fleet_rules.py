@@ -16,6 +16,7 @@ from packtune.fleet import (
     entitled_shares,
     expected_remaining,
     packs_to_yield,
+    seconds_to_leave_band,
     split_seconds,
     study_order,
     unit_key,
@@ -138,6 +139,30 @@ def test_preemption_only_ever_serves_a_strictly_better_band(
     unserved = left[len(out) :]
     if kept and unserved:
         assert max(kept) <= min(unserved)
+
+
+def test_a_study_leaves_its_band_when_its_level_reaches_the_next_quantum() -> None:
+    # level 0.88 (0.88 device-s at priority 1), quantum 1: 0.12 s at a whole device
+    assert seconds_to_leave_band(StudyLoad(1, 1.0, 0.88), 1.0, 1.0) == pytest.approx(0.12)
+    # half of a shared pack, priority 2 (level 0.44): twice the seconds for each
+    assert seconds_to_leave_band(StudyLoad(1, 2.0, 0.88), 1.0, 0.5) == pytest.approx(2.24)
+    # on two devices at once it gets there twice as fast
+    assert seconds_to_leave_band(StudyLoad(1, 1.0, 0.5), 1.0, 2.0) == pytest.approx(0.25)
+    assert seconds_to_leave_band(StudyLoad(1, 1.0, 0.5), 1.0, 0.0) == math.inf  # not training
+
+
+@given(
+    used=st.floats(0, 1e4), priority=st.floats(0.1, 10), rate=st.floats(0.01, 8),
+    quantum=st.floats(0.01, 100),
+)  # fmt: skip
+def test_after_that_many_seconds_the_study_is_in_a_worse_band(
+    used: float, priority: float, rate: float, quantum: float
+) -> None:
+    load = StudyLoad(1, priority, used)
+    wait = seconds_to_leave_band(load, quantum, rate)
+    assert wait >= 0
+    later = StudyLoad(1, priority, used + rate * wait * 1.000001 + 1e-9)
+    assert band(later, quantum) > band(load, quantum)
 
 
 def test_units_of_different_lanes_never_share_an_array() -> None:

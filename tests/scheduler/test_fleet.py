@@ -5,6 +5,7 @@ submitted behind a large one."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -298,3 +299,67 @@ def test_a_running_pack_gives_its_device_up_to_a_study_with_a_better_fair_share(
     where_big, values_big = final_values(big)
     assert where_big == where_alone
     assert values_big == pytest.approx(values_alone, rel=1e-5, abs=1e-6)
+
+
+def test_the_scheduler_looks_again_when_a_running_pack_leaves_the_waiting_ones_band(
+    db: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A small study's pack waits behind a big one's running pack of the same fair-share
+    band (equal bands never preempt). The scheduler's loop does not wait for its next
+    regular tick (30 s here) to look again: it wakes when the big study's device time
+    crosses into the next band (a 1 s quantum here), and asks the pack to give way then.
+    Before, the request waited for that tick (0.5 s by default: a small study behind a
+    large one on a CPU lost most of it at its first rung)."""
+    monkeypatch.setenv("PACKTUNE_SCHEDULER_INTERVAL", "30")
+    monkeypatch.setenv("PACKTUNE_FAIR_SHARE_QUANTUM", "1.0")
+    get_settings.cache_clear()
+    big_spec = {
+        **SPEC, "name": "big", "sampler": "random", "seed": 3,
+        "hyperband": {"max_resource": 9, "min_resource": 1, "eta": 3},
+        "packing": {"enabled": True, "max_pack_size": None, "align_rungs": False},
+    }  # fmt: skip
+    warm = new_study({**big_spec, "name": "warm", "hyperband": SPEC["hyperband"]})
+    assert run_to_end(scheduler(SyncDispatcher()), warm) == StudyStatus.completed  # probed
+    before = {p.id for p in all_packs()}
+    big = new_study(big_spec)
+    dispatcher = SyncDispatcher(run=False)
+    sched = scheduler(dispatcher)
+    sched.tick()
+    (first,) = [p for p in all_packs() if p.id not in before]
+    assert first.study_id == big
+
+    # the worker: the big study's array trains until asked to give way (20 s at most)
+    step, watches, watch_init = FusedArray.train_step, [], PackWatch.__init__
+
+    def watched(self: PackWatch, *args: Any) -> None:
+        watches.append(self)
+        watch_init(self, *args)
+
+    def gated(self: FusedArray, batch: Any) -> None:
+        if self.step == 3:
+            assert watches[0].give_up.wait(20)
+        step(self, batch)
+
+    monkeypatch.setattr(PackWatch, "__init__", watched)
+    monkeypatch.setattr(FusedArray, "train_step", gated)
+    result: list[str] = []
+    worker = threading.Thread(target=lambda: result.append(run_pack(first.id)))
+    worker.start()
+    while not watches:  # the pack is running
+        time.sleep(0.01)
+    new_study({**SPEC, "name": "small", "sampler": "random", "seed": 4})
+    stop = threading.Event()
+    loop = threading.Thread(target=sched.run, kwargs={"stop": stop})
+    started = time.monotonic()
+    loop.start()
+    try:
+        worker.join(20)
+        waited = time.monotonic() - started
+    finally:
+        stop.set()
+        sched.wake.set()
+        loop.join(30)
+    assert result == ["yielded"], result
+    assert waited < 10, f"asked after {waited:.1f} s: at the next regular tick, not at once"
+    (asked,) = [p for p in all_packs() if p.id == first.id]
+    assert asked.yield_requested_at is not None
