@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from packtune.settings import get_settings
 from service import queries, store
 from service.db import get_sessionmaker, session_scope
 from service.models import Pack, PackStatus, StudyStatus, TrialStatus
+from service.scheduler import Scheduler
 from tests.scheduler.test_scheduler import (
     SPEC,
     SyncDispatcher,
@@ -93,6 +95,27 @@ def test_a_study_beside_others_gives_what_it_gives_alone(db: None) -> None:
     assert all(r["shared_trials"] == 0 for r in rows if not r["shared_with"])
 
 
+def big_study(
+    monkeypatch: pytest.MonkeyPatch, order: str, packing: dict[str, Any] | None = None
+) -> tuple[int, SyncDispatcher, Scheduler, Callable[[Pack], None]]:
+    """A big study (R=9) under dispatch ``order`` with a tiny fair-share quantum, a scheduler
+    whose jobs wait to be run, and ``finish`` that runs one of them here."""
+    monkeypatch.setenv("PACKTUNE_DISPATCH_ORDER", order)
+    monkeypatch.setenv("PACKTUNE_FAIR_SHARE_QUANTUM", "0.000001")
+    get_settings.cache_clear()
+    big = new_study(
+        {**SPEC, "name": "big", "sampler": "random", "packing": packing or {},
+         "hyperband": {"max_resource": 9, "min_resource": 1, "eta": 3}}
+    )  # fmt: skip
+    dispatcher = SyncDispatcher(run=False)
+
+    def finish(pack: Pack) -> None:
+        assert run_pack(pack.id) == "completed"
+        dispatcher.states[pack.job_id or ""] = (JobState.finished, None)
+
+    return big, dispatcher, scheduler(dispatcher), finish
+
+
 @pytest.mark.parametrize(("order", "served"), [("fair", "small"), ("id", "big")])
 def test_a_small_study_behind_a_big_one_gets_the_next_free_slot(
     db: None, monkeypatch: pytest.MonkeyPatch, order: str, served: str
@@ -102,20 +125,7 @@ def test_a_small_study_behind_a_big_one_gets_the_next_free_slot(
     id order (packtune before fair share) it waits, and when a slot frees the big one, which
     still has ready trials, takes it again."""
     monkeypatch.setenv("PACKTUNE_SHARE_PACKS", "false")  # one study per pack: slots compete
-    monkeypatch.setenv("PACKTUNE_DISPATCH_ORDER", order)
-    monkeypatch.setenv("PACKTUNE_FAIR_SHARE_QUANTUM", "0.000001")
-    get_settings.cache_clear()
-    big = new_study(
-        {**SPEC, "name": "big", "sampler": "random", "packing": {"max_pack_size": 2},
-         "hyperband": {"max_resource": 9, "min_resource": 1, "eta": 3}}
-    )  # fmt: skip
-    dispatcher = SyncDispatcher(run=False)
-    sched = scheduler(dispatcher)
-
-    def finish(pack: Pack) -> None:
-        assert run_pack(pack.id) == "completed"
-        dispatcher.states[pack.job_id or ""] = (JobState.finished, None)
-
+    big, dispatcher, sched, finish = big_study(monkeypatch, order, {"max_pack_size": 2})
     sched.tick()
     (probe,) = all_packs()  # the first pack of a fusion key measures it; the rest waits
     finish(probe)
@@ -158,19 +168,7 @@ def test_a_device_busy_with_a_better_served_study_keeps_its_second_slot_for_it(
     ends, a tick before the small study's next rung is planned, and be asked to give the
     device up again at every rung. Once the small study has nothing in hand, the big one
     gets the device. In id order (no fair share) the big study's trials are queued at once."""
-    monkeypatch.setenv("PACKTUNE_DISPATCH_ORDER", order)
-    monkeypatch.setenv("PACKTUNE_FAIR_SHARE_QUANTUM", "0.000001")
-    get_settings.cache_clear()
-    big = new_study(
-        {**SPEC, "name": "big", "sampler": "random",
-         "hyperband": {"max_resource": 9, "min_resource": 1, "eta": 3}}
-    )  # fmt: skip
-    dispatcher = SyncDispatcher(run=False)
-    sched = scheduler(dispatcher)
-
-    def finish(pack: Pack) -> None:
-        assert run_pack(pack.id) == "completed"
-        dispatcher.states[pack.job_id or ""] = (JobState.finished, None)
+    big, _, sched, finish = big_study(monkeypatch, order)
 
     def unfinished() -> list[Pack]:
         return [p for p in all_packs() if p.status in (PackStatus.pending, PackStatus.queued)]
