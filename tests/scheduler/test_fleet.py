@@ -35,6 +35,27 @@ from worker.jobs import PackWatch, run_pack
 __all__ = ["db"]  # the fixture, used by name
 
 
+#: a big study whose trials train their whole span in one unit (9 epochs, no rung cuts)
+UNCUT: dict[str, Any] = {
+    **SPEC, "sampler": "random", "seed": 3,
+    "hyperband": {"max_resource": 9, "min_resource": 1, "eta": 3},
+    "packing": {"enabled": True, "max_pack_size": None, "align_rungs": False},
+}  # fmt: skip
+
+
+def record_watches(monkeypatch: pytest.MonkeyPatch) -> list[PackWatch]:
+    """The pack watches made from now on (a pack's watch reads requests to give way)."""
+    watches: list[PackWatch] = []
+    init = PackWatch.__init__
+
+    def watched(self: PackWatch, *args: Any) -> None:
+        watches.append(self)
+        init(self, *args)
+
+    monkeypatch.setattr(PackWatch, "__init__", watched)
+    return watches
+
+
 def all_packs() -> list[Pack]:
     with session_scope(get_sessionmaker()) as s:
         stmt = select(Pack).options(selectinload(Pack.members)).order_by(Pack.id)
@@ -221,11 +242,7 @@ def test_a_running_pack_gives_its_device_up_to_a_study_with_a_better_fair_share(
     monkeypatch.setenv("PACKTUNE_DISPATCH_ORDER", order)
     monkeypatch.setenv("PACKTUNE_FAIR_SHARE_QUANTUM", "0.000001")
     get_settings.cache_clear()
-    big_spec = {
-        **SPEC, "name": "alone", "sampler": "random", "seed": 3,
-        "hyperband": {"max_resource": 9, "min_resource": 1, "eta": 3},
-        "packing": {"enabled": True, "max_pack_size": None, "align_rungs": False},
-    }  # fmt: skip
+    big_spec = {**UNCUT, "name": "alone"}
     alone = new_study(big_spec)
     assert run_to_end(scheduler(SyncDispatcher()), alone) == StudyStatus.completed
     before = {p.id for p in all_packs()}
@@ -241,11 +258,7 @@ def test_a_running_pack_gives_its_device_up_to_a_study_with_a_better_fair_share(
     # blocks there until the test lets it go on, and then (fair share) until the pack's
     # watch has read the request
     reached, go_on = threading.Event(), threading.Event()
-    step, watches, watch_init = FusedArray.train_step, [], PackWatch.__init__
-
-    def watched(self: PackWatch, *args: Any) -> None:
-        watches.append(self)
-        watch_init(self, *args)
+    step, watches = FusedArray.train_step, record_watches(monkeypatch)
 
     def gated(self: FusedArray, batch: Any) -> None:
         if self.step == epochs * self.steps_per_epoch + 3 and not reached.is_set():
@@ -253,8 +266,6 @@ def test_a_running_pack_gives_its_device_up_to_a_study_with_a_better_fair_share(
             assert go_on.wait(60)
             assert order != "fair" or watches[0].give_up.wait(60)
         step(self, batch)
-
-    monkeypatch.setattr(PackWatch, "__init__", watched)
 
     monkeypatch.setattr(FusedArray, "train_step", gated)
     result: list[str] = []
@@ -311,11 +322,7 @@ def test_the_scheduler_looks_again_when_a_running_pack_leaves_the_waiting_ones_b
     monkeypatch.setenv("PACKTUNE_SCHEDULER_INTERVAL", "30")
     monkeypatch.setenv("PACKTUNE_FAIR_SHARE_QUANTUM", "1.0")
     get_settings.cache_clear()
-    big_spec = {
-        **SPEC, "name": "big", "sampler": "random", "seed": 3,
-        "hyperband": {"max_resource": 9, "min_resource": 1, "eta": 3},
-        "packing": {"enabled": True, "max_pack_size": None, "align_rungs": False},
-    }  # fmt: skip
+    big_spec = {**UNCUT, "name": "big"}
     warm = new_study({**big_spec, "name": "warm", "hyperband": SPEC["hyperband"]})
     assert run_to_end(scheduler(SyncDispatcher()), warm) == StudyStatus.completed  # probed
     before = {p.id for p in all_packs()}
@@ -327,18 +334,13 @@ def test_the_scheduler_looks_again_when_a_running_pack_leaves_the_waiting_ones_b
     assert first.study_id == big
 
     # the worker: the big study's array trains until asked to give way (20 s at most)
-    step, watches, watch_init = FusedArray.train_step, [], PackWatch.__init__
-
-    def watched(self: PackWatch, *args: Any) -> None:
-        watches.append(self)
-        watch_init(self, *args)
+    step, watches = FusedArray.train_step, record_watches(monkeypatch)
 
     def gated(self: FusedArray, batch: Any) -> None:
         if self.step == 3:
             assert watches[0].give_up.wait(20)
         step(self, batch)
 
-    monkeypatch.setattr(PackWatch, "__init__", watched)
     monkeypatch.setattr(FusedArray, "train_step", gated)
     result: list[str] = []
     worker = threading.Thread(target=lambda: result.append(run_pack(first.id)))
