@@ -174,9 +174,9 @@ def plan_fleet(
     for p in planned:
         key = ("cap", _cap(p.spec), p.band) if settings.share_packs else ("study", p.study.id)
         groups.setdefault(key, []).append(p)
-    made = sum(
-        _plan_group(s, group, workers, settings, order, loads, quantum) for group in groups.values()
-    )
+    made = 0
+    for group in groups.values():
+        made += _plan_group(s, group, workers, settings, order, loads, quantum, now)
     if order == "fair" and settings.preempt:
         yielding = _yield_for(s, loads, quantum, workers, settings, now, wake)
         if asked is not None:
@@ -358,7 +358,9 @@ def _units(s: Session, p: _Planned, order: Order) -> list[Unit]:
     return units
 
 
-def _held_devices(s: Session, loads: dict[int, StudyLoad], quantum: float) -> dict[str, int]:
+def _held_devices(
+    s: Session, loads: dict[int, StudyLoad], quantum: float, now: datetime
+) -> dict[str, int]:
     """Device -> the best fair-share band among the studies of its unfinished packs.
 
     A device with a pack of a better-served study in hand keeps its second slot
@@ -368,9 +370,13 @@ def _held_devices(s: Session, loads: dict[int, StudyLoad], quantum: float) -> di
     device up again (:func:`_yield_for`): a yield per rung of the small study, each a
     pack's start and stop of the large one (0.1-0.8 s on a 2-core CPU, bench g). Held
     back, the device waits for that tick instead (tens of ms), and the worse band's pack
-    is planned there once the better study has nothing ready.
+    is planned there once the better study has nothing ready. A pack waiting out a
+    retry's backoff (``retry_after``) holds nothing: the device would idle through it.
     """
-    unfinished = [p for p in store.packs_with_status(s, UNFINISHED) if p.device is not None]
+    unfinished = [
+        p for p in store.packs_with_status(s, UNFINISHED)
+        if p.device is not None and (p.retry_after is None or p.retry_after <= now)
+    ]  # fmt: skip
     if not unfinished:
         return {}
     studies = store.studies_of_packs(s, [p.id for p in unfinished])
@@ -390,6 +396,7 @@ def _plan_group(
     order: Order,
     loads: dict[int, StudyLoad],
     quantum: float,
+    now: datetime,
 ) -> int:
     """Plan the pending units of one group of studies (one pack size limit); the packs made.
     With fair order, a device held for a better band than the group's best
@@ -405,7 +412,7 @@ def _plan_group(
     devices = devices_of(workers, settings)
     busy = store.packs_per_device(s, UNFINISHED)
     ours = min(p.band for p in group)
-    held = _held_devices(s, loads, quantum) if order == "fair" else {}
+    held = _held_devices(s, loads, quantum, now) if order == "fair" else {}
     free = [
         dev for name, (dev, _) in devices.items()
         if busy[name] < QUEUE_DEPTH and (busy[name] == 0 or held.get(name, ours) >= ours)

@@ -223,6 +223,31 @@ def test_a_device_busy_with_a_better_served_study_keeps_its_second_slot_for_it(
     assert run_to_end(sched, big) == StudyStatus.completed
 
 
+def test_a_pack_waiting_out_a_retry_holds_no_slot(
+    db: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The small study's pack failed and waits out its backoff (up to a minute): it does not
+    keep the big study off the device's other slot, which would idle through the wait."""
+    big, _, sched, finish = big_study(monkeypatch, "fair")
+    sched.tick()
+    (probe,) = all_packs()
+    finish(probe)
+    small = new_study(
+        {**SPEC, "name": "small", "sampler": "random",
+         "hyperband": {"max_resource": 3, "min_resource": 1, "eta": 3}}
+    )  # fmt: skip
+    sched.tick()
+    (waiting,) = [p for p in all_packs() if p.status == PackStatus.queued]
+    assert waiting.study_id == small
+    with session_scope(get_sessionmaker()) as s:
+        pack = store.get_pack(s, waiting.id)
+        assert store.retry_pack(s, pack, error="worker lost", fault=True, backoff=60)
+        assert pack.retry_after is not None
+    sched.tick()
+    with session_scope(get_sessionmaker()) as s:
+        assert TrialStatus.queued in {t.status for t in store.trials_of(s, big)}
+
+
 @pytest.mark.parametrize(
     ("order", "epochs", "outcome"),
     [("fair", 1, "yielded"), ("fair", 0, "dropped"), ("id", 1, "completed")],
