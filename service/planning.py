@@ -412,7 +412,9 @@ def _plan_group(
     devices = devices_of(workers, settings)
     busy = store.packs_per_device(s, UNFINISHED)
     ours = min(p.band for p in group)
-    held = _held_devices(s, loads, quantum, now) if order == "fair" else {}
+    # only a device with a pack in hand and a slot left can be held: read the holds then
+    partly = any(0 < busy[name] < QUEUE_DEPTH for name in devices)
+    held = _held_devices(s, loads, quantum, now) if order == "fair" and partly else {}
     free = [
         dev for name, (dev, _) in devices.items()
         if busy[name] < QUEUE_DEPTH and (busy[name] == 0 or held.get(name, ours) >= ours)
