@@ -167,7 +167,8 @@ def _settle_heap() -> None:
     """Collect once, then freeze what survives (imports, datasets) out of the collector's way.
 
     The probe collects garbage before each array size; frozen objects are skipped by
-    later collections, which then take milliseconds instead of most of a CPU probe.
+    later collections, which then take milliseconds instead of most of a CPU probe. (The
+    embedded runner freezes its heap at its warm-up, so this collection is quick there.)
     """
     gc.collect()
     gc.freeze()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -51,6 +52,9 @@ def test_start_spawns_and_warms_the_runner_before_any_pack(clean_env: pytest.Mon
         ours = os.getpriority(os.PRIO_PROCESS, 0)
         assert [os.getpriority(os.PRIO_PROCESS, k) for k in kids] == [min(19, ours + 10)]
         assert dispatcher.busy() == 0  # the warm-up is not a pack
+        # torch's objects frozen out of the collector's way: the first pack's memory probe
+        # collects in milliseconds, not the ~0.12 s a full collection of them takes
+        assert dispatcher._executor().submit(gc.get_freeze_count).result(timeout=60) > 100_000
     finally:
         dispatcher.close()
     assert all(gone(k) for k in kids)
