@@ -3,12 +3,19 @@
 Pure functions of plain values; the scheduler (``service.planning``) reads the inputs
 from the database. Three rules, applied in this order:
 
-1. **Weighted fair share.** Each running study has a ``priority`` and has used some
-   device-seconds (its share of every pack that trained its trials). Its *level* is
-   ``used / priority``; studies are served lowest level first, as in weighted fair
-   queuing, so that device time goes to studies in proportion to their priority and a
-   small study submitted behind a large one is not kept waiting for it. Levels within
-   one ``quantum`` of each other (``floor(level / quantum)``, a *band*) count as equal.
+1. **Weighted fair share, owners first.** Each running study has a ``priority`` and has
+   used some device-seconds (its share of every pack that trained its trials). Its
+   *level* is ``used / priority``; studies are served lowest level first, as in weighted
+   fair queuing, so that device time goes to studies in proportion to their priority and
+   a small study submitted behind a large one is not kept waiting for it. Studies with
+   the same ``owner`` label share one claim first (hierarchical fair share, as a
+   cluster's fair-share tree): the owner's level is the device-seconds of its running
+   studies over its weight, the largest priority among them, so that a user who splits
+   one search into ten studies is served as one user, not as ten; within an owner, its
+   studies' own levels decide. A study without an owner is an owner of its own (its two
+   levels are equal: plain weighted fair queuing). Levels within one ``quantum`` of each
+   other (``floor(level / quantum)``) count as equal: a study's *band* is its owner's
+   band, then its own.
 2. **Longest remaining work first** (Hydra's Sharded-LRTF, applied to units of work):
    within a band, the unit whose trial has the most expected work left to the end of its
    study goes first, so that long chains (a bracket's survivors, the few trials that train
@@ -30,35 +37,74 @@ while a trial of the bracket that starts at R has all 27 ahead of it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from packtune.hyperband import Rung
 
 Order = Literal["fair", "id"]
+#: a study's fair-share band: its owner's, then its own (lower is served first)
+Band = tuple[int, int]
 
 
 @dataclass(frozen=True)
 class StudyLoad:
     """A running study's claim on the fleet: its ``priority`` and the device-seconds its
-    trials have trained so far (``used_seconds``)."""
+    trials have trained so far (``used_seconds``); with an ``owner``, that owner's
+    device-seconds and weight over its running studies (:func:`with_owners` fills them)."""
 
     study_id: int
     priority: float
     used_seconds: float
+    owner: str | None = None
+    owner_seconds: float | None = None
+    owner_weight: float | None = None
 
     @property
     def level(self) -> float:
         return self.used_seconds / self.priority
 
+    @property
+    def filled(self) -> bool:
+        """Whether the owner's claim is filled in (:func:`with_owners`)."""
+        return self.owner_seconds is not None and bool(self.owner_weight)
 
-def band(load: StudyLoad, quantum: float) -> int:
-    """The fair-share band of ``load``: lower bands are served first."""
+    @property
+    def owner_level(self) -> float:
+        """The owner's level (the study's own where it has no owner, or none is filled)."""
+        if not self.filled:
+            return self.level
+        assert self.owner_seconds is not None and self.owner_weight is not None
+        return self.owner_seconds / self.owner_weight
+
+
+def with_owners(loads: Iterable[StudyLoad]) -> list[StudyLoad]:
+    """``loads`` with each owner's claim filled in: the device-seconds of its studies among
+    ``loads`` and its weight, the largest priority among them (a study without an owner
+    keeps its own claim: owner level = level)."""
+    loads = list(loads)
+    seconds: dict[str, float] = {}
+    weight: dict[str, float] = {}
+    for load in loads:
+        if load.owner is not None:
+            seconds[load.owner] = seconds.get(load.owner, 0.0) + load.used_seconds
+            weight[load.owner] = max(weight.get(load.owner, 0.0), load.priority)
+    return [
+        load if load.owner is None else dataclasses.replace(
+            load, owner_seconds=seconds[load.owner], owner_weight=weight[load.owner])
+        for load in loads
+    ]  # fmt: skip
+
+
+def band(load: StudyLoad, quantum: float) -> Band:
+    """The fair-share band of ``load``: its owner's, then its own; lower bands are served
+    first."""
     if quantum <= 0:
         raise ValueError(f"quantum must be > 0, got {quantum}")
-    return math.floor(load.level / quantum)
+    return math.floor(load.owner_level / quantum), math.floor(load.level / quantum)
 
 
 def study_order(loads: Iterable[StudyLoad], quantum: float, order: Order = "fair") -> list[int]:
@@ -86,8 +132,8 @@ def expected_remaining(rungs: Sequence[Rung], rung: int, done: float) -> float:
 
 
 def unit_key(
-    order: Order, study_band: int, study_id: int, remaining: float, trial_id: int
-) -> tuple[float, ...]:
+    order: Order, study_band: Band, study_id: int, remaining: float, trial_id: int
+) -> tuple[Any, ...]:
     """Sort key of a ready unit: fair band, then longest expected remaining work, then
     trial id (``fair``); study id then trial id (``id``)."""
     if order == "id":
@@ -96,10 +142,26 @@ def unit_key(
 
 
 def entitled_shares(loads: Iterable[StudyLoad]) -> dict[int, float]:
-    """Each study's fair share of device time: its priority over the sum of priorities."""
-    loads = list(loads)
-    total = sum(load.priority for load in loads)
-    return {load.study_id: load.priority / total for load in loads} if total > 0 else {}
+    """Each study's fair share of device time: its owner's weight over the sum of the
+    owners' weights (an owner's weight: the largest priority among its studies; a study
+    without an owner is an owner of its own), times its priority over the sum of its
+    owner's studies' priorities."""
+    groups: dict[tuple[str, str | int], list[StudyLoad]] = {}
+    for load in loads:
+        key: tuple[str, str | int] = (
+            ("owner", load.owner) if load.owner is not None else ("study", load.study_id)
+        )
+        groups.setdefault(key, []).append(load)
+    weights = {key: max(load.priority for load in group) for key, group in groups.items()}
+    total = sum(weights.values())
+    if total <= 0:
+        return {}
+    out = {}
+    for key, group in groups.items():
+        inside = sum(load.priority for load in group)
+        for load in group:
+            out[load.study_id] = weights[key] / total * load.priority / inside
+    return out
 
 
 def split_seconds(seconds: float, work: Mapping[int, float]) -> dict[int, float]:
@@ -122,20 +184,29 @@ def covered_seconds(spans: Iterable[tuple[float, float]]) -> float:
     return total
 
 
-def seconds_to_leave_band(load: StudyLoad, quantum: float, rate: float) -> float:
-    """Seconds until ``load`` crosses into its next band while it gains ``rate``
-    device-seconds per second (its shares of the packs it trains in now); ``inf`` if it
-    trains in none. Equal bands never preempt each other, so this is the soonest moment a
-    waiting study of its present band may take its device: the scheduler looks again
-    then, instead of at its next regular tick (up to ``scheduler_interval`` later)."""
-    if rate <= 0:
-        return math.inf
-    gap = (band(load, quantum) + 1) * quantum - load.level
-    return max(0.0, gap * load.priority / rate)
+def seconds_to_leave_band(
+    load: StudyLoad, quantum: float, rate: float, owner_rate: float | None = None
+) -> float:
+    """Seconds until ``load`` crosses into a worse band while it gains ``rate``
+    device-seconds per second (its shares of the packs it trains in now) and its owner
+    ``owner_rate`` (all of its owner's studies'; default ``rate``): the sooner of its own
+    level and its owner's crossing a band boundary; ``inf`` if neither trains. Equal bands
+    never preempt each other, so this is the soonest moment a waiting study of its
+    present band may take its device: the scheduler looks again then, instead of at its
+    next regular tick (up to ``scheduler_interval`` later)."""
+    owner_band, own_band = band(load, quantum)
+    owner_rate = rate if owner_rate is None else owner_rate
+    times = [math.inf]
+    if rate > 0:
+        times.append(((own_band + 1) * quantum - load.level) * load.priority / rate)
+    if owner_rate > 0:
+        weight = load.owner_weight if load.filled and load.owner_weight else load.priority
+        times.append(((owner_band + 1) * quantum - load.owner_level) * weight / owner_rate)
+    return max(0.0, min(times))
 
 
 def packs_to_yield(
-    running: Mapping[int, int], waiting: Iterable[int], free_devices: int
+    running: Mapping[int, Band], waiting: Iterable[Band], free_devices: int
 ) -> list[int]:
     """Which running packs give their device up at their next training step.
 
@@ -147,7 +218,7 @@ def packs_to_yield(
     preempt each other, so two studies served alike do not take turns pack by pack.
     """
     left = sorted(waiting)[max(0, free_devices) :]
-    victims = sorted(running.items(), key=lambda item: (-item[1], -item[0]))
+    victims = sorted(running.items(), key=lambda item: (item[1], item[0]), reverse=True)
     out: list[int] = []
     for want in left:
         if not victims or victims[0][1] <= want:

@@ -14,9 +14,10 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from packtune.fleet import (
+    Band,
     Order,
     StudyLoad,
     band,
@@ -25,6 +26,7 @@ from packtune.fleet import (
     seconds_to_leave_band,
     study_order,
     unit_key,
+    with_owners,
 )
 from packtune.packing import (
     Device,
@@ -46,7 +48,7 @@ from packtune.tuning import (
     QUEUE_DEPTH,
 )
 from service import store
-from service.models import Pack, PackStatus, Profile, Study, TrialStatus, Worker
+from service.models import Pack, PackStatus, Profile, Study, StudyStatus, TrialStatus, Worker
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -102,19 +104,28 @@ def _probe_first(
 class _Planned:
     study: Study
     spec: StoredSpec
-    band: int
+    band: Band
 
 
 def study_loads(
     s: Session, studies: Sequence[Study], settings: Settings, now: datetime
 ) -> dict[int, StudyLoad]:
-    """Each study's claim on the fleet (its priority, the device-seconds it has used)."""
-    ids = [study.id for study in studies]
+    """Each study's claim on the fleet: its priority, the device-seconds it has used, and
+    its owner's (over every running study of that owner, ``studies`` or not)."""
+    specs = {study.id: StoredSpec.of(study.spec) for study in studies}
+    owners = {spec.owner for spec in specs.values() if spec.owner is not None}
+    peers = {}  # the owners' other running studies: their device time is the owners' too
+    if owners:
+        for other in store.studies_with_status(s, (StudyStatus.running,)):
+            if other.id not in specs and (spec := StoredSpec.of(other.spec)).owner in owners:
+                peers[other.id] = spec
+    every = {**specs, **peers}
+    ids = list(every)
     used = store.device_seconds(s, ids, now) if len(ids) > 1 else dict.fromkeys(ids, 0.0)
-    return {
-        study.id: StudyLoad(study.id, StoredSpec.of(study.spec).priority, used[study.id])
-        for study in studies
-    }
+    loads = with_owners(
+        StudyLoad(i, spec.priority, used[i], owner=spec.owner) for i, spec in every.items()
+    )
+    return {load.study_id: load for load in loads if load.study_id in specs}
 
 
 def fair_share_quantum(s: Session, settings: Settings) -> float:
@@ -157,7 +168,7 @@ def plan_fleet(
         _Planned(
             study,
             StoredSpec.of(study.spec),
-            band(loads[study.id], quantum) if study.id in loads else 0,
+            band(loads[study.id], quantum) if study.id in loads else (0, 0),
         )
         for study in studies
     ]
@@ -208,7 +219,7 @@ def _yield_for(
         return []
     studies = store.studies_of_packs(s, [p.id for p in (*running, *waiting)])
 
-    def best_band(pack: Pack) -> int | None:
+    def best_band(pack: Pack) -> Band | None:
         return _best_band(studies[pack.id], loads, quantum)
 
     asked = sum(p.yield_requested_at is not None for p in running)
@@ -241,8 +252,8 @@ def _yield_for(
 
 def _when_preemptible(
     s: Session,
-    candidates: dict[int, int],
-    wanted: int,
+    candidates: dict[int, Band],
+    wanted: Band,
     studies: dict[int, set[int]],
     loads: dict[int, StudyLoad],
     quantum: float,
@@ -259,11 +270,20 @@ def _when_preemptible(
     for by_study in shares.values():
         for study_id, share in by_study.items():
             rate[study_id] = rate.get(study_id, 0.0) + share
+    owner_rate: dict[str, float] = {}  # an owner's claim grows with all its studies' packs
+    for study_id, r in rate.items():
+        if study_id in loads and (owner := loads[study_id].owner) is not None:
+            owner_rate[owner] = owner_rate.get(owner, 0.0) + r
+
+    def leaves(load: StudyLoad) -> float:
+        mine = rate.get(load.study_id, 0.0)
+        theirs = owner_rate.get(load.owner, mine) if load.owner is not None else mine
+        return seconds_to_leave_band(load, quantum, mine, theirs)
+
     soonest = math.inf
     for pack_id in equal:
         mine = [i for i in studies[pack_id] if i in loads and band(loads[i], quantum) == wanted]
-        leaves = max(seconds_to_leave_band(loads[i], quantum, rate.get(i, 0.0)) for i in mine)
-        soonest = min(soonest, leaves)
+        soonest = min(soonest, max(leaves(loads[i]) for i in mine))
     return [soonest] if math.isfinite(soonest) else []
 
 
@@ -302,7 +322,7 @@ def _withdraw_for(
             _withdraw(s, pack)
 
 
-def _best_band(study_ids: set[int], loads: dict[int, StudyLoad], quantum: float) -> int | None:
+def _best_band(study_ids: set[int], loads: dict[int, StudyLoad], quantum: float) -> Band | None:
     """The best fair-share band of a pack's studies (None: none of them is planned now)."""
     bands = [band(loads[i], quantum) for i in study_ids if i in loads]
     return min(bands) if bands else None
@@ -360,7 +380,7 @@ def _units(s: Session, p: _Planned, order: Order) -> list[Unit]:
 
 def _held_devices(
     s: Session, loads: dict[int, StudyLoad], quantum: float, now: datetime
-) -> dict[str, int]:
+) -> dict[str, Band]:
     """Device -> the best fair-share band among the studies of its unfinished packs.
 
     A device with a pack of a better-served study in hand keeps its second slot
@@ -380,7 +400,7 @@ def _held_devices(
     if not unfinished:
         return {}
     studies = store.studies_of_packs(s, [p.id for p in unfinished])
-    out: dict[str, int] = {}
+    out: dict[str, Band] = {}
     for pack in unfinished:
         b = _best_band(studies[pack.id], loads, quantum)
         if b is not None:
@@ -496,8 +516,9 @@ def dispatch_order(
     loads = study_loads(s, list(studies.values()), settings, now)
     quantum = fair_share_quantum(s, settings)
 
-    def key(pack: Pack) -> tuple[float, ...]:
-        bands, left = [], [0.0]
+    def key(pack: Pack) -> tuple[Any, ...]:
+        bands: list[Band] = []
+        left = [0.0]
         for m in pack.members:
             t = trials.get(m.trial_id)
             if t is None:
@@ -506,6 +527,6 @@ def dispatch_order(
             rungs = brackets[len(brackets) - 1 - t.bracket]
             bands.append(band(loads[t.study_id], quantum))
             left.append(expected_remaining(rungs, t.rung, m.from_resource))
-        return (min(bands, default=0), -max(left), pack.id)
+        return (min(bands, default=(0, 0)), -max(left), pack.id)
 
     return sorted(packs, key=key)

@@ -9,11 +9,13 @@ already being computed instead of all querying the database (single flight).
 
 What may be stale, and for how long: at most ``ttl`` seconds behind what the
 scheduler and workers write. A write through this API (any method other than
-GET, HEAD or OPTIONS) drops what it may change: for a write under
-``/api/studies/{id}``, that study's answers and the list of studies; for
-``POST /api/studies``, the list; for any other path, everything (other
-studies' answers stay: a client creating studies does not make every
-dashboard's next reads miss). A response computed while a write was in
+GET, HEAD or OPTIONS) drops what it may change: for ``POST /api/studies``,
+the list of studies (other studies' answers stay: a client creating studies
+does not make every dashboard's next reads miss; a new study is not running
+yet, so no other study's fair share changes); for any other write,
+everything: a write under ``/api/studies/{id}`` (its priority or owner
+changed, cancelled, deleted, retried) changes the fair share of device time
+that every running study's answer carries. A response computed while a write was in
 progress is not kept, so a client reads its own writes. ``ttl`` 0 turns the
 cache off (``PACKTUNE_READ_CACHE_SECONDS``).
 """
@@ -96,16 +98,11 @@ class ReadCache:
 
     def _forget(self, path: str) -> None:
         """Drop the answers a write to ``path`` may change (see the module docstring)."""
-        if not path.startswith(self.prefix):
+        if path.rstrip("/") != self.prefix:
             self.entries.clear()
             return
-        study = path[len(self.prefix) :].strip("/").split("/", 1)[0]
-        one = f"{self.prefix}/{study}"
         for key in list(self.entries):
-            path_of_key = key.split("?", 1)[0]
-            if path_of_key.rstrip("/") == self.prefix or (
-                study and (path_of_key == one or path_of_key.startswith(one + "/"))
-            ):
+            if key.split("?", 1)[0].rstrip("/") == self.prefix:
                 del self.entries[key]
 
     async def _compute(self, key: str, scope: Scope, receive: Receive, send: Send) -> None:

@@ -131,8 +131,9 @@ def _fleet(s: Session, studies: list[Study]) -> dict[int, Row]:
     used = store.device_seconds(s, ids, now)
     spans = store.busy_intervals(s, ids, now)
     running = store.studies_with_status(s, (StudyStatus.running,))
+    running_specs = {st.id: StoredSpec.of(st.spec) for st in running}
     shares = entitled_shares(
-        StudyLoad(st.id, StoredSpec.of(st.spec).priority, 0.0) for st in running
+        StudyLoad(i, spec.priority, 0.0, owner=spec.owner) for i, spec in running_specs.items()
     )
     out: dict[int, Row] = {}
     for study in studies:

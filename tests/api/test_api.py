@@ -135,6 +135,28 @@ def test_a_running_study_changes_priority_and_owner(any_client: TestClient) -> N
     assert conflict.status_code == 409 and "cancelled" in conflict.json()["detail"]
 
 
+def test_the_share_of_a_study_is_its_owners_split_between_its_studies(
+    client: TestClient,
+) -> None:
+    """Two running studies of team-a and one of team-b: each team is entitled to half the
+    device, team-a's half split between its two studies by their priorities (3 and 1); a
+    study that changes owner moves its claim with it."""
+    a1 = client.post("/api/studies", json=spec(priority=3, owner="team-a")).json()["id"]
+    a2 = client.post("/api/studies", json=spec(priority=1, owner="team-a")).json()["id"]
+    b = client.post("/api/studies", json=spec(priority=3, owner="team-b")).json()["id"]
+    with session_scope(client.app.state.sessionmaker) as s:  # type: ignore[attr-defined]
+        for study_id in (a1, a2, b):
+            store.move_study(s, store.get_study(s, study_id), StudyStatus.running)
+
+    def shares() -> list[float]:
+        return [client.get(f"/api/studies/{i}").json()["fleet"]["share"] for i in (a1, a2, b)]
+
+    assert shares() == pytest.approx([0.375, 0.125, 0.5])
+    assert client.patch(f"/api/studies/{a2}", json={"owner": "team-b"}).status_code == 200
+    # team-a: a1 alone (weight 3); team-b: b and a2 (weight 3, split 3 to 1)
+    assert shares() == pytest.approx([0.5, 0.125, 0.375])
+
+
 @pytest.mark.parametrize(
     "path",
     ["", "/trials", "/brackets", "/packs", "/curves", "/leaderboard", "/profiles"],

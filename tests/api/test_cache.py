@@ -149,8 +149,10 @@ def test_the_api_reads_its_own_writes_and_caches_other_writers(client: TestClien
 
 
 def test_a_write_drops_only_what_it_may_change() -> None:
-    """A write under /api/studies/{id} drops that study's answers and the list of studies;
-    other studies' answers stay; a write elsewhere drops everything."""
+    """Creating a study drops the list of studies, other studies' answers stay; a write under
+    /api/studies/{id} drops every study's answers (each carries its fair share of the
+    device, which that study's priority, owner or status changes); so does a write
+    elsewhere."""
     app = FastAPI()
     calls: dict[str, int] = {}
 
@@ -175,12 +177,12 @@ def test_a_write_drops_only_what_it_may_change() -> None:
 
     async def scenario() -> None:
         assert await counts() == [1, 1, 1, 1]
-        await get(cache, "/api/studies/1/cancel", method="POST")
-        assert await counts() == [2, 2, 2, 1]  # study 12 is not study 1
         await get(cache, "/api/studies", method="POST")
-        assert await counts() == [3, 2, 2, 1]
+        assert await counts() == [2, 1, 1, 1]  # a new study: only the list
+        await get(cache, "/api/studies/1/cancel", method="POST")
+        assert await counts() == [3, 2, 2, 2]  # study 12's share changed too
         await get(cache, "/elsewhere", method="POST")
-        assert await counts() == [4, 3, 3, 2]
+        assert await counts() == [4, 3, 3, 3]
 
     asyncio.run(scenario())
 

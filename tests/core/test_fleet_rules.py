@@ -20,6 +20,7 @@ from packtune.fleet import (
     split_seconds,
     study_order,
     unit_key,
+    with_owners,
 )
 from packtune.hyperband import plan_brackets
 from packtune.packing import Device, MemoryModel, Unit, plan_packs
@@ -225,3 +226,109 @@ def test_served_in_fair_order_device_time_follows_priority(
     total = sum(used)
     for i, share in entitled_shares(StudyLoad(i, p, 0.0) for i, p in enumerate(priorities)).items():
         assert abs(used[i] - share * total) <= max(pack_seconds) * len(priorities) + 1e-9
+
+
+# -- owners: a fair-share claim per owner first, then per study ------------------------------
+
+
+def test_an_owner_who_splits_a_search_into_studies_is_served_as_one_user() -> None:
+    """Alice's three studies have used 10 s each, Bob's one 15 s: each of hers is less
+    served than his, but she (30 s) more than he. With owners his goes first; without
+    labels, hers do (plain weighted fair queuing between studies)."""
+    alice = [StudyLoad(i, 1.0, 10.0, owner="alice") for i in (1, 2, 3)]
+    bob = StudyLoad(4, 1.0, 15.0, owner="bob")
+    loads = with_owners([*alice, bob])
+    assert [load.owner_seconds for load in loads] == [30.0, 30.0, 30.0, 15.0]
+    assert study_order(loads, quantum=1.0) == [4, 1, 2, 3]
+    assert band(loads[0], 1.0) == (30, 10) and band(loads[3], 1.0) == (15, 15)
+    unlabelled = [StudyLoad(i, 1.0, 10.0) for i in (1, 2, 3)] + [StudyLoad(4, 1.0, 15.0)]
+    assert with_owners(unlabelled) == unlabelled  # nothing to fill
+    assert study_order(unlabelled, quantum=1.0) == [1, 2, 3, 4]
+    # her shares: one user's half, split between her studies by priority
+    shares = entitled_shares([*alice, bob])
+    assert shares == pytest.approx({1: 1 / 6, 2: 1 / 6, 3: 1 / 6, 4: 1 / 2})
+    # an owner's weight is its largest priority: a priority-3 study of hers weighs 3 to 1
+    heavy = [StudyLoad(1, 3.0, 0.0, owner="alice"), StudyLoad(2, 1.0, 0.0, owner="alice"), bob]
+    assert entitled_shares(heavy) == pytest.approx({1: 0.75 * 0.75, 2: 0.75 * 0.25, 4: 0.25})
+
+
+@given(st.lists(st.tuples(st.floats(0, 1e4), st.floats(0.1, 10)), min_size=1, max_size=6))
+def test_without_owners_the_bands_are_the_studies_own(rows: list[tuple[float, float]]) -> None:
+    """No labels: each study is an owner of its own, and the order is plain weighted fair
+    queuing by ``floor(used / priority / quantum)`` (what packtune did before owners)."""
+    loads = with_owners(StudyLoad(i, p, u) for i, (u, p) in enumerate(rows))
+    for load in loads:
+        own = math.floor(load.level / 2.0)
+        assert band(load, 2.0) == (own, own)
+    expected = sorted(
+        range(len(rows)), key=lambda i: (math.floor(rows[i][0] / rows[i][1] / 2.0), i)
+    )
+    assert study_order(loads, quantum=2.0) == expected
+
+
+@given(
+    st.lists(st.tuples(st.sampled_from([None, "a", "b"]), st.sampled_from([1.0, 2.0, 3.0])),
+             min_size=2, max_size=5),
+    st.lists(st.floats(0.5, 2.0), min_size=5, max_size=5),
+)  # fmt: skip
+def test_served_in_fair_order_device_time_follows_owners_then_priority(
+    rows: list[tuple[str | None, float]], pack_seconds: list[float]
+) -> None:
+    """One device, studies with and without owners that always have work, one pack at a
+    time to the first study of ``study_order``: over a long run each study's device time is
+    its entitled share (its owner's weight, then its priority within the owner)."""
+    used = [0.0] * len(rows)
+    for _ in range(600):
+        loads = with_owners(
+            StudyLoad(i, p, used[i], owner=owner) for i, (owner, p) in enumerate(rows)
+        )
+        first = study_order(loads, quantum=1e-9)[0]
+        used[first] += pack_seconds[first]
+    total = sum(used)
+    shares = entitled_shares(StudyLoad(i, p, 0.0, owner=o) for i, (o, p) in enumerate(rows))
+    assert sum(shares.values()) == pytest.approx(1.0)
+    for i, share in shares.items():
+        assert abs(used[i] - share * total) <= 2 * max(pack_seconds) * len(rows) + 1e-9
+
+
+def test_an_owner_leaves_its_band_as_all_its_studies_train() -> None:
+    """Alice's level 0.9 (1.8 s over weight 2), her study's own 0.2: at one device-second
+    per second for the study and two for her (another of her studies trains too), her band
+    changes first, after 0.1 s; the study's own after 0.8 s."""
+    (load,) = [
+        x for x in with_owners([StudyLoad(1, 1.0, 0.2, owner="alice"),
+                                StudyLoad(2, 2.0, 1.6, owner="alice")])
+        if x.study_id == 1
+    ]  # fmt: skip
+    assert load.owner_level == pytest.approx(0.9)
+    assert seconds_to_leave_band(load, 1.0, 1.0, owner_rate=2.0) == pytest.approx(0.1)
+    assert seconds_to_leave_band(load, 1.0, 1.0, owner_rate=0.0) == pytest.approx(0.8)
+    assert seconds_to_leave_band(load, 1.0, 0.0, owner_rate=0.0) == math.inf
+
+
+def test_a_running_pack_of_a_worse_served_owner_gives_way_first() -> None:
+    """Bands compare owner first: a pack whose owner is behind yields even though its own
+    study's band is better than another running pack's."""
+    running = {1: (3, 0), 2: (1, 5)}
+    assert packs_to_yield(running, [(0, 9)], free_devices=0) == [1]
+    assert packs_to_yield(running, [(1, 5)], free_devices=0) == [1]  # (1, 5) < (3, 0)
+    assert packs_to_yield(running, [(3, 0)], free_devices=0) == []  # equal: no turns
+
+
+@given(
+    used=st.floats(0, 1e4), other=st.floats(0, 1e4), priority=st.floats(0.1, 10),
+    rate=st.floats(0.01, 8), extra=st.floats(0, 8), quantum=st.floats(0.01, 100),
+)  # fmt: skip
+def test_after_that_many_seconds_a_study_with_an_owner_is_in_a_worse_band(
+    used: float, other: float, priority: float, rate: float, extra: float, quantum: float
+) -> None:
+    """Its owner's other study gains ``extra`` device-seconds per second beside it."""
+
+    def loads(a: float, b: float) -> StudyLoad:
+        return with_owners([StudyLoad(1, priority, a, owner="o"), StudyLoad(2, 1.0, b, "o")])[0]
+
+    load = loads(used, other)
+    wait = seconds_to_leave_band(load, quantum, rate, owner_rate=rate + extra)
+    assert wait >= 0
+    step = wait * 1.000001 + 1e-9
+    assert band(loads(used + rate * step, other + extra * step), quantum) > band(load, quantum)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -15,9 +16,9 @@ from sqlalchemy.orm import selectinload
 
 from packtune.dispatcher import JobState
 from packtune.settings import get_settings
-from service import queries, store
+from service import lifecycle, planning, queries, store
 from service.db import get_sessionmaker, session_scope
-from service.models import Pack, PackStatus, StudyStatus, TrialStatus
+from service.models import Pack, PackStatus, StudyStatus, TrialStatus, utcnow
 from service.scheduler import Scheduler
 from tests.scheduler.test_scheduler import (
     SPEC,
@@ -388,3 +389,46 @@ def test_the_scheduler_looks_again_when_a_running_pack_leaves_the_waiting_ones_b
     assert waited < 10, f"asked after {waited:.1f} s: at the next regular tick, not at once"
     (asked,) = [p for p in all_packs() if p.id == first.id]
     assert asked.yield_requested_at is not None
+
+
+@pytest.mark.parametrize("labelled", [True, False])
+def test_an_owner_with_several_studies_is_served_as_one(
+    db: None, monkeypatch: pytest.MonkeyPatch, labelled: bool
+) -> None:
+    """Alice's two studies have had 1.0 device-second each, Bob's one 1.5 (packs that ran,
+    in the database). Labelled with their owners, Bob's ready pack is dispatched first (she
+    has had 2.0 s to his 1.5) and her claim counts both of her studies even where only one
+    is being planned; unlabelled, hers go first (each of her studies is less served)."""
+    monkeypatch.setenv("PACKTUNE_FAIR_SHARE_QUANTUM", "0.25")
+    get_settings.cache_clear()
+    owners = {"a1": "alice", "a2": "alice", "b": "bob"}
+    ids = {
+        name: new_study({**SPEC, "name": name, "sampler": "random",
+                         **({"owner": owner} if labelled else {})})
+        for name, owner in owners.items()
+    }  # fmt: skip
+    now = utcnow()
+    ready = {}
+    with session_scope(get_sessionmaker()) as s:
+        for name, study_id in ids.items():
+            study = store.get_study(s, study_id)
+            lifecycle.sample_due(s, study)
+            first, second = store.trial_briefs(s, study_id, status=TrialStatus.pending)[:2]
+            ran = store.create_pack(s, study_id=study_id, members=[(first.id, "k", 0.0, 1.0)])
+            seconds = 1.5 if name == "b" else 1.0
+            ran.status, ran.started_at = PackStatus.completed, now - timedelta(seconds=10)
+            ran.finished_at = ran.started_at + timedelta(seconds=seconds)
+            ready[name] = store.create_pack(
+                s, study_id=study_id, members=[(second.id, "k", 0.0, 1.0)]
+            ).id
+    settings = get_settings()
+    with session_scope(get_sessionmaker()) as s:
+        pending = [s.get(Pack, pack_id) for pack_id in ready.values()]
+        order = planning.dispatch_order(s, pending, settings, now)
+        first_study = {v: k for k, v in ids.items()}[order[0].study_id]
+        assert (first_study == "b") is labelled
+        loads = planning.study_loads(s, [store.get_study(s, ids["a1"])], settings, now)
+    if labelled:
+        assert loads[ids["a1"]].owner_seconds == pytest.approx(2.0)  # a2's second counts
+    else:
+        assert loads[ids["a1"]].owner_seconds is None
