@@ -229,6 +229,17 @@ def segment_unit_rows() -> Iterator[Row]:
                   value, "stated", None, path, data)  # fmt: skip
 
 
+def owner_rows() -> Iterator[Row]:
+    """One user's study beside another user's three on one runner: its time over its time
+    alone, with owner labels (half the device) and without (a quarter)."""
+    for _, (path, data) in sorted(newest("owners_*.json").items()):
+        s = data["result"]["summary"]
+        owners, plain = s["owners"]["bob_over_alone"], s["unlabelled"]["bob_over_alone"]
+        yield Row("k. one user's study beside another's three, x its time alone, serve",
+                  f"{owners:.2f}x with owners (unlabelled: {plain:.2f}x)", "<= 2x",
+                  owners <= 2.0, path, data)  # fmt: skip
+
+
 def load_rows() -> Iterator[Row]:
     """Read endpoints' p99 latency under 100 clients, per database."""
     for path in sorted(RESULTS.rglob("load_*.json")):
@@ -267,6 +278,7 @@ def render() -> str:
         *spill_rows(),
         *decoupled_rows(),
         *segment_unit_rows(),
+        *owner_rows(),
         *load_rows(),
     ]
     lines = [

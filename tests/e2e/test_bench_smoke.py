@@ -63,6 +63,19 @@ def test_segment_units_quick(tmp_path: Path, postgres_url: str, redis_url: str) 
     assert result["same_best"] and set(result["wall"]) == {"trial", "segment"}
 
 
+def test_owners_quick(tmp_path: Path) -> None:
+    """Bob alone, then four studies labelled with owners and four unlabelled, on one serve."""
+    from bench import owners
+
+    owners.main(["--quick", "--out-dir", str(tmp_path), "--no-append"])
+    summary = json.loads((tmp_path / "owners_cpu.json").read_text())["result"]["summary"]
+    assert summary["alone"] > 0
+    for variant in ("owners", "unlabelled"):
+        assert (
+            summary[variant]["bob"] > 0 and summary[variant]["makespan"] >= summary[variant]["bob"]
+        )
+
+
 def test_scheduler_scale_quick(tmp_path: Path) -> None:
     from bench import scheduler_scale
 
