@@ -307,6 +307,7 @@ def run_once(
         wait_all(f.url, warm_ids, args.timeout)
         ids: list[int] = []
         posted: list[float] = []
+        cpu_before = recording.cpu_seconds()
         start = time.perf_counter()
         if variant == "sequential":
             for spec in fleet_specs:
@@ -323,6 +324,7 @@ def run_once(
                 ids.append(f.submit(spec))
             wait_all(f.url, ids, args.timeout)
         bench_seconds = time.perf_counter() - start
+        machine_busy = recording.busy_between(cpu_before, recording.cpu_seconds())
         run = read_run(f.url, ids, f.workers)
     for row, t in zip(run["studies"], posted, strict=True):
         row["posted"] = t
@@ -336,7 +338,11 @@ def run_once(
         run["makespan"] = sum(r["completion"] for r in run["studies"])
     return {"mode": mode, "variant": variant, "pattern": pattern, "settings": settings,
             "workers": f.workers, "bench_seconds": bench_seconds, "load": recording.load_average(),
-            **run}  # fmt: skip
+            "machine_busy": machine_busy, **run}  # fmt: skip
+
+
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.0f}%"
 
 
 def label(run: dict[str, Any]) -> str:
@@ -409,8 +415,9 @@ def summarise(
             rows.append([
                 mode, label(run), _s(run["makespan"]), _s(run["mean_completion"]),
                 f"{_s(small_c)} ({_x(_ratio(small_c, alone.get(small)))})",
-                f"{100 * run['busy_fraction']:.0f}%", run["packs"], run["shared_packs"],
-                run["cross_study_stacks"], _s(run["bench_seconds"]),
+                f"{100 * run['busy_fraction']:.0f}%", _percent(run.get("machine_busy")),
+                run["packs"], run["shared_packs"], run["cross_study_stacks"],
+                _s(run["bench_seconds"]),
             ])  # fmt: skip
         for pattern in PATTERNS:
             new, today = _find(items, "new", pattern), _find(items, "today", pattern)
@@ -466,7 +473,7 @@ def summarise(
                       "time alone):", "",
                       *recording.table(header, body)]  # fmt: skip
     header = ["mode", "run", "makespan (s)", "mean completion (s)", f"{small} (s, x alone)",
-              "busy", "packs", "packs > 1 study", "fused stacks > 1 study",
+              "busy", "machine CPU", "packs", "packs > 1 study", "fused stacks > 1 study",
               "bench (s)"]  # fmt: skip
     body = [
         *recording.table(header, rows),
@@ -478,7 +485,11 @@ def summarise(
         "the sum of the studies' times alone, gaps between them left out); completion: a "
         "study's `created_at` to `finished_at`; busy: Σ over the studies' packs of "
         "`finished_at - started_at` (within the makespan) / (workers x makespan; sequential: "
-        "x the first creation to the last end); packs > 1 "
+        "x the first creation to the last end); machine CPU: the machine's CPU time busy "
+        "(every process: workers, scheduler, database, the bench) over all its cores' time "
+        "from the first submission to the bench seeing the last study end (/proc/stat): near "
+        "100%, a run is bound by the CPU, and only less work (fusion) can shorten it; "
+        "packs > 1 "
         "study: packs whose members are trials of more than one study; fused stacks > 1 "
         "study: fused arrays (bmm or vmap) holding trials of more than one study; bench: the "
         "bench's clock from the first submission to seeing the last study end. today: "

@@ -38,6 +38,28 @@ def load_average() -> str:
     return f"{one:.2f} {five:.2f} {fifteen:.2f}"
 
 
+def cpu_seconds() -> tuple[float, float] | None:
+    """The machine's CPU time so far, all cores: (total, busy) seconds from ``/proc/stat``
+    (None where there is none): two readings give how busy the machine was between them."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except (OSError, IndexError):
+        return None
+    ticks = [int(v) for v in fields]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+    hz = os.sysconf("SC_CLK_TCK")
+    return sum(ticks) / hz, (sum(ticks) - idle) / hz
+
+
+def busy_between(
+    before: tuple[float, float] | None, after: tuple[float, float] | None
+) -> float | None:
+    """The share of the machine's CPU time that was busy between two :func:`cpu_seconds`."""
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    return (after[1] - before[1]) / (after[0] - before[0])
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -132,6 +132,7 @@ def test_multi_study_quick_serve(tmp_path: Path) -> None:
         assert [s["name"] for s in run["studies"]] == wanted
         assert all(s["status"] == "completed" and s["best"] is not None for s in run["studies"])
         assert 0 < run["busy_fraction"] <= 1.0 + 1e-6 and run["makespan"] > 0
+        assert 0 < run["machine_busy"] <= 1.0  # studies trained: the machine was busy
         if run["settings"]["share_packs"] == "false":
             assert run["shared_packs"] == 0  # one study per pack
     assert set(data["summary"]["serve"]["alone"]) == set(names)
