@@ -270,7 +270,10 @@ def _when_preemptible(
     for by_study in shares.values():
         for study_id, share in by_study.items():
             rate[study_id] = rate.get(study_id, 0.0) + share
-    owner_rate: dict[str, float] = {}  # an owner's claim grows with all its studies' packs
+    # an owner's claim grows with all its studies' packs; those of this band's packs are
+    # known here (a pack of another band left out only makes the wake later: at worst the
+    # next regular tick, as without the wake)
+    owner_rate: dict[str, float] = {}
     for study_id, r in rate.items():
         if study_id in loads and (owner := loads[study_id].owner) is not None:
             owner_rate[owner] = owner_rate.get(owner, 0.0) + r
