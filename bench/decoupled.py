@@ -167,17 +167,9 @@ def main(argv: list[str] | None = None) -> None:
         f"loop; packtune worker: a fused array of one, {torch.get_num_threads()} torch "
         "thread(s).",
     ]
-    print("\n".join(body))
-    if args.quick and args.out_dir is None:
-        return
-    recording.save_json(
-        "decoupled_cpu",
-        {"machine": info, "date": recording.now(), "command": recording.command_line(),
-         "config": CONFIG, "epochs": args.epochs, "runs": runs, "summary": summary},
-        args.out_dir,
-    )  # fmt: skip
-    if not args.no_append:
-        recording.append_section("i. decoupled training", info, body, load)
+    recording.publish("decoupled_cpu", "i. decoupled training", body, info, load,
+                      {"config": CONFIG, "epochs": args.epochs, "runs": runs,
+                       "summary": summary}, args)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -124,9 +124,7 @@ def report(result: dict[str, Any]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="tiny studies; writes nothing")
-    parser.add_argument("--out-dir", type=Path, default=None, help="JSON here")
-    parser.add_argument("--no-append", action="store_true", help="leave HISTORY.md alone")
+    recording.output_options(parser, "tiny studies, one repeat")
     args = parser.parse_args(argv)
     spec = load_spec(SPEC)
     if args.quick:
@@ -137,17 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     body = [f"Studies: `{SPEC.relative_to(ROOT)}` (R={spec['hyperband']['max_resource']}), "
             "three of Alice's and one of Bob's submitted at once to `packtune serve` (SQLite, "
             "one runner).", "", *report(result)]  # fmt: skip
-    print("\n".join(body))
-    if args.quick and args.out_dir is None:
-        return
-    recording.save_json(
-        "owners_cpu",
-        {"machine": info, "date": recording.now(), "command": recording.command_line(),
-         "result": result},
-        args.out_dir,
-    )  # fmt: skip
-    if not args.no_append:
-        recording.append_section("k. owners on one fleet", info, body, load)
+    recording.publish("owners_cpu", "k. owners on one fleet", body, info, load,
+                      {"result": result}, args)  # fmt: skip
 
 
 if __name__ == "__main__":

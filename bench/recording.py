@@ -167,6 +167,30 @@ def save_json(name: str, data: Any, out_dir: Path | None = None) -> Path:
     return path
 
 
+def output_options(parser: Any, quick: str) -> None:
+    """The options every benchmark takes: ``--quick`` (``quick`` says what it runs; it
+    writes nothing unless given ``--out-dir``), ``--out-dir`` and ``--no-append``."""
+    parser.add_argument("--quick", action="store_true", help=f"{quick}; writes nothing")
+    parser.add_argument("--out-dir", type=Path, default=None, help="JSON here")
+    parser.add_argument("--no-append", action="store_true", help="leave HISTORY.md alone")
+
+
+def publish(
+    name: str, section: str, body: list[str], info: dict[str, Any], load: str,
+    data: dict[str, Any], args: Any,
+) -> None:  # fmt: skip
+    """Print a benchmark's ``body``; then, unless it is a ``--quick`` run without
+    ``--out-dir``, save ``data`` with the machine, date and command as ``<name>.json``, and
+    unless ``--no-append``, append ``body`` to HISTORY.md as ``section``."""
+    print("\n".join(body))
+    if args.quick and args.out_dir is None:
+        return
+    save_json(name, {"machine": info, "date": now(), "command": command_line(), **data},
+              args.out_dir)  # fmt: skip
+    if not args.no_append:
+        append_section(section, info, body, load)
+
+
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
     """A Markdown table."""
 

@@ -84,9 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="a tiny study; writes nothing")
-    parser.add_argument("--out-dir", type=Path, default=None, help="JSON here")
-    parser.add_argument("--no-append", action="store_true", help="leave HISTORY.md alone")
+    recording.output_options(parser, "a tiny study, one run each")
     args = parser.parse_args(argv)
     spec = load_spec(SPEC)
     if args.quick:
@@ -96,17 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     result = measure(spec, args.workers, args.repeats)
     body = [f"Study: `{SPEC.relative_to(ROOT)}`, on rq:{args.workers} (PostgreSQL, Redis, "
             f"{args.workers} CPU workers).", "", *report(result)]  # fmt: skip
-    print("\n".join(body))
-    if args.quick and args.out_dir is None:
-        return
-    recording.save_json(
-        "segment_units_cpu",
-        {"machine": info, "date": recording.now(), "command": recording.command_line(),
-         "result": result},
-        args.out_dir,
-    )  # fmt: skip
-    if not args.no_append:
-        recording.append_section("j. segment units", info, body, load)
+    recording.publish("segment_units_cpu", "j. segment units", body, info, load,
+                      {"result": result}, args)  # fmt: skip
 
 
 if __name__ == "__main__":

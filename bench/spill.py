@@ -216,18 +216,9 @@ def main(argv: list[str] | None = None) -> None:
     info = recording.machine(args.device)
     result = measure(config, args.device, args.repeats, args.steps, args.budget, args.alternate)
     body = report(result)
-    print("\n".join(body))
-    if args.quick and args.out_dir is None:
-        return
     kind = "cpu" if info["device"] == "cpu" else info["device"].replace(" ", "-")
-    recording.save_json(
-        f"spill_{kind}",
-        {"machine": info, "date": recording.now(), "command": recording.command_line(),
-         "result": result},
-        args.out_dir,
-    )  # fmt: skip
-    if not args.no_append:
-        recording.append_section("h. spilled training", info, body, load)
+    recording.publish(f"spill_{kind}", "h. spilled training", body, info, load,
+                      {"result": result}, args)  # fmt: skip
 
 
 if __name__ == "__main__":
