@@ -11,8 +11,8 @@ study: Bob's study alone, then the four labelled, then the four unlabelled (the 
 the last two alternating per repeat; a finished study has no claim, so one variant does
 not weigh on the next).
 
-Reported: each study's completion (its creation to its end), Bob's over his time alone,
-and the makespan of the four.
+Reported: each study's completion (from the first of the four's creation to its end),
+Bob's over his time alone, and the makespan of the four.
 
     python -m bench.owners                 # 3 repeats; HISTORY.md, results/owners_cpu.json
     python -m bench.owners --quick         # tiny studies, one repeat; writes nothing
@@ -22,16 +22,12 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import sqlalchemy as sa
-from sqlalchemy.orm import Session
-
 from bench import recording
 from bench._study import ROOT, load_spec
-from bench.multi_study import NEW, serve_fleet, wait_all
+from bench.multi_study import NEW, read_run, serve_fleet, wait_all
 
 SPEC = ROOT / "examples" / "digits-mlp.yaml"
 STUDIES = (("alice-1", "alice"), ("alice-2", "alice"), ("alice-3", "alice"), ("bob", "bob"))
@@ -39,24 +35,9 @@ VARIANTS = ("owners", "unlabelled")
 
 
 def _times(url: str, ids: dict[str, int]) -> dict[str, float]:
-    """Each study's completion, in seconds from the first of ``ids`` to be created."""
-    from service.db import make_engine
-    from service.models import Study
-
-    engine = make_engine(url)
-    try:
-        with Session(engine) as s:
-            rows = s.execute(
-                sa.select(Study.id, Study.created_at, Study.finished_at).where(
-                    Study.id.in_(list(ids.values()))
-                )
-            ).all()
-    finally:
-        engine.dispose()
-    created: dict[int, datetime] = {r[0]: r[1] for r in rows}
-    finished: dict[int, datetime] = {r[0]: r[2] for r in rows}
-    start = min(created.values())
-    return {name: (finished[i] - start).total_seconds() for name, i in ids.items()}
+    """Each study's end, in seconds from the first of ``ids`` to be created."""
+    rows = read_run(url, list(ids.values()), workers=1)["studies"]
+    return {name: row["finished"] for name, row in zip(ids, rows, strict=True)}
 
 
 def one_repeat(spec: dict[str, Any], order: tuple[str, ...], workdir: Path) -> dict[str, Any]:

@@ -68,17 +68,17 @@ class StudyLoad:
         return self.used_seconds / self.priority
 
     @property
-    def filled(self) -> bool:
-        """Whether the owner's claim is filled in (:func:`with_owners`)."""
-        return self.owner_seconds is not None and bool(self.owner_weight)
+    def claim(self) -> tuple[float, float]:
+        """The owner's (device-seconds, weight): the study's own (used, priority) where it
+        has no owner, or none is filled in."""
+        if self.owner_seconds is None or not self.owner_weight:
+            return self.used_seconds, self.priority
+        return self.owner_seconds, self.owner_weight
 
     @property
     def owner_level(self) -> float:
-        """The owner's level (the study's own where it has no owner, or none is filled)."""
-        if not self.filled:
-            return self.level
-        assert self.owner_seconds is not None and self.owner_weight is not None
-        return self.owner_seconds / self.owner_weight
+        seconds, weight = self.claim
+        return seconds / weight
 
 
 def with_owners(loads: Iterable[StudyLoad]) -> list[StudyLoad]:
@@ -146,22 +146,22 @@ def entitled_shares(loads: Iterable[StudyLoad]) -> dict[int, float]:
     owners' weights (an owner's weight: the largest priority among its studies; a study
     without an owner is an owner of its own), times its priority over the sum of its
     owner's studies' priorities."""
-    groups: dict[tuple[str, str | int], list[StudyLoad]] = {}
+    loads = with_owners(loads)
+
+    def owner_of(load: StudyLoad) -> tuple[str, str | int]:
+        return ("owner", load.owner) if load.owner is not None else ("study", load.study_id)
+
+    weights = {owner_of(load): load.claim[1] for load in loads}
+    inside: dict[tuple[str, str | int], float] = {}
     for load in loads:
-        key: tuple[str, str | int] = (
-            ("owner", load.owner) if load.owner is not None else ("study", load.study_id)
-        )
-        groups.setdefault(key, []).append(load)
-    weights = {key: max(load.priority for load in group) for key, group in groups.items()}
+        inside[owner_of(load)] = inside.get(owner_of(load), 0.0) + load.priority
     total = sum(weights.values())
     if total <= 0:
         return {}
-    out = {}
-    for key, group in groups.items():
-        inside = sum(load.priority for load in group)
-        for load in group:
-            out[load.study_id] = weights[key] / total * load.priority / inside
-    return out
+    return {
+        load.study_id: weights[owner_of(load)] / total * load.priority / inside[owner_of(load)]
+        for load in loads
+    }
 
 
 def split_seconds(seconds: float, work: Mapping[int, float]) -> dict[int, float]:
@@ -200,7 +200,7 @@ def seconds_to_leave_band(
     if rate > 0:
         times.append(((own_band + 1) * quantum - load.level) * load.priority / rate)
     if owner_rate > 0:
-        weight = load.owner_weight if load.filled and load.owner_weight else load.priority
+        weight = load.claim[1]
         times.append(((owner_band + 1) * quantum - load.owner_level) * weight / owner_rate)
     return max(0.0, min(times))
 
