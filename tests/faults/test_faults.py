@@ -609,7 +609,12 @@ def test_a_worker_restarted_under_its_name_requeues_its_pack_at_once(
     """Issue: a worker killed and started again under the same name (a container restart
     policy, ``--gpu N``) kept its name heartbeating, so its dead pack stayed "running" until
     the job timeout (an hour). The new process re-queues it at start; the study ends as
-    the undisturbed one."""
+    the undisturbed one.
+
+    The heartbeat timeout is longer here than the worker's restart (its imports: 3-5 s on a
+    slow 2-core machine), so that only the restart can have re-queued the pack: with the
+    fault tests' 3 s, the scheduler's timeout sometimes came first on such a machine."""
+    cluster.env["PACKTUNE_HEARTBEAT_TIMEOUT"] = str(STUDY_TIMEOUT // 2)
     start_all(cluster, workers=1)
     engine = make_engine(database)
     try:
