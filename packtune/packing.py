@@ -8,7 +8,7 @@ plain values only:
 1. Group units by ``(fusion_key, lane, from_resource, to_resource)``, in that
    sorted order, by ``rank`` then trial id within a group. A unit's ``lane`` holds
    what else its trial must share with the others of an array (the scheduler puts
-   the data seed and horizon of the trial's study there, so that trials of
+   the data seed and training of the trial's study there, so that trials of
    different studies fuse only where that is exact); ``rank`` is the caller's
    priority (lower first; by default all equal).
 2. Cut each group into arrays no larger than the best array size measured for

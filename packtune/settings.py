@@ -103,7 +103,7 @@ class Settings(BaseSettings):
         description=(
             "Plan the ready trials of every running study together: studies share packs, and "
             "trials of different studies fuse into one array where that is exact (same "
-            "workload, structural values, data seed and horizon); false: one study per pack."
+            "workload, structural values, data seed and training); false: one study per pack."
         ),
     )
     dispatch_order: Literal["fair", "id"] = Field(

@@ -155,7 +155,7 @@ def plan_fleet(
 
     With ``settings.share_packs`` studies with the same pack size limit are planned
     together: their units share packs, and fuse into one array where their lanes agree
-    (same data seed and horizon, besides the fusion key). Units are ranked by
+    (same data seed and training, besides the fusion key). Units are ranked by
     :func:`packtune.fleet.unit_key` (fair share, then longest remaining work), so that
     what a device cannot take this time is the work of the best-served studies.
     """
@@ -350,9 +350,9 @@ def _withdraw(s: Session, pack: Pack) -> None:
 
 def _units(s: Session, p: _Planned, order: Order) -> list[Unit]:
     spec, study = p.spec, p.study
-    # what trials of different studies must share to fuse: batches (the seed), schedules
-    # (the horizon) and how they train (decoupled segments)
-    lane = f"{study.seed}|{float(spec.hyperband.max_resource)!r}|{spec.training.lane}"
+    # what trials of different studies must share to fuse: batches (the seed) and how they
+    # train (decoupled segments); not the horizon, since each member has its own schedule
+    lane = f"{study.seed}|{spec.training.lane}"
     brackets = spec.brackets
     s_max = len(brackets) - 1
     k = spec.training.segment_units

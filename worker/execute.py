@@ -75,21 +75,23 @@ class MemberJob:
     resource_done: float
     checkpoint_path: str | None
     rung_resource: float  # where the trial's current rung is decided (>= the unit's end)
-    study_id: int  # an array may hold trials of several studies (one data seed, one horizon)
+    study_id: int  # an array may hold trials of several studies (one data seed)
     study_seed: int
     metric: str  # its study's objective metric
+    #: its study's ``max_resource``: the horizon of its learning-rate schedule, given to the
+    #: workload as ``config["max_epochs"]``; members of one array may have different ones
+    horizon: float
 
 
 @dataclass(frozen=True)
 class ArrayJob:
     """Trials that train as one model: one workload, fusion key and resource span, and one
-    ``data_seed`` and ``max_resource`` (what their studies must agree on to share batches
-    and schedules); each member keeps its own study, seed and objective."""
+    ``data_seed`` (what their studies must agree on to share batches); each member keeps
+    its own study, seed, objective and horizon (its schedule's: schedules are per member)."""
 
     pack_id: int
     data_seed: int  # the studies' seed: the order of the batches every member sees
     workload: str
-    max_resource: float  # the studies', the horizon of a trial's learning-rate schedule
     fusion_key: str
     from_resource: float
     to_resource: float
@@ -108,7 +110,7 @@ class ArrayJob:
             **m.config,
             "seed": trial_seed(m.study_seed, m.sample_index),
             "data_seed": self.data_seed,
-            "max_epochs": self.max_resource,
+            "max_epochs": m.horizon,
         }
 
 

@@ -108,19 +108,17 @@ def _claim(s: Session, pack_id: int, worker: str, device: torch.device) -> list[
     specs = {i: StoredSpec.of(study.spec) for i, study in live.items()}
     store.move_trials(s, sorted({m.trial_id for m in members}), TrialStatus.running)
     trials = {t.id: t for t in store.trials_by_id(s, [m.trial_id for m in members])}
-    groups: dict[tuple[str, float, float, int, float, str, int], list[MemberJob]] = defaultdict(
-        list
-    )
+    groups: dict[tuple[str, float, float, int, str, int], list[MemberJob]] = defaultdict(list)
     training: dict[str, TrainingSettings] = {}
     for m in members:
         trial = trials[m.trial_id]
         if trial.status != TrialStatus.running:
             continue
         study, spec = live[trial.study_id], specs[trial.study_id]
-        horizon = float(spec.hyperband.max_resource)
         training[spec.training.lane] = spec.training
-        key = (m.fusion_key, m.from_resource, m.to_resource, study.seed, horizon,
-               spec.training.lane, m.segment)  # fmt: skip
+        # studies of other horizons share an array: a schedule is its member's own
+        key = (m.fusion_key, m.from_resource, m.to_resource, study.seed, spec.training.lane,
+               m.segment)  # fmt: skip
         groups[key].append(
             MemberJob(
                 trial_id=trial.id,
@@ -132,6 +130,7 @@ def _claim(s: Session, pack_id: int, worker: str, device: torch.device) -> list[
                 study_id=study.id,
                 study_seed=study.seed,
                 metric=spec.objective.metric,
+                horizon=float(spec.hyperband.max_resource),
             )
         )
     return [
@@ -139,7 +138,6 @@ def _claim(s: Session, pack_id: int, worker: str, device: torch.device) -> list[
             pack_id=pack_id,
             data_seed=seed,
             workload=live[group[0].study_id].workload,
-            max_resource=horizon,
             fusion_key=key,
             from_resource=start,
             to_resource=end,
@@ -147,7 +145,7 @@ def _claim(s: Session, pack_id: int, worker: str, device: torch.device) -> list[
             training=training[lane],
             segment=segment,
         )
-        for (key, start, end, seed, horizon, lane, segment), group in sorted(groups.items())
+        for (key, start, end, seed, lane, segment), group in sorted(groups.items())
     ]
 
 

@@ -69,14 +69,23 @@ def trial_ids(study_id: int) -> set[int]:
 
 
 def test_a_study_beside_others_gives_what_it_gives_alone(db: None) -> None:
-    """A study run alone, and the same study (same spec and seed) run beside two others, give
-    the same trial results, although the second time its trials share packs with both and
-    fused arrays with the one of the same data seed (and never with the other's)."""
-    twin_spec = {**SPEC, "name": "alone", "seed": 5, "sampler": "random"}
+    """A study run alone, and the same study (same spec and seed) run beside others, give the
+    same trial results, although the second time its trials share packs with them and fused
+    arrays with those of the same data seed (and never with the other seed's), a study of
+    another horizon among them: each member's cosine schedule runs to its own study's."""
+    cosine = {"type": "choice", "values": ["cosine"]}  # its horizon: the study's R
+    twin_spec = {**SPEC, "name": "alone", "seed": 5, "sampler": "random",
+                 "space": {**SPEC["space"], "schedule": cosine}}  # fmt: skip
     alone = new_study(twin_spec)
     assert run_to_end(scheduler(SyncDispatcher()), alone) == StudyStatus.completed
     first_packs = {p.id for p in all_packs()}
 
+    # same seed, R=9 against 3: its trials' schedules reach their floor three times later
+    # (made first: its trials lead the arrays it shares with the twin's)
+    other_horizon = new_study(
+        {**twin_spec, "name": "other-horizon",
+         "hyperband": {**twin_spec["hyperband"], "max_resource": 9}}
+    )  # fmt: skip
     twin = new_study({**twin_spec, "name": "twin"})
     same_seed = new_study(
         {**twin_spec, "name": "same-seed",
@@ -87,7 +96,7 @@ def test_a_study_beside_others_gives_what_it_gives_alone(db: None) -> None:
     decoupled = new_study({**twin_spec, "name": "decoupled",
                            "training": {"mode": "decoupled", "segments": 2}})  # fmt: skip
     sched = scheduler(SyncDispatcher())
-    for study_id in (twin, same_seed, other_seed, decoupled):
+    for study_id in (other_horizon, twin, same_seed, other_seed, decoupled):
         assert run_to_end(sched, study_id) == StudyStatus.completed
 
     where_alone, values_alone = final_values(alone)
@@ -95,7 +104,7 @@ def test_a_study_beside_others_gives_what_it_gives_alone(db: None) -> None:
     assert where_twin == where_alone
     assert values_twin == pytest.approx(values_alone, rel=1e-5, abs=1e-6)
 
-    studies = {i: trial_ids(i) for i in (twin, same_seed, other_seed, decoupled)}
+    studies = {i: trial_ids(i) for i in (twin, same_seed, other_seed, other_horizon, decoupled)}
     study_of = {t: i for i, ids in studies.items() for t in ids}
     shared = [p for p in all_packs() if p.id not in first_packs]
     held = [{study_of[m.trial_id] for m in p.members} for p in shared]
@@ -108,7 +117,8 @@ def test_a_study_beside_others_gives_what_it_gives_alone(db: None) -> None:
                 fused.append(of)
                 assert other_seed not in of or of == {other_seed}, p.arrays  # its own lane
                 assert decoupled not in of or of == {decoupled}, p.arrays
-    assert {twin, same_seed} in fused  # trained as one model
+    assert any({twin, same_seed} <= of for of in fused), fused  # trained as one model
+    assert any({twin, other_horizon} <= of for of in fused), fused
     # the API's packs of a study list its own units, and say who else was in the pack
     with session_scope(get_sessionmaker()) as s:
         rows, _ = queries.packs(s, twin, limit=500)

@@ -48,9 +48,9 @@ def test_a_late_report_leaves_a_trial_on_its_next_span_alone(db: None) -> None:
     member = MemberJob(
         trial_id=trial_id, sample_index=index, config=dict(config), resource_done=0.0,
         checkpoint_path=None, rung_resource=1.0, study_id=study_id, study_seed=seed,
-        metric="val_loss",
+        metric="val_loss", horizon=3.0,
     )  # fmt: skip
-    late = ArrayJob(pack_id=0, data_seed=seed, workload="digits-mlp", max_resource=3.0,
+    late = ArrayJob(pack_id=0, data_seed=seed, workload="digits-mlp",
                     fusion_key="k", from_resource=0.0, to_resource=1.0, members=[member],
                     training=spec.training, segment=1)  # fmt: skip
     mark_done(late, {trial_id: "late-checkpoint.pt"})  # its first span's late report
