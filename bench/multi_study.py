@@ -220,7 +220,7 @@ def read_run(url: str, ids: list[int], workers: int) -> dict[str, Any]:
     many held or fused trials of more than one study) of the studies ``ids``."""
     from packtune.objective import value_of
     from service.db import make_engine
-    from service.models import Pack, PackMember, Study, Trial
+    from service.models import Pack, PackMember, PackStatus, Study, Trial
 
     engine = make_engine(url)
     try:
@@ -245,7 +245,11 @@ def read_run(url: str, ids: list[int], workers: int) -> dict[str, Any]:
                 members.setdefault(pack_id, set()).add(trial_study[trial_id])
             packs = list(s.scalars(sa.select(Pack).where(Pack.id.in_(list(members)))))
             busy, shared, stacks, cross_stacks = 0.0, 0, 0, 0
+            train, gave_up, withdrawn = 0.0, 0, 0
             for p in packs:
+                train += p.train_seconds or 0.0
+                gave_up += any(a.get("gave_up") for a in p.arrays or [])
+                withdrawn += p.status == PackStatus.cancelled
                 if p.started_at is not None and p.finished_at is not None:
                     start, end = max(p.started_at, t0), p.finished_at
                     if t1 is not None:
@@ -285,6 +289,9 @@ def read_run(url: str, ids: list[int], workers: int) -> dict[str, Any]:
         "mean_completion": sum(completions) / len(completions) if completions else None,
         "busy_fraction": busy / (workers * makespan) if makespan else None,
         "packs": len(packs),
+        "train_seconds": train,
+        "packs_gave_up": gave_up,
+        "packs_withdrawn": withdrawn,
         "shared_packs": shared,
         "fused_stacks": stacks,
         "cross_study_stacks": cross_stacks,
@@ -416,6 +423,8 @@ def summarise(
                 mode, label(run), _s(run["makespan"]), _s(run["mean_completion"]),
                 f"{_s(small_c)} ({_x(_ratio(small_c, alone.get(small)))})",
                 f"{100 * run['busy_fraction']:.0f}%", _percent(run.get("machine_busy")),
+                _s(run.get("train_seconds")),
+                f"{run.get('packs_gave_up', '-')} / {run.get('packs_withdrawn', '-')}",
                 run["packs"], run["shared_packs"], run["cross_study_stacks"],
                 _s(run["bench_seconds"]),
             ])  # fmt: skip
@@ -473,7 +482,8 @@ def summarise(
                       "time alone):", "",
                       *recording.table(header, body)]  # fmt: skip
     header = ["mode", "run", "makespan (s)", "mean completion (s)", f"{small} (s, x alone)",
-              "busy", "machine CPU", "packs", "packs > 1 study", "fused stacks > 1 study",
+              "busy", "machine CPU", "train (s)", "gave up / withdrawn", "packs",
+              "packs > 1 study", "fused stacks > 1 study",
               "bench (s)"]  # fmt: skip
     body = [
         *recording.table(header, rows),
@@ -489,7 +499,9 @@ def summarise(
         "(every process: workers, scheduler, database, the bench) over all its cores' time "
         "from the first submission to the bench seeing the last study end (/proc/stat): near "
         "100%, a run is bound by the CPU, and only less work (fusion) can shorten it; "
-        "packs > 1 "
+        "train: Σ the packs' `train_seconds` (their arrays' training, probes, evaluation and "
+        "writes); gave up / withdrawn: packs that gave their device up to a better-served "
+        "study while training, and packs withdrawn before they started; packs > 1 "
         "study: packs whose members are trials of more than one study; fused stacks > 1 "
         "study: fused arrays (bmm or vmap) holding trials of more than one study; bench: the "
         "bench's clock from the first submission to seeing the last study end. today: "
