@@ -51,9 +51,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
 from operator import attrgetter
-from typing import Any
+from typing import Any, TypeVar
 
 from packtune.tuning import HEADROOM, MIN_GAIN_PERCENT, RETRY_BACKOFF_MAX_S, SPILL_ALTERNATE
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,21 @@ def best_array_size(throughput: Mapping[int, float], cap: int | None) -> int:
 def _gains(old: float, new: float) -> bool:
     # In percent, so that exactly +10 % counts (1.10 * 100 is 110.00000000000001).
     return 100 * new >= (100 + MIN_GAIN_PERCENT) * old
+
+
+def split_for_threads(arrays: Sequence[Sequence[T]], threads: int, min_part: int) -> list[list[T]]:
+    """``arrays`` with the largest cut in halves (the first half gets the odd one), again and
+    again, while there are fewer than ``threads`` and the largest holds ``2 * min_part`` or
+    more; the order of the arrays and of their members is kept."""
+    out = [list(a) for a in arrays]
+    while len(out) < threads and out:
+        at = max(range(len(out)), key=lambda i: len(out[i]))
+        big = out[at]
+        if len(big) < 2 * min_part:
+            break
+        middle = (len(big) + 1) // 2
+        out[at : at + 1] = [big[:middle], big[middle:]]
+    return out
 
 
 def split_in_two(units: Sequence[Unit]) -> tuple[list[Unit], list[Unit]]:

@@ -86,6 +86,11 @@ DB_SLOTS = 10
 LARGER_PROBE_SIZES = (4, 8, 16)
 #: arrays of one pack trained at once on a GPU by default (threads launching kernels)
 GPU_ARRAY_THREADS = 4
+#: on a CPU, a pack's array of at least twice this many trials is cut in halves while the
+#: pack has fewer arrays than threads to train them: there an array's step costs about k
+#: times one trial's beyond k ~ 12, so two arrays in two threads go faster (digits-mlp on a
+#: 2-core CPU, one torch thread each: 1.6x at k = 32, 1.8x at 48; even at 16-24; slower below)
+CPU_SPLIT_MIN = 16
 #: steps between divergence checks on a GPU (a check synchronises with the device; the first
 #: non-finite step is recorded on the device meanwhile, so it is exact either way)
 CUDA_CHECK_EVERY = 16

@@ -24,6 +24,7 @@ is recognised by its step count and not trained twice).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -38,11 +39,16 @@ import torch
 from sqlalchemy.orm import Session
 
 from packtune.errors import QueueUnavailable, StoreUnavailable, error_cause
-from packtune.packing import MemoryModel, Unit, split_in_two
+from packtune.packing import MemoryModel, Unit, split_for_threads, split_in_two
 from packtune.rungs import rung_resource
 from packtune.settings import get_settings
 from packtune.spec import StoredSpec, TrainingSettings
-from packtune.tuning import CANCEL_CHECK_SECONDS, GPU_ARRAY_THREADS, YIELD_CHECK_SECONDS
+from packtune.tuning import (
+    CANCEL_CHECK_SECONDS,
+    CPU_SPLIT_MIN,
+    GPU_ARRAY_THREADS,
+    YIELD_CHECK_SECONDS,
+)
 from service import store
 from service.db import DATABASE_ERRORS, retrying
 from service.models import CheckStatus, PackStatus, StudyStatus, TrialStatus
@@ -257,6 +263,27 @@ def array_threads(device: torch.device, arrays: int) -> int:
     return max(1, min(arrays, (os.cpu_count() or 1) // max(1, torch.get_num_threads())))
 
 
+def _cut_for_threads(arrays: list[ArrayJob], device: torch.device, kind: str) -> list[ArrayJob]:
+    """On a CPU, the pack's large arrays cut in halves while it has fewer arrays than
+    :func:`array_threads` would train at once (:func:`packtune.packing.split_for_threads`,
+    :data:`~packtune.tuning.CPU_SPLIT_MIN`): there an array's step costs about k times one
+    trial's, so one large array would leave the other cores idle. Members train the same
+    in any array, so only speed changes. Not for segment units, spilled arrays, or keys
+    whose memory is not measured yet (their first run is a probe, alone)."""
+    if device.type != "cpu" or any(a.segment >= 0 for a in arrays):
+        return arrays
+    slots = array_threads(device, sum(len(a.members) for a in arrays))
+    if slots <= len(arrays) or max(len(a.members) for a in arrays) < 2 * CPU_SPLIT_MIN:
+        return arrays
+    if not all(is_profiled(a, kind) for a in arrays) or any(
+        spill_budget(a, kind, device, len(a.members)) is not None for a in arrays
+    ):
+        return arrays
+    of = {id(m): a for a in arrays for m in a.members}
+    parts = split_for_threads([a.members for a in arrays], slots, CPU_SPLIT_MIN)
+    return [dataclasses.replace(of[id(part[0])], members=part) for part in parts]
+
+
 def _run_arrays(
     arrays: list[ArrayJob],
     device: torch.device,
@@ -270,6 +297,7 @@ def _run_arrays(
     which another array training beside it would distort; so does the pack's first run of
     a key, planned small for that reason). Errors are raised once every array has stopped:
     an out-of-memory first, so that the pack is split."""
+    arrays = _cut_for_threads(arrays, device, kind)
     threads = array_threads(device, len(arrays))
     if threads <= 1 or not all(is_profiled(a, kind) for a in arrays):
         return [

@@ -16,6 +16,7 @@ from packtune.packing import (
     Unit,
     best_array_size,
     plan_packs,
+    split_for_threads,
     split_in_two,
 )
 from packtune.tuning import SPILL_ALTERNATE
@@ -343,3 +344,33 @@ def test_segments_of_one_trial_are_units_of_their_own() -> None:
         (0, [1, 2]), (1, [1, 2])]  # fmt: skip
     with pytest.raises(ValueError, match="only one ready unit"):
         plan_packs([*ready, ready[0]], [GPU], {}, {}, default_memory=SMALL)
+
+
+@given(
+    sizes=st.lists(st.integers(1, 80), min_size=1, max_size=6),
+    threads=st.integers(1, 8),
+    min_part=st.integers(1, 20),
+)
+def test_arrays_are_cut_in_halves_while_threads_are_left_and_parts_stay_large(
+    sizes: list[int], threads: int, min_part: int
+) -> None:
+    arrays = [[(i, j) for j in range(n)] for i, n in enumerate(sizes)]
+    parts = split_for_threads(arrays, threads, min_part)
+    # every member once, in order; each part from one array
+    assert [m for p in parts for m in p] == [m for a in arrays for m in a]
+    assert all(len({i for i, _ in p}) == 1 for p in parts)
+    # a part that is not a whole array is at least min_part, and halves differ by one at most
+    for p in parts:
+        if len(p) != sizes[p[0][0]]:
+            assert len(p) >= min_part
+    # it stops with every thread used, or nothing left worth cutting, never past the threads
+    assert len(parts) >= len(arrays)
+    assert len(parts) == len(arrays) or len(parts) <= threads
+    assert len(parts) >= threads or max(len(p) for p in parts) < 2 * min_part
+
+
+def test_a_large_array_is_cut_into_as_many_parts_as_threads() -> None:
+    assert [len(p) for p in split_for_threads([list(range(64))], 4, 16)] == [16, 16, 16, 16]
+    assert [len(p) for p in split_for_threads([list(range(33)), [0] * 5], 2, 16)] == [33, 5]
+    assert [len(p) for p in split_for_threads([list(range(33)), [0] * 5], 3, 16)] == [17, 16, 5]
+    assert [len(p) for p in split_for_threads([list(range(31))], 2, 16)] == [31]

@@ -56,8 +56,11 @@ def fresh_database(
     upgrade(url)
 
 
-def make_pack(profiled: bool = True, kind: str = "cpu") -> tuple[int, list[int]]:
-    """One pack of 8 trials in 4 arrays, epochs 0 to 2; every key's memory measured."""
+def make_pack(
+    profiled: bool = True, kind: str = "cpu", configs: list[dict[str, Any]] = CONFIGS
+) -> tuple[int, list[int]]:
+    """One pack of ``configs``' trials (8 in 4 arrays), epochs 0 to 2; every key's memory
+    measured."""
     workload = get_workload("digits-mlp")
     with session_scope(get_sessionmaker()) as s:
         study = store.create_study(s, name="threads", workload="digits-mlp", spec=SPEC, seed=5)
@@ -65,11 +68,10 @@ def make_pack(profiled: bool = True, kind: str = "cpu") -> tuple[int, list[int]]
             {"sample_index": i, "bracket": 1, "rung": 0, "config": cfg,
              "fusion_key": fusion_key("digits-mlp", workload.resolve(cfg),
                                       workload.structural_params())}
-            for i, cfg in enumerate(CONFIGS)
+            for i, cfg in enumerate(configs)
         ]  # fmt: skip
         store.add_trials(s, study.id, rows)
         trials = store.trials_of(s, study.id)
-        assert len({t.fusion_key for t in trials}) == 4
         for t in trials:
             t.status = TrialStatus.queued
         if profiled:
@@ -128,6 +130,44 @@ def test_arrays_at_once_record_exactly_what_one_after_another_records(
     one, four = results[1], results[4]
     assert all(done == 2.0 and len(points) == 2 for _, done, _, points in one.values())
     assert four == one
+
+
+def test_on_a_cpu_one_large_array_trains_as_halves_in_threads_with_the_same_results(
+    embedded_db: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A pack of one array of 2 * CPU_SPLIT_MIN trials, with two array threads: two arrays of
+    half as many, at once (a CPU step costs about k times one trial's); what each trial
+    records is what the one array of all of them records."""
+    configs = [{"hidden": 16, "lr": 0.01 + 0.01 * i} for i in range(2 * jobs.CPU_SPLIT_MIN)]
+    runs: list[tuple[str, int, float, float]] = []
+    real = execute.run_array
+
+    def timed(job: execute.ArrayJob, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        out = real(job, *args, **kwargs)
+        runs.append((threading.current_thread().name, len(job.members), start,
+                     time.perf_counter()))  # fmt: skip
+        return out
+
+    embedded_db.setattr(jobs, "run_array", timed)
+    results = {}
+    for threads in (1, 2):
+        fresh_database(embedded_db, tmp_path / f"threads{threads}", threads)
+        runs.clear()
+        pack_id, ids = make_pack(configs=configs)
+        assert jobs.run_pack(pack_id) == "completed"
+        results[threads] = outcome(ids)
+        if threads == 1:
+            assert [n for _, n, _, _ in runs] == [len(configs)]
+        else:
+            assert sorted(n for _, n, _, _ in runs) == [jobs.CPU_SPLIT_MIN] * 2, runs
+            assert all(name.startswith("packtune-array") for name, _, _, _ in runs)
+            assert max(start for *_, start, _ in runs) < min(end for *_, end in runs)
+            with session_scope(get_sessionmaker()) as s:
+                arrays = store.get_pack(s, pack_id).arrays or []
+            assert sorted(len(a["trials"]) for a in arrays) == [jobs.CPU_SPLIT_MIN] * 2
+    assert all(done == 2.0 for _, done, _, _ in results[1].values())
+    assert results[2] == results[1]
 
 
 def test_a_key_not_yet_measured_keeps_its_pack_one_array_at_a_time(
