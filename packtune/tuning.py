@@ -86,6 +86,10 @@ DB_SLOTS = 10
 LARGER_PROBE_SIZES = (4, 8, 16)
 #: arrays of one pack trained at once on a GPU by default (threads launching kernels)
 GPU_ARRAY_THREADS = 4
+#: seconds between a training array's writes of its epochs' metrics (each write one
+#: transaction, a round trip to PostgreSQL): short epochs are written together, and every
+#: epoch before its unit's end is recorded
+RECORD_EVERY_S = 0.5
 #: on a CPU, a pack's array of at least twice this many trials is cut in halves while the
 #: pack has fewer arrays than threads to train them: there an array's step costs about k
 #: times one trial's beyond k ~ 12, so two arrays in two threads go faster (digits-mlp on a

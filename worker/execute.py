@@ -33,7 +33,7 @@ from packtune.settings import get_settings
 from packtune.space import fusion_key, trial_seed
 from packtune.spec import TrainingSettings
 from packtune.spilling import Unspillable
-from packtune.tuning import DROP_BELOW_S, HEADROOM, LARGER_PROBE_SIZES
+from packtune.tuning import DROP_BELOW_S, HEADROOM, LARGER_PROBE_SIZES, RECORD_EVERY_S
 from packtune.workloads import get_workload
 from packtune.workloads.base import Workload
 from service import store
@@ -360,37 +360,60 @@ def run_array(
     metric = {m.trial_id: m.metric for m in job.members}
     study_of = {m.trial_id: m.study_id for m in job.members}
 
-    def record(report: Report) -> None:
+    def write(s: Session, report: Report) -> None:
         resource = job.to_resource if report.step >= to_step else report.resource
+        by_metric: dict[str, list[tuple[int, float, dict[str, float]]]] = {}
+        for key, metrics in report.metrics.items():
+            row = (_id(key), resource, metrics)
+            by_metric.setdefault(metric[_id(key)], []).append(row)
+        for name, rows in by_metric.items():
+            store.record_measurements(s, rows, metric=name)
+        for trial_id in report.diverged:
+            step = array.diverged[trial_id]
+            # A point where it diverged, with no objective: it then ranks last, not by an
+            # older finite value (and its curve shows where it ended).
+            nan = {"train_loss": math.nan}
+            store.record_measurement(
+                s, _id(trial_id), step / spe, nan, metric=metric[_id(trial_id)]
+            )
+            store.move_trials(
+                s, [_id(trial_id)], TrialStatus.diverged,
+                error=f"loss became non-finite at step {step}",
+            )  # fmt: skip
 
-        def write(s: Session) -> None:
-            by_metric: dict[str, list[tuple[int, float, dict[str, float]]]] = {}
-            for key, metrics in report.metrics.items():
-                row = (_id(key), resource, metrics)
-                by_metric.setdefault(metric[_id(key)], []).append(row)
-            for name, rows in by_metric.items():
-                store.record_measurements(s, rows, metric=name)
-            for trial_id in report.diverged:
-                step = array.diverged[trial_id]
-                # A point where it diverged, with no objective: it then ranks last, not by an
-                # older finite value (and its curve shows where it ended).
-                nan = {"train_loss": math.nan}
-                store.record_measurement(
-                    s, _id(trial_id), step / spe, nan, metric=metric[_id(trial_id)]
-                )
-                store.move_trials(
-                    s, [_id(trial_id)], TrialStatus.diverged,
-                    error=f"loss became non-finite at step {step}",
-                )  # fmt: skip
+    # Epochs' reports are written together, at most RECORD_EVERY_S apart (one transaction
+    # for many short epochs), and all of them before the unit's end is: its rung decision
+    # reads them. A divergence is written at once.
+    unwritten: list[Report] = []
+    written_at = time.perf_counter()
 
-        retrying(write)
+    def flush() -> None:
+        nonlocal written_at
+        reports = list(unwritten)
+        unwritten.clear()  # taken, even if the write fails: a failed write fails the pack
+
+        def write_all(s: Session) -> None:
+            for report in reports:
+                write(s, report)
+
+        if reports:
+            retrying(write_all)
+        written_at = time.perf_counter()
+
+    def record(report: Report) -> None:
+        unwritten.append(report)
+        if report.diverged or time.perf_counter() - written_at >= RECORD_EVERY_S:
+            flush()
 
     k = len(todo)
     started = time.perf_counter()
     try:
-        with GLOBAL_RNG if array.stochastic else nullcontext():
-            train(array, to_step, on_report=record, stop=stop, give_up=give_up,
-                  drop=lambda: time.perf_counter() - started < DROP_BELOW_S)  # fmt: skip
+        try:
+            with GLOBAL_RNG if array.stochastic else nullcontext():
+                train(array, to_step, on_report=record, stop=stop, give_up=give_up,
+                      drop=lambda: time.perf_counter() - started < DROP_BELOW_S)  # fmt: skip
+        finally:
+            flush()  # what was trained is recorded, also when the workload then raised
     except Dropped:
         steps = array.step - from_step
         note = (

@@ -323,3 +323,33 @@ def test_a_failed_pack_fails_only_the_members_still_at_its_unit(db: pytest.Monke
         assert report.failed_packs == 1
     assert snapshot([stayed])[stayed][0] == TrialStatus.failed
     assert snapshot([moved])[moved][:2] == (TrialStatus.running, 1.0)
+
+
+@pytest.mark.parametrize(("every", "writes"), [(60.0, 1), (0.0, 3)])
+def test_short_epochs_are_recorded_together_and_all_before_the_unit_ends(
+    db: pytest.MonkeyPatch, every: float, writes: int
+) -> None:
+    """An array's epochs are written at most ``RECORD_EVERY_S`` apart, in one transaction
+    each time (a round trip to PostgreSQL per write): three sub-second epochs of a unit make
+    one write, and every epoch is there when the unit ends; with no interval, one per epoch."""
+    from worker import execute
+
+    db.setattr(execute, "RECORD_EVERY_S", every, raising=False)
+    epochs: list[int] = []  # per transaction, the epochs it recorded
+    real_retrying, real_record = execute.retrying, store.record_measurements
+
+    def counted(work: Any, **kwargs: Any) -> Any:
+        epochs.append(0)
+        return real_retrying(work, **kwargs)
+
+    def record(*args: Any, **kwargs: Any) -> Any:
+        epochs[-1] += 1
+        return real_record(*args, **kwargs)
+
+    db.setattr(execute, "retrying", counted)
+    db.setattr(store, "record_measurements", record)
+    pack_id, ids = make_pack([0.05, 0.1], start=0.0, end=3.0)
+    assert run_pack(pack_id) == "completed"
+    assert sorted(n for n in epochs if n) == ([3] if writes == 1 else [1, 1, 1])
+    for _, done, _, _, points in snapshot(ids).values():
+        assert done == 3.0 and [r for r, _ in points] == [1.0, 2.0, 3.0]
