@@ -150,6 +150,20 @@ def test_peers_quick_optuna(capsys: pytest.CaptureFixture[str]) -> None:
     assert "| optuna |" in capsys.readouterr().out
 
 
+def test_an_optuna_study_of_one_seed_has_one_name() -> None:
+    """Optuna's HyperbandPruner picks a trial's bracket from a hash of the study's name and
+    the trial's number (and an unnamed study's name is random): the bench names its studies
+    after the spec and seed, so that runs of one seed train the same brackets."""
+    optuna = pytest.importorskip("optuna")
+    from bench import peers
+
+    def name(seed: int) -> str:
+        spec = {"name": "digits", "seed": seed, "hyperband": {"max_resource": 27, "eta": 3}}
+        return str(peers.optuna_study(spec, optuna.samplers.RandomSampler(seed=seed)).study_name)
+
+    assert name(2) == name(2) != name(3)
+
+
 def test_quality_quick_all_systems(capsys: pytest.CaptureFixture[str]) -> None:
     """bench f: packtune's two samplers and Optuna run the same tiny study to the end, each
     with a best-so-far curve from its own clock."""
