@@ -29,6 +29,8 @@ from worker.spill import spill_problem
 
 #: relative and absolute tolerance of "equal to float rounding" after a few steps
 RTOL, ATOL = 1e-4, 1e-5
+#: the members' horizons (``config["max_epochs"]``), taken in turn
+CHECK_HORIZONS = (1.0, 3.0)
 
 
 @dataclass
@@ -86,10 +88,13 @@ def member_configs(
     else:
         base = float(workload.params.get("lr", 0.05))
         configs = [{"lr": base * 10 ** (i / max(1, k - 1) - 0.5)} for i in range(k)]
+    # members of one array may come from studies of different max_resource: alternate the
+    # horizon, so that data or batches that (against the contract) follow it show up
     return [
-        {**config, "seed": trial_seed(seed, i), "data_seed": seed}
+        {**config, "seed": trial_seed(seed, i), "data_seed": seed,
+         "max_epochs": CHECK_HORIZONS[i % len(CHECK_HORIZONS)]}
         for i, config in enumerate(configs)
-    ]
+    ]  # fmt: skip
 
 
 def layer_paths(array: FusedArray) -> list[tuple[str, str, str]]:
@@ -122,7 +127,9 @@ def check(
         workload=name,
         structural=sorted(workload.structural_params()),
         fusible=sorted(workload.fusible_params()),
-        members=[{k: v for k, v in c.items() if k not in ("data_seed",)} for c in configs],
+        members=[
+            {k: v for k, v in c.items() if k not in ("data_seed", "max_epochs")} for c in configs
+        ],  # fmt: skip
     )
     data = None if workload.streams else workload.data(workload.resolve(configs[0]), device)
     torch.manual_seed(0)

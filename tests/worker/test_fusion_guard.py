@@ -14,7 +14,12 @@ from torch import nn
 from packtune.space import fusion_key
 from packtune.workloads import get_workload
 from packtune.workloads.base import OPTIMIZER_HYPER, Workload
-from tests.support.plugins.trap_workloads import HiddenActMLP, MisdeclaredMLP, ScaledMLP
+from tests.support.plugins.trap_workloads import (
+    HiddenActMLP,
+    HorizonOrderMLP,
+    MisdeclaredMLP,
+    ScaledMLP,
+)
 from tests.support.tiny_workloads import TinyMLP
 from worker.fused import FusedArray, train
 from worker.fusion_guard import model_signature, partition, split_causes
@@ -227,3 +232,19 @@ def test_a_model_that_cannot_be_built_names_the_parameter() -> None:
         ValueError, match=r"could not build the model of hidden=1180591620717411303424"
     ):
         FusedArray(Unbounded(), [member("a", 1, hidden=2**70)])
+
+
+def test_the_check_fails_a_workload_whose_batches_follow_the_horizon(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Trials of studies of different ``max_resource`` share arrays, so the check gives its
+    members different horizons: a batch order that follows ``max_epochs`` trains fused
+    members on other batches than alone, and the check says so; the same model with the
+    contract's order passes."""
+    from packtune.workloads import registry
+    from worker.check import check
+
+    monkeypatch.setitem(registry(), HorizonOrderMLP.name, HorizonOrderMLP())
+    report = check(HorizonOrderMLP.name, members=2, steps=3, ks=(1,))
+    assert not report.exact and not report.ok, report.max_difference
+    assert check("digits-mlp", members=2, steps=3, ks=(1,)).ok

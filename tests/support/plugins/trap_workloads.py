@@ -8,6 +8,9 @@
   train differing members apart; equal ones still fuse (same code, equal closures).
 - ``scaled-mlp`` declares ``scale`` fusible and carries it as a buffer, as the contract
   asks: members with different scales fuse, exactly.
+- ``horizon-order-mlp`` orders its batches by the study's horizon (``max_epochs``) too,
+  against the contract (the order may follow ``data_seed`` and the epoch only): trials of
+  studies of different ``max_resource`` may share an array, so ``packtune check`` must fail it.
 
 All train on the digits (64 features, 10 classes) with a one-hidden-layer MLP.
 """
@@ -98,3 +101,19 @@ class ScaledMLP(_DigitsPlugin):
                 return self.fc2(torch.relu(self.fc1(x)) * self.scale)
 
         return Scaled()
+
+
+class HorizonOrderMLP(_DigitsPlugin):
+    """MLP whose batch order follows ``max_epochs`` as well as ``data_seed``."""
+
+    name = "horizon-order-mlp"
+
+    def batch_indices(self, config: Mapping[str, Any], epoch: int) -> Any:
+        seed = int(config.get("data_seed", 0)) + int(config.get("max_epochs", 1))
+        return super().batch_indices({**config, "data_seed": seed}, epoch)
+
+    def build_model(self, config: Mapping[str, Any]) -> Any:
+        from torch import nn
+
+        hidden = int(self.resolve(config)["hidden"])
+        return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, N_CLASSES))
