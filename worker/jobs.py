@@ -51,7 +51,7 @@ from packtune.tuning import (
 )
 from service import store
 from service.db import DATABASE_ERRORS, retrying
-from service.models import CheckStatus, PackStatus, StudyStatus, TrialStatus
+from service.models import CheckStatus, Pack, PackStatus, StudyStatus, TrialStatus
 from worker.execute import (
     ArrayJob,
     ArrayRun,
@@ -95,6 +95,16 @@ def _load(pack_id: int, worker: str, device: torch.device) -> list[ArrayJob] | N
     return retrying(lambda s: _claim(s, pack_id, worker, device))
 
 
+def _finished_before(s: Session, pack: Pack) -> bool:
+    """Every member of the pack is past its unit's start: an earlier attempt trained it
+    (and, for some, another pack since)."""
+    trials = {t.id: t for t in store.trials_by_id(s, [m.trial_id for m in pack.members])}
+    return all(
+        m.trial_id in trials and trials[m.trial_id].resource_done > m.from_resource + 1e-9
+        for m in pack.members
+    )
+
+
 def _claim(s: Session, pack_id: int, worker: str, device: torch.device) -> list[ArrayJob] | None:
     pack = store.claim_pack(s, pack_id, worker_name=worker, device=f"{worker}/{device}")
     if pack is None:
@@ -102,14 +112,20 @@ def _claim(s: Session, pack_id: int, worker: str, device: torch.device) -> list[
     # members still queued, or running from an earlier run of this job, at the unit's start;
     # not those cancelled, finished by an earlier attempt, or moved on to another pack
     members = store.unfinished_members(s, pack)
-    trials = {t.id: t for t in store.trials_by_id(s, [m.trial_id for m in members])}
+    if not members and _finished_before(s, pack):
+        # an earlier attempt trained every unit and its process died before closing the
+        # pack (e.g. killed between its units' ends and this): the work is done
+        store.finish_pack(s, pack, PackStatus.completed)
+        return None
+    trials = {t.id: t for t in store.trials_by_id(s, [m.trial_id for m in pack.members])}
     studies = {i: store.get_study(s, i) for i in sorted({t.study_id for t in trials.values()})}
     ended = (StudyStatus.cancelled, StudyStatus.failed, StudyStatus.completed)
     live = {i: study for i, study in studies.items() if study.status not in ended}
     members = [m for m in members if trials[m.trial_id].study_id in live]
     if not members:
-        status = ", ".join(sorted({study.status.value for study in studies.values()}))
-        store.finish_pack(s, pack, PackStatus.cancelled, error=f"study {status or 'ended'}")
+        gone = sorted({study.status.value for study in studies.values() if study.id not in live})
+        why = f"study {', '.join(gone)}" if gone else "its trials were stopped before it ran"
+        store.finish_pack(s, pack, PackStatus.cancelled, error=why)
         return None
     specs = {i: StoredSpec.of(study.spec) for i, study in live.items()}
     store.move_trials(s, sorted({m.trial_id for m in members}), TrialStatus.running)

@@ -116,6 +116,33 @@ def test_running_a_finished_pack_again_changes_nothing(db: pytest.MonkeyPatch) -
     assert snapshot(ids) == before
 
 
+def test_a_pack_whose_units_an_earlier_attempt_finished_is_completed_not_cancelled(
+    db: pytest.MonkeyPatch,
+) -> None:
+    """Issue (seen in CI's fault test of a worker restarted under its name): the worker was
+    killed after writing its units' ends but before closing the pack; the restart put the
+    pack back in the queue, and its next attempt, finding nothing left to train, marked it
+    cancelled with "study ended" while the study ran on. It is completed, the restart's
+    note kept, and nothing is trained again."""
+    pack_id, ids = make_pack([0.05, 0.1])
+    assert run_pack(pack_id) == "completed"
+    done = snapshot(ids)
+    note = "worker w1 restarted while training it"
+    with session_scope(get_sessionmaker()) as s:  # as the killed attempt left it
+        pack = store.get_pack(s, pack_id)
+        pack.status, pack.worker_name = PackStatus.running, "w1"
+    with session_scope(get_sessionmaker()) as s:  # the restart, then the scheduler's dispatch
+        assert store.requeue_packs_of(s, "w1", note) == [pack_id]
+        pack = store.get_pack(s, pack_id)
+        assert store.move_pack(s, pack, PackStatus.queued, attempts=2)
+    run_pack(pack_id)
+    with session_scope(get_sessionmaker()) as s:
+        pack = store.get_pack(s, pack_id)
+        assert (pack.status, pack.attempts, pack.error) == (PackStatus.completed, 2, note)
+        assert store.get_study(s, pack.study_id).status.value not in ("cancelled", "failed")
+    assert snapshot(ids) == done
+
+
 def test_a_unit_checkpointed_but_not_recorded_is_not_trained_twice(
     db: pytest.MonkeyPatch,
 ) -> None:
