@@ -20,7 +20,8 @@ not measured):
 - ``today``: today's scheduler, the studies submitted ``at-once`` or ``staggered`` (the
   large study first, the others every ``--stagger`` seconds);
 - ``new``: the defaults (cross-study packs and fusion, weighted fair share then
-  longest-remaining-first), the same patterns;
+  longest-remaining-first), the same patterns; with ``--runners N``, serve's ``new`` has N
+  embedded runners (``PACKTUNE_EMBEDDED_RUNNERS``; busy counts N workers);
 - pattern ``behind``: only the large study, then the small one ``--stagger`` seconds
   later (the target's case: a small study submitted behind a large one finishes within
   2x its time alone).
@@ -163,7 +164,7 @@ def serve_fleet(workdir: Path, settings: dict[str, str], device: str) -> Iterato
                     raise RuntimeError(f"POST /api/studies: {r.status_code} {r.text[:500]}")
                 return int(r.json()["id"])
 
-            yield Fleet(url, 1, submit)
+            yield Fleet(url, int(settings.get("embedded_runners", 1)), submit)
     finally:
         _stop([proc])
 
@@ -307,7 +308,9 @@ def run_once(
     args: argparse.Namespace, workdir: Path,
 ) -> dict[str, Any]:  # fmt: skip
     """One fresh service; the warm-up studies; then the fleet, by ``pattern``."""
-    settings = SETTINGS[variant]
+    settings = dict(SETTINGS[variant])
+    if mode == "serve" and variant == "new" and args.runners > 1:
+        settings["embedded_runners"] = str(args.runners)
     warm = [m.spec() for m in WARM_UP]
     with fleet(mode, workdir, settings, args.device) as f:
         warm_ids = [f.submit(spec) for spec in warm]
@@ -353,7 +356,11 @@ def _percent(share: float | None) -> str:
 
 
 def label(run: dict[str, Any]) -> str:
-    return "sequential" if run["variant"] == "sequential" else f"{run['variant']} {run['pattern']}"
+    if run["variant"] == "sequential":
+        return "sequential"
+    runners = int(run.get("settings", {}).get("embedded_runners", 1))
+    more = f" ({runners} runners)" if runners > 1 else ""
+    return f"{run['variant']}{more} {run['pattern']}"
 
 
 def plan(args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -531,6 +538,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="three tiny studies; appends nothing")
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--no-append", action="store_true")
+    parser.add_argument("--runners", type=int, default=1,
+                        help="serve's new variant: embedded runners (PACKTUNE_EMBEDDED_RUNNERS; "
+                        "sequential and today keep 1)")  # fmt: skip
     args = parser.parse_args(argv)
     members = QUICK_FLEET if args.quick else FLEET
     args.small = small_of(members)

@@ -82,7 +82,7 @@ def spec(max_resource: int, name: str | None = None) -> dict[str, Any]:
 class RecordingDispatcher:
     """Takes packs without running them; every job it was given stays ``queued``."""
 
-    embedded_worker: str | None = None
+    embedded_workers: frozenset[str] = frozenset()
 
     def __init__(self) -> None:
         self.jobs: dict[str, int] = {}
@@ -98,8 +98,8 @@ class RecordingDispatcher:
     def start(self, workload: str | None = None) -> None:
         pass
 
-    def runner_status(self) -> None:
-        return None
+    def runner_statuses(self) -> list[dict[str, Any]]:
+        return []
 
     def nudge(self) -> None:
         pass

@@ -44,9 +44,9 @@ def check_job_id(check_id: int) -> str:
 class Dispatcher(Protocol):
     """Everything the scheduler asks of a dispatcher."""
 
-    #: the name of the worker row of this dispatcher's own runner, or None (RQ workers
+    #: the names of the worker rows of this dispatcher's own runners, or none (RQ workers
     #: report themselves through heartbeats)
-    embedded_worker: str | None
+    embedded_workers: frozenset[str]
     #: set by the scheduler: called (from any thread) when a job ends, to wake its loop
     notify: Callable[[], None] | None
 
@@ -65,9 +65,9 @@ class Dispatcher(Protocol):
         """The job's state and, for a failed job, its error text."""
         ...
 
-    def runner_status(self) -> dict[str, Any] | None:
-        """The embedded runner's heartbeat fields (``name``, ``device_kind``, ``gpus``,
-        ``memory_budget``, ``busy``), which the scheduler writes for it; None for RQ."""
+    def runner_statuses(self) -> list[dict[str, Any]]:
+        """The embedded runners' heartbeat fields (``name``, ``device_kind``, ``gpus``,
+        ``memory_budget``, ``busy``), which the scheduler writes for them; none for RQ."""
         ...
 
     def nudge(self) -> None:

@@ -16,6 +16,9 @@ from pydantic import Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "PACKTUNE_"
+#: the worker name a job claims packs under (set by ``packtune worker`` and the embedded
+#: runners for their jobs; not a setting)
+WORKER_NAME_ENV = f"{ENV_PREFIX}WORKER_NAME"
 
 
 class SettingsError(ValueError):
@@ -88,6 +91,18 @@ class Settings(BaseSettings):
         default=None,
         ge=1,
         description="CPU threads torch may use in a worker; default: all cores but one.",
+    )
+    embedded_runners: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description=(
+            "Processes the embedded runner (packtune run, serve without Redis) trains packs in, "
+            "each a pack at a time, as that many RQ workers would: on a CPU with idle cores "
+            "between one runner's packs (its scheduling, data and writes are one thread's), "
+            "2 keeps them busy. Each takes a share of the cores (torch threads: all cores but "
+            "one, divided). On a GPU: 1 (packs are sized for the whole device)."
+        ),
     )
     array_threads: int | None = Field(
         default=None,

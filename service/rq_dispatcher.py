@@ -33,7 +33,7 @@ def _queue_errors() -> Iterator[None]:
 
 
 class RQDispatcher:
-    embedded_worker: str | None = None
+    embedded_workers: frozenset[str] = frozenset()
 
     def __init__(self, settings: Settings) -> None:
         from redis import Redis
@@ -98,8 +98,8 @@ class RQDispatcher:
             return JobState.running, None
         return JobState.queued, None
 
-    def runner_status(self) -> dict[str, Any] | None:
-        return None  # RQ workers send their own heartbeats
+    def runner_statuses(self) -> list[dict[str, Any]]:
+        return []  # RQ workers send their own heartbeats
 
     def nudge(self) -> None:
         """RQ workers read their packs' rows every ``YIELD_CHECK_SECONDS``: nothing to do."""

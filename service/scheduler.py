@@ -174,14 +174,12 @@ class Scheduler:
         return out
 
     def _embedded_heartbeat(self, s: Session) -> None:
-        status = self.dispatcher.runner_status()
-        if status is None:
-            return
-        busy = status.pop("busy")
-        store.heartbeat(
-            s, host=socket.gethostname(), **status,
-            status=WorkerStatus.busy if busy else WorkerStatus.idle,
-        )  # fmt: skip
+        for status in self.dispatcher.runner_statuses():
+            busy = status.pop("busy")
+            store.heartbeat(
+                s, host=socket.gethostname(), **status,
+                status=WorkerStatus.busy if busy else WorkerStatus.idle,
+            )  # fmt: skip
 
     def _reconcile(self, s: Session, live: set[str], report: TickReport) -> None:
         for pack in store.packs_with_status(s, (PackStatus.queued, PackStatus.running)):
@@ -204,7 +202,7 @@ class Scheduler:
                 pack.status == PackStatus.running
                 and pack.worker_name is not None
                 and pack.worker_name not in live
-                and pack.worker_name != self.dispatcher.embedded_worker
+                and pack.worker_name not in self.dispatcher.embedded_workers
             ):
                 reason = f"worker {pack.worker_name} stopped sending heartbeats"
                 self._requeue(s, pack, reason, report, fault=True)
@@ -218,7 +216,7 @@ class Scheduler:
         return (
             pack.status == PackStatus.running
             and pack.worker_name in live
-            and pack.worker_name != self.dispatcher.embedded_worker
+            and pack.worker_name not in self.dispatcher.embedded_workers
         )
 
     def _requeue(

@@ -1,8 +1,10 @@
-"""The embedded dispatcher: packs run in one child process of the scheduler's, no Redis.
+"""The embedded dispatcher: packs run in child processes of the scheduler's, no Redis.
 
-This is what ``packtune run`` and a laptop's ``packtune serve`` use. A single
-child process runs packs one after another (``worker.jobs.run_pack``, the same
-job RQ workers run). It is started with ``spawn`` so the parent (API +
+This is what ``packtune run`` and a laptop's ``packtune serve`` use. A child
+process (a *runner*) runs packs one after another (``worker.jobs.run_pack``, the
+same job RQ workers run); ``embedded_runners`` of them on a CPU, each a worker
+row of its own (``embedded@host``, ``embedded-2@host``...) taking the next pack
+as it is free, as RQ workers take jobs. They are started with ``spawn`` so the parent (API +
 scheduler) never loads torch or CUDA; a crashed child is replaced, and a child
 whose parent is gone (killed, or ended by a signal that skips its clean-up)
 exits instead of lingering as an orphan. :meth:`EmbeddedDispatcher.start`
@@ -26,17 +28,23 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from packtune.dispatcher import JobState
-from packtune.settings import Settings
+from packtune.settings import ENV_PREFIX, WORKER_NAME_ENV, Settings
 from worker.gpu import gpu_readings
+
+THREADS_ENV = f"{ENV_PREFIX}TORCH_THREADS"
 
 log = logging.getLogger(__name__)
 
 
-def _init_runner(parent: int, nice: int, nudges: Any = None) -> None:
+def _init_runner(
+    parent: int, nice: int, nudges: Any = None, names: Any = None, threads: int | None = None
+) -> None:
     """In the child, first thing: train at a lower CPU priority (``nice``: on a laptop the
     API, the dashboard and the scheduler share the cores with training), exit once
     ``parent`` is gone (the child is re-parented), and let ``nudges`` (an event the
-    scheduler sets, :meth:`EmbeddedDispatcher.nudge`) wake a running pack's watch.
+    scheduler sets, :meth:`EmbeddedDispatcher.nudge`) wake a running pack's watch. Of
+    several runners, each takes its worker name from ``names`` (a queue) and trains with
+    ``threads`` torch threads.
 
     Without it, ``packtune serve`` ended by SIGTERM (uvicorn re-raises the signal, so
     no clean-up runs) or SIGKILL left its runner idle for ever, holding ~400 MB.
@@ -49,6 +57,10 @@ def _init_runner(parent: int, nice: int, nudges: Any = None) -> None:
 
     if nice and hasattr(os, "nice"):
         os.nice(nice)
+    if names is not None:
+        os.environ[WORKER_NAME_ENV] = names.get(timeout=60)
+    if threads is not None:
+        os.environ.setdefault(THREADS_ENV, str(threads))
     if "fork" in multiprocessing.get_all_start_methods() and sys.platform == "linux":
         # This child was spawned, so processes it starts would be spawned too: a workload's
         # DataLoader workers would then re-import torch every epoch (seconds each) and need a
@@ -101,11 +113,33 @@ def _check_in_child(check_id: int) -> str:
     return str(run_check(check_id))
 
 
+def runner_names(runners: int) -> list[str]:
+    """The worker names of ``runners`` embedded runners: the first is ``embedded@host`` (the
+    name a lone runner always had), then ``embedded-2@host``..."""
+    host = socket.gethostname()
+    return [f"embedded@{host}"] + [f"embedded-{i}@{host}" for i in range(2, runners + 1)]
+
+
+def runner_threads(runners: int, settings: Settings) -> int | None:
+    """Torch threads per runner when there are several and none are set: all cores but one
+    (a lone runner's default), shared out."""
+    if runners == 1 or settings.torch_threads is not None:
+        return None
+    return max(1, ((os.cpu_count() or 2) - 1) // runners)
+
+
 class EmbeddedDispatcher:
-    """Runs packs in one spawned child process, one after another (FIFO)."""
+    """Runs packs in spawned child processes, each one pack at a time, in order (FIFO)."""
 
     def __init__(self, settings: Settings) -> None:
-        self.embedded_worker: str | None = f"embedded@{socket.gethostname()}"
+        # on a GPU every runner would plan packs for the whole device: one
+        runners = settings.embedded_runners if settings.device == "cpu" else 1
+        if settings.device == "auto" and not gpu_readings():
+            runners = settings.embedded_runners
+        self.runners = runners
+        self._names = runner_names(runners)
+        self.embedded_workers = frozenset(self._names)
+        self._threads = runner_threads(runners, settings)
         self._nice = settings.runner_nice
         self._device, self._memory_budget = settings.device, settings.cpu_memory_budget
         self._ctx = multiprocessing.get_context("spawn")
@@ -119,10 +153,13 @@ class EmbeddedDispatcher:
         self.notify: Callable[[], None] | None = None  # called when a job ends
 
     def start(self, workload: str | None = None) -> None:
-        """Start the child now (spawn and imports take ~1.5 s on a CPU) and warm it up; packs
-        enqueued meanwhile run after the warm-up, in order."""
+        """Start the children now (spawn and imports take ~1.5 s on a CPU) and warm them up;
+        packs enqueued meanwhile run after the warm-ups, in order."""
         if self._pool is None:
-            self.warm_up = self._executor().submit(_warm_up, workload)
+            pool = self._executor()
+            self.warm_up = pool.submit(_warm_up, workload)
+            for _ in range(self.runners - 1):  # one each (a fast one may take two: harmless)
+                pool.submit(_warm_up, workload)
 
     def _submit(self, arg: int, job: Callable[[int], str]) -> Future[str]:
         fut = self._executor().submit(job, arg)
@@ -133,11 +170,16 @@ class EmbeddedDispatcher:
         if self._pool is None:
             if self._nudges is None:
                 self._nudges = self._ctx.Event()
+            names = None
+            if self.runners > 1:
+                names = self._ctx.Queue()
+                for name in self._names:
+                    names.put(name)
             self._pool = ProcessPoolExecutor(
-                max_workers=1,
+                max_workers=self.runners,
                 mp_context=self._ctx,
                 initializer=_init_runner,
-                initargs=(os.getpid(), self._nice, self._nudges),
+                initargs=(os.getpid(), self._nice, self._nudges, names, self._threads),
             )
         return self._pool
 
@@ -176,18 +218,22 @@ class EmbeddedDispatcher:
         """Jobs submitted and not yet done."""
         return sum(not f.done() for f in self._jobs.values())
 
-    def runner_status(self) -> dict[str, Any] | None:
-        """The runner's heartbeat, written by the scheduler (the runner has no loop of its own
-        to send one): its device as NVML sees it (no torch in this process), and whether it
-        has a pack."""
+    def runner_statuses(self) -> list[dict[str, Any]]:
+        """The runners' heartbeats, written by the scheduler (a runner has no loop of its own
+        to send one): the device as NVML sees it (no torch in this process), and whether
+        each has a pack (as many as there are jobs out, first names first)."""
         gpus = gpu_readings() if self._device != "cpu" else []
-        return {
-            "name": self.embedded_worker,
-            "device_kind": gpus[0]["name"] if gpus else "cpu",
-            "gpus": gpus[:1],
-            "memory_budget": self._memory_budget,
-            "busy": self.busy() > 0,
-        }
+        busy = self.busy()
+        return [
+            {
+                "name": name,
+                "device_kind": gpus[0]["name"] if gpus else "cpu",
+                "gpus": gpus[:1],
+                "memory_budget": self._memory_budget,
+                "busy": i < busy,
+            }
+            for i, name in enumerate(self._names)
+        ]
 
     def nudge(self) -> None:
         """The running pack's watch reads its row at once (it looks every

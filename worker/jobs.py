@@ -41,7 +41,7 @@ from sqlalchemy.orm import Session
 from packtune.errors import QueueUnavailable, StoreUnavailable, error_cause
 from packtune.packing import MemoryModel, Unit, split_for_threads, split_in_two
 from packtune.rungs import rung_resource
-from packtune.settings import get_settings
+from packtune.settings import WORKER_NAME_ENV, get_settings
 from packtune.spec import StoredSpec, TrainingSettings
 from packtune.tuning import (
     CANCEL_CHECK_SECONDS,
@@ -65,8 +65,6 @@ from worker.execute import (
 )
 
 log = logging.getLogger(__name__)
-
-WORKER_NAME_ENV = "PACKTUNE_WORKER_NAME"
 
 
 class InjectedOutOfMemory(torch.cuda.OutOfMemoryError):

@@ -23,12 +23,10 @@ from typing import Any
 
 from rq import SimpleWorker
 
-from packtune.settings import get_settings
+from packtune.settings import WORKER_NAME_ENV, get_settings
 from service.bus import announce
 
 log = logging.getLogger(__name__)
-
-WORKER_NAME_ENV = "PACKTUNE_WORKER_NAME"
 
 
 def preflight() -> str | None:

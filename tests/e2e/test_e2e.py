@@ -2,7 +2,8 @@
 
 (a) embedded (``packtune serve``: SQLite, packs in a child process), packed;
 (b) the same study unpacked (``max_pack_size: 1``): same metrics, same best, more jobs;
-(c) PostgreSQL + Redis + ``packtune scheduler`` + two ``packtune worker`` processes.
+(c) PostgreSQL + Redis + ``packtune scheduler`` + two ``packtune worker`` processes;
+(d) (a) with two embedded runners.
 """
 
 from __future__ import annotations
@@ -128,6 +129,30 @@ def test_unpacked_study_gives_the_same_results_in_more_jobs(
     assert all(len(p["members"]) == 1 for p in unpacked["packs"])
     assert len(unpacked["packs"]) > len(embedded_packed["packs"])
     same_metrics(embedded_packed, unpacked)
+
+
+def test_two_embedded_runners_share_the_study_with_the_same_results(
+    embedded_packed: dict[str, Any], tmp_path: Path
+) -> None:
+    """``PACKTUNE_EMBEDDED_RUNNERS=2``: ``packtune serve``'s packs go to two runner processes,
+    each a worker of its own, and the study ends as with one."""
+    env = packtune_env(
+        database_url=f"sqlite:///{tmp_path / 'packtune.db'}",
+        checkpoint_dir=tmp_path / "ckpt",
+        scheduler_interval=0.2,
+        embedded_runners=2,
+        device="cpu",
+    )
+    log = tmp_path / "serve.log"
+    with serving(env, log) as url:
+        result = run_study(url, SPEC, log)
+        workers = httpx.get(f"{url}/api/workers").json()["data"]
+    check_result(SPEC, result)
+    names = {w["name"] for w in workers}
+    assert len(names) == 2 and all(n.startswith(("embedded@", "embedded-2@")) for n in names)
+    # several packs are ready at once (Hyperband's first rungs): the second runner takes one
+    assert {p["worker"] for p in result["packs"]} == names
+    same_metrics(embedded_packed, result)
 
 
 def test_postgres_redis_scheduler_and_two_workers(

@@ -38,7 +38,7 @@ class SyncDispatcher:
     """Runs each job at once, in this process; ``lose`` and ``fail`` simulate a broken queue."""
 
     def __init__(self, run: bool = True) -> None:
-        self.embedded_worker: str | None = "sync@test"
+        self.embedded_workers = frozenset({"sync@test"})
         self.enqueued: list[str] = []
         self.states: dict[str, tuple[JobState, str | None]] = {}
         self.run = run
@@ -84,14 +84,14 @@ class SyncDispatcher:
     def start(self, workload: str | None = None) -> None:
         pass
 
-    def runner_status(self) -> dict[str, Any] | None:
-        return {
-            "name": self.embedded_worker,
+    def runner_statuses(self) -> list[dict[str, Any]]:
+        return [{
+            "name": "sync@test",
             "device_kind": "cpu",
             "gpus": [],
             "memory_budget": get_settings().cpu_memory_budget,
             "busy": False,
-        }
+        }]  # fmt: skip
 
     def close(self) -> None:
         pass

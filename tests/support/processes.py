@@ -170,3 +170,11 @@ def children(pid: int) -> list[int]:
         except FileNotFoundError:
             continue  # the thread ended meanwhile
     return out
+
+
+def runner_identity(seconds: float) -> tuple[str | None, str | None]:
+    """Run in an embedded runner: after ``seconds`` (so that a second call goes to another
+    idle runner), its worker name and torch threads setting."""
+    time.sleep(seconds)
+    return os.environ.get("PACKTUNE_WORKER_NAME"), os.environ.get("PACKTUNE_TORCH_THREADS")
+

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ import pytest
 import yaml
 
 from packtune.settings import get_settings
-from tests.support.processes import children, gone, packtune_env
+from tests.support.processes import children, gone, packtune_env, runner_identity
 from worker.embedded import EmbeddedDispatcher
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")
@@ -71,6 +72,38 @@ def test_closed_while_warming_up_the_runner_is_stopped_at_once(
     dispatcher.close()
     assert time.monotonic() - began < 5.0
     assert all(gone(k) for k in kids)
+
+
+def test_two_runners_each_take_a_name_of_their_own_and_a_share_of_the_cores(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    clean_env.setenv("PACKTUNE_DEVICE", "cpu")
+    clean_env.setenv("PACKTUNE_EMBEDDED_RUNNERS", "2")
+    dispatcher = EmbeddedDispatcher(get_settings())
+    host = socket.gethostname()
+    assert dispatcher.embedded_workers == {f"embedded@{host}", f"embedded-2@{host}"}
+    dispatcher.start("digits-mlp")
+    try:
+        assert dispatcher.warm_up is not None and dispatcher.warm_up.result(timeout=120)
+        pool = dispatcher._executor()
+        # each call holds its runner a second: the second goes to the other one
+        calls = [pool.submit(runner_identity, 1.0) for _ in range(2)]
+        got = sorted(c.result(timeout=120) for c in calls)
+        threads = str(max(1, ((os.cpu_count() or 2) - 1) // 2))
+        assert got == [(f"embedded-2@{host}", threads), (f"embedded@{host}", threads)]
+        assert len(runners(os.getpid())) == 2
+        rows = dispatcher.runner_statuses()
+        assert [r["name"] for r in rows] == [f"embedded@{host}", f"embedded-2@{host}"]
+        assert not any(r["busy"] for r in rows)
+    finally:
+        dispatcher.close()
+
+
+def test_on_a_gpu_there_is_one_runner_whatever_the_setting(clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("PACKTUNE_DEVICE", "cuda")
+    clean_env.setenv("PACKTUNE_EMBEDDED_RUNNERS", "3")
+    dispatcher = EmbeddedDispatcher(get_settings())
+    assert dispatcher.embedded_workers == {f"embedded@{socket.gethostname()}"}
 
 
 def _marked(marker: str) -> list[int]:
