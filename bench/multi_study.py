@@ -6,8 +6,8 @@ Hyperband ``max_resource`` 81, 27, 9 or 3: 5 to 143 trials; distinct search spac
 but one with seed 0, so that units of the same workload and horizon may fuse) run on one
 fleet:
 
-- ``serve``: ``packtune serve`` with SQLite (the embedded default: one runner), the
-  studies POSTed to its API;
+- ``serve``: ``packtune serve`` with SQLite (the embedded default: one runner; with
+  ``--runners N``, N in the ``new`` variant), the studies POSTed to its API;
 - ``rq:N``: PostgreSQL + Redis + one ``packtune scheduler`` + N ``packtune worker``, the
   studies inserted and the scheduler woken as the API does.
 

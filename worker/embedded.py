@@ -58,7 +58,7 @@ def _init_runner(
     if nice and hasattr(os, "nice"):
         os.nice(nice)
     if names is not None:
-        os.environ[WORKER_NAME_ENV] = names.get(timeout=60)
+        os.environ[WORKER_NAME_ENV] = names.get()
     if threads is not None:
         os.environ.setdefault(THREADS_ENV, str(threads))
     if "fork" in multiprocessing.get_all_start_methods() and sys.platform == "linux":
@@ -147,6 +147,7 @@ class EmbeddedDispatcher:
         #: five named semaphores would otherwise outlive a ``packtune run`` that ends with
         #: ``os._exit``, and multiprocessing's tracker would warn of them)
         self._nudges: Any = None
+        self._names_queue: Any = None  # the runners' names, as long as their pool lives
         self._pool: ProcessPoolExecutor | None = None
         self._jobs: dict[str, Future[str]] = {}
         self.warm_up: Future[str] | None = None
@@ -171,8 +172,8 @@ class EmbeddedDispatcher:
             if self._nudges is None:
                 self._nudges = self._ctx.Event()
             names = None
-            if self.runners > 1:
-                names = self._ctx.Queue()
+            if self.runners > 1:  # each child takes one at start (a replaced pool: anew)
+                names = self._names_queue = self._ctx.SimpleQueue()
                 for name in self._names:
                     names.put(name)
             self._pool = ProcessPoolExecutor(
@@ -254,3 +255,4 @@ class EmbeddedDispatcher:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
         self._nudges = None  # the last reference: its semaphores are unlinked now
+        self._names_queue = None

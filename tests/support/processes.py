@@ -177,4 +177,3 @@ def runner_identity(seconds: float) -> tuple[str | None, str | None]:
     idle runner), its worker name and torch threads setting."""
     time.sleep(seconds)
     return os.environ.get("PACKTUNE_WORKER_NAME"), os.environ.get("PACKTUNE_TORCH_THREADS")
-
