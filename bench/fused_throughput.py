@@ -5,7 +5,11 @@
 - ``serial``: k plain runs (``torch.optim``) one after another — what one
   trial per job, or Optuna in one process, gives;
 - ``concurrent``: k plain runs in k processes at once on the same device —
-  what Ray Tune's fractional GPUs (``num_gpus=1/k``) give.
+  what Ray Tune's fractional GPUs (``num_gpus=1/k``) give;
+- ``hand-fused`` (asked for by ``--variants``): the fused array in mode ``bmm``, which for
+  a CNN (an ``nn.Sequential``) runs HFTA's fused convolutions (k members' Conv2d as one
+  grouped convolution, BatchNorm2d over k*C channels) instead of vmap's rule; n/a for a
+  model that is not such a chain.
 
 Every variant trains the same models on the same batches, timing only the
 optimizer steps (after one warm-up step). The variants are interleaved
@@ -34,6 +38,8 @@ from packtune.workloads import get_workload
 from worker.fused import FusedArray
 
 VARIANTS = ("fused", "serial", "concurrent")
+#: variants run only when asked for
+EXTRA_VARIANTS = ("hand-fused",)
 
 #: workload -> structural config used for the benchmark, per device type
 CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
@@ -59,11 +65,11 @@ def member_config(base: dict[str, Any], j: int, k: int) -> dict[str, Any]:
 
 
 def fused_seconds(
-    name: str, base: dict[str, Any], k: int, steps: int, device: torch.device
+    name: str, base: dict[str, Any], k: int, steps: int, device: torch.device, mode: str = "auto"
 ) -> float:
     workload = get_workload(name)
     members = [(j, member_config(base, j, k)) for j in range(k)]
-    array = FusedArray(workload, members, device=device)
+    array = FusedArray(workload, members, device=device, mode=mode)  # type: ignore[arg-type]
     batches = [b.to(device) for b in workload.batch_indices(array.config, 0)]
     array.train_step(batches[0])
     sync(device)
@@ -72,6 +78,14 @@ def fused_seconds(
         array.train_step(batches[(s + 1) % len(batches)])
     sync(device)
     return time.perf_counter() - start
+
+
+def hand_fusable(name: str, base: dict[str, Any]) -> bool:
+    """The workload's model is a chain the ``bmm`` mode fuses by hand, convolutions too."""
+    from worker.fused_forward import bmm_plan
+
+    workload = get_workload(name)
+    return bmm_plan(workload.build_model(member_config(base, 0, 1)), convs=True) is not None
 
 
 def serial_seconds(
@@ -150,8 +164,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     for variant in args.variants[shift:] + args.variants[:shift]:
                         if variant == "concurrent" and k > args.max_concurrent:
                             continue
-                        if variant == "fused":
-                            seconds = fused_seconds(name, base, k, steps, device)
+                        if variant == "hand-fused" and not hand_fusable(name, base):
+                            continue
+                        if variant in ("fused", "hand-fused"):
+                            mode = "bmm" if variant == "hand-fused" else "auto"
+                            seconds = fused_seconds(name, base, k, steps, device, mode)
                         elif variant == "serial":
                             seconds = serial_seconds(name, base, k, steps, device)
                         else:
@@ -176,6 +193,9 @@ def report(results: dict[str, Any], variants: list[str]) -> list[str]:
     header = ["workload", "k", *[f"{v} (trial-steps/s)" for v in variants]]
     ratios = [v for v in ("serial", "concurrent") if v in variants and "fused" in variants]
     header += [f"fused / {v}" for v in ratios]
+    hand = "hand-fused" in variants and "fused" in variants
+    if hand:
+        header.append("hand-fused / fused")
     rows = []
     for name, data in results.items():
         # saved JSON has its keys sorted as strings ("1", "16", "2", ...): order them by k
@@ -189,6 +209,9 @@ def report(results: dict[str, Any], variants: list[str]) -> list[str]:
                     *[f"{m['fused'] / m[v]:.2f}x" if samples[v] else "n/a" for v in ratios],
                 ]
             )
+            if hand:
+                ok = samples["hand-fused"] and samples["fused"]
+                rows[-1].append(f"{m['hand-fused'] / m['fused']:.2f}x" if ok else "n/a")
     configs = "; ".join(
         f"{n}: {d['config'] or 'defaults'}, {d['steps']} timed steps per trial"
         for n, d in results.items()
@@ -201,7 +224,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--workloads", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--ks", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32])
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS),
+                        choices=VARIANTS + EXTRA_VARIANTS)  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=None, help="timed steps per trial")
     parser.add_argument(

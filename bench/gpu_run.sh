@@ -35,6 +35,11 @@ timeout 150 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider \
 [ "${A_TIMEOUT:-270}" = 0 ] || timeout "${A_TIMEOUT:-270}" python3 -m bench.fused_throughput --device cuda --repeats 2 \
     --target "${A_TARGET:-0.15}" --out-dir "$OUT" --no-append 2>&1 | tee "$OUT/a_gpu.log" | tail -22
 
+# 2b. benchmark a, digits-cnn: HFTA's hand-fused convolutions against vmap's rule (A2_TIMEOUT=0 skips)
+[ "${A2_TIMEOUT:-90}" = 0 ] || timeout "${A2_TIMEOUT:-90}" python3 -m bench.fused_throughput --device cuda \
+    --workloads digits-cnn --variants fused hand-fused serial --ks 8 32 --repeats 2 \
+    --target "${A_TARGET:-0.15}" --out-dir "$OUT/a2" --no-append 2>&1 | tee "$OUT/a2_gpu.log" | tail -6
+
 # 3. benchmark b: the digits-mlp study packed vs unpacked on the GPU, with SQLite:
 #    `packtune run` (embedded) and a running `packtune serve` (serve)
 timeout "${B_TIMEOUT:-170}" python3 -m bench.study_walltime --modes ${B_MODES:-embedded serve} \

@@ -190,7 +190,7 @@ def stack_of(workload: Workload, template: nn.Module, mode: str, stochastic: boo
     """How a stack of ``template``'s members runs in ``mode`` (``bmm``, ``vmap``, ``serial``)."""
     stacked = workload.per_member_batches
     if mode == "bmm":
-        plan = bmm_plan(template)
+        plan = bmm_plan(template, convs=True)
         assert plan is not None
         forward, train_forward = bmm_forward(plan), bmm_forward(plan, stacked=True)
     elif mode == "vmap":
@@ -221,7 +221,7 @@ def _forwards(
     grows that (digits-cnn: 13% apart after two epochs at lr 0.08), so the result would
     depend on the pack. The hand-fused ``bmm`` path rounds like one model's in bf16 too.
     """
-    plan = None if workload.custom_step else bmm_plan(template)
+    plan = None if workload.custom_step else bmm_plan(template, convs=mode == "bmm")
     if mode == "auto":
         if stochastic:
             mode = "serial"  # each member draws from its own stream alone, as when unpacked

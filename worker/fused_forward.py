@@ -10,7 +10,8 @@ Three ways to run the stack (:mod:`worker.fused` picks one per array):
   run. ``torch.func.replace_all_batch_norm_modules_`` is *not* used: it stops
   tracking the statistics, and eval-mode results would then differ.
 - ``bmm``: hand-fused for ``nn.Sequential`` stacks of Linear, BatchNorm1d,
-  element-wise activations, Dropout and Flatten. Linear layers are
+  element-wise activations, Dropout and Flatten (and, asked for, Conv2d,
+  BatchNorm2d and 2-d pooling: :func:`bmm_plan`'s ``convs``). Linear layers are
   ``torch.baddbmm`` over ``[k, B, in]`` activations (the shared input is
   expanded, not copied); BatchNorm runs as one ``F.batch_norm`` over ``k*C``
   channels. (One ``[B, in] @ [in, k*out]`` matmul for the first layer measured
@@ -36,6 +37,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 from torch.nn import functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from worker.batches import tree_map
 
@@ -49,13 +51,18 @@ _POINTWISE = (
     nn.Mish, nn.Tanh, nn.Sigmoid, nn.Softplus, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid,
     nn.Dropout, nn.AlphaDropout,
 )  # fmt: skip
+# 2-d pooling: each channel alone, so it applies unchanged to k*C channels
+_POOLING = (nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
 
 
-def bmm_plan(model: nn.Module) -> list[tuple[str, nn.Module, str]] | None:
+def bmm_plan(model: nn.Module, convs: bool = False) -> list[tuple[str, nn.Module, str]] | None:
     """``(kind, module, name prefix)`` steps of a hand-fusable model, or ``None``.
 
     Fusable: an ``nn.Sequential`` (nested ones too) of Linear, BatchNorm1d
-    with a momentum, element-wise activations, Dropout and ``Flatten()``.
+    with a momentum, element-wise activations, Dropout and ``Flatten()``; with
+    ``convs``, also Conv2d (zero padding), BatchNorm2d with a momentum and 2-d
+    pooling (HFTA's fused convolutions: k members' Conv2d as one grouped
+    convolution, BatchNorm2d as one over k*C channels, pooling over k*C channels).
     """
     steps: list[tuple[str, nn.Module, str]] = []
 
@@ -66,6 +73,12 @@ def bmm_plan(model: nn.Module) -> list[tuple[str, nn.Module, str]] | None:
             steps.append(("linear", module, prefix))
         elif isinstance(module, nn.BatchNorm1d) and module.momentum is not None:
             steps.append(("batch_norm", module, prefix))
+        elif convs and type(module) is nn.Conv2d and module.padding_mode == "zeros":
+            steps.append(("conv", module, prefix))
+        elif convs and type(module) is nn.BatchNorm2d and module.momentum is not None:
+            steps.append(("batch_norm", module, prefix))
+        elif convs and type(module) in _POOLING and not getattr(module, "return_indices", False):
+            steps.append(("pool", module, prefix))
         elif isinstance(module, nn.Flatten) and (module.start_dim, module.end_dim) == (1, -1):
             steps.append(("flatten", module, prefix))
         elif type(module) in _POINTWISE:
@@ -78,9 +91,9 @@ def bmm_plan(model: nn.Module) -> list[tuple[str, nn.Module, str]] | None:
 
 
 def _stacked_batch_norm(
-    h: Tensor, bn: nn.BatchNorm1d, params: dict[str, Tensor], buffers: dict[str, Tensor], pre: str
+    h: Tensor, bn: _BatchNorm, params: dict[str, Tensor], buffers: dict[str, Tensor], pre: str
 ) -> Tensor:
-    """BatchNorm1d of ``[k, B, C, ...]`` as one ``F.batch_norm`` over ``k*C`` channels."""
+    """BatchNorm1d/2d of ``[k, B, C, ...]`` as one ``F.batch_norm`` over ``k*C`` channels."""
     k, batch, channels = h.shape[:3]
     track = bn.track_running_stats
     if bn.training and track:
@@ -95,6 +108,32 @@ def _stacked_batch_norm(
         bn.training or not track, bn.momentum or 0.0, bn.eps,
     )  # fmt: skip
     return out.reshape(batch, k, channels, *h.shape[3:]).movedim(1, 0)
+
+
+def _channels_of_all(h: Tensor) -> Tensor:
+    """``[k, B, C, H, W]`` as ``[B, k*C, H, W]`` (free when ``h`` came from that layout)."""
+    k, batch = h.shape[:2]
+    return h.movedim(0, 1).reshape(batch, k * h.shape[2], *h.shape[3:])
+
+
+def _members_of(flat: Tensor, k: int) -> Tensor:
+    """``[B, k*C, H, W]`` back as ``[k, B, C, H, W]`` (a view)."""
+    batch, channels = flat.shape[:2]
+    return flat.view(batch, k, channels // k, *flat.shape[2:]).movedim(1, 0)
+
+
+def _stacked_conv(h: Tensor, conv: nn.Conv2d, params: dict[str, Tensor], pre: str) -> Tensor:
+    """k members' Conv2d of ``[k, B, C, H, W]`` as one convolution of ``k * groups``
+    groups over ``[B, k*C, H, W]``: each group sees one member's channels and weights."""
+    k = h.shape[0]
+    weight = params[pre + "weight"]  # [k, O, C / groups, kh, kw]
+    bias = params.get(pre + "bias")
+    out = F.conv2d(
+        _channels_of_all(h), weight.reshape(-1, *weight.shape[2:]),
+        None if bias is None else bias.reshape(-1),
+        conv.stride, conv.padding, conv.dilation, k * conv.groups,
+    )  # fmt: skip
+    return _members_of(out, k)
 
 
 class _StackedLinear(torch.autograd.Function):
@@ -143,8 +182,13 @@ def bmm_forward(plan: list[tuple[str, nn.Module, str]], stacked: bool = False) -
             if kind == "linear":
                 h = _StackedLinear.apply(h, params[pre + "weight"], params.get(pre + "bias"))
             elif kind == "batch_norm":
-                assert isinstance(module, nn.BatchNorm1d)
+                assert isinstance(module, _BatchNorm)
                 h = _stacked_batch_norm(h, module, params, buffers, pre)
+            elif kind == "conv":
+                assert isinstance(module, nn.Conv2d)
+                h = _stacked_conv(h, module, params, pre)
+            elif kind == "pool":  # over each of the k*C channels alone
+                h = _members_of(module(_channels_of_all(h)), k)
             else:
                 h = module(h)
         return h.expand(k, *h.shape) if shared else h

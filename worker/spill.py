@@ -64,7 +64,7 @@ def stack_forward(sub: nn.Sequential, mode: str, stacked: bool) -> Forward:
     """The forward of a stack over the layers ``sub`` (a part of its template) in ``mode``:
     from the shared batch, or with ``stacked`` from the members' own inputs."""
     if mode == "bmm":
-        plan = bmm_plan(sub)
+        plan = bmm_plan(sub, convs=True)
         if plan is not None:
             return bmm_forward(plan, stacked=stacked)
         mode = "vmap"

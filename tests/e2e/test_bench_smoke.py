@@ -35,6 +35,18 @@ def test_fused_throughput_quick(capsys: pytest.CaptureFixture[str]) -> None:
     assert "| synthetic-mlp | 1 |" in out and "| synthetic-mlp | 2 |" in out
 
 
+def test_fused_throughput_hand_fused_convolutions_quick(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from bench import fused_throughput
+
+    fused_throughput.main(["--quick", "--workloads", "digits-cnn", "--variants", "fused",
+                           "hand-fused", "--ks", "2"])  # fmt: skip
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| digits-cnn | 2 |"))
+    assert row.rstrip(" |").endswith("x"), row  # hand-fused / fused, both measured
+
+
 def test_spill_quick(tmp_path: Path) -> None:
     from bench import spill
 

@@ -108,6 +108,9 @@ CASES = [
     (TinyCNN, {}, "vmap"),
     (TinyCNN, {"batch_norm": True}, "vmap"),
     (TinyCNN, {"batch_norm": True}, "serial"),
+    # hand-fused convolutions: one grouped Conv2d, BatchNorm2d over k*C channels
+    (TinyCNN, {}, "bmm"),
+    (TinyCNN, {"batch_norm": True}, "bmm"),
 ]
 OPTIMIZERS = [("sgd", False), ("sgd", True), ("adam", False), ("adamw", False)]
 
@@ -176,8 +179,27 @@ def test_auto_mode_picks_by_model_and_size():
     assert FusedArray(mlp, two).mode == "bmm"
     assert FusedArray(cnn, two).mode == "vmap"
     assert FusedArray(cnn, two[:1]).mode == "serial"
+    assert FusedArray(cnn, two, mode="bmm").mode == "bmm"  # fused convolutions, asked for
     with pytest.raises(ValueError, match="hand-fusable"):
-        FusedArray(cnn, two, mode="bmm")
+        FusedArray(WrappedCNN(), two, mode="bmm")
+
+
+class _Wrapper(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)  # type: ignore[no-any-return]
+
+
+class WrappedCNN(TinyCNN):
+    """TinyCNN's chain inside a module of its own: not a chain the bmm mode can follow."""
+
+    name = "tiny-cnn-wrapped"
+
+    def build_model(self, config: dict[str, Any]) -> torch.nn.Module:
+        return _Wrapper(super().build_model(config))
 
 
 def test_members_must_share_structure_and_step():
@@ -260,3 +282,68 @@ def test_built_in_stacked_losses_match_their_per_member_losses(name, extra):
         (ref,) = torch.autograd.grad(loop.sum(), out)
         assert torch.allclose(stacked, loop, rtol=tol, atol=tol), (dtype, stacked, loop)
         assert torch.allclose(grad, ref, rtol=tol, atol=tol), dtype
+
+
+def test_convolutions_are_hand_fused_only_when_asked_and_only_plain_ones() -> None:
+    from torch import nn
+
+    from worker.fused_forward import bmm_plan
+
+    cnn = TinyCNN().build_model({"batch_norm": True})
+    assert bmm_plan(cnn) is None  # auto mode: vmap, as before
+    plan = bmm_plan(cnn, convs=True)
+    assert plan is not None
+    assert [kind for kind, _, _ in plan] == [
+        "conv", "batch_norm", "pointwise", "pool", "flatten", "linear"
+    ]  # fmt: skip
+    for odd in (
+        nn.Conv2d(1, 2, 3, padding=1, padding_mode="reflect"),
+        nn.MaxPool2d(2, return_indices=True),
+        nn.Conv1d(1, 2, 3),
+        nn.BatchNorm2d(2, momentum=None),
+    ):
+        assert bmm_plan(nn.Sequential(odd, nn.Flatten()), convs=True) is None, odd
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_hand_fused_convolutions_equal_each_member_alone(stacked: bool) -> None:
+    """Strides, dilation, groups, no bias, BatchNorm2d in training, average and adaptive
+    pooling: the fused forward, its gradients and the running statistics are each member's
+    own (float64, to rounding)."""
+    from torch import nn
+    from torch.func import functional_call, stack_module_state
+
+    from worker.fused_forward import bmm_forward, bmm_plan
+
+    def build(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(
+            nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.Conv2d(8, 8, 3, padding=2, dilation=2, groups=2, bias=False),
+            nn.AvgPool2d(2), nn.Conv2d(8, 4, 1), nn.AdaptiveMaxPool2d(1), nn.Flatten(),
+            nn.Linear(4, 3),
+        ).double()  # fmt: skip
+
+    k = 3
+    models = [build(seed) for seed in range(k)]
+    params, buffers = stack_module_state(models)  # type: ignore[arg-type]
+    params = {n: p.detach().requires_grad_() for n, p in params.items()}
+    torch.manual_seed(7)
+    x = torch.randn(k, 5, 3, 12, 12, dtype=torch.float64) if stacked else torch.randn(
+        5, 3, 12, 12, dtype=torch.float64
+    )  # fmt: skip
+    plan = bmm_plan(models[0], convs=True)
+    assert plan is not None
+    out = bmm_forward(plan, stacked=stacked)(params, buffers, x)
+    out.pow(2).sum().backward()
+    for j, model in enumerate(models):
+        mine = {n: p[j] for n, p in params.items()}
+        alone = functional_call(model, dict(model.named_parameters()), (x[j] if stacked else x,))
+        assert torch.allclose(out[j], alone, rtol=1e-10, atol=1e-12), j
+        alone.pow(2).sum().backward()
+        for name, p in model.named_parameters():
+            assert p.grad is not None
+            assert torch.allclose(params[name].grad[j], p.grad, rtol=1e-9, atol=1e-12), name
+            assert torch.equal(mine[name].detach(), p.detach())
+        for name, b in model.named_buffers():
+            assert torch.allclose(buffers[name][j], b, rtol=1e-12, atol=0), name

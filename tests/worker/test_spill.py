@@ -53,7 +53,7 @@ def shards(array: FusedArray) -> list[int]:
 # budgets small enough to cut the tiny models into several shards (a stack of one member,
 # serial mode, needs a third of a stack of three); the data set (~4 KB) comes off them
 MLP_BUDGET, SERIAL_MLP_BUDGET = 200_000, 80_000
-CNN_BUDGET = {"vmap": 1_000_000, "serial": 380_000}
+CNN_BUDGET = {"vmap": 1_000_000, "bmm": 1_000_000, "serial": 380_000}
 
 
 @pytest.mark.parametrize(
@@ -77,7 +77,7 @@ def test_spilled_mlp_trains_as_in_memory(extra: dict[str, Any], mode: str, budge
     assert spilled.spill_notes() and "shards" in spilled.spill_notes()[0]
 
 
-@pytest.mark.parametrize("mode", ["vmap", "serial"])
+@pytest.mark.parametrize("mode", ["vmap", "bmm", "serial"])  # bmm: fused convolutions
 def test_spilled_cnn_trains_as_in_memory(mode: str) -> None:
     cnn = TinyCNN()
     extra = {"batch_norm": True, "channels": 6, "optimizer": "sgd", "momentum": 0.9}
