@@ -114,10 +114,11 @@ def test_study_walltime_quick_serve(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_multi_study_quick_serve(tmp_path: Path) -> None:
-    """bench g: three tiny studies on one ``packtune serve``, one after another, at once, and
-    a small one behind a large one, with today's scheduler and the new one; every study
-    completes in every run. (The staggered pattern differs from at-once only in its sleeps:
-    left to the full bench, for the suite's time.)"""
+    """bench g: three tiny studies on one ``packtune serve``, one after another with today's
+    scheduler, then at once and a small one behind a large one with the new one on two
+    embedded runners; every study completes in every run. (``today`` at once and the
+    staggered pattern differ from these only in settings and sleeps: left to the full
+    bench, for the suite's time.)"""
     from bench import multi_study
 
     multi_study.main(
@@ -125,9 +126,14 @@ def test_multi_study_quick_serve(tmp_path: Path) -> None:
             "--quick",
             "--modes",
             "serve",
+            "--variants",
+            "sequential",
+            "new",
             "--patterns",
             "at-once",
             "behind",
+            "--runners",
+            "2",
             "--out-dir",
             str(tmp_path),
         ]
@@ -135,8 +141,9 @@ def test_multi_study_quick_serve(tmp_path: Path) -> None:
     data = json.loads(next(tmp_path.glob("multi_study_*.json")).read_text())
     runs = data["runs"]["serve"]
     assert [multi_study.label(r) for r in runs] == [
-        "sequential", "today at-once", "new at-once", "today behind", "new behind",
+        "sequential", "new (2 runners) at-once", "new (2 runners) behind",
     ]  # fmt: skip
+    assert [r["workers"] for r in runs] == [1, 2, 2]
     names = [m["name"] for m in data["fleet"]]
     small = next(m["name"] for m in data["fleet"] if m["small"])
     for run in runs:
@@ -145,7 +152,7 @@ def test_multi_study_quick_serve(tmp_path: Path) -> None:
         assert all(s["status"] == "completed" and s["best"] is not None for s in run["studies"])
         assert 0 < run["busy_fraction"] <= 1.0 + 1e-6 and run["makespan"] > 0
         # training is part of the packs' time: at most the device's whole busy time
-        busy = run["busy_fraction"] * run["makespan"]
+        busy = run["busy_fraction"] * run["makespan"] * run["workers"]
         assert 0 < run["train_seconds"] <= busy + 0.05, run
         assert 0 <= run["packs_gave_up"] + run["packs_withdrawn"] <= run["packs"]
         assert 0 < run["machine_busy"] <= 1.0  # studies trained: the machine was busy
