@@ -164,7 +164,7 @@ def serve_fleet(workdir: Path, settings: dict[str, str], device: str) -> Iterato
                     raise RuntimeError(f"POST /api/studies: {r.status_code} {r.text[:500]}")
                 return int(r.json()["id"])
 
-            yield Fleet(url, int(settings.get("embedded_runners", 1)), submit)
+            yield Fleet(url, runners_of(settings), submit)
     finally:
         _stop([proc])
 
@@ -355,10 +355,15 @@ def _percent(share: float | None) -> str:
     return "-" if share is None else f"{100 * share:.0f}%"
 
 
+def runners_of(settings: dict[str, str]) -> int:
+    """The embedded runners a run's service settings give serve (1 unless set)."""
+    return int(settings.get("embedded_runners", 1))
+
+
 def label(run: dict[str, Any]) -> str:
     if run["variant"] == "sequential":
         return "sequential"
-    runners = int(run.get("settings", {}).get("embedded_runners", 1))
+    runners = runners_of(run.get("settings", {}))
     more = f" ({runners} runners)" if runners > 1 else ""
     return f"{run['variant']}{more} {run['pattern']}"
 

@@ -136,13 +136,12 @@ def quality_rows() -> Iterator[Row]:
 def multi_rows() -> Iterator[Row]:
     """Many studies on one fleet: makespan against the studies one after another, and a
     small study's time behind a large one against its time alone."""
+    from bench.multi_study import runners_of
+
     for _, (path, data) in sorted(newest("multi_study_*.json").items()):
         for name, summary in sorted(data["summary"].items()):
-            runners = max(
-                (int(r.get("settings", {}).get("embedded_runners", 1))
-                 for r in data.get("runs", {}).get(name, [])),
-                default=1,
-            )  # fmt: skip
+            runs = data.get("runs", {}).get(name, [])
+            runners = max((runners_of(r.get("settings", {})) for r in runs), default=1)
             mode = f"{name} (new: {runners} runners)" if runners > 1 else name
             at_once = summary.get("at-once") or {}
             ratio = at_once.get("sequential_over_new")

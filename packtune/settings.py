@@ -9,6 +9,7 @@ one line naming the variable.
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -19,6 +20,13 @@ ENV_PREFIX = "PACKTUNE_"
 #: the worker name a job claims packs under (set by ``packtune worker`` and the embedded
 #: runners for their jobs; not a setting)
 WORKER_NAME_ENV = f"{ENV_PREFIX}WORKER_NAME"
+
+
+def default_torch_threads(share: int = 1) -> int:
+    """Torch threads of a worker when ``torch_threads`` is unset: all cores but one (small
+    models gain nothing from more, and the scheduler needs a core), divided between
+    ``share`` processes training side by side (at least one each)."""
+    return max(1, ((os.cpu_count() or 2) - 1) // share)
 
 
 class SettingsError(ValueError):

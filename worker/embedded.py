@@ -28,7 +28,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from packtune.dispatcher import JobState
-from packtune.settings import ENV_PREFIX, WORKER_NAME_ENV, Settings
+from packtune.settings import ENV_PREFIX, WORKER_NAME_ENV, Settings, default_torch_threads
 from worker.gpu import gpu_readings
 
 THREADS_ENV = f"{ENV_PREFIX}TORCH_THREADS"
@@ -125,7 +125,7 @@ def runner_threads(runners: int, settings: Settings) -> int | None:
     (a lone runner's default), shared out."""
     if runners == 1 or settings.torch_threads is not None:
         return None
-    return max(1, ((os.cpu_count() or 2) - 1) // runners)
+    return default_torch_threads(share=runners)
 
 
 class EmbeddedDispatcher:
@@ -133,13 +133,11 @@ class EmbeddedDispatcher:
 
     def __init__(self, settings: Settings) -> None:
         # on a GPU every runner would plan packs for the whole device: one
-        runners = settings.embedded_runners if settings.device == "cpu" else 1
-        if settings.device == "auto" and not gpu_readings():
-            runners = settings.embedded_runners
-        self.runners = runners
-        self._names = runner_names(runners)
+        on_cpu = settings.device == "cpu" or (settings.device == "auto" and not gpu_readings())
+        self.runners = settings.embedded_runners if on_cpu else 1
+        self._names = runner_names(self.runners)
         self.embedded_workers = frozenset(self._names)
-        self._threads = runner_threads(runners, settings)
+        self._threads = runner_threads(self.runners, settings)
         self._nice = settings.runner_nice
         self._device, self._memory_budget = settings.device, settings.cpu_memory_budget
         self._ctx = multiprocessing.get_context("spawn")

@@ -41,7 +41,7 @@ from sqlalchemy.orm import Session
 from packtune.errors import QueueUnavailable, StoreUnavailable, error_cause
 from packtune.packing import MemoryModel, Unit, split_for_threads, split_in_two
 from packtune.rungs import rung_resource
-from packtune.settings import WORKER_NAME_ENV, get_settings
+from packtune.settings import WORKER_NAME_ENV, default_torch_threads, get_settings
 from packtune.spec import StoredSpec, TrainingSettings
 from packtune.tuning import (
     CANCEL_CHECK_SECONDS,
@@ -51,7 +51,7 @@ from packtune.tuning import (
 )
 from service import store
 from service.db import DATABASE_ERRORS, retrying
-from service.models import CheckStatus, Pack, PackStatus, StudyStatus, TrialStatus
+from service.models import CheckStatus, Pack, PackStatus, StudyStatus, Trial, TrialStatus
 from worker.execute import (
     ArrayJob,
     ArrayRun,
@@ -75,7 +75,7 @@ def pick_device() -> torch.device:
     settings = get_settings()
     # Small models gain nothing from many threads, and on a busy 2-core box two torch
     # threads fighting the scheduler for a core ran ~10x slower than one.
-    torch.set_num_threads(settings.torch_threads or max(1, (os.cpu_count() or 2) - 1))
+    torch.set_num_threads(settings.torch_threads or default_torch_threads())
     if settings.device == "cuda" or (settings.device == "auto" and torch.cuda.is_available()):
         from worker.gpu import warn_if_cuda_without_nvml
 
@@ -93,10 +93,9 @@ def _load(pack_id: int, worker: str, device: torch.device) -> list[ArrayJob] | N
     return retrying(lambda s: _claim(s, pack_id, worker, device))
 
 
-def _finished_before(s: Session, pack: Pack) -> bool:
-    """Every member of the pack is past its unit's start: an earlier attempt trained it
-    (and, for some, another pack since)."""
-    trials = {t.id: t for t in store.trials_by_id(s, [m.trial_id for m in pack.members])}
+def _finished_before(pack: Pack, trials: dict[int, Trial]) -> bool:
+    """Every member of the pack is past its unit's start (``trials``: the members' rows): an
+    earlier attempt trained it (and, for some, another pack since)."""
     return all(
         m.trial_id in trials and trials[m.trial_id].resource_done > m.from_resource + 1e-9
         for m in pack.members
@@ -110,12 +109,12 @@ def _claim(s: Session, pack_id: int, worker: str, device: torch.device) -> list[
     # members still queued, or running from an earlier run of this job, at the unit's start;
     # not those cancelled, finished by an earlier attempt, or moved on to another pack
     members = store.unfinished_members(s, pack)
-    if not members and _finished_before(s, pack):
+    trials = {t.id: t for t in store.trials_by_id(s, [m.trial_id for m in pack.members])}
+    if not members and _finished_before(pack, trials):
         # an earlier attempt trained every unit and its process died before closing the
         # pack (e.g. killed between its units' ends and this): the work is done
         store.finish_pack(s, pack, PackStatus.completed)
         return None
-    trials = {t.id: t for t in store.trials_by_id(s, [m.trial_id for m in pack.members])}
     studies = {i: store.get_study(s, i) for i in sorted({t.study_id for t in trials.values()})}
     ended = (StudyStatus.cancelled, StudyStatus.failed, StudyStatus.completed)
     live = {i: study for i, study in studies.items() if study.status not in ended}
