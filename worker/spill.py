@@ -269,13 +269,19 @@ class SpilledGroup(Group):
         x, y = batch
         shards = self._plan(x)
         last, shared = len(shards) - 1, not self.stack.stacked
-        kept: list[tuple[Tensor, dict[str, Tensor], tuple[Tensor, Tensor | None]]] = []
-        # forward 0..last, then the backward's recompute last-1..0
+        kept: list[tuple[Tensor, dict[str, Tensor], tuple[Tensor, Tensor | None] | None]] = []
+        # forward 0..last, then the backward's recompute last-1..0. Only a stochastic stack
+        # (trained under GLOBAL_RNG) saves and restores torch's global generator for the
+        # recompute: another stack's restore, unlocked, would rewind the generator under an
+        # array being built in another thread (its members' initial weights then drawn from
+        # the wrong point of the stream; seen as a spilled array in one thread and a fresh one
+        # in another ending 0.1% apart from their runs alone)
         walk = self._walk([*range(last + 1), *range(last - 1, -1, -1)])
         h = x
         for j, shard in enumerate(shards[:last]):
             params, buffers = next(walk)
-            kept.append((h, {n: b.clone() for n, b in buffers.items()}, self._rng_state()))
+            rng = self._rng_state() if self.stochastic else None
+            kept.append((h, {n: b.clone() for n, b in buffers.items()}, rng))
             with torch.no_grad(), self.autocast():
                 h = shard.forward(j == 0 and shared)(params, buffers, h)
             self._return_buffers(shard, buffers)
@@ -295,7 +301,8 @@ class SpilledGroup(Group):
         for j in range(last - 1, -1, -1):
             params, _ = next(walk)
             inputs, scratch, rng = kept[j]
-            self._set_rng_state(rng)
+            if rng is not None:
+                self._set_rng_state(rng)
             h = inputs.detach().requires_grad_(j > 0)
             leaves = {n: p.detach().requires_grad_(p.requires_grad) for n, p in params.items()}
             with self.autocast():
