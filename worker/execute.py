@@ -383,9 +383,10 @@ def run_array(
 
     # Epochs' reports are written together, at most RECORD_EVERY_S apart (one transaction
     # for many short epochs), and all of them before the unit's end is: its rung decision
-    # reads them. A divergence is written at once.
+    # reads them. The first epoch and a divergence are written at once (the dashboard sees
+    # a run start; a unit killed after its first epoch is seen to have been cut short).
     unwritten: list[Report] = []
-    written_at = time.perf_counter()
+    written_at = -math.inf
 
     def flush() -> None:
         nonlocal written_at
