@@ -66,7 +66,12 @@ class PlainRun:
 
     def step(self, index: torch.Tensor) -> torch.Tensor:
         x, y = self.train.x[index], self.train.y[index]
-        loss = self.workload.loss(self.model(x), y)
+        if self.config.get("precision") == "bf16":  # as packtune's bf16: the forward only
+            with torch.autocast(self.device.type, dtype=torch.bfloat16):
+                out = self.model(x)
+            loss = self.workload.loss(out.float(), y)
+        else:
+            loss = self.workload.loss(self.model(x), y)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
@@ -106,13 +111,17 @@ def timed_steps(run: PlainRun, steps: int, warmup: int = 1) -> float:
     return time.perf_counter() - start
 
 
-def serve(conn: Connection, threads: int) -> None:
+def serve(conn: Connection, threads: int, tf32: bool | None = None) -> None:
     """A long-lived process of the concurrent variant: build, report ready, wait, train.
 
     Messages in: ``("run", workload, config, device, steps)`` then ``"go"``;
-    ``"exit"`` ends it. Out: ``"ready"``, then ``("done", seconds)``.
+    ``"exit"`` ends it. Out: ``"ready"``, then ``("done", seconds)``. ``tf32``: as the
+    worker's setting (None: torch's defaults).
     """
+    from worker.jobs import allow_tf32
+
     torch.set_num_threads(threads)
+    allow_tf32(tf32)
     while True:
         message = conn.recv()
         if message == "exit":

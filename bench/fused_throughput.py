@@ -9,7 +9,10 @@
 - ``hand-fused`` (asked for by ``--variants``): the fused array in mode ``bmm``, which for
   a CNN (an ``nn.Sequential``) runs HFTA's fused convolutions (k members' Conv2d as one
   grouped convolution, BatchNorm2d over k*C channels) instead of vmap's rule; n/a for a
-  model that is not such a chain.
+  model that is not such a chain;
+- ``compiled`` (asked for by ``--variants``): the fused array with its training step compiled
+  (``PACKTUNE_COMPILE_STEP=on``: ``torch.compile``, CUDA graphs on a GPU); its compilation
+  happens in the warm-up steps (one per batch shape), outside the timing, and is printed.
 
 Every variant trains the same models on the same batches, timing only the
 optimizer steps (after one warm-up step). The variants are interleaved
@@ -36,10 +39,11 @@ from bench import recording
 from bench._plain import PlainRun, serve, sync, timed_steps
 from packtune.workloads import get_workload
 from worker.fused import FusedArray
+from worker.jobs import allow_tf32
 
 VARIANTS = ("fused", "serial", "concurrent")
 #: variants run only when asked for
-EXTRA_VARIANTS = ("hand-fused",)
+EXTRA_VARIANTS = ("hand-fused", "compiled")
 
 #: workload -> structural config used for the benchmark, per device type
 CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
@@ -65,14 +69,25 @@ def member_config(base: dict[str, Any], j: int, k: int) -> dict[str, Any]:
 
 
 def fused_seconds(
-    name: str, base: dict[str, Any], k: int, steps: int, device: torch.device, mode: str = "auto"
+    name: str,
+    base: dict[str, Any],
+    k: int,
+    steps: int,
+    device: torch.device,
+    mode: str = "auto",
+    compile_step: bool = False,
 ) -> float:
     workload = get_workload(name)
     members = [(j, member_config(base, j, k)) for j in range(k)]
-    array = FusedArray(workload, members, device=device, mode=mode)  # type: ignore[arg-type]
+    array = FusedArray(workload, members, device=device, mode=mode,  # type: ignore[arg-type]
+                       compile_step=compile_step)  # fmt: skip
     batches = [b.to(device) for b in workload.batch_indices(array.config, 0)]
-    array.train_step(batches[0])
+    warm = time.perf_counter()
+    for batch in {len(b): b for b in (batches[0], batches[-1])}.values():  # each batch shape
+        array.train_step(batch)
     sync(device)
+    if compile_step:
+        print(f"  {name} k={k}: compiled in {time.perf_counter() - warm:.1f} s", flush=True)
     start = time.perf_counter()
     for s in range(steps):
         array.train_step(batches[(s + 1) % len(batches)])
@@ -102,13 +117,13 @@ def serial_seconds(
 class Pool:
     """Long-lived processes for the concurrent variant (started once: start-up not timed)."""
 
-    def __init__(self, size: int, threads: int) -> None:
+    def __init__(self, size: int, threads: int, tf32: bool | None = None) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conns: list[Connection] = []
         self.procs = []
         for _ in range(size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=serve, args=(child, threads), daemon=True)
+            proc = ctx.Process(target=serve, args=(child, threads, tf32), daemon=True)
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
@@ -146,14 +161,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     kind = device.type
     torch.set_num_threads(args.threads)
+    allow_tf32(args.tf32)
     concurrent_ks = [k for k in args.ks if k <= args.max_concurrent]
     pool = None
     if "concurrent" in args.variants and concurrent_ks:
-        pool = Pool(max(concurrent_ks), args.threads)
+        pool = Pool(max(concurrent_ks), args.threads, args.tf32)
     results: dict[str, Any] = {}
     try:
         for name in args.workloads:
             base = QUICK_CONFIGS[name] if args.quick else CONFIGS[name][kind]
+            if args.precision != "fp32":
+                base = {**base, "precision": args.precision}
             steps = args.steps or calibrate(name, base, device, args.target)
             load = recording.load_average()
             rows: dict[str, dict[str, list[float]]] = {}
@@ -166,9 +184,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                             continue
                         if variant == "hand-fused" and not hand_fusable(name, base):
                             continue
-                        if variant in ("fused", "hand-fused"):
+                        if variant in ("fused", "hand-fused", "compiled"):
                             mode = "bmm" if variant == "hand-fused" else "auto"
-                            seconds = fused_seconds(name, base, k, steps, device, mode)
+                            seconds = fused_seconds(name, base, k, steps, device, mode,
+                                                    variant == "compiled")  # fmt: skip
                         elif variant == "serial":
                             seconds = serial_seconds(name, base, k, steps, device)
                         else:
@@ -193,9 +212,8 @@ def report(results: dict[str, Any], variants: list[str]) -> list[str]:
     header = ["workload", "k", *[f"{v} (trial-steps/s)" for v in variants]]
     ratios = [v for v in ("serial", "concurrent") if v in variants and "fused" in variants]
     header += [f"fused / {v}" for v in ratios]
-    hand = "hand-fused" in variants and "fused" in variants
-    if hand:
-        header.append("hand-fused / fused")
+    against_fused = [v for v in EXTRA_VARIANTS if v in variants and "fused" in variants]
+    header += [f"{v} / fused" for v in against_fused]
     rows = []
     for name, data in results.items():
         # saved JSON has its keys sorted as strings ("1", "16", "2", ...): order them by k
@@ -209,9 +227,9 @@ def report(results: dict[str, Any], variants: list[str]) -> list[str]:
                     *[f"{m['fused'] / m[v]:.2f}x" if samples[v] else "n/a" for v in ratios],
                 ]
             )
-            if hand:
-                ok = samples["hand-fused"] and samples["fused"]
-                rows[-1].append(f"{m['hand-fused'] / m['fused']:.2f}x" if ok else "n/a")
+            for v in against_fused:
+                ok = samples[v] and samples["fused"]
+                rows[-1].append(f"{m[v] / m['fused']:.2f}x" if ok else "n/a")
     configs = "; ".join(
         f"{n}: {d['config'] or 'defaults'}, {d['steps']} timed steps per trial"
         for n, d in results.items()
@@ -227,6 +245,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS),
                         choices=VARIANTS + EXTRA_VARIANTS)  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--precision",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="every variant's precision (bf16: the forward under autocast)",
+    )
+    parser.add_argument(
+        "--tf32",
+        choices=["on", "off"],
+        default=None,
+        help="TF32 matmuls and convolutions on a GPU (default: torch's)",
+    )
     parser.add_argument("--steps", type=int, default=None, help="timed steps per trial")
     parser.add_argument(
         "--target",
@@ -254,6 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-append", action="store_true", help="leave HISTORY.md alone")
     args = parser.parse_args(argv)
     args.threads = args.threads or max(1, (os.cpu_count() or 2) - 1)
+    args.tf32 = None if args.tf32 is None else args.tf32 == "on"
     if args.max_concurrent is None:
         args.max_concurrent = 32 if args.device.startswith("cuda") else 16
     if args.target is None:
@@ -271,6 +302,10 @@ def main(argv: list[str] | None = None) -> None:
     kind = "cpu" if info["device"] == "cpu" else info["device"].replace(" ", "-")
     if args.workloads != list(CONFIGS):  # a subset: do not overwrite the full run's figures
         kind += "_" + "_".join(args.workloads)
+    if args.precision != "fp32" or args.tf32 is not None:  # the same: its own figures
+        kind += f"_{args.precision}" + (
+            "" if args.tf32 is None else f"_tf32-{'on' if args.tf32 else 'off'}"
+        )
     recording.save_json(
         f"fused_throughput_{kind}",
         {
@@ -278,6 +313,8 @@ def main(argv: list[str] | None = None) -> None:
             "date": recording.now(),
             "command": recording.command_line(),
             "threads": args.threads,
+            "precision": args.precision,
+            "tf32": args.tf32,
             "results": results,
         },
         args.out_dir,
@@ -287,8 +324,10 @@ def main(argv: list[str] | None = None) -> None:
             f"a. Fused throughput — {info['device']}",
             info,
             [
-                f"torch threads per process: {args.threads}; medians of {args.repeats} repeats, "
-                f"variants interleaved; concurrent processes up to k={args.max_concurrent}.",
+                f"torch threads per process: {args.threads}; precision {args.precision}, TF32 "
+                f"{ {None: 'as torch defaults', True: 'on', False: 'off'}[args.tf32] }; medians "
+                f"of {args.repeats} repeats, variants interleaved; concurrent processes up to "
+                f"k={args.max_concurrent}.",
                 "",
                 *body,
             ],

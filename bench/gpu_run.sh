@@ -40,6 +40,19 @@ timeout 150 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider \
     --workloads digits-cnn --variants fused hand-fused serial --ks 8 32 --repeats 2 \
     --target "${A_TARGET:-0.15}" --out-dir "$OUT/a2" --no-append 2>&1 | tee "$OUT/a2_gpu.log" | tail -6
 
+# 2c. benchmark a: the compiled step (torch.compile; CUDA graphs) against eager fused (A3_TIMEOUT=0 skips)
+[ "${A3_TIMEOUT:-150}" = 0 ] || timeout "${A3_TIMEOUT:-150}" python3 -m bench.fused_throughput --device cuda \
+    --workloads digits-mlp digits-cnn resnet-cifar --variants fused compiled serial --ks 8 32 --repeats 2 \
+    --target "${A_TARGET:-0.15}" --out-dir "$OUT/a3" --no-append 2>&1 | tee "$OUT/a3_gpu.log" | tail -12
+
+# 2d. benchmark a in bf16, and in float32 with TF32 on and off (A4_TIMEOUT=0 skips): the
+#     precision default per device is chosen from these
+for run in "--precision bf16" "--tf32 on" "--tf32 off"; do
+    [ "${A4_TIMEOUT:-60}" = 0 ] || timeout "${A4_TIMEOUT:-60}" python3 -m bench.fused_throughput --device cuda \
+        --workloads digits-cnn resnet-cifar --variants fused serial --ks 8 32 --repeats 2 $run \
+        --target "${A_TARGET:-0.15}" --out-dir "$OUT/a4" --no-append 2>&1 | tee -a "$OUT/a4_gpu.log" | tail -6
+done
+
 # 3. benchmark b: the digits-mlp study packed vs unpacked on the GPU, with SQLite:
 #    `packtune run` (embedded) and a running `packtune serve` (serve)
 timeout "${B_TIMEOUT:-170}" python3 -m bench.study_walltime --modes ${B_MODES:-embedded serve} \

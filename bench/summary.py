@@ -59,6 +59,8 @@ def fused_rows() -> Iterator[Row]:
         device = data["machine"]["device"]
         if device == "cpu" and data.get("threads") != 1:
             continue  # the CPU targets are for one torch thread (the default on 2 cores)
+        if data.get("precision", "fp32") != "fp32" or data.get("tf32") is not None:
+            continue  # the targets are for float32 at torch's defaults (others: HISTORY.md)
         for workload in data["results"]:
             key = (device, workload)
             if key not in runs or data["date"] > runs[key][1]["date"]:

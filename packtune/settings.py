@@ -121,6 +121,35 @@ class Settings(BaseSettings):
             "threads; 1 = one after another."
         ),
     )
+    compile_step: Literal["off", "on"] = Field(
+        default="off",
+        description=(
+            "'on': each fused stack's training step (forward, loss, backward) is compiled with "
+            "torch.compile, once per model structure, array size and batch shape in a worker "
+            "process, and reused by later packs; a step that fails to compile trains eagerly, "
+            "with a warning. Off by default: on this project's CPU figures a compilation costs "
+            "seconds for a step about as fast as eager; on a GPU not yet measured (bench a's "
+            "compiled variant)."
+        ),
+    )
+    compile_mode: (
+        Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | None
+    ) = Field(
+        default=None,
+        description=(
+            "torch.compile mode of compiled steps; default 'reduce-overhead' on a GPU (CUDA "
+            "graphs), 'default' on a CPU."
+        ),
+    )
+    tf32: bool | None = Field(
+        default=None,
+        description=(
+            "TensorFloat-32 on a GPU: true = matmuls and cuDNN convolutions in TF32 (faster on "
+            "Ampere and later; ~1e-3 relative rounding), false = neither, unset = torch's "
+            "defaults (convolutions in TF32, matmuls not). A worker's setting: every study it "
+            "trains rounds so."
+        ),
+    )
     share_packs: bool = Field(
         default=True,
         description=(

@@ -346,11 +346,13 @@ def run_array(
         data = None if workload.streams else workload.data(first, device)
         ensure_profile(job, first, device, kind, data)
         budget = spill_budget(job, kind, device, len(todo), spill_share)
+        settings = get_settings()
         with GLOBAL_RNG:
             array = FusedArray(
                 workload, [(m.trial_id, configs[m.trial_id]) for m in todo],
                 device=device, states=states, data=data, spill_budget=budget,
                 spill_prefetch=spill_share == 1, training=job.training,
+                compile_step=settings.compile_step == "on", compile_mode=settings.compile_mode,
             )  # fmt: skip
     except NOT_A_TRIAL_FAULT:
         raise

@@ -44,6 +44,7 @@ import copy
 import logging
 import threading
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -56,6 +57,7 @@ from packtune.spec import TrainingSettings
 from packtune.spilling import Unspillable
 from packtune.tuning import CUDA_CHECK_EVERY
 from packtune.workloads.base import OPTIMIZER_PARAMS, Split, Workload
+from worker import compiled
 from worker.batches import (
     batch_size,
     epoch_batches,
@@ -72,7 +74,7 @@ from worker.fused_forward import (
     single_forward,
     vmap_forward,
 )
-from worker.fused_group import Group, Stack
+from worker.fused_group import Group, Stack, losses_function
 from worker.fusion_guard import model_signature, partition, split_causes
 from worker.optim import OPTIMIZER_HYPER, build_optimizer
 from worker.spill import SpilledGroup, spill_problem
@@ -287,6 +289,8 @@ class FusedArray:
         spill_prefetch: bool = True,
         training: TrainingSettings | None = None,
         segment: int | None = None,
+        compile_step: bool = False,
+        compile_mode: str | None = None,
     ) -> None:
         if not members:
             raise ValueError("an array needs at least one member")
@@ -358,6 +362,11 @@ class FusedArray:
                     [s["optimizer"] if s else None for s in (states[i] for i in idx)], stack,
                 ))  # fmt: skip
         self.stochastic = any(group.stochastic for group in self.groups)
+        #: each compiled group's step key (:mod:`worker.compiled`)
+        self.step_keys: dict[int, Hashable] = {}
+        if compile_step:
+            for group in self.groups:
+                self._compile(group, compile_mode)
         #: steps of the current epoch trained before a member's checkpoint (taken in the
         #: middle of an epoch, when its pack gave its device up): their summed losses are
         #: carried, so that the epoch's train_loss is the one an unbroken epoch gives
@@ -405,6 +414,23 @@ class FusedArray:
             return SpilledGroup(keys, params, buffers, optimizer, stack, self.precision,
                                 self.device, self.spill_budget, self.spill_prefetch)  # fmt: skip
         return Group(keys, params, buffers, optimizer, stack, self.precision)
+
+    def _compile(self, group: Group, mode: str | None) -> None:
+        """Give ``group`` its compiled step (:mod:`worker.compiled`) where one applies."""
+        if type(group) is not Group or group.stochastic:
+            return  # spilled and decoupled stacks, and random draws, stay eager
+        workload, device, precision = self.workload, self.device, self.precision
+        key = (workload.name, model_signature(group.template), group.mode,
+               workload.per_member_batches, precision, device.type, device.index)  # fmt: skip
+
+        def make() -> Any:
+            own = compiled.own_template(group.template)
+            stack = stack_of(workload, own, group.mode, group.stochastic)
+            return losses_function(stack, workload, precision, device)
+
+        group.compiled = compiled.compiled_step(key, make, device, mode)
+        if group.compiled is not None:
+            self.step_keys[id(group)] = key
 
     def _split_per_member(self, group: Group, error: BaseException) -> list[Group]:
         """``group``'s members as one stack each (its vmap step failed): the same tensors
@@ -507,21 +533,23 @@ class FusedArray:
         return [(group, stack_batches([batch[key] for key in group.keys])) for group in self.groups]
 
     def _step_group(self, group: Group, batch: Any) -> None:
-        if group.proven:
+        if group.settled(batch):
             if group.stochastic:
                 self._reseed(group)
             group.step(batch, self.workload, self.step + 1)
             return
-        # A vmap stack's first step: vmap may be unable to batch the model's code. Nothing
-        # but buffers (BatchNorm statistics) and the members' random streams change before
-        # the backward pass completes, so on failure they are restored and the members go
-        # on one stack each.
+        # A vmap stack's first step (vmap may be unable to batch the model's code), or a
+        # compiled step's first at a batch shape (it compiles). Nothing but buffers
+        # (BatchNorm statistics) and the members' random streams change before the
+        # backward pass completes, so on failure they are restored, and the step runs
+        # eagerly (a compiled step failed) or the members go on one stack each (vmap).
         saved = {n: b.clone() for n, b in group.buffers.items()}
         streams = {key: self.generators[key].get_state() for key in group.keys}
         try:
             if group.stochastic:
                 self._reseed(group)
-            group.step(batch, self.workload, self.step + 1)
+            with compiled.COMPILING if group.compiled is not None else nullcontext():
+                group.step(batch, self.workload, self.step + 1)
         except (torch.cuda.OutOfMemoryError, Unspillable):
             raise
         except Exception as exc:
@@ -531,6 +559,12 @@ class FusedArray:
                 p.grad = None
             for key, state in streams.items():
                 self.generators[key].set_state(state)
+            if group.compiled is not None:
+                group.compiled = None
+                note = compiled.drop(self.step_keys.pop(id(group)), exc)
+                self.notes.append(f"{self.workload.name}: {note}")
+                self._step_group(group, batch)
+                return
             singles = self._split_per_member(group, exc)
             at = self.groups.index(group)
             self.groups[at : at + 1] = singles

@@ -25,7 +25,7 @@ from torch.func import vmap
 
 from packtune.tuning import LOOP_LOSS_MAX
 from packtune.workloads.base import Workload
-from worker.batches import batch_size
+from worker.batches import batch_size, tensors
 from worker.fused_forward import Forward, Losses, model_function
 from worker.optim import StackedOptimizer
 
@@ -125,6 +125,52 @@ def autocast(precision: str, device: torch.device) -> AbstractContextManager[Any
     return nullcontext()
 
 
+def shapes(batch: Any) -> Hashable:
+    """The shapes of ``batch``'s tensors, in order (what a compiled step specialises on)."""
+    return tuple(tuple(t.shape) for t in tensors(batch))
+
+
+def member_losses(
+    out: Tensor, y: Tensor, workload: Workload, stacked: bool, on_host: bool
+) -> Tensor:
+    """The members' ``[k]`` losses from their outputs ``out`` (``[k, B, ...]``, float32): the
+    workload's batched form where it has one; ``stacked``: each member's targets are its own
+    (``y[i]``)."""
+    k, loss = out.shape[0], workload.loss
+    if stacked:
+        return torch.stack([loss(o, t) for o, t in zip(out.unbind(0), y.unbind(0), strict=True)])
+    if k == 1:
+        return loss(out[0], y).unsqueeze(0)
+    batched = workload.stacked_loss(out, y)
+    if batched is not None:
+        return batched
+    if k <= LOOP_LOSS_MAX and on_host:
+        # unbind: one autograd node whose backward stacks the k gradients, where
+        # k selections would each scatter into a zero [k, B, ...] tensor to be summed
+        return torch.stack([loss(o, y) for o in out.unbind(0)])
+    return cast(Tensor, vmap(loss, in_dims=(0, None))(out, y))
+
+
+def losses_function(
+    stack: Stack, workload: Workload, precision: str, device: torch.device
+) -> Losses:
+    """``(params, buffers, batch) -> [k]``: the training losses of ``stack``'s members on a
+    batch (float32, not bf16; autograd), the function a compiled step compiles."""
+    on_host = device.type == "cpu"
+
+    def losses(params: dict[str, Tensor], buffers: dict[str, Tensor], batch: Any) -> Tensor:
+        if stack.losses is not None:
+            with autocast(precision, device):
+                return full(stack.losses(params, buffers, batch))
+        x, y = batch
+        forward = stack.train_forward or stack.forward
+        with autocast(precision, device):
+            out = forward(params, buffers, x)
+        return member_losses(full(out), y, workload, stack.stacked, on_host)
+
+    return losses
+
+
 class Group:
     """Members trained as one stack: all of an array's (fused) or one (serial).
 
@@ -153,6 +199,10 @@ class Group:
         #: whether a training step has run: a vmap stack that fails its first step is
         #: trained one member at a time instead (see ``FusedArray``)
         self.proven = self.mode != "vmap"
+        #: the compiled losses (forward, loss; its backward compiled with it), or None: eager
+        self.compiled: Losses | None = None
+        #: the batch shapes a compiled step has run (each shape compiles once)
+        self.compiled_shapes: set[Hashable] = set()
 
     def autocast(self) -> AbstractContextManager[Any]:
         return autocast(self.precision, self.device)
@@ -165,36 +215,23 @@ class Group:
         self.optimizer.zero_grad()
         self.losses.record(losses.detach(), number)
         self.proven = True
+        if self.compiled is not None:
+            self.compiled_shapes.add(shapes(batch))
 
     def batch_losses(self, batch: Any, workload: Workload) -> Tensor:
-        """The members' ``[k]`` losses on a training ``batch`` (float32, not bf16; autograd)."""
-        if self.stack.losses is not None:
-            with self.autocast():
-                return full(self.stack.losses(self.params, self.buffers, batch))
-        x, y = batch
-        forward = self.stack.train_forward or self.forward
-        with self.autocast():
-            out = forward(self.params, self.buffers, x)
-        return self._losses(full(out), y, workload, self.stack.stacked)
+        """The members' ``[k]`` losses on a training ``batch`` (float32, not bf16; autograd):
+        through the compiled step where the group has one (:mod:`worker.compiled`)."""
+        run = self.compiled or losses_function(self.stack, workload, self.precision, self.device)
+        return run(self.params, self.buffers, batch)
 
     def _losses(self, out: Tensor, y: Tensor, workload: Workload, stacked: bool) -> Tensor:
-        """The members' ``[k]`` losses: the workload's batched form where it has one;
-        ``stacked``: each member's targets are its own (``y[i]``)."""
-        k, loss = len(self.keys), workload.loss
-        if stacked:
-            return torch.stack(
-                [loss(o, t) for o, t in zip(out.unbind(0), y.unbind(0), strict=True)]
-            )
-        if k == 1:
-            return loss(out[0], y).unsqueeze(0)
-        batched = workload.stacked_loss(out, y)
-        if batched is not None:
-            return batched
-        if k <= LOOP_LOSS_MAX and self.on_host:
-            # unbind: one autograd node whose backward stacks the k gradients, where
-            # k selections would each scatter into a zero [k, B, ...] tensor to be summed
-            return torch.stack([loss(o, y) for o in out.unbind(0)])
-        return cast(Tensor, vmap(loss, in_dims=(0, None))(out, y))
+        return member_losses(out, y, workload, stacked, self.on_host)
+
+    def settled(self, batch: Any) -> bool:
+        """Whether a step on ``batch`` runs code that has run before: a vmap stack's first
+        step may fail (vmap cannot batch the code), and so may a compiled step's first one
+        at each batch shape (a compilation): the caller guards those."""
+        return self.proven and (self.compiled is None or shapes(batch) in self.compiled_shapes)
 
     def outputs(self, x: Tensor) -> Tensor:
         """The members' outputs ``[k, B, ...]`` on a shared input (float32, not bf16)."""

@@ -76,12 +76,21 @@ def pick_device() -> torch.device:
     # Small models gain nothing from many threads, and on a busy 2-core box two torch
     # threads fighting the scheduler for a core ran ~10x slower than one.
     torch.set_num_threads(settings.torch_threads or default_torch_threads())
+    allow_tf32(settings.tf32)
     if settings.device == "cuda" or (settings.device == "auto" and torch.cuda.is_available()):
         from worker.gpu import warn_if_cuda_without_nvml
 
         warn_if_cuda_without_nvml()
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def allow_tf32(setting: bool | None) -> None:
+    """TensorFloat-32 for matmuls and cuDNN convolutions as ``setting`` says (None: leave
+    torch's defaults)."""
+    if setting is not None:
+        torch.backends.cuda.matmul.allow_tf32 = setting
+        torch.backends.cudnn.allow_tf32 = setting
 
 
 def device_kind(device: torch.device) -> str:

@@ -35,16 +35,35 @@ def test_fused_throughput_quick(capsys: pytest.CaptureFixture[str]) -> None:
     assert "| synthetic-mlp | 1 |" in out and "| synthetic-mlp | 2 |" in out
 
 
-def test_fused_throughput_hand_fused_convolutions_quick(
+def test_fused_throughput_hand_fused_and_compiled_quick(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from bench import fused_throughput
+    from worker import compiled
 
     fused_throughput.main(["--quick", "--workloads", "digits-cnn", "--variants", "fused",
-                           "hand-fused", "--ks", "2"])  # fmt: skip
+                           "hand-fused", "compiled", "--ks", "2", "--repeats", "1"])  # fmt: skip
+    compiled.reset()
     out = capsys.readouterr().out
+    assert "digits-cnn k=2: compiled in" in out
     row = next(line for line in out.splitlines() if line.startswith("| digits-cnn | 2 |"))
-    assert row.rstrip(" |").endswith("x"), row  # hand-fused / fused, both measured
+    cells = [cell.strip() for cell in row.strip(" |").split("|")]
+    # hand-fused / fused and compiled / fused, every variant measured
+    assert cells[-2].endswith("x") and cells[-1].endswith("x"), row
+
+
+def test_fused_throughput_in_bf16_without_tf32_quick(tmp_path: Path) -> None:
+    from bench import fused_throughput
+
+    fused_throughput.main(["--quick", "--workloads", "digits-mlp", "--variants", "fused",
+                           "serial", "--ks", "2", "--precision", "bf16", "--tf32", "off",
+                           "--out-dir", str(tmp_path)])  # fmt: skip
+    path = tmp_path / "fused_throughput_cpu_digits-mlp_bf16_tf32-off.json"  # not fp32's file
+    data = json.loads(path.read_text())
+    assert (data["precision"], data["tf32"]) == ("bf16", False)
+    run = data["results"]["digits-mlp"]
+    assert run["config"]["precision"] == "bf16"
+    assert run["ks"]["2"]["fused"] and run["ks"]["2"]["serial"]
 
 
 def test_spill_quick(tmp_path: Path) -> None:

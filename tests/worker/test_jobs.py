@@ -385,3 +385,27 @@ def test_short_epochs_are_recorded_together_and_all_before_the_unit_ends(
     assert [n for n in epochs if n] == written
     for _, done, _, _, points in snapshot(ids).values():
         assert done == 3.0 and [r for r, _ in points] == [1.0, 2.0, 3.0]
+
+
+def test_a_pack_with_compiled_steps_records_what_the_eager_pack_records(
+    db: pytest.MonkeyPatch,
+) -> None:
+    from worker import compiled
+
+    lrs = [0.05, 0.1, 0.2]
+    eager_pack, eager_ids = make_pack(lrs)
+    assert run_pack(eager_pack) == "completed"
+    db.setenv("PACKTUNE_COMPILE_STEP", "on")
+    get_settings.cache_clear()
+    compiled.reset()
+    try:
+        pack_id, ids = make_pack(lrs)
+        assert run_pack(pack_id) == "completed"
+        assert compiled._STEPS and not compiled._FAILED  # the worker's arrays compiled
+    finally:
+        compiled.reset()
+    eager, got = snapshot(eager_ids), snapshot(ids)
+    for a, b in zip(eager_ids, ids, strict=True):
+        assert got[b][0] == eager[a][0] == TrialStatus.paused
+        [(_, want)], [(_, have)] = eager[a][4], got[b][4]  # one epoch's metrics each
+        assert have == pytest.approx(want, rel=1e-5)

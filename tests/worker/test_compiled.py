@@ -1,0 +1,192 @@
+"""Compiled training steps (torch.compile) train every member as the eager step does, to
+float rounding: schedules, clipping and divergence included; a failed compilation trains
+eagerly from the same state; later arrays reuse a compiled step. And the other device
+settings for speed: TF32."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable
+from typing import Any
+
+import pytest
+import torch
+
+from packtune.settings import Settings
+from packtune.workloads.base import Workload
+from tests.support.states import assert_member_states_close
+from tests.support.tiny_workloads import TinyCNN, TinyMLP
+from worker import compiled
+from worker.fused import FusedArray, Report, train
+
+EPOCHS = 2
+
+
+@pytest.fixture(autouse=True)
+def fresh_steps():
+    compiled.reset()
+    yield
+    compiled.reset()
+
+
+def mlp_members() -> list[tuple[Hashable, dict[str, Any]]]:
+    """An MLP with BatchNorm, SGD with momentum: a cosine schedule with warm-up, clipping of
+    some members, and one member whose learning rate makes it diverge."""
+    lrs, clips = [0.05, 0.1, 0.2, 1e300], [0.0, 0.5, 0.0, 0.0]
+    return [
+        (f"m{i}", {"seed": 5 + i, "data_seed": 2, "batch_norm": True, "lr": lr, "clip_norm": clip,
+                   "schedule": "cosine", "warmup_epochs": 0.5, "decay_epochs": EPOCHS})
+        for i, (lr, clip) in enumerate(zip(lrs, clips, strict=True))
+    ]  # fmt: skip
+
+
+def cnn_members() -> list[tuple[Hashable, dict[str, Any]]]:
+    """A CNN with BatchNorm2d (a vmap stack in auto mode), Adam with a step schedule."""
+    return [
+        (f"c{i}", {"seed": 9 + i, "data_seed": 4, "batch_norm": True, "optimizer": "adam",
+                   "lr": lr, "schedule": "step", "decay_epochs": 1, "gamma": 0.5})
+        for i, lr in enumerate([1e-3, 3e-3, 1e-2])
+    ]  # fmt: skip
+
+
+def run(
+    workload: Workload, members: list[tuple[Hashable, dict[str, Any]]], **kwargs: Any
+) -> tuple[FusedArray, list[Report]]:
+    array = FusedArray(workload, members, **kwargs)
+    return array, train(array, EPOCHS * array.steps_per_epoch)
+
+
+def assert_same_training(
+    eager: tuple[FusedArray, list[Report]], other: tuple[FusedArray, list[Report]]
+) -> None:
+    (want, want_reports), (got, got_reports) = eager, other
+    assert got.keys == want.keys and got.diverged == want.diverged
+    for a, b in zip(want_reports, got_reports, strict=True):
+        assert (a.step, a.diverged) == (b.step, b.diverged)
+        for key, metrics in a.metrics.items():
+            assert b.metrics[key] == pytest.approx(metrics, rel=1e-9, nan_ok=True)
+    for key in want.keys:
+        assert_member_states_close(want.member_state(key), got.member_state(key))
+
+
+@pytest.mark.parametrize(
+    ("workload", "members", "mode"),
+    [(TinyMLP(), mlp_members(), "bmm"), (TinyCNN(), cnn_members(), "vmap")],
+    ids=["mlp-bmm", "cnn-vmap"],
+)
+def test_a_compiled_step_trains_every_member_as_the_eager_step(workload, members, mode):
+    eager = run(workload, members)
+    got = run(workload, members, compile_step=True)
+    array = got[0]
+    assert array.mode == mode and all(group.compiled is not None for group in array.groups)
+    assert array.notes == []
+    assert_same_training(eager, got)
+    if workload.name == "tiny-mlp":
+        assert list(array.diverged) == ["m3"]  # diverged alone; the others as eager
+
+
+def test_a_later_array_of_the_same_structure_reuses_the_compiled_step():
+    workload, members = TinyMLP(), mlp_members()[:3]
+    first, _ = run(workload, members, compile_step=True)
+    frames = dict(torch._dynamo.utils.counters["stats"])
+    other = [(f"o{i}", {**config, "seed": 40 + i}) for i, (_, config) in enumerate(members)]
+    second, _ = run(workload, other, compile_step=True)
+    assert second.groups[0].compiled is first.groups[0].compiled
+    # no new graph: the guards of the first array's compilation hold for the second's
+    assert dict(torch._dynamo.utils.counters["stats"]) == frames
+
+
+def test_an_array_evaluating_leaves_another_arrays_compiled_step_in_train_mode():
+    workload, members = TinyMLP(), mlp_members()[:3]
+    first = FusedArray(workload, members, compile_step=True)
+    first.groups[0].template.eval()  # as while it evaluates, in another thread
+    eager = run(workload, members)
+    assert_same_training(eager, run(workload, members, compile_step=True))
+
+
+def test_a_step_that_fails_to_compile_trains_eagerly_from_the_same_state(monkeypatch, caplog):
+    def failing(graph: torch.fx.GraphModule, inputs: Any) -> Any:
+        raise RuntimeError("this backend compiles nothing")
+
+    monkeypatch.setattr(compiled, "BACKEND", failing)
+    workload, members = TinyCNN(), cnn_members()
+    eager = run(workload, members)
+    with caplog.at_level(logging.WARNING, logger="worker.compiled"):
+        got = run(workload, members, compile_step=True)
+        again = run(workload, members, compile_step=True)
+    assert_same_training(eager, got)
+    assert_same_training(eager, again)
+    for array, _ in (got, again):
+        assert all(group.compiled is None for group in array.groups)
+    assert len(got[0].notes) == 1 and "compiled step failed" in got[0].notes[0]
+    assert "this backend compiles nothing" in got[0].notes[0]
+    assert again[0].notes == []  # the failure is known: the next array does not try again
+    warnings = [r for r in caplog.records if "compiled step failed" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_random_draws_and_spilled_stacks_stay_eager():
+    members = [(f"d{i}", {"seed": i, "data_seed": 1, "dropout": 0.2}) for i in range(2)]
+    dropout = FusedArray(TinyMLP(), members, compile_step=True)
+    assert dropout.groups and all(group.compiled is None for group in dropout.groups)
+    spilled = FusedArray(TinyMLP(), mlp_members()[:2], compile_step=True, spill_budget=10**6)
+    assert all(group.compiled is None for group in spilled.groups)
+
+
+def test_the_compile_settings_name_their_values(monkeypatch):
+    assert Settings().compile_step == "off"
+    monkeypatch.setenv("PACKTUNE_COMPILE_STEP", "on")
+    monkeypatch.setenv("PACKTUNE_COMPILE_MODE", "max-autotune-no-cudagraphs")
+    settings = Settings()
+    assert (settings.compile_step, settings.compile_mode) == ("on", "max-autotune-no-cudagraphs")
+    assert compiled.compile_mode(torch.device("cuda"), None) == "reduce-overhead"
+    assert compiled.compile_mode(torch.device("cpu"), None) == "default"
+    monkeypatch.setenv("PACKTUNE_COMPILE_MODE", "fastest")
+    with pytest.raises(ValueError, match="compile_mode"):
+        Settings()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("mode", ["reduce-overhead", "default"])
+def test_a_compiled_step_on_a_gpu_trains_as_the_eager_step(mode):
+    """On a GPU, CUDA graphs (reduce-overhead) and plain compilation, float32: the same
+    training to float32 rounding, the diverging member dropped alone."""
+    workload = TinyMLP()
+    members = [(key, {**config, "dtype": "float32"}) for key, config in mlp_members()]
+    (want, want_reports), (got, got_reports) = (
+        run(workload, members, device="cuda"),
+        run(workload, members, device="cuda", compile_step=True, compile_mode=mode),
+    )
+    assert all(group.compiled is not None for group in got.groups) and got.notes == []
+    assert got.keys == want.keys and got.diverged == want.diverged
+    for a, b in zip(want_reports, got_reports, strict=True):
+        for key, metrics in a.metrics.items():
+            assert b.metrics[key] == pytest.approx(metrics, rel=1e-4, nan_ok=True)
+    for key in want.keys:
+        for name, t in want.member_state(key)["params"].items():
+            torch.testing.assert_close(got.member_state(key)["params"][name], t,
+                                       rtol=1e-4, atol=1e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize("setting", [None, "true", "false"])
+def test_a_worker_sets_tf32_as_its_setting_says(clean_env, setting):
+    from packtune.settings import get_settings
+    from worker.jobs import pick_device
+
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    threads = torch.get_num_threads()
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
+    try:
+        clean_env.setenv("PACKTUNE_DEVICE", "cpu")
+        if setting is not None:
+            clean_env.setenv("PACKTUNE_TF32", setting)
+        get_settings.cache_clear()
+        pick_device()
+        flags = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        want = {None: (False, True), "true": (True, True), "false": (False, False)}[setting]
+        assert flags == want  # unset: torch's defaults (convolutions TF32, matmuls not)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+        torch.set_num_threads(threads)
+        get_settings.cache_clear()

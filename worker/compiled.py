@@ -1,0 +1,95 @@
+"""Compiled training steps: a stack's forward and loss, and with them its backward, through
+``torch.compile`` (``PACKTUNE_COMPILE_STEP=on``; eager is the default and the fallback).
+
+A compiled step is made once per *step key* -- workload, model structure
+(:func:`worker.fusion_guard.model_signature`), stack mode, stacked batches, precision and
+device -- and kept for the process: later arrays of the key, in this pack or the next,
+reuse it; torch's guards compile it again only for a new array size or batch shape (the
+last, shorter batch of an epoch is one). Each entry owns its own copy of the stack's
+template, kept in train mode, so that an array evaluating (eval mode) never changes what
+another array's compiled step runs.
+
+On a GPU the default mode is ``reduce-overhead`` (CUDA graphs: a step's kernels replayed
+with one launch); on a CPU ``default``. ``PACKTUNE_COMPILE_MODE`` overrides it. A step
+whose compilation fails (an op the compiler cannot take, a backend error) is dropped for
+its key with a warning, once per process, and the array goes on eagerly from the same
+state (:class:`worker.fused.FusedArray` restores what the failed step changed).
+
+Not compiled: stacks that draw random numbers (their draws would no longer match an
+unpacked run's), spilled and decoupled stacks, the optimizer's update and evaluation.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from collections.abc import Callable, Hashable
+
+import torch
+
+from worker.fused_forward import Losses
+
+log = logging.getLogger(__name__)
+
+#: the compile mode per device type, unless the settings name one
+DEFAULT_MODES = {"cuda": "reduce-overhead", "cpu": "default"}
+#: ``torch.compile``'s backend (the tests put a failing one in its place)
+BACKEND = "inductor"
+
+_LOCK = threading.Lock()
+#: held while a step runs code for the first time: torch compiles one function at a time
+COMPILING = threading.RLock()
+_STEPS: dict[Hashable, Losses] = {}
+#: keys whose compilation failed in this process (they train eagerly from then on)
+_FAILED: dict[Hashable, str] = {}
+
+
+def compile_mode(device: torch.device, setting: str | None) -> str:
+    """The ``torch.compile`` mode for ``device``: ``setting`` if given, else its default."""
+    return setting or DEFAULT_MODES.get(device.type, "default")
+
+
+def compiled_step(
+    key: Hashable, make: Callable[[], Losses], device: torch.device, mode: str | None = None
+) -> Losses | None:
+    """The compiled losses of ``key`` (made from ``make()`` on first use), or None where its
+    compilation failed before in this process."""
+    with _LOCK:
+        if key in _FAILED:
+            return None
+        step = _STEPS.get(key)
+        if step is None:
+            step = torch.compile(
+                make(), mode=compile_mode(device, mode), backend=BACKEND, dynamic=False
+            )
+            _STEPS[key] = step
+        return step
+
+
+def drop(key: Hashable, error: BaseException) -> str:
+    """Forget ``key``'s compiled step after ``error``; the note to tell (logged once)."""
+    root = error
+    while (inner := root.__cause__ or getattr(root, "inner_exception", None)) is not None:
+        root = inner  # torch wraps a backend's error: name what it raised
+    reason = f"{type(root).__name__}: {str(root).splitlines()[0] if str(root) else ''}"
+    with _LOCK:
+        _STEPS.pop(key, None)
+        first = key not in _FAILED
+        _FAILED[key] = reason
+    note = f"the compiled step failed ({reason}); it trains eagerly instead"
+    if first:
+        log.warning("%s (said once per process)", note)
+    return note
+
+
+def own_template(template: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``template`` in train mode for a compiled step alone."""
+    return copy.deepcopy(template).train()
+
+
+def reset() -> None:
+    """Forget every compiled step and failure (tests)."""
+    with _LOCK:
+        _STEPS.clear()
+        _FAILED.clear()
