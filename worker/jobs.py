@@ -51,7 +51,7 @@ from packtune.tuning import (
 )
 from service import store
 from service.db import DATABASE_ERRORS, retrying
-from service.models import CheckStatus, Pack, PackStatus, StudyStatus, Trial, TrialStatus
+from service.models import CheckStatus, PackStatus, StudyStatus, TrialStatus
 from worker.execute import (
     ArrayJob,
     ArrayRun,
@@ -102,15 +102,6 @@ def _load(pack_id: int, worker: str, device: torch.device) -> list[ArrayJob] | N
     return retrying(lambda s: _claim(s, pack_id, worker, device))
 
 
-def _finished_before(pack: Pack, trials: dict[int, Trial]) -> bool:
-    """Every member of the pack is past its unit's start (``trials``: the members' rows): an
-    earlier attempt trained it (and, for some, another pack since)."""
-    return all(
-        m.trial_id in trials and trials[m.trial_id].resource_done > m.from_resource + 1e-9
-        for m in pack.members
-    )
-
-
 def _claim(s: Session, pack_id: int, worker: str, device: torch.device) -> list[ArrayJob] | None:
     pack = store.claim_pack(s, pack_id, worker_name=worker, device=f"{worker}/{device}")
     if pack is None:
@@ -119,7 +110,7 @@ def _claim(s: Session, pack_id: int, worker: str, device: torch.device) -> list[
     # not those cancelled, finished by an earlier attempt, or moved on to another pack
     members = store.unfinished_members(s, pack)
     trials = {t.id: t for t in store.trials_by_id(s, [m.trial_id for m in pack.members])}
-    if not members and _finished_before(pack, trials):
+    if not members and store.finished_before(pack, trials):
         # an earlier attempt trained every unit and its process died before closing the
         # pack (e.g. killed between its units' ends and this): the work is done
         store.finish_pack(s, pack, PackStatus.completed)

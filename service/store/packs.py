@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -313,11 +313,27 @@ def requeue_pack(s: Session, pack: Pack, *, error: str, fault: bool, backoff: fl
     return True
 
 
+def finished_before(pack: Pack, trials: Mapping[int, Trial]) -> bool:
+    """Every member of the pack is past its unit's start (``trials``: the members' rows): an
+    attempt trained it (and, for some, another pack since)."""
+    return bool(pack.members) and all(
+        m.trial_id in trials and trials[m.trial_id].resource_done > m.from_resource + 1e-9
+        for m in pack.members
+    )
+
+
 def retry_pack(s: Session, pack: Pack, *, error: str, fault: bool, backoff: float) -> bool:
     """Back to ``pending`` for another attempt, not dispatched before
     :func:`~packtune.packing.retry_delay` of ``backoff`` seconds after its attempts so far
     (0: at once); ``fault``: the attempt ended in a fault that is not the trials' (it does not
-    count toward ``max_attempts``). False when the pack had moved on (finished, cancelled)."""
+    count toward ``max_attempts``). False when the pack had moved on (finished, cancelled),
+    and when every unit was trained: the attempt ended after its units' ends (killed before
+    closing the pack), so the pack is completed, with ``error`` kept, instead of waiting for
+    a dispatch with nothing to train (and staying pending if its study ended first)."""
+    trials = {t.id: t for t in trials_by_id(s, [m.trial_id for m in pack.members])}
+    if finished_before(pack, trials):
+        finish_pack(s, pack, PackStatus.completed, error=error)
+        return False
     delay = retry_delay(backoff, pack.attempts, random.random())
     retry_after = utcnow() + timedelta(seconds=delay) if delay > 0 else None
     values: dict[str, Any] = {"error": error, "retry_after": retry_after}

@@ -180,8 +180,14 @@ def test_a_worker_killed_mid_pack(cluster: Services, database: str, reference: O
     print(f"largest difference: {assert_same_outcome(got, reference):.3g}")
     pack = next(p for p in got.packs if p.id == pack_id)
     survivor = "w2" if victim == "w1" else "w1"
-    assert (pack.status, pack.attempts, pack.worker) == ("completed", 2, survivor), pack
-    assert pack.job_id == f"pack-{pack_id}-2"
+    if pack.attempts == 1:
+        # the kill came just after the pack's units ended (the test's race): the re-queue
+        # found every unit trained and completed the pack with the victim's attempt
+        print("the kill landed after the pack's units ended")
+        assert (pack.status, pack.worker) == ("completed", victim), pack
+    else:
+        assert (pack.status, pack.attempts, pack.worker) == ("completed", 2, survivor), pack
+        assert pack.job_id == f"pack-{pack_id}-2"
     assert pack.error is not None and f"worker {victim} stopped sending heartbeats" in pack.error
     assert all(p.attempts == 1 for p in got.packs if p.id != pack_id)
 
@@ -633,7 +639,9 @@ def test_a_worker_restarted_under_its_name_requeues_its_pack_at_once(
     assert len(units) == len(set(units)), got.packs
     assert_same_outcome(got, reference)
     pack = next(p for p in got.packs if p.id == pack_id)
-    assert (pack.status, pack.attempts) == ("completed", 2), pack
+    # attempts 1: the kill came just after the pack's units ended (the test's race), and the
+    # restart's re-queue completed it; 2: the pack trained again from the checkpoints
+    assert pack.status == "completed" and pack.attempts in (1, 2), pack
     assert pack.error is not None and f"worker {victim} restarted" in pack.error
 
 

@@ -122,25 +122,52 @@ def test_a_pack_whose_units_an_earlier_attempt_finished_is_completed_not_cancell
     """Issue (seen in CI's fault test of a worker restarted under its name): the worker was
     killed after writing its units' ends but before closing the pack; the restart put the
     pack back in the queue, and its next attempt, finding nothing left to train, marked it
-    cancelled with "study ended" while the study ran on. It is completed, the restart's
-    note kept, and nothing is trained again."""
+    cancelled with "study ended" while the study ran on. A pack dispatched again with every
+    unit already trained (here: re-queued while a slow attempt still ran, which then
+    finished them) is completed, the earlier note kept, and nothing is trained again."""
     pack_id, ids = make_pack([0.05, 0.1])
     assert run_pack(pack_id) == "completed"
     done = snapshot(ids)
-    note = "worker w1 restarted while training it"
-    with session_scope(get_sessionmaker()) as s:  # as the killed attempt left it
+    note = "worker w1 stopped heartbeating"
+    with session_scope(get_sessionmaker()) as s:  # re-queued, then dispatched again
         pack = store.get_pack(s, pack_id)
-        pack.status, pack.worker_name = PackStatus.running, "w1"
-    with session_scope(get_sessionmaker()) as s:  # the restart, then the scheduler's dispatch
-        assert store.requeue_packs_of(s, "w1", note) == [pack_id]
-        pack = store.get_pack(s, pack_id)
-        assert store.move_pack(s, pack, PackStatus.queued, attempts=2)
+        pack.status = PackStatus.pending
+        assert store.move_pack(s, pack, PackStatus.queued, attempts=2, error=note)
     run_pack(pack_id)
     with session_scope(get_sessionmaker()) as s:
         pack = store.get_pack(s, pack_id)
         assert (pack.status, pack.attempts, pack.error) == (PackStatus.completed, 2, note)
         assert store.get_study(s, pack.study_id).status.value not in ("cancelled", "failed")
     assert snapshot(ids) == done
+
+
+def test_a_pack_requeued_after_its_units_ended_is_completed_at_once(
+    db: pytest.MonkeyPatch,
+) -> None:
+    """Issue: a worker killed after writing its units' ends but before closing the pack
+    left, once re-queued (its restart, or the heartbeat timeout), a pending pack with
+    nothing to train: it waited for a dispatch to find that out, and stayed pending if its
+    study ended first. Every unit trained, the attempt's work is the pack's: completed at
+    the re-queue, with the reason kept; the members are left as they are."""
+    pack_id, ids = make_pack([0.05, 0.1])
+    assert run_pack(pack_id) == "completed"
+    done = snapshot(ids)
+    note = "worker w1 restarted while training it"
+    for requeue in (
+        lambda s: store.requeue_packs_of(s, "w1", note),  # the worker's restart
+        lambda s: store.retry_pack(
+            s, store.get_pack(s, pack_id), error=note, fault=True, backoff=0.0
+        ),  # the scheduler's timeout  # fmt: skip
+    ):
+        with session_scope(get_sessionmaker()) as s:  # as the killed attempt left it
+            pack = store.get_pack(s, pack_id)
+            pack.status, pack.worker_name, pack.error = PackStatus.running, "w1", None
+        with session_scope(get_sessionmaker()) as s:
+            assert not requeue(s)  # nothing re-queued
+        with session_scope(get_sessionmaker()) as s:
+            pack = store.get_pack(s, pack_id)
+            assert (pack.status, pack.error) == (PackStatus.completed, note)
+        assert snapshot(ids) == done
 
 
 def test_a_unit_checkpointed_but_not_recorded_is_not_trained_twice(
