@@ -5,9 +5,9 @@ A compiled step is made once per *step key* -- workload, model structure
 (:func:`worker.fusion_guard.model_signature`), stack mode, stacked batches, precision and
 device -- and kept for the process: later arrays of the key, in this pack or the next,
 reuse it; torch's guards compile it again only for a new array size or batch shape (the
-last, shorter batch of an epoch is one). Each entry owns its own copy of the stack's
-template, kept in train mode, so that an array evaluating (eval mode) never changes what
-another array's compiled step runs.
+last, shorter batch of an epoch is one), up to :data:`RECOMPILE_LIMIT` variants per key.
+Each entry owns its own copy of the stack's template, kept in train mode, so that an array
+evaluating (eval mode) never changes what another array's compiled step runs.
 
 On a GPU the default mode is ``reduce-overhead`` (CUDA graphs: a step's kernels replayed
 with one launch); on a CPU ``default``. ``PACKTUNE_COMPILE_MODE`` overrides it. A step
@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+import types
 from collections.abc import Callable, Hashable
 
 import torch
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MODES = {"cuda": "reduce-overhead", "cpu": "default"}
 #: ``torch.compile``'s backend (the tests put a failing one in its place)
 BACKEND = "inductor"
+#: compiled variants (array sizes x batch shapes) one step key may hold (torch's default: 8)
+RECOMPILE_LIMIT = 64
 
 _LOCK = threading.Lock()
 #: held while a step runs code for the first time: torch compiles one function at a time
@@ -60,11 +63,24 @@ def compiled_step(
             return None
         step = _STEPS.get(key)
         if step is None:
+            torch._dynamo.config.recompile_limit = max(
+                torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT
+            )
             step = torch.compile(
-                make(), mode=compile_mode(device, mode), backend=BACKEND, dynamic=False
+                own_code(make()), mode=compile_mode(device, mode), backend=BACKEND, dynamic=False
             )
             _STEPS[key] = step
         return step
+
+
+def own_code(fn: Losses) -> Losses:
+    """``fn`` with a code object of its own: torch keeps compiled variants per code object
+    and runs eagerly, silently but for a log line, past :data:`RECOMPILE_LIMIT` of them, and
+    every key's losses function shares one code (closures of the same ``def``)."""
+    assert isinstance(fn, types.FunctionType)
+    return types.FunctionType(
+        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
 
 
 def drop(key: Hashable, error: BaseException) -> str:
