@@ -100,14 +100,14 @@ def test_each_step_key_compiles_within_a_budget_of_its_own(monkeypatch):
     """Issue: torch keeps compiled variants per code object, and every key's losses function
     shared one (closures of one ``def``): past 8 variants in all (array sizes, batch shapes,
     workloads) a worker's later steps ran eagerly, silently but for a log line."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     monkeypatch.setattr(compiled, "RECOMPILE_LIMIT", 1)
     stats = torch._dynamo.utils.counters["stats"]
-    for workload, members in ((TinyMLP(), mlp_members()[:2]), (TinyCNN(), cnn_members()[:2])):
-        before = stats["unique_graphs"]
-        array = FusedArray(workload, members, compile_step=True)
-        array.train_step(next(iter(workload.batch_indices(array.config, 0))))
-        assert stats["unique_graphs"] > before, f"{workload.name}'s step was not compiled"
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for workload, members in ((TinyMLP(), mlp_members()[:2]), (TinyCNN(), cnn_members()[:2])):
+            before = stats["unique_graphs"]
+            array = FusedArray(workload, members, compile_step=True)
+            array.train_step(next(iter(workload.batch_indices(array.config, 0))))
+            assert stats["unique_graphs"] > before, f"{workload.name}'s step was not compiled"
 
 
 def test_an_array_evaluating_leaves_another_arrays_compiled_step_in_train_mode():
