@@ -4,8 +4,12 @@
 A compiled step is made once per *step key* -- workload, model structure
 (:func:`worker.fusion_guard.model_signature`), stack mode, stacked batches, precision and
 device -- and kept for the process: later arrays of the key, in this pack or the next,
-reuse it; torch's guards compile it again only for a new array size or batch shape (the
-last, shorter batch of an epoch is one), up to :data:`RECOMPILE_LIMIT` variants per key.
+reuse it. Shapes follow torch's automatic dynamic shapes: the first array size and batch
+shape compile as they are, the first other one (the last, shorter batch of an epoch is one)
+compiles again with that dimension symbolic, and later sizes reuse it (k=1 keeps one of its
+own): about three compilations per key, up to :data:`RECOMPILE_LIMIT` variants. That holds
+for a workload whose losses come in one call (``stacked_loss``, as the built-in ones'); a
+loop or vmap over the members' losses fixes the size, so such a key compiles per size.
 Each entry owns its own copy of the stack's template, kept in train mode, so that an array
 evaluating (eval mode) never changes what another array's compiled step runs.
 
@@ -67,7 +71,7 @@ def compiled_step(
                 torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT
             )
             step = torch.compile(
-                own_code(make()), mode=compile_mode(device, mode), backend=BACKEND, dynamic=False
+                own_code(make()), mode=compile_mode(device, mode), backend=BACKEND, dynamic=None
             )
             _STEPS[key] = step
         return step

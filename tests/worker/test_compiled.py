@@ -18,6 +18,7 @@ from tests.support.states import assert_member_states_close
 from tests.support.tiny_workloads import TinyCNN, TinyMLP
 from worker import compiled
 from worker.fused import FusedArray, Report, train
+from worker.workloads.parts import stacked_cross_entropy
 
 EPOCHS = 2
 
@@ -108,6 +109,33 @@ def test_each_step_key_compiles_within_a_budget_of_its_own(monkeypatch):
             array = FusedArray(workload, members, compile_step=True)
             array.train_step(next(iter(workload.batch_indices(array.config, 0))))
             assert stats["unique_graphs"] > before, f"{workload.name}'s step was not compiled"
+
+
+class StackedTinyMLP(TinyMLP):
+    """TinyMLP with its losses in one call (``stacked_loss``), as the built-in workloads."""
+
+    name = "tiny-mlp-stacked"
+
+    def stacked_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return stacked_cross_entropy(outputs, targets)
+
+
+def test_array_sizes_after_the_second_reuse_its_dynamic_compilation():
+    """Hyperband's rungs give every size from 27 down to 2: a compilation per size would cost
+    seconds each. The second size compiles with the size symbolic; the third compiles
+    nothing and trains as the eager step does. (A workload whose losses take a Python loop
+    or vmap over the members, with no ``stacked_loss``, compiles per size.)"""
+    workload, members = StackedTinyMLP(), mlp_members()[:3]
+    stats = torch._dynamo.utils.counters["stats"]
+    for k in (3, 2):
+        array = FusedArray(workload, members[:k], compile_step=True)
+        array.train_step(next(iter(workload.batch_indices(array.config, 0))))
+    before = stats["unique_graphs"]
+    more = [(f"x{i}", {**config, "seed": 70 + i}) for i, (_, config) in enumerate(members)]
+    more.append(("x3", {**more[0][1], "seed": 74, "lr": 0.03}))
+    eager, got = run(workload, more), run(workload, more, compile_step=True)  # k = 4
+    assert stats["unique_graphs"] == before
+    assert_same_training(eager, got)
 
 
 def test_an_array_evaluating_leaves_another_arrays_compiled_step_in_train_mode():
