@@ -201,7 +201,7 @@ class Group:
         self.proven = self.mode != "vmap"
         #: the compiled losses (forward, loss; its backward compiled with it), or None: eager
         self.compiled: Losses | None = None
-        #: the batch shapes a compiled step has run (each shape compiles once)
+        #: the batch shapes a compiled step has run at the current array size (guarded before)
         self.compiled_shapes: set[Hashable] = set()
 
     def autocast(self) -> AbstractContextManager[Any]:
@@ -272,3 +272,4 @@ class Group:
         self.buffers = {n: b[idx] for n, b in self.buffers.items()}
         self.optimizer.select(index, self.params)
         self.losses.keep(index)
+        self.compiled_shapes.clear()  # another array size: the next step may compile

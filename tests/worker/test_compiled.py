@@ -167,6 +167,27 @@ def test_a_step_that_fails_to_compile_trains_eagerly_from_the_same_state(monkeyp
     assert len(warnings) == 1
 
 
+def test_a_compilation_after_a_member_leaves_is_guarded_too(monkeypatch):
+    """A member that diverges leaves the stack, so the next step has another array size and
+    compiles again, at a batch shape that has run before: that compilation may fail too,
+    and the array then goes on eagerly instead of failing its trials."""
+    calls = []
+
+    def first_only(graph: torch.fx.GraphModule, inputs: Any) -> Any:
+        calls.append(len(calls))
+        if len(calls) > 1:
+            raise RuntimeError("the second compilation fails")
+        return graph.forward
+
+    monkeypatch.setattr(compiled, "BACKEND", first_only)
+    workload, members = TinyMLP(), mlp_members()  # m3 diverges in its first steps
+    eager = run(workload, members)
+    got = run(workload, members, compile_step=True)
+    assert len(calls) == 2 and list(got[0].diverged) == ["m3"]
+    assert any("the second compilation fails" in note for note in got[0].notes)
+    assert_same_training(eager, got)
+
+
 def test_random_draws_and_spilled_stacks_stay_eager():
     members = [(f"d{i}", {"seed": i, "data_seed": 1, "dropout": 0.2}) for i in range(2)]
     dropout = FusedArray(TinyMLP(), members, compile_step=True)
