@@ -70,9 +70,28 @@ def variant(spec: dict[str, Any], packed: bool) -> dict[str, Any]:
     return out
 
 
+#: packtune settings a benchmark's ``--set KEY=VALUE`` gives every process it starts
+EXTRA_SETTINGS: dict[str, str] = {}
+
+
+def parse_settings(pairs: list[str]) -> dict[str, str]:
+    """``KEY=VALUE`` pairs naming :class:`packtune.settings.Settings` fields (ValueError
+    naming the first that is not one)."""
+    from packtune.settings import Settings
+
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or key not in Settings.model_fields:
+            raise ValueError(f"--set {pair}: not KEY=VALUE with KEY a packtune setting")
+        out[key] = value
+    return out
+
+
 def service_env(**settings: Any) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PACKTUNE_")}
     env.update({f"PACKTUNE_{k.upper()}": str(v) for k, v in settings.items() if v is not None})
+    env.update({f"PACKTUNE_{k.upper()}": v for k, v in EXTRA_SETTINGS.items()})
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     return env

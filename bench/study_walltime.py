@@ -22,12 +22,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench import recording
+from bench import _study, recording
 from bench._study import (
     ROOT,
     StudyRun,
     breakdown,
     load_spec,
+    parse_settings,
     run_embedded,
     run_rq,
     run_serve,
@@ -156,7 +157,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="a tiny study; appends nothing")
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--no-append", action="store_true")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a packtune setting for every process started (e.g. "
+                        "compile_step=on); such a run's JSON stays out of RESULTS.md")  # fmt: skip
     args = parser.parse_args(argv)
+    try:
+        _study.EXTRA_SETTINGS.update(parse_settings(args.set))
+    except ValueError as exc:
+        parser.error(str(exc))
     spec = load_spec(args.spec)
     if args.quick:
         spec["hyperband"] = QUICK_HYPERBAND
@@ -169,9 +177,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick and args.out_dir is None:
         return
     kind = "cpu" if info["device"] == "cpu" else info["device"].replace(" ", "-")
+    settings = dict(_study.EXTRA_SETTINGS)
+    kind += "".join(f"_{key}-{value}" for key, value in sorted(settings.items()))
     recording.save_json(f"study_walltime_{kind}", {
         "machine": info, "date": recording.now(), "command": recording.command_line(),
-        "spec": spec, "summary": summary, "runs": runs}, args.out_dir)  # fmt: skip
+        "spec": spec, "settings": settings, "summary": summary, "runs": runs},
+        args.out_dir)  # fmt: skip
     if not (args.quick or args.no_append):
         recording.append_section(
             f"b. Study wall time, packed vs unpacked — {info['device']}",

@@ -35,11 +35,16 @@ class Row:
     data: dict[str, Any]
 
 
-def newest(pattern: str, where: Path = RESULTS) -> dict[str, tuple[Path, dict[str, Any]]]:
-    """The newest result matching ``pattern`` per device: ``{device: (path, data)}``."""
+def newest(
+    pattern: str, where: Path = RESULTS, plain: bool = False
+) -> dict[str, tuple[Path, dict[str, Any]]]:
+    """The newest result matching ``pattern`` per device: ``{device: (path, data)}``;
+    ``plain``: only runs at the default settings (no ``--set``)."""
     found: dict[str, tuple[Path, dict[str, Any]]] = {}
     for path in sorted(where.rglob(pattern)):
         data = json.loads(path.read_text())
+        if plain and data.get("settings"):
+            continue
         device = data["machine"]["device"]
         if device not in found or data["date"] > found[device][1]["date"]:
             found[device] = (path, data)
@@ -81,7 +86,7 @@ def fused_rows() -> Iterator[Row]:
 
 def study_rows() -> Iterator[Row]:
     """Packed over unpacked study wall time, per way of running it."""
-    for device, (path, data) in sorted(newest("study_walltime_*.json").items()):
+    for device, (path, data) in sorted(newest("study_walltime_*.json", plain=True).items()):
         target = 3.0 if device == "cpu" else 5.0
         for mode, summary in sorted(data["summary"].items()):
             ratio = summary["ratio_of_medians"]

@@ -17,7 +17,9 @@ On a GPU the default mode is ``reduce-overhead`` (CUDA graphs: a step's kernels 
 with one launch); on a CPU ``default``. ``PACKTUNE_COMPILE_MODE`` overrides it. A step
 whose compilation fails (an op the compiler cannot take, a backend error) is dropped for
 its key with a warning, once per process, and the array goes on eagerly from the same
-state (:class:`worker.fused.FusedArray` restores what the failed step changed).
+state (:class:`worker.fused.FusedArray` restores what the failed step changed); where only
+the recompilation with symbolic shapes failed (vmap's convolution rule needs concrete
+sizes), the key compiles per shape instead.
 
 Not compiled: stacks that draw random numbers (their draws would no longer match an
 unpacked run's), spilled and decoupled stacks, the optimizer's update and evaluation.
@@ -48,6 +50,10 @@ _LOCK = threading.Lock()
 #: held while a step runs code for the first time: torch compiles one function at a time
 COMPILING = threading.RLock()
 _STEPS: dict[Hashable, Losses] = {}
+#: keys whose compiled step has run (a later failure is a recompilation's)
+_WORKED: set[Hashable] = set()
+#: keys whose recompilation with symbolic shapes failed: they compile per shape
+_STATIC: set[Hashable] = set()
 #: keys whose compilation failed in this process (they train eagerly from then on)
 _FAILED: dict[Hashable, str] = {}
 
@@ -61,7 +67,8 @@ def compiled_step(
     key: Hashable, make: Callable[[], Losses], device: torch.device, mode: str | None = None
 ) -> Losses | None:
     """The compiled losses of ``key`` (made from ``make()`` on first use), or None where its
-    compilation failed before in this process."""
+    compilation failed before in this process. Shapes: torch's automatic dynamic shapes, or
+    fixed ones for a key whose symbolic recompilation failed."""
     with _LOCK:
         if key in _FAILED:
             return None
@@ -71,8 +78,9 @@ def compiled_step(
                 torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT
             )
             step = torch.compile(
-                own_code(make()), mode=compile_mode(device, mode), backend=BACKEND, dynamic=None
-            )
+                own_code(make()), mode=compile_mode(device, mode), backend=BACKEND,
+                dynamic=False if key in _STATIC else None,
+            )  # fmt: skip
             _STEPS[key] = step
         return step
 
@@ -87,17 +95,30 @@ def own_code(fn: Losses) -> Losses:
     )
 
 
+def worked(key: Hashable) -> None:
+    """``key``'s compiled step ran a step."""
+    with _LOCK:
+        _WORKED.add(key)
+
+
 def drop(key: Hashable, error: BaseException) -> str:
-    """Forget ``key``'s compiled step after ``error``; the note to tell (logged once)."""
+    """Forget ``key``'s compiled step after ``error``; the note to tell (logged once). A key
+    whose step ran before failed recompiling with symbolic shapes (a model's code may need
+    concrete sizes): it compiles per shape from then on; any other failure, eager."""
     root = error
     while (inner := root.__cause__ or getattr(root, "inner_exception", None)) is not None:
         root = inner  # torch wraps a backend's error: name what it raised
     reason = f"{type(root).__name__}: {str(root).splitlines()[0] if str(root) else ''}"
     with _LOCK:
         _STEPS.pop(key, None)
-        first = key not in _FAILED
-        _FAILED[key] = reason
-    note = f"the compiled step failed ({reason}); it trains eagerly instead"
+        if key in _WORKED and key not in _STATIC:
+            _STATIC.add(key)
+            note = f"recompiling the step for a new shape failed ({reason}); it compiles per shape"
+            first = True
+        else:
+            first = key not in _FAILED
+            _FAILED[key] = reason
+            note = f"the compiled step failed ({reason}); it trains eagerly instead"
     if first:
         log.warning("%s (said once per process)", note)
     return note
@@ -112,4 +133,6 @@ def reset() -> None:
     """Forget every compiled step and failure (tests)."""
     with _LOCK:
         _STEPS.clear()
+        _WORKED.clear()
+        _STATIC.clear()
         _FAILED.clear()

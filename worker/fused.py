@@ -362,8 +362,8 @@ class FusedArray:
                     [s["optimizer"] if s else None for s in (states[i] for i in idx)], stack,
                 ))  # fmt: skip
         self.stochastic = any(group.stochastic for group in self.groups)
-        #: each compiled group's step key (:mod:`worker.compiled`)
-        self.step_keys: dict[int, Hashable] = {}
+        #: each compiled group's step key and how to make its step (:mod:`worker.compiled`)
+        self.step_keys: dict[int, tuple[Hashable, Callable[[], Any], str | None]] = {}
         if compile_step:
             for group in self.groups:
                 self._compile(group, compile_mode)
@@ -430,7 +430,7 @@ class FusedArray:
 
         group.compiled = compiled.compiled_step(key, make, device, mode)
         if group.compiled is not None:
-            self.step_keys[id(group)] = key
+            self.step_keys[id(group)] = (key, make, mode)
 
     def _split_per_member(self, group: Group, error: BaseException) -> list[Group]:
         """``group``'s members as one stack each (its vmap step failed): the same tensors
@@ -550,6 +550,8 @@ class FusedArray:
                 self._reseed(group)
             with compiled.COMPILING if group.compiled is not None else nullcontext():
                 group.step(batch, self.workload, self.step + 1)
+            if group.compiled is not None:
+                compiled.worked(self.step_keys[id(group)][0])
         except (torch.cuda.OutOfMemoryError, Unspillable):
             raise
         except Exception as exc:
@@ -560,9 +562,13 @@ class FusedArray:
             for key, state in streams.items():
                 self.generators[key].set_state(state)
             if group.compiled is not None:
-                group.compiled = None
-                note = compiled.drop(self.step_keys.pop(id(group)), exc)
+                key, make, mode = self.step_keys.pop(id(group))
+                note = compiled.drop(key, exc)
                 self.notes.append(f"{self.workload.name}: {note}")
+                group.compiled = compiled.compiled_step(key, make, self.device, mode)
+                group.compiled_shapes.clear()
+                if group.compiled is not None:
+                    self.step_keys[id(group)] = (key, make, mode)
                 self._step_group(group, batch)
                 return
             singles = self._split_per_member(group, exc)

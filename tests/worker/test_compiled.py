@@ -183,8 +183,35 @@ def test_a_compilation_after_a_member_leaves_is_guarded_too(monkeypatch):
     workload, members = TinyMLP(), mlp_members()  # m3 diverges in its first steps
     eager = run(workload, members)
     got = run(workload, members, compile_step=True)
-    assert len(calls) == 2 and list(got[0].diverged) == ["m3"]
-    assert any("the second compilation fails" in note for note in got[0].notes)
+    # the second: the recompilation for the new size (symbolic); then one with fixed shapes
+    assert len(calls) == 3 and list(got[0].diverged) == ["m3"]
+    assert [note.split(" (")[0] for note in got[0].notes] == [
+        "tiny-mlp: recompiling the step for a new shape failed",
+        "tiny-mlp: the compiled step failed",
+    ]
+    assert all("the second compilation fails" in note for note in got[0].notes)
+    assert_same_training(eager, got)
+
+
+def test_a_key_whose_symbolic_recompilation_fails_compiles_per_shape(monkeypatch):
+    """vmap's convolution rule could not compile with a symbolic array size (digits-cnn:
+    "cannot determine truth value of Relational"): the key then compiles each size with
+    fixed shapes instead of training eagerly."""
+
+    def fixed_only(graph: torch.fx.GraphModule, inputs: Any) -> Any:
+        if any(isinstance(i, torch.SymInt) for i in inputs):
+            raise TypeError("cannot determine truth value of Relational")
+        return graph.forward
+
+    monkeypatch.setattr(compiled, "BACKEND", fixed_only)
+    workload, members = StackedTinyMLP(), mlp_members()[:3]
+    first = FusedArray(workload, members, compile_step=True)
+    first.train_step(next(iter(workload.batch_indices(first.config, 0))))
+    eager, got = run(workload, members[:2]), run(workload, members[:2], compile_step=True)
+    assert got[0].groups[0].compiled is not None  # k=2, with fixed shapes
+    assert [note.split(" (")[0] for note in got[0].notes] == [
+        "tiny-mlp-stacked: recompiling the step for a new shape failed"
+    ]
     assert_same_training(eager, got)
 
 
