@@ -162,9 +162,17 @@ def main(argv: list[str] | None = None) -> None:
                         "compile_step=on); such a run's JSON stays out of RESULTS.md")  # fmt: skip
     args = parser.parse_args(argv)
     try:
-        _study.EXTRA_SETTINGS.update(parse_settings(args.set))
+        settings = parse_settings(args.set)
     except ValueError as exc:
         parser.error(str(exc))
+    _study.EXTRA_SETTINGS.update(settings)
+    try:
+        run(args, settings)
+    finally:
+        _study.EXTRA_SETTINGS.clear()
+
+
+def run(args: argparse.Namespace, settings: dict[str, str]) -> None:
     spec = load_spec(args.spec)
     if args.quick:
         spec["hyperband"] = QUICK_HYPERBAND
@@ -177,7 +185,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick and args.out_dir is None:
         return
     kind = "cpu" if info["device"] == "cpu" else info["device"].replace(" ", "-")
-    settings = dict(_study.EXTRA_SETTINGS)
     kind += "".join(f"_{key}-{value}" for key, value in sorted(settings.items()))
     recording.save_json(f"study_walltime_{kind}", {
         "machine": info, "date": recording.now(), "command": recording.command_line(),

@@ -16,10 +16,10 @@ evaluating (eval mode) never changes what another array's compiled step runs.
 On a GPU the default mode is ``reduce-overhead`` (CUDA graphs: a step's kernels replayed
 with one launch); on a CPU ``default``. ``PACKTUNE_COMPILE_MODE`` overrides it. A step
 whose compilation fails (an op the compiler cannot take, a backend error) is dropped for
-its key with a warning, once per process, and the array goes on eagerly from the same
-state (:class:`worker.fused.FusedArray` restores what the failed step changed); where only
-the recompilation with symbolic shapes failed (vmap's convolution rule needs concrete
-sizes), the key compiles per shape instead.
+its key with a warning, once per process, and the array goes on from the same
+state (:class:`worker.fused.FusedArray` restores what the failed step changed); a key's
+first failure is retried with fixed shapes (symbolic sizes fail where the model's code
+needs concrete ones, as vmap's convolution rule does), and only a second one goes eager.
 
 Not compiled: stacks that draw random numbers (their draws would no longer match an
 unpacked run's), spilled and decoupled stacks, the optimizer's update and evaluation.
@@ -28,6 +28,7 @@ unpacked run's), spilled and decoupled stacks, the optimizer's update and evalua
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import threading
 import types
@@ -50,9 +51,7 @@ _LOCK = threading.Lock()
 #: held while a step runs code for the first time: torch compiles one function at a time
 COMPILING = threading.RLock()
 _STEPS: dict[Hashable, Losses] = {}
-#: keys whose compiled step has run (a later failure is a recompilation's)
-_WORKED: set[Hashable] = set()
-#: keys whose recompilation with symbolic shapes failed: they compile per shape
+#: keys whose compilation failed once: they compile with fixed shapes (per shape)
 _STATIC: set[Hashable] = set()
 #: keys whose compilation failed in this process (they train eagerly from then on)
 _FAILED: dict[Hashable, str] = {}
@@ -78,47 +77,44 @@ def compiled_step(
                 torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT
             )
             step = torch.compile(
-                own_code(make()), mode=compile_mode(device, mode), backend=BACKEND,
+                own_code(make(), key), mode=compile_mode(device, mode), backend=BACKEND,
                 dynamic=False if key in _STATIC else None,
             )  # fmt: skip
             _STEPS[key] = step
         return step
 
 
-def own_code(fn: Losses) -> Losses:
-    """``fn`` with a code object of its own: torch keeps compiled variants per code object
-    and runs eagerly, silently but for a log line, past :data:`RECOMPILE_LIMIT` of them, and
-    every key's losses function shares one code (closures of the same ``def``)."""
+def own_code(fn: Losses, key: Hashable) -> Losses:
+    """``fn`` with a code object of its own, named after ``key``: every key's losses function
+    is a closure of one ``def``, and torch keeps compiled variants per code object (running
+    eagerly, silently but for a log line, past :data:`RECOMPILE_LIMIT` of them) and which
+    sizes changed per code name (so one key's changing array size made another key's first
+    compilation symbolic)."""
     assert isinstance(fn, types.FunctionType)
-    return types.FunctionType(
-        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
-    )
-
-
-def worked(key: Hashable) -> None:
-    """``key``'s compiled step ran a step."""
-    with _LOCK:
-        _WORKED.add(key)
+    name = f"{fn.__name__}_{hashlib.sha1(repr(key).encode()).hexdigest()[:12]}"
+    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
 def drop(key: Hashable, error: BaseException) -> str:
-    """Forget ``key``'s compiled step after ``error``; the note to tell (logged once). A key
-    whose step ran before failed recompiling with symbolic shapes (a model's code may need
-    concrete sizes): it compiles per shape from then on; any other failure, eager."""
+    """Forget ``key``'s compiled step after ``error``; the note to tell (logged once per key
+    and outcome). A key's first failure leaves it compiling with fixed shapes (one
+    compilation per shape: symbolic sizes fail where a model's code needs concrete ones, as
+    vmap's convolution rule does); a failure with fixed shapes, eager."""
     root = error
     while (inner := root.__cause__ or getattr(root, "inner_exception", None)) is not None:
         root = inner  # torch wraps a backend's error: name what it raised
     reason = f"{type(root).__name__}: {str(root).splitlines()[0] if str(root) else ''}"
     with _LOCK:
         _STEPS.pop(key, None)
-        if key in _WORKED and key not in _STATIC:
+        if key not in _STATIC:
             _STATIC.add(key)
-            note = f"recompiling the step for a new shape failed ({reason}); it compiles per shape"
+            note = f"the compiled step failed ({reason}); it compiles again with fixed shapes"
             first = True
         else:
             first = key not in _FAILED
             _FAILED[key] = reason
-            note = f"the compiled step failed ({reason}); it trains eagerly instead"
+            note = f"the compiled step failed with fixed shapes ({reason}); it trains eagerly"
     if first:
         log.warning("%s (said once per process)", note)
     return note
@@ -130,9 +126,9 @@ def own_template(template: torch.nn.Module) -> torch.nn.Module:
 
 
 def reset() -> None:
-    """Forget every compiled step and failure (tests)."""
+    """Forget every compiled step and failure, and what torch learnt of their shapes (tests)."""
+    torch._dynamo.reset()
     with _LOCK:
         _STEPS.clear()
-        _WORKED.clear()
         _STATIC.clear()
         _FAILED.clear()

@@ -550,8 +550,6 @@ class FusedArray:
                 self._reseed(group)
             with compiled.COMPILING if group.compiled is not None else nullcontext():
                 group.step(batch, self.workload, self.step + 1)
-            if group.compiled is not None:
-                compiled.worked(self.step_keys[id(group)][0])
         except (torch.cuda.OutOfMemoryError, Unspillable):
             raise
         except Exception as exc:

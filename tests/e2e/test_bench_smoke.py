@@ -116,12 +116,26 @@ def test_scheduler_scale_quick(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_study_walltime_quick_serve(tmp_path: Path) -> None:
-    """``packtune serve`` up, a warm-up study, then the measured one POSTed, packed and not."""
-    from bench import study_walltime
+def test_study_walltime_quick_serve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``packtune serve`` up, a warm-up study, then the measured one POSTed, packed and not;
+    ``--set`` gives the service a setting for the run's life."""
+    from bench import _study, study_walltime
 
-    study_walltime.main(["--quick", "--modes", "serve", "--out-dir", str(tmp_path)])
-    data = json.loads(next(tmp_path.glob("study_walltime_*.json")).read_text())
+    envs: list[dict[str, str]] = []
+    start_serve = _study.start_serve
+    monkeypatch.setattr(
+        _study, "start_serve", lambda env, log: (envs.append(env), start_serve(env, log))[1]
+    )
+    study_walltime.main(["--quick", "--modes", "serve", "--out-dir", str(tmp_path),
+                         "--set", "torch_threads=1"])  # fmt: skip
+    assert envs and all(env["PACKTUNE_TORCH_THREADS"] == "1" for env in envs)
+    assert _study.EXTRA_SETTINGS == {}  # for the run's life only
+    [path] = tmp_path.glob("study_walltime_*.json")
+    data = json.loads(path.read_text())
+    # a run with settings of its own: named and marked so (RESULTS.md leaves it out)
+    assert path.name.endswith("_torch_threads-1.json") and data["settings"] == {
+        "torch_threads": "1"
+    }
     runs = data["runs"]["serve"]
     assert sorted(r["packed"] for r in runs) == [False, True]
     assert all(r["status"] == "completed" for r in runs)
