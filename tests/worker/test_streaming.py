@@ -112,6 +112,27 @@ def test_a_custom_step_with_dict_batches_and_two_outputs_runs_under_vmap(root: P
     assert mse[1] < mse[0]
 
 
+def test_a_custom_step_compiled_trains_as_the_eager_one(root: Path) -> None:
+    """A workload's own step (dict batches, two outputs) under PACKTUNE_COMPILE_STEP: the
+    compiled vmap of its training_loss, streamed batches, trains as the eager step does."""
+    from worker import compiled
+
+    workload = sw.MultiTask()
+    array_members = members(workload, {"root": str(root)}, [0.01, 0.03])
+    compiled.reset()
+    try:
+        eager = FusedArray(workload, array_members)
+        got = FusedArray(workload, array_members, compile_step=True)
+        spe = eager.steps_per_epoch
+        want_reports, got_reports = train(eager, 2 * spe), train(got, 2 * spe)
+        assert got.groups[0].compiled is not None and not got.notes
+    finally:
+        compiled.reset()
+    for a, b in zip(want_reports, got_reports, strict=True):
+        for key, metrics in a.metrics.items():
+            assert b.metrics[key] == pytest.approx(metrics, rel=1e-5)
+
+
 def test_a_step_vmap_cannot_batch_trains_members_one_at_a_time(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
