@@ -30,6 +30,14 @@ def fresh_steps():
     compiled.reset()
 
 
+@pytest.fixture
+def traced_only(monkeypatch):
+    """torch's ``aot_eager`` backend in inductor's place: the same tracing, guards, shapes
+    and autograd, no code generation (seconds per compilation less), for the tests of how
+    compiled steps are kept and reused rather than of the generated code's numbers."""
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+
+
 def mlp_members() -> list[tuple[Hashable, dict[str, Any]]]:
     """An MLP with BatchNorm, SGD with momentum: a cosine schedule with warm-up, clipping of
     some members, and one member whose learning rate makes it diverge."""
@@ -86,7 +94,7 @@ def test_a_compiled_step_trains_every_member_as_the_eager_step(workload, members
         assert list(array.diverged) == ["m3"]  # diverged alone; the others as eager
 
 
-def test_a_later_array_of_the_same_structure_reuses_the_compiled_step():
+def test_a_later_array_of_the_same_structure_reuses_the_compiled_step(traced_only):
     workload, members = TinyMLP(), mlp_members()[:3]
     first, _ = run(workload, members, compile_step=True)
     frames = dict(torch._dynamo.utils.counters["stats"])
@@ -97,7 +105,7 @@ def test_a_later_array_of_the_same_structure_reuses_the_compiled_step():
     assert dict(torch._dynamo.utils.counters["stats"]) == frames
 
 
-def test_each_step_key_compiles_within_a_budget_of_its_own(monkeypatch):
+def test_each_step_key_compiles_within_a_budget_of_its_own(monkeypatch, traced_only):
     """Issue: torch keeps compiled variants per code object, and every key's losses function
     shared one (closures of one ``def``): past 8 variants in all (array sizes, batch shapes,
     workloads) a worker's later steps ran eagerly, silently but for a log line."""
@@ -120,7 +128,7 @@ class StackedTinyMLP(TinyMLP):
         return stacked_cross_entropy(outputs, targets)
 
 
-def test_array_sizes_after_the_second_reuse_its_dynamic_compilation():
+def test_array_sizes_after_the_second_reuse_its_dynamic_compilation(traced_only):
     """Hyperband's rungs give every size from 27 down to 2: a compilation per size would cost
     seconds each. The second size compiles with the size symbolic; the third compiles
     nothing and trains as the eager step does. (A workload whose losses take a Python loop
@@ -138,7 +146,9 @@ def test_array_sizes_after_the_second_reuse_its_dynamic_compilation():
     assert_same_training(eager, got)
 
 
-def test_an_array_evaluating_leaves_another_arrays_compiled_step_in_train_mode():
+def test_an_array_evaluating_leaves_another_arrays_compiled_step_in_train_mode(
+    traced_only,
+):
     workload, members = TinyMLP(), mlp_members()[:3]
     first = FusedArray(workload, members, compile_step=True)
     first.groups[0].template.eval()  # as while it evaluates, in another thread
