@@ -449,8 +449,11 @@ def run_array(
     stopped_short = array.step < to_step and bool(array.groups)
     gave_up = give_up is not None and give_up.is_set() and stopped_short
     mark_done(job, saved, array.step / spe if gave_up else None)
-    if array.step > from_step and seconds > 0 and not shared and budget is None:
-        value = k * (array.step - from_step) / seconds
+    # the steady state's throughput: a compiled step's compilations are left out
+    steady_steps = array.step - from_step - array.compile_steps
+    steady_seconds = seconds - array.compile_seconds
+    if steady_steps > 0 and steady_seconds > 0 and not shared and budget is None:
+        value = k * steady_steps / steady_seconds
         retrying(lambda s: store.record_throughput(s, job.workload, job.fusion_key, kind, k, value))
     notes = [*([array.warning] if array.warning else []), *array.notes, *array.spill_notes()]
     if gave_up:
@@ -461,8 +464,8 @@ def run_array(
     return [
         {
             "trials": [m.trial_id for m in todo],
-            "stacks": [{"trials": [_id(key) for key in keys], "mode": mode}
-                       for keys, mode in array.stacks],
+            "stacks": [{**stack, "trials": [_id(key) for key in stack["trials"]]}
+                       for stack in array.stack_records()],
             "notes": notes,
             "failed": [],
             "gave_up": gave_up,

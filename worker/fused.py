@@ -43,8 +43,8 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+import time
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -364,6 +364,9 @@ class FusedArray:
         self.stochastic = any(group.stochastic for group in self.groups)
         #: each compiled group's step key and how to make its step (:mod:`worker.compiled`)
         self.step_keys: dict[int, tuple[Hashable, Callable[[], Any], str | None]] = {}
+        #: seconds and steps of compiled groups' guarded steps (compilations): left out of
+        #: the array's measured throughput, which is the steady state's
+        self.compile_seconds, self.compile_steps = 0.0, 0
         if compile_step:
             for group in self.groups:
                 self._compile(group, compile_mode)
@@ -486,6 +489,15 @@ class FusedArray:
         """Each stack's members and the forward it runs (what ``packtune check`` reports)."""
         return [(list(group.keys), group.mode) for group in self.groups]
 
+    def stack_records(self) -> list[dict[str, Any]]:
+        """Each stack as a pack records it: its members, its forward, and ``compiled`` for
+        a stack that trained through a compiled step."""
+        return [
+            {"trials": list(group.keys), "mode": group.mode,
+             **({"compiled": True} if group.compiled is not None else {})}
+            for group in self.groups
+        ]  # fmt: skip
+
     @property
     def keys(self) -> list[Hashable]:
         """Keys of the members still training, in order."""
@@ -545,10 +557,16 @@ class FusedArray:
         # eagerly (a compiled step failed) or the members go on one stack each (vmap).
         saved = {n: b.clone() for n, b in group.buffers.items()}
         streams = {key: self.generators[key].get_state() for key in group.keys}
+        began = time.perf_counter()
         try:
             if group.stochastic:
                 self._reseed(group)
-            with compiled.COMPILING if group.compiled is not None else nullcontext():
+            if group.compiled is not None:
+                with compiled.COMPILING:
+                    group.step(batch, self.workload, self.step + 1)
+                self.compile_seconds += time.perf_counter() - began
+                self.compile_steps += 1
+            else:
                 group.step(batch, self.workload, self.step + 1)
         except (torch.cuda.OutOfMemoryError, Unspillable):
             raise

@@ -179,6 +179,8 @@ class StackRun(BaseModel):
     trials: list[int]
     #: ``bmm``: hand-fused; ``vmap``; ``serial``: one member at a time
     mode: Literal["bmm", "vmap", "serial"]
+    #: trained through a compiled step (``PACKTUNE_COMPILE_STEP``)
+    compiled: bool = False
 
 
 class ArrayRun(BaseModel):

@@ -206,8 +206,8 @@ def fill_finished_study(url: str, spec: dict[str, Any]) -> int:
                         )
                         pack.peak_bytes = int(pack.estimated_bytes * 0.8)
                         ids = [t.id for t in members]  # as a worker records how it ran
-                        pack.arrays = [{"trials": ids, "stacks": [{"trials": ids, "mode": "bmm"}],
-                                        "notes": [], "failed": []}]  # fmt: skip
+                        pack.arrays = [{"trials": ids, "notes": [], "failed": [], "stacks": [
+                            {"trials": ids, "mode": "bmm", "compiled": True}]}]  # fmt: skip
                     ranked = sorted(alive, key=lambda t: (losses[t.id], t.id))
                     if i == len(rungs) - 1:
                         for t in alive:
@@ -356,7 +356,9 @@ def test_hover_links_a_pack_to_its_trials(service: dict[str, Any], page: Any) ->
     page.mouse.move(x, y)
     tip = page.locator("#tooltip")
     assert tip.is_visible() and f"pack {pack_id}" in tip.inner_text()
-    assert f"hand-fused ×{len(ids)}" in tip.inner_text()  # how its array ran
+    assert f"hand-fused compiled ×{len(ids)}" in tip.inner_text()  # how its array ran
+    [stack] = next(p for p in members if p["id"] == pack_id)["arrays"][0]["stacks"]
+    assert stack["compiled"] is True  # the API carries it
     lit = page.eval_on_selector_all(
         "[data-panel=curves] .layer.hover path", "ps => ps.map(p => +p.dataset.trial)"
     )

@@ -436,3 +436,38 @@ def test_a_pack_with_compiled_steps_records_what_the_eager_pack_records(
         assert got[b][0] == eager[a][0] == TrialStatus.paused
         [(_, want)], [(_, have)] = eager[a][4], got[b][4]  # one epoch's metrics each
         assert have == pytest.approx(want, rel=1e-5)
+
+
+def test_a_compiled_packs_throughput_leaves_its_compilations_out(
+    db: pytest.MonkeyPatch,
+) -> None:
+    """The planner sizes arrays from their measured trial-steps/s: a reading that counted a
+    compilation (seconds, once per size) would make every newly compiled size look slow.
+    The pack records its stacks as compiled, and a throughput of its steady steps."""
+    import time
+
+    from worker import compiled
+
+    pause = 2.0
+
+    def slow(graph: Any, inputs: Any) -> Any:
+        time.sleep(pause)  # a compilation that takes its time
+        return graph.forward
+
+    db.setattr(compiled, "BACKEND", slow)
+    db.setenv("PACKTUNE_COMPILE_STEP", "on")
+    get_settings.cache_clear()
+    compiled.reset()
+    try:
+        pack_id, _ = make_pack([0.05, 0.1, 0.2])
+        assert run_pack(pack_id) == "completed"
+    finally:
+        compiled.reset()
+    steps = get_workload("digits-mlp").steps_per_epoch({})
+    with session_scope(get_sessionmaker()) as s:
+        pack = store.get_pack(s, pack_id)
+        assert [stack["compiled"] for a in pack.arrays for stack in a["stacks"]] == [True]
+        profile = store.get_profile(s, "digits-mlp", pack.members[0].fusion_key, "cpu")
+        assert profile is not None
+        # with a compilation's pause counted, the reading would be under this
+        assert profile.throughput["3"] > 3 * steps / pause

@@ -189,7 +189,8 @@ export class TimelinePanel {
     const took = p.duration ?? (serverNow() - Date.parse(p.started_at)) / 1000;
     const failed = p.failed_trials ?? [];
     const how = (p.arrays ?? []).map((a) => {
-      const stacks = a.stacks.map((st) => `${MODES[st.mode] ?? st.mode} ×${st.trials.length}`);
+      const stacks = a.stacks.map(
+        (st) => `${MODES[st.mode] ?? st.mode}${st.compiled ? " compiled" : ""} ×${st.trials.length}`);
       const notes = a.notes.length ? ` (${a.notes.join("; ").slice(0, 160)})` : "";
       const part = a.segment == null ? "" : ` (segment ${a.segment})`;
       return `array ${a.trials.map((t) => `#${t}`).join(" ")}${part}: ${stacks.join(", ") || "did not run"}${notes}`;
