@@ -74,7 +74,7 @@ from worker.fused_forward import (
     single_forward,
     vmap_forward,
 )
-from worker.fused_group import Group, Stack, losses_function
+from worker.fused_group import Group, Stack, losses_function, shapes
 from worker.fusion_guard import model_signature, partition, split_causes
 from worker.optim import OPTIMIZER_HYPER, build_optimizer
 from worker.spill import SpilledGroup, spill_problem
@@ -362,14 +362,15 @@ class FusedArray:
                     [s["optimizer"] if s else None for s in (states[i] for i in idx)], stack,
                 ))  # fmt: skip
         self.stochastic = any(group.stochastic for group in self.groups)
-        #: each compiled group's step key and how to make its step (:mod:`worker.compiled`)
-        self.step_keys: dict[int, tuple[Hashable, Callable[[], Any], str | None]] = {}
+        #: each compiled group's step key (:mod:`worker.compiled`), and the compile mode
+        self.step_keys: dict[int, Hashable] = {}
+        self.compile_mode = compile_mode
         #: seconds and steps of compiled groups' guarded steps (compilations): left out of
         #: the array's measured throughput, which is the steady state's
         self.compile_seconds, self.compile_steps = 0.0, 0
         if compile_step:
             for group in self.groups:
-                self._compile(group, compile_mode)
+                self._compile(group)
         #: steps of the current epoch trained before a member's checkpoint (taken in the
         #: middle of an epoch, when its pack gave its device up): their summed losses are
         #: carried, so that the epoch's train_loss is the one an unbroken epoch gives
@@ -418,7 +419,7 @@ class FusedArray:
                                 self.device, self.spill_budget, self.spill_prefetch)  # fmt: skip
         return Group(keys, params, buffers, optimizer, stack, self.precision)
 
-    def _compile(self, group: Group, mode: str | None) -> None:
+    def _compile(self, group: Group) -> None:
         """Give ``group`` its compiled step (:mod:`worker.compiled`) where one applies."""
         if type(group) is not Group or group.stochastic:
             return  # spilled and decoupled stacks, and random draws, stay eager
@@ -431,9 +432,9 @@ class FusedArray:
             stack = stack_of(workload, own, group.mode, group.stochastic)
             return losses_function(stack, workload, precision, device)
 
-        group.compiled = compiled.compiled_step(key, make, device, mode)
+        group.compiled = compiled.compiled_step(key, make, device, self.compile_mode)
         if group.compiled is not None:
-            self.step_keys[id(group)] = (key, make, mode)
+            self.step_keys[id(group)] = key
 
     def _split_per_member(self, group: Group, error: BaseException) -> list[Group]:
         """``group``'s members as one stack each (its vmap step failed): the same tensors
@@ -564,6 +565,7 @@ class FusedArray:
             if group.compiled is not None:
                 with compiled.COMPILING:
                     group.step(batch, self.workload, self.step + 1)
+                group.compiled_shapes.add(shapes(batch))
                 self.compile_seconds += time.perf_counter() - began
                 self.compile_steps += 1
             else:
@@ -578,13 +580,10 @@ class FusedArray:
             for key, state in streams.items():
                 self.generators[key].set_state(state)
             if group.compiled is not None:
-                key, make, mode = self.step_keys.pop(id(group))
-                note = compiled.drop(key, exc)
+                note = compiled.drop(self.step_keys.pop(id(group)), exc)
                 self.notes.append(f"{self.workload.name}: {note}")
-                group.compiled = compiled.compiled_step(key, make, self.device, mode)
                 group.compiled_shapes.clear()
-                if group.compiled is not None:
-                    self.step_keys[id(group)] = (key, make, mode)
+                self._compile(group)  # with fixed shapes, or eager
                 self._step_group(group, batch)
                 return
             singles = self._split_per_member(group, exc)

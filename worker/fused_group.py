@@ -201,6 +201,7 @@ class Group:
         self.proven = self.mode != "vmap"
         #: the compiled losses (forward, loss; its backward compiled with it), or None: eager
         self.compiled: Losses | None = None
+        self._eager: Losses | None = None  # the eager losses, made at the first step
         #: the batch shapes a compiled step has run at the current array size (guarded before)
         self.compiled_shapes: set[Hashable] = set()
 
@@ -215,14 +216,15 @@ class Group:
         self.optimizer.zero_grad()
         self.losses.record(losses.detach(), number)
         self.proven = True
-        if self.compiled is not None:
-            self.compiled_shapes.add(shapes(batch))
 
     def batch_losses(self, batch: Any, workload: Workload) -> Tensor:
         """The members' ``[k]`` losses on a training ``batch`` (float32, not bf16; autograd):
         through the compiled step where the group has one (:mod:`worker.compiled`)."""
-        run = self.compiled or losses_function(self.stack, workload, self.precision, self.device)
-        return run(self.params, self.buffers, batch)
+        if self.compiled is not None:
+            return self.compiled(self.params, self.buffers, batch)
+        if self._eager is None:
+            self._eager = losses_function(self.stack, workload, self.precision, self.device)
+        return self._eager(self.params, self.buffers, batch)
 
     def _losses(self, out: Tensor, y: Tensor, workload: Workload, stacked: bool) -> Tensor:
         return member_losses(out, y, workload, stacked, self.on_host)
