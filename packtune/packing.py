@@ -164,6 +164,16 @@ def best_array_size(throughput: Mapping[int, float], cap: int | None) -> int:
     return max(1, choice if cap is None else min(choice, cap))
 
 
+def execution_curve(alone: Mapping[int, float], at_once: Mapping[int, float]) -> dict[int, float]:
+    """Trial-steps/second by array size, the better of the two ways arrays of that size
+    were measured to run: one array alone, or a pack's arrays of that size several at once
+    (threads; on a GPU each its own stream). The curve :func:`best_array_size` chooses from:
+    where k arrays of one trial at once beat a fused array of k (a CNN through vmap's rule
+    on a GPU), or two large arrays at once beat one twice their size (a CPU, one core per
+    array), the size of the faster way wins."""
+    return {k: max(alone.get(k, 0.0), at_once.get(k, 0.0)) for k in sorted({*alone, *at_once})}
+
+
 def _gains(old: float, new: float) -> bool:
     # In percent, so that exactly +10 % counts (1.10 * 100 is 110.00000000000001).
     return 100 * new >= (100 + MIN_GAIN_PERCENT) * old

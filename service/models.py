@@ -244,7 +244,8 @@ class Pack(Base):
 
 class PackMember(Base):
     """One unit of work in a pack: train ``trial`` from ``from_resource`` to ``to_resource``;
-    ``segment``: only that segment of the trial's decoupled model (``-1``: the whole trial)."""
+    ``segment``: only that segment of the trial's decoupled model (``-1``: the whole trial);
+    ``array_no``: the pack's array it trains in."""
 
     __tablename__ = "pack_members"
     __table_args__ = (Index("ix_pack_members_trial", "trial_id"),)
@@ -261,6 +262,9 @@ class PackMember(Base):
     fusion_key: Mapped[str] = mapped_column(String(500))
     from_resource: Mapped[float] = mapped_column(Float)
     to_resource: Mapped[float] = mapped_column(Float)
+    # which of the pack's arrays it trains in (the planner cuts a key's units by the
+    # measured array size; members of one key and span in different arrays train apart)
+    array_no: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
 
     pack: Mapped[Pack] = relationship(back_populates="members")
 
@@ -312,6 +316,9 @@ class Profile(Base):
     per_trial_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     # {"<k>": trial-steps per second} measured for fused arrays of size k
     throughput: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    # {"<k>": trial-steps per second} a pack reached with its arrays of k trials of this key
+    # trained at once (threads; on a GPU each its own stream)
+    concurrent: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
 
 

@@ -33,6 +33,7 @@ from packtune.packing import (
     MemoryModel,
     Unit,
     best_array_size,
+    execution_curve,
     plan_packs,
     segment_key,
 )
@@ -460,8 +461,7 @@ def _plan_group(
         profile = profiles.get(key)
         if profile and profile.base_bytes is not None and profile.per_trial_bytes is not None:
             memory[key] = MemoryModel(int(profile.base_bytes), int(profile.per_trial_bytes))
-        table = {int(k): float(v) for k, v in (profile.throughput if profile else {}).items()}
-        sizes[key] = best_array_size(table, cap)
+        sizes[key] = best_array_size(execution_curve(*store.measured_curve(profile)), cap)
     plan = plan_packs(
         units,
         free,
@@ -479,9 +479,11 @@ def _plan_group(
     plan.deferred += later
     queued: list[int] = []
     for planned in plan.packs:
+        # the arrays as cut by the measured array size: the worker trains them apart
         members = [
-            (u.trial_id, u.fusion_key, u.from_resource, u.to_resource, u.segment)
-            for u in planned.units
+            (u.trial_id, u.fusion_key, u.from_resource, u.to_resource, u.segment, n)
+            for n, array in enumerate(planned.arrays)
+            for u in array.units
         ]
         store.create_pack(
             s,

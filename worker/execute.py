@@ -52,6 +52,9 @@ NOT_A_TRIAL_FAULT = (StoreUnavailable, SQLAlchemyError, torch.cuda.OutOfMemoryEr
 #: how one array of a pack ran (``packs.arrays``): trials, stacks ({trials, mode}), notes,
 #: failed trials, gave_up (it stopped short: the pack gave its device up)
 ArrayRun = dict[str, Any]
+#: an :data:`ArrayRun`'s entry, while its pack runs, with how fast a shared array trained:
+#: ``{"trial_steps", "start", "end", "k"}`` (``perf_counter`` seconds); never recorded
+SPEED = "_speed"
 
 
 class PackCancelled(Exception):
@@ -452,9 +455,17 @@ def run_array(
     # the steady state's throughput: a compiled step's compilations are left out
     steady_steps = array.step - from_step - array.compile_steps
     steady_seconds = seconds - array.compile_seconds
-    if steady_steps > 0 and steady_seconds > 0 and not shared and budget is None:
-        value = k * steady_steps / steady_seconds
-        retrying(lambda s: store.record_throughput(s, job.workload, job.fusion_key, kind, k, value))
+    speed: dict[str, Any] = {}
+    if steady_steps > 0 and steady_seconds > 0 and budget is None:
+        if not shared:
+            value = k * steady_steps / steady_seconds
+            retrying(
+                lambda s: store.record_throughput(s, job.workload, job.fusion_key, kind, k, value)
+            )
+        elif not array.compile_seconds and not gave_up:
+            # the pack's reading of its arrays at once (worker.jobs adds them up)
+            speed = {SPEED: {"trial_steps": k * steady_steps, "start": started,
+                             "end": started + seconds, "k": k}}  # fmt: skip
     notes = [*([array.warning] if array.warning else []), *array.notes, *array.spill_notes()]
     if gave_up:
         notes.append(
@@ -469,5 +480,6 @@ def run_array(
             "notes": notes,
             "failed": [],
             "gave_up": gave_up,
+            **speed,
         }
     ]  # fmt: skip

@@ -53,6 +53,7 @@ from service import store
 from service.db import DATABASE_ERRORS, retrying
 from service.models import CheckStatus, PackStatus, StudyStatus, TrialStatus
 from worker.execute import (
+    SPEED,
     ArrayJob,
     ArrayRun,
     MemberJob,
@@ -127,7 +128,7 @@ def _claim(s: Session, pack_id: int, worker: str, device: torch.device) -> list[
     specs = {i: StoredSpec.of(study.spec) for i, study in live.items()}
     store.move_trials(s, sorted({m.trial_id for m in members}), TrialStatus.running)
     trials = {t.id: t for t in store.trials_by_id(s, [m.trial_id for m in members])}
-    groups: dict[tuple[str, float, float, int, str, int], list[MemberJob]] = defaultdict(list)
+    groups: dict[tuple[str, float, float, int, str, int, int], list[MemberJob]] = defaultdict(list)
     training: dict[str, TrainingSettings] = {}
     for m in members:
         trial = trials[m.trial_id]
@@ -135,9 +136,10 @@ def _claim(s: Session, pack_id: int, worker: str, device: torch.device) -> list[
             continue
         study, spec = live[trial.study_id], specs[trial.study_id]
         training[spec.training.lane] = spec.training
-        # studies of other horizons share an array: a schedule is its member's own
+        # studies of other horizons share an array: a schedule is its member's own; a key's
+        # units in several arrays (the planner's cut by the measured array size) train apart
         key = (m.fusion_key, m.from_resource, m.to_resource, study.seed, spec.training.lane,
-               m.segment)  # fmt: skip
+               m.segment, m.array_no)  # fmt: skip
         groups[key].append(
             MemberJob(
                 trial_id=trial.id,
@@ -164,7 +166,7 @@ def _claim(s: Session, pack_id: int, worker: str, device: torch.device) -> list[
             training=training[lane],
             segment=segment,
         )
-        for (key, start, end, seed, lane, segment), group in sorted(groups.items())
+        for (key, start, end, seed, lane, segment, _), group in sorted(groups.items())
     ]
 
 
@@ -334,9 +336,32 @@ def _run_arrays(
     if errors:
         raise (oom or errors)[0]
     runs = [run for f in futures if f.exception() is None for run in f.result()]
+    _record_at_once(arrays, runs, kind)
     for array in alone:  # a layer too large for a share: the device to itself, in turn
         runs += _run_isolating(array, device, kind, ckpt_dir, True, stop, give_up)
     return runs
+
+
+def _record_at_once(arrays: list[ArrayJob], runs: list[ArrayRun], kind: str) -> None:
+    """Fold the pack's trial-steps/s into its fusion key's curve of arrays trained at once
+    (``profiles.concurrent``, under the largest array's size), where the arrays trained in
+    threads are all of one key, at least two of them of about that size (half of it or
+    more: the size the planner cut them to; the rest of the key's units make a smaller
+    one), and every one reported its speed (none gave up, spilled, failed or compiled); the
+    speed entries are taken out of ``runs`` either way. The reading is the whole pack's:
+    every array's trial-steps over the time from the first array's start to the last one's
+    end, a tail with fewer arrays training included."""
+    speeds = [run.pop(SPEED) for run in runs if SPEED in run]
+    keys = {(a.workload, a.fusion_key) for a in arrays}
+    if len(keys) != 1 or len(speeds) != len(arrays) or len(arrays) < 2:
+        return
+    k = max(speed["k"] for speed in speeds)
+    span = max(speed["end"] for speed in speeds) - min(speed["start"] for speed in speeds)
+    if sum(2 * speed["k"] >= k for speed in speeds) < 2 or span <= 0:
+        return
+    value = sum(speed["trial_steps"] for speed in speeds) / span
+    ((workload, key),) = keys
+    retrying(lambda s: store.record_throughput(s, workload, key, kind, k, value, concurrent=True))
 
 
 def _run_isolating(

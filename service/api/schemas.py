@@ -251,10 +251,20 @@ class ProfilePublic(BaseModel):
     device_kind: str
     base_bytes: int | None = Field(description="memory model: bytes(k) = base + k * per_trial")
     per_trial_bytes: int | None
-    throughput: list[ThroughputPoint] = Field(description="the measured curve, by k")
+    throughput: list[ThroughputPoint] = Field(
+        description="the measured curve of one array of k trials training alone, by k"
+    )
+    concurrent: list[ThroughputPoint] = Field(
+        description="the measured curve of a pack's arrays of k trials training at once "
+        "(threads; on a GPU each on its own stream): the whole pack's trial-steps/s, by k"
+    )
     array_size: int = Field(
-        description="the array size the planner takes next from the curve (a larger size "
-        "only where it gains 10%; one beyond the largest measured while the curve rises)"
+        description="the array size the planner takes next from the better of the two curves "
+        "at each k (a larger size only where it gains 10%; one beyond the largest measured "
+        "while the curve rises)"
+    )
+    at_once: bool = Field(
+        description="the chosen size was measured faster with several arrays at once than alone"
     )
     capped: bool = Field(description="the study's max_pack_size holds it below the curve's choice")
     updated_at: datetime

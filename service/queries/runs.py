@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session, selectinload
 
 from packtune.hyperband import total_trials
 from packtune.iterations import asha_ladder
-from packtune.packing import best_array_size, segment_key
+from packtune.packing import best_array_size, execution_curve, segment_key
 from packtune.spec import StoredSpec
 from packtune.tuning import UPDATE_CHUNK
 from service import store
@@ -193,8 +193,10 @@ def workers(s: Session, timeout_seconds: float, now: datetime | None = None) -> 
 
 def profiles(s: Session, study_id: int) -> list[Row]:
     """What the planner measured for each fusion key of the study's trials, per device kind:
-    the memory model, trial-steps/s by array size, and the array size it plans next from
-    them (:func:`packtune.packing.best_array_size`, capped by the study's ``max_pack_size``)."""
+    the memory model, trial-steps/s by array size (one array alone, and a pack's arrays of
+    that size at once), and the array size it plans next from the better of the two
+    (:func:`packtune.packing.execution_curve`, :func:`~packtune.packing.best_array_size`,
+    capped by the study's ``max_pack_size``)."""
     study = store.get_study(s, study_id)
     spec = StoredSpec.of(study.spec)
     keys = list(s.scalars(select(Trial.fusion_key).where(Trial.study_id == study_id).distinct()))
@@ -208,18 +210,22 @@ def profiles(s: Session, study_id: int) -> list[Row]:
         .order_by(Profile.device_kind, Profile.fusion_key)
     )
     rows = []
+    cap = spec.packing.max_pack_size
     for profile in s.scalars(stmt):
-        table = {int(k): float(v) for k, v in (profile.throughput or {}).items()}
+        alone, at_once = store.measured_curve(profile)
+        curve = execution_curve(alone, at_once)
+        size = best_array_size(curve, cap)
         rows.append(
             {
                 "fusion_key": profile.fusion_key,
                 "device_kind": profile.device_kind,
                 "base_bytes": profile.base_bytes,
                 "per_trial_bytes": profile.per_trial_bytes,
-                "throughput": [{"k": k, "steps_per_s": table[k]} for k in sorted(table)],
-                "array_size": best_array_size(table, spec.packing.max_pack_size),
-                "capped": best_array_size(table, spec.packing.max_pack_size)
-                < best_array_size(table, None),
+                "throughput": [{"k": k, "steps_per_s": alone[k]} for k in sorted(alone)],
+                "concurrent": [{"k": k, "steps_per_s": at_once[k]} for k in sorted(at_once)],
+                "array_size": size,
+                "at_once": size in at_once and at_once[size] > alone.get(size, 0.0),
+                "capped": size < best_array_size(curve, None),
                 "updated_at": profile.updated_at,
             }
         )

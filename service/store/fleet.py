@@ -101,6 +101,7 @@ def _locked_profile(s: Session, workload: str, fusion_key: str, device_kind: str
         fusion_key=fusion_key,
         device_kind=device_kind,
         throughput={},
+        concurrent={},
         updated_at=utcnow(),
     )
     s.execute(
@@ -126,6 +127,16 @@ def set_memory_model(
     return profile
 
 
+def measured_curve(profile: Profile | None) -> tuple[dict[int, float], dict[int, float]]:
+    """A profile's trial-steps/s by array size: ``(alone, at_once)``."""
+    if profile is None:
+        return {}, {}
+    return (
+        {int(k): float(v) for k, v in (profile.throughput or {}).items()},
+        {int(k): float(v) for k, v in (profile.concurrent or {}).items()},
+    )
+
+
 def record_throughput(
     s: Session,
     workload: str,
@@ -133,10 +144,13 @@ def record_throughput(
     device_kind: str,
     k: int,
     trial_steps_per_second: float,
+    concurrent: bool = False,
 ) -> float:
-    """Fold a throughput reading for fused arrays of size ``k`` into the profile.
+    """Fold a throughput reading for arrays of size ``k`` into the profile: one array
+    training alone (``throughput``), or, with ``concurrent``, a pack's arrays of the key, k
+    trials each, training at once (``concurrent``: the whole pack's trial-steps/s).
 
-    The table keeps an exponential moving average per k (keys are ``str(k)``):
+    Each table keeps an exponential moving average per k (keys are ``str(k)``):
     ``new = (1 - w) * old + w * reading`` with ``w = THROUGHPUT_SMOOTHING``; the
     first reading is taken as is. Returns the stored value.
     """
@@ -145,12 +159,16 @@ def record_throughput(
     if not math.isfinite(trial_steps_per_second) or trial_steps_per_second <= 0:
         raise ValueError(f"throughput must be a positive number, got {trial_steps_per_second}")
     profile = _locked_profile(s, workload, fusion_key, device_kind)
-    table = dict(profile.throughput or {})
+    table = dict((profile.concurrent if concurrent else profile.throughput) or {})
     old = table.get(str(k))
     w = THROUGHPUT_SMOOTHING
     value = trial_steps_per_second if old is None else (1 - w) * old + w * trial_steps_per_second
     table[str(k)] = value
-    profile.throughput = table  # a new dict, so the change is seen
+    # a new dict, so the change is seen
+    if concurrent:
+        profile.concurrent = table
+    else:
+        profile.throughput = table
     s.flush()
     return value
 

@@ -34,13 +34,18 @@ def create_pack(
     s: Session,
     *,
     study_id: int,
-    members: Sequence[tuple[int, str, float, float] | tuple[int, str, float, float, int]],
+    members: Sequence[
+        tuple[int, str, float, float]
+        | tuple[int, str, float, float, int]
+        | tuple[int, str, float, float, int, int]
+    ],
     device: str | None = None,
     estimated_bytes: int | None = None,
     parent_id: int | None = None,
 ) -> Pack:
-    """A ``pending`` pack of units of work (trial id, fusion key, from resource, to resource
-    and optionally the segment: -1, the whole trial, when left out)."""
+    """A ``pending`` pack of units of work (trial id, fusion key, from resource, to resource,
+    optionally the segment: -1, the whole trial, when left out, and the array it trains in:
+    0 when left out)."""
     if not members:
         raise ValueError("a pack needs at least one member")
     pack = Pack(
@@ -57,7 +62,8 @@ def create_pack(
     # inside a scheduler tick
     rows = [
         {"pack_id": pack.id, "trial_id": m[0], "fusion_key": m[1], "from_resource": m[2],
-         "to_resource": m[3], "segment": m[4] if len(m) > 4 else -1}
+         "to_resource": m[3], "segment": m[4] if len(m) > 4 else -1,
+         "array_no": m[5] if len(m) > 5 else 0}
         for m in members
     ]  # fmt: skip
     stmt, params = insert_rows(s, PackMember, rows)

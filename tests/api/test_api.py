@@ -603,6 +603,20 @@ def test_profiles_show_the_measured_curve_and_the_array_size_planned_from_it(
         (8, 320.0),
     ]
     assert row["array_size"] == 4 and not row["capped"]  # past the dip at 2; 8 gains <10%
+    assert row["concurrent"] == [] and not row["at_once"]
+    with session_scope(client.app.state.sessionmaker) as s:  # type: ignore[attr-defined]
+        # two arrays of 8 at once: 600 trial-steps/s for the pack, where one alone did 320
+        store.record_throughput(s, "digits-mlp", key, "cpu", 8, 600.0, concurrent=True)
+    time.sleep(get_settings().read_cache_seconds)
+    (row,) = client.get(f"/api/studies/{study_id}/profiles").json()["data"]
+    assert [(p["k"], p["steps_per_s"]) for p in row["concurrent"]] == [(8, 600.0)]
+    assert len(row["throughput"]) == 4
+    assert row["array_size"] == 16 and row["at_once"] is False  # rising at its end: explore
+    with session_scope(client.app.state.sessionmaker) as s:  # type: ignore[attr-defined]
+        store.record_throughput(s, "digits-mlp", key, "cpu", 16, 610.0, concurrent=True)
+    time.sleep(get_settings().read_cache_seconds)
+    (row,) = client.get(f"/api/studies/{study_id}/profiles").json()["data"]
+    assert row["array_size"] == 8 and row["at_once"] is True  # 16 gains < 10% over 8 at once
 
 
 def test_packs_with_members_and_timing(

@@ -94,6 +94,7 @@ DOM_STATE = """() => {
       key: p.dataset.key, device: p.dataset.device,
       size: p.querySelector('[data-testid=array-size]').textContent,
       points: p.querySelectorAll('circle.point').length,
+      series: [...p.querySelectorAll('polyline[data-series]')].map((l) => l.dataset.series),
     })),
   };
 }"""
@@ -266,7 +267,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     env = packtune_env(database_url=url, checkpoint_dir=tmp / "checkpoints", log_level="WARNING")
     log = tmp / "serve.log"
     with serving(env, log) as base:
-        yield {"url": base, "big": big, "log": log}
+        yield {"url": base, "big": big, "log": log, "db": url}
 
 
 @pytest.fixture
@@ -336,7 +337,34 @@ def test_a_running_study_is_shown_live(service: dict[str, Any], page: Any) -> No
         assert (shown["key"], shown["device"]) == (row["fusion_key"], row["device_kind"])
         assert shown["size"].startswith(f"plans arrays of {row['array_size']} "), shown
         assert ("max_pack_size caps it" in shown["size"]) == row["capped"], (shown, row)
-        assert shown["points"] == len(row["throughput"]) > 0, (shown, row)
+        assert shown["points"] == len(row["throughput"]) + len(row["concurrent"]), (shown, row)
+        assert shown["series"] == ["alone"] * bool(row["throughput"]) + ["at-once"] * bool(
+            row["concurrent"]
+        ), (shown, row)
+        assert len(row["throughput"]) > 0 and ("at once" in shown["size"]) == row["at_once"]
+    # one-trial arrays at once, measured twice as fast as any array alone: a second curve,
+    # and the size planned from it
+    row = profiles[0]
+    best = max(p["steps_per_s"] for p in row["throughput"])
+    engine = make_engine(service["db"])
+    with session_scope(session_factory(engine)) as s:
+        store.record_throughput(s, LIVE_SPEC["workload"], row["fusion_key"], row["device_kind"],
+                                1, 2 * best, concurrent=True)  # fmt: skip
+    engine.dispose()
+    time.sleep(get_settings().read_cache_seconds)  # the service's cached reads expire
+    page.reload()
+    at_once = f"[data-panel=profiles] .profile[data-key='{row['fusion_key']}']"
+    page.wait_for_function(
+        f"document.querySelector(`{at_once} circle[data-series=at-once][data-k='1']`) !== null"
+    )
+    profile = page.locator(at_once)
+    assert (
+        profile.locator("[data-testid=array-size]")
+        .inner_text()
+        .startswith("plans arrays of 1 (the best measured: several arrays at once)")
+    )
+    assert profile.locator("circle.chosen-point[data-series=at-once]").count() == 1
+    shot(page, "dashboard-profiles-at-once")
 
 
 def test_hover_links_a_pack_to_its_trials(service: dict[str, Any], page: Any) -> None:

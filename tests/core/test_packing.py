@@ -15,6 +15,7 @@ from packtune.packing import (
     PackPlan,
     Unit,
     best_array_size,
+    execution_curve,
     plan_packs,
     split_for_threads,
     split_in_two,
@@ -104,6 +105,35 @@ def test_memory_model_properties(base: int, per_trial: int, k: int, target: int)
 )
 def test_best_array_size(table: dict[int, float], cap: int | None, expected: int) -> None:
     assert best_array_size(table, cap) == expected
+
+
+def test_the_execution_curve_takes_the_faster_way_at_each_size() -> None:
+    alone = {1: 100.0, 2: 180.0, 4: 300.0, 8: 320.0}
+    assert execution_curve(alone, {}) == alone
+    at_once = {1: 350.0, 8: 600.0, 16: 610.0}  # singles side by side; two arrays of 8, of 16
+    assert execution_curve(alone, at_once) == {
+        1: 350.0, 2: 180.0, 4: 300.0, 8: 600.0, 16: 610.0
+    }  # fmt: skip
+    assert list(execution_curve(alone, at_once)) == [1, 2, 4, 8, 16]
+
+
+@pytest.mark.parametrize(
+    ("alone", "at_once", "expected"),
+    [
+        # a vmapped CNN on a GPU: fused arrays gain little; one-trial arrays side by side win
+        ({1: 100.0, 2: 120.0, 4: 150.0, 8: 160.0}, {1: 330.0}, 1),
+        # a CPU, one core per array: one array flattens past 8, two of 16 at once use both
+        ({1: 8e3, 2: 14e3, 4: 20e3, 8: 24e3, 16: 26e3, 32: 25e3}, {16: 40e3, 32: 41e3}, 16),
+        # measured at once only: a rising curve still explores the next doubling
+        ({1: 100.0, 2: 190.0}, {4: 400.0}, 8),
+        # at once slower than alone: the alone curve decides
+        ({1: 100.0, 2: 190.0, 4: 350.0, 8: 360.0}, {4: 200.0}, 4),
+    ],
+)
+def test_the_array_size_comes_from_both_curves(
+    alone: dict[int, float], at_once: dict[int, float], expected: int
+) -> None:
+    assert best_array_size(execution_curve(alone, at_once), None) == expected
 
 
 def test_best_array_size_rejects_a_bad_cap() -> None:

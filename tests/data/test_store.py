@@ -479,6 +479,23 @@ def test_profile_get_or_create_and_throughput(factory: Factory) -> None:
             store.record_throughput(s, *key, 2, math.nan)
 
 
+def test_readings_of_arrays_at_once_have_a_curve_of_their_own(factory: Factory) -> None:
+    key = ("digits-mlp", "digits-mlp|hidden=64", "cpu")
+    with session_scope(factory) as s:
+        assert store.measured_curve(store.get_profile(s, *key)) == ({}, {})
+        store.record_throughput(s, *key, 8, 100.0)
+        assert store.record_throughput(s, *key, 8, 300.0, concurrent=True) == 300.0
+    with session_scope(factory) as s:
+        assert store.record_throughput(s, *key, 8, 500.0, concurrent=True) == 400.0  # averaged
+        store.record_throughput(s, *key, 1, 40.0, concurrent=True)
+    with session_scope(factory) as s:
+        profile = store.get_profile(s, *key)
+        assert profile is not None
+        assert profile.throughput == {"8": 100.0}
+        assert profile.concurrent == {"8": 400.0, "1": 40.0}
+        assert store.measured_curve(profile) == ({8: 100.0}, {8: 400.0, 1: 40.0})
+
+
 def test_concurrent_throughput_updates_are_not_lost(factory: Factory) -> None:
     key = ("digits-mlp", "f", "cpu")
 

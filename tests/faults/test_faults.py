@@ -220,6 +220,11 @@ def in_redis(engine: sa.Engine, workers: int = 2) -> bool:
     )
 
 
+def not_at_first_attempt(packs: list[Any]) -> list[Any]:
+    """The packs not completed by their first attempt (a failure shows them, errors too)."""
+    return [p for p in packs if (p.status, p.attempts) != ("completed", 1)]
+
+
 def test_the_scheduler_killed_and_restarted(
     cluster: Services, database: str, redis_server: RedisServer, reference: Outcome
 ) -> None:
@@ -239,7 +244,7 @@ def test_the_scheduler_killed_and_restarted(
     print(f"packs when the scheduler was killed: {before}")
     got = outcome(database, study_id)
     print(f"largest difference: {assert_same_outcome(got, reference):.3g}")
-    assert all(p.status == "completed" and p.attempts == 1 for p in got.packs), got.packs
+    assert not_at_first_attempt(got.packs) == []
     # one RQ job per pack, ever: none was enqueued twice
     assert redis_server.job_ids() == sorted(f"pack-{p.id}-1" for p in got.packs)
 
@@ -358,7 +363,7 @@ def test_postgres_restarted(
     got = outcome(db, study_id)
     print(f"largest difference: {assert_same_outcome(got, reference):.3g}")
     assert all(alive.values()), alive
-    assert all(p.status == "completed" and p.attempts == 1 for p in got.packs), got.packs
+    assert not_at_first_attempt(got.packs) == []
     log = services.tail(200_000)
     assert "trying again in" in log  # the workers did wait for the database
 

@@ -8,6 +8,7 @@ lose jobs or fail them to exercise re-dispatch.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -431,3 +432,31 @@ def test_a_check_whose_job_failed_or_vanished_is_closed_as_an_error(db: None, ho
     assert ("broken worker" if how == "failed" else "vanished") in error
     sched.tick()
     assert dispatcher.enqueued == [f"check-{check_id}"]  # closed, not dispatched again
+
+
+@pytest.mark.parametrize(("at_once", "largest"), [({}, 4), ({2: 500.0}, 2)])
+def test_arrays_take_the_size_measured_fastest_alone_or_several_at_once(
+    db: None, at_once: dict[int, float], largest: int
+) -> None:
+    """Alone, arrays of 4 are the best (8 gains < 10%); where two-trial arrays trained at
+    once were measured faster than any array alone, the planner cuts arrays of 2."""
+    from packtune.space import fusion_key
+    from packtune.workloads import get_workload
+
+    workload = get_workload("digits-mlp")
+    key = fusion_key("digits-mlp", workload.resolve({}), workload.structural_params())
+    with session_scope(get_sessionmaker()) as s:
+        store.set_memory_model(s, "digits-mlp", key, "cpu", 2**20, 2**20)
+        for k, value in {1: 100.0, 2: 180.0, 4: 300.0, 8: 320.0}.items():
+            store.record_throughput(s, "digits-mlp", key, "cpu", k, value)
+        for k, value in at_once.items():
+            store.record_throughput(s, "digits-mlp", key, "cpu", k, value, concurrent=True)
+    study_id = new_study(ALIGNED)
+    scheduler(SyncDispatcher()).tick()  # plans and trains the first rung's packs
+    assert {t.fusion_key for t in trials(study_id)} == {key} and len(trials(study_id)) == 17
+    planned = packs(study_id)
+    arrays = Counter((p.id, m.array_no) for p in planned for m in p.members)
+    assert max(arrays.values()) == largest, arrays
+    # and the worker trained those arrays, not one array of each key and span per pack
+    trained = [len(a["trials"]) for p in planned for a in p.arrays or []]
+    assert sorted(trained) == sorted(arrays.values()), (trained, arrays)

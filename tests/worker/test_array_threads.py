@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -84,6 +85,16 @@ def make_pack(
         return pack.id, [t.id for t in trials]
 
 
+def curves() -> dict[str, Any]:
+    """Each measured fusion key's (alone, at once) curves, "no reading" for neither."""
+    with session_scope(get_sessionmaker()) as s:
+        out: dict[str, Any] = {}
+        for key in {t.fusion_key for t in store.trials_of(s, 1)}:
+            measured = store.measured_curve(store.get_profile(s, "digits-mlp", key, "cpu"))
+            out[key] = measured if measured != ({}, {}) else "no reading"
+        return out
+
+
 def outcome(trial_ids: list[int]) -> dict[int, Any]:
     with session_scope(get_sessionmaker()) as s:
         out = {}
@@ -127,6 +138,12 @@ def test_arrays_at_once_record_exactly_what_one_after_another_records(
             assert len(spans) == 4 and all(n.startswith("packtune-array") for n in names)
             first_end = min(end for _, _, end in spans)
             assert sum(start < first_end for _, start, _ in spans) >= 2  # they overlapped
+        # four keys at once: no key's speed is its own (alone) or an at-once reading of it
+        measured = curves()
+        if threads == 1:
+            assert all(list(alone) == [2] and at_once == {} for alone, at_once in measured.values())
+        else:
+            assert list(measured.values()) == ["no reading"] * 4, measured
     one, four = results[1], results[4]
     assert all(done == 2.0 and len(points) == 2 for _, done, _, points in one.values())
     assert four == one
@@ -166,6 +183,19 @@ def test_on_a_cpu_one_large_array_trains_as_halves_in_threads_with_the_same_resu
             with session_scope(get_sessionmaker()) as s:
                 arrays = store.get_pack(s, pack_id).arrays or []
             assert sorted(len(a["trials"]) for a in arrays) == [jobs.CPU_SPLIT_MIN] * 2
+            assert all(execute.SPEED not in a for a in arrays)  # not kept with the pack
+        # alone: one reading of an array of 32; at once: one of the pack's two halves of 16
+        [(alone, at_once)] = curves().values()
+        if threads == 1:
+            assert list(alone) == [2 * jobs.CPU_SPLIT_MIN] and at_once == {}
+        else:
+            assert alone == {} and list(at_once) == [jobs.CPU_SPLIT_MIN], at_once
+            # the pack's trial-steps over its arrays' training: above what the whole span of
+            # the two runs (their set-up and checkpoints included) would give
+            workload = get_workload("digits-mlp")
+            spe = workload.steps_per_epoch(workload.resolve(configs[0]))
+            span = max(end for *_, end in runs) - min(start for *_, start, _ in runs)
+            assert at_once[jobs.CPU_SPLIT_MIN] > len(configs) * 2 * spe / span
     assert all(done == 2.0 for _, done, _, _ in results[1].values())
     assert results[2] == results[1]
 
@@ -231,3 +261,34 @@ def test_how_many_arrays_train_at_once(
     clean_env.setattr(jobs.os, "cpu_count", lambda: cores)
     clean_env.setattr(jobs.torch, "get_num_threads", lambda: torch_threads)
     assert jobs.array_threads(torch.device(device), arrays) == expected
+
+
+def test_a_pack_at_once_is_read_at_one_size_only_where_its_arrays_are_about_that_size(
+    embedded_db: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The reading is the pack's trial-steps over its arrays' span, under the largest array's
+    size, where two arrays or more are at least half of it; runs lose their speed entries."""
+    fresh_database(embedded_db, tmp_path / "db", 2)
+    key = "digits-mlp|k"
+
+    def attempt(sizes: list[int], spans: list[tuple[float, float]], keys: str = "k") -> Any:
+        arrays = [
+            SimpleNamespace(workload="digits-mlp", fusion_key=f"digits-mlp|{keys[i % len(keys)]}")
+            for i in range(len(sizes))
+        ]
+        runs = [
+            {"trials": [], execute.SPEED: {"trial_steps": 100 * k, "start": a, "end": b, "k": k}}
+            for k, (a, b) in zip(sizes, spans, strict=True)
+        ]
+        jobs._record_at_once(arrays, runs, "cpu")  # type: ignore[arg-type]
+        assert all(execute.SPEED not in run for run in runs)
+        with session_scope(get_sessionmaker()) as s:
+            return store.measured_curve(store.get_profile(s, "digits-mlp", key, "cpu"))[1]
+
+    assert attempt([8, 3], [(0.0, 1.0), (0.0, 0.5)]) == {}  # 3 < 8 / 2: one array of 8
+    assert attempt([8], [(0.0, 1.0)]) == {}  # alone
+    assert attempt([8, 8], [(0.0, 1.0), (0.0, 1.0)], keys="kj") == {}  # two keys
+    # 8 + 8 + 4 arrays, 2000 trial-steps from 10.0 to 12.0: 1000 trial-steps/s at 8
+    assert attempt([8, 8, 4], [(10.0, 11.0), (10.0, 11.5), (11.0, 12.0)]) == {8: 1000.0}
+    # a remainder's array counts too: 8 + 8 + 1 -> 1700 trial-steps over 1 s, averaged in
+    assert attempt([8, 8, 1], [(20.0, 21.0), (20.0, 21.0), (20.0, 20.1)]) == {8: 1350.0}
