@@ -11,9 +11,8 @@ plain values only:
    the data seed and training of the trial's study there, so that trials of
    different studies fuse only where that is exact); ``rank`` is the caller's
    priority (lower first; by default all equal).
-2. Cut each group into arrays no larger than the best array size measured for
-   its key (:func:`best_array_size`: over the whole measured curve, a larger size
-   only where it gains 10%),
+2. Cut each group into arrays no larger than the array size given for its key
+   (:func:`planned_array_size`, from the measured curves; None: no cut),
    the study's ``max_pack_size``, and the largest size whose estimated memory
    fits the roomiest device. A unit that fits no device even alone is
    *unplaceable*: the caller must say so, not wait for it; or, with ``spill``, it
@@ -174,6 +173,32 @@ def execution_curve(alone: Mapping[int, float], at_once: Mapping[int, float]) ->
     return {k: max(alone.get(k, 0.0), at_once.get(k, 0.0)) for k in sorted({*alone, *at_once})}
 
 
+def planned_array_size(
+    alone: Mapping[int, float], at_once: Mapping[int, float], cap: int | None
+) -> int | None:
+    """The size to cut a fusion key's ready units to, from its two measured curves, or
+    None: no cut, each group of units one array as large as memory (and ``cap``) allows.
+
+    Omnivore's walk (:func:`best_array_size`) over the better of the two at each size
+    (:func:`execution_curve`). Where the walk's choice lies beyond every measured size (the
+    curve still rises at its end, or nothing is measured yet), None: the larger sizes are
+    unexplored, so the group is not cut (on a CPU the worker then halves a large array for
+    its threads). Where the choice was measured fastest with arrays at once and is the
+    largest size measured at once, the next doubling at once: 2 x the choice (arrays at
+    once are measured only where the planner cut them, so that curve is explored here).
+    Otherwise the choice: larger sizes were measured, and were not worth it.
+    """
+    if cap is not None and cap < 1:
+        raise ValueError(f"cap must be >= 1, got {cap}")
+    curve = execution_curve(alone, at_once)
+    choice = best_array_size(curve, None)
+    if choice not in curve:
+        return cap
+    if at_once.get(choice, 0.0) > alone.get(choice, 0.0) and choice == max(at_once):
+        choice *= 2
+    return choice if cap is None else min(choice, cap)
+
+
 def _gains(old: float, new: float) -> bool:
     # In percent, so that exactly +10 % counts (1.10 * 100 is 110.00000000000001).
     return 100 * new >= (100 + MIN_GAIN_PERCENT) * old
@@ -254,7 +279,7 @@ def _sort_key(unit: Unit) -> tuple[Any, ...]:
 def _arrays(
     units: Sequence[Unit],
     memory: Mapping[str, MemoryModel],
-    array_size: Mapping[str, int],
+    array_size: Mapping[str, int | None],
     default_memory: MemoryModel,
     max_pack_size: int | None,
     largest_capacity: int,
@@ -267,7 +292,8 @@ def _arrays(
     ):
         group = list(members)
         model = memory.get(key, default_memory)
-        limit = max(1, array_size.get(key, 1))
+        size = array_size.get(key, 1)
+        limit = len(group) if size is None else max(1, size)
         if max_pack_size is not None:
             limit = min(limit, max_pack_size)
         limit = model.max_fit(largest_capacity, limit)
@@ -300,7 +326,7 @@ def plan_packs(
     units: Iterable[Unit],
     devices: Sequence[Device],
     memory: Mapping[str, MemoryModel],
-    array_size: Mapping[str, int],
+    array_size: Mapping[str, int | None],
     *,
     default_memory: MemoryModel,
     max_pack_size: int | None = None,

@@ -32,9 +32,8 @@ from packtune.packing import (
     Device,
     MemoryModel,
     Unit,
-    best_array_size,
-    execution_curve,
     plan_packs,
+    planned_array_size,
     segment_key,
 )
 from packtune.rungs import rung_resource, unit_end
@@ -81,7 +80,7 @@ def _probe_first(
     """Of a fusion key never run on this device kind, plan only its :data:`PROBE_UNITS`
     shortest units, and none while a pack of that key is still out: that pack's job probes
     the key's memory and throughput, and the rest waits to be planned with the measured
-    array sizes (arrays of the unmeasured default, 2, would otherwise take a whole rung,
+    array sizes (an unmeasured key's units would otherwise take a whole rung,
     long units included)."""
     measured = {key for key, p in profiles.items() if p.throughput}
     out, kept = [], Counter[str]()
@@ -456,12 +455,12 @@ def _plan_group(
     units.sort(key=lambda u: (u.rank, u.trial_id))
     units, later = units[:MAX_UNITS_PER_PLAN], units[MAX_UNITS_PER_PLAN:]
     memory: dict[str, MemoryModel] = {}
-    sizes: dict[str, int] = {}
+    sizes: dict[str, int | None] = {}
     for key in {u.fusion_key for u in units}:
         profile = profiles.get(key)
         if profile and profile.base_bytes is not None and profile.per_trial_bytes is not None:
             memory[key] = MemoryModel(int(profile.base_bytes), int(profile.per_trial_bytes))
-        sizes[key] = best_array_size(execution_curve(*store.measured_curve(profile)), cap)
+        sizes[key] = planned_array_size(*store.measured_curve(profile), cap)
     plan = plan_packs(
         units,
         free,

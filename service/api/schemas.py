@@ -258,10 +258,11 @@ class ProfilePublic(BaseModel):
         description="the measured curve of a pack's arrays of k trials training at once "
         "(threads; on a GPU each on its own stream): the whole pack's trial-steps/s, by k"
     )
-    array_size: int = Field(
-        description="the array size the planner takes next from the better of the two curves "
-        "at each k (a larger size only where it gains 10%; one beyond the largest measured "
-        "while the curve rises)"
+    array_size: int | None = Field(
+        description="the array size the planner cuts a group of ready units to, from the better "
+        "of the two curves at each k (a larger size only where it gains 10%; the next doubling "
+        "at once while arrays at once rise at their largest measured size); null: no cut, each "
+        "group one array as large as memory allows, while the curve still rises at its end"
     )
     at_once: bool = Field(
         description="the chosen size was measured faster with several arrays at once than alone"

@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session, selectinload
 
 from packtune.hyperband import total_trials
 from packtune.iterations import asha_ladder
-from packtune.packing import best_array_size, execution_curve, segment_key
+from packtune.packing import planned_array_size, segment_key
 from packtune.spec import StoredSpec
 from packtune.tuning import UPDATE_CHUNK
 from service import store
@@ -194,9 +194,9 @@ def workers(s: Session, timeout_seconds: float, now: datetime | None = None) -> 
 def profiles(s: Session, study_id: int) -> list[Row]:
     """What the planner measured for each fusion key of the study's trials, per device kind:
     the memory model, trial-steps/s by array size (one array alone, and a pack's arrays of
-    that size at once), and the array size it plans next from the better of the two
-    (:func:`packtune.packing.execution_curve`, :func:`~packtune.packing.best_array_size`,
-    capped by the study's ``max_pack_size``)."""
+    that size at once), and the array size it plans next from them
+    (:func:`packtune.packing.planned_array_size`, capped by the study's ``max_pack_size``;
+    None: no cut, the curve still rises at its end)."""
     study = store.get_study(s, study_id)
     spec = StoredSpec.of(study.spec)
     keys = list(s.scalars(select(Trial.fusion_key).where(Trial.study_id == study_id).distinct()))
@@ -213,8 +213,8 @@ def profiles(s: Session, study_id: int) -> list[Row]:
     cap = spec.packing.max_pack_size
     for profile in s.scalars(stmt):
         alone, at_once = store.measured_curve(profile)
-        curve = execution_curve(alone, at_once)
-        size = best_array_size(curve, cap)
+        size = planned_array_size(alone, at_once, cap)
+        uncapped = planned_array_size(alone, at_once, None)
         rows.append(
             {
                 "fusion_key": profile.fusion_key,
@@ -225,7 +225,7 @@ def profiles(s: Session, study_id: int) -> list[Row]:
                 "concurrent": [{"k": k, "steps_per_s": at_once[k]} for k in sorted(at_once)],
                 "array_size": size,
                 "at_once": size in at_once and at_once[size] > alone.get(size, 0.0),
-                "capped": size < best_array_size(curve, None),
+                "capped": size != uncapped,
                 "updated_at": profile.updated_at,
             }
         )

@@ -17,6 +17,7 @@ from packtune.packing import (
     best_array_size,
     execution_curve,
     plan_packs,
+    planned_array_size,
     split_for_threads,
     split_in_two,
 )
@@ -118,22 +119,42 @@ def test_the_execution_curve_takes_the_faster_way_at_each_size() -> None:
 
 
 @pytest.mark.parametrize(
-    ("alone", "at_once", "expected"),
+    ("alone", "at_once", "cap", "expected"),
     [
-        # a vmapped CNN on a GPU: fused arrays gain little; one-trial arrays side by side win
-        ({1: 100.0, 2: 120.0, 4: 150.0, 8: 160.0}, {1: 330.0}, 1),
-        # a CPU, one core per array: one array flattens past 8, two of 16 at once use both
-        ({1: 8e3, 2: 14e3, 4: 20e3, 8: 24e3, 16: 26e3, 32: 25e3}, {16: 40e3, 32: 41e3}, 16),
-        # measured at once only: a rising curve still explores the next doubling
-        ({1: 100.0, 2: 190.0}, {4: 400.0}, 8),
+        # nothing measured, or the curve still rising at its end: no cut (None), or the cap
+        ({}, {}, None, None),
+        ({1: 100.0, 2: 190.0}, {}, None, None),
+        ({1: 100.0, 2: 190.0}, {}, 6, 6),
+        ({1: 100.0, 2: 190.0}, {4: 400.0}, None, None),
+        # larger sizes measured and not worth it: cut at the best
+        ({1: 100.0, 2: 190.0, 4: 350.0, 8: 360.0}, {}, None, 4),
+        ({1: 100.0, 2: 190.0, 4: 350.0, 8: 360.0}, {}, 2, 2),
         # at once slower than alone: the alone curve decides
-        ({1: 100.0, 2: 190.0, 4: 350.0, 8: 360.0}, {4: 200.0}, 4),
+        ({1: 100.0, 2: 190.0, 4: 350.0, 8: 360.0}, {4: 200.0}, None, 4),
+        # a vmapped CNN on a GPU: one-trial arrays side by side beat any fused array
+        ({1: 100.0, 2: 120.0, 4: 150.0, 8: 160.0}, {1: 330.0, 2: 300.0}, None, 1),
+        # ... measured at once at 1 only: explore 2 at once
+        ({1: 100.0, 2: 120.0, 4: 150.0, 8: 160.0}, {1: 330.0}, None, 2),
+        # a CPU, one core per array: one array flat past 8; two of 16 at once use both cores
+        ({1: 8e3, 2: 14e3, 4: 20e3, 8: 24e3, 16: 26e3, 32: 25e3}, {16: 40e3, 32: 41e3}, None, 16),
     ],
 )
-def test_the_array_size_comes_from_both_curves(
-    alone: dict[int, float], at_once: dict[int, float], expected: int
+def test_the_planned_size_comes_from_both_curves(
+    alone: dict[int, float], at_once: dict[int, float], cap: int | None, expected: int | None
 ) -> None:
-    assert best_array_size(execution_curve(alone, at_once), None) == expected
+    assert planned_array_size(alone, at_once, cap) == expected
+
+
+def test_a_group_of_no_planned_size_is_one_array_as_large_as_memory_allows() -> None:
+    ready = units("a", range(40)) + units("b", range(40, 50))
+    for device, largest in ((Device("big", 4000 * MiB), 40), (GPU, 16)):
+        plan = plan_packs(ready, [device], {"a": SMALL, "b": SMALL}, {"a": None, "b": 4},
+                          default_memory=SMALL)  # fmt: skip
+        sizes = sorted((a.fusion_key, len(a.units)) for p in plan.packs for a in p.arrays)
+        # SMALL: 100 MiB + 50 MiB per trial; the GPU's 900 MiB hold one array of 16
+        assert sizes[0] == ("a", largest), sizes
+        if device.name == "big":
+            assert sizes == [("a", 40), ("b", 2), ("b", 4), ("b", 4)]
 
 
 def test_best_array_size_rejects_a_bad_cap() -> None:

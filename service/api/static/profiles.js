@@ -14,7 +14,7 @@ function chart(row) {
     { name: "at-once", points: row.concurrent, cls: "curve curve-at-once", label: "arrays at once" },
   ].filter((s) => s.points.length);
   const all = series.flatMap((s) => s.points);
-  const ks = [...all.map((p) => p.k), row.array_size];
+  const ks = [...all.map((p) => p.k), ...(row.array_size === null ? [] : [row.array_size])];
   const kLo = Math.min(...ks);
   const kHi = Math.max(...ks, kLo * 2);
   const yHi = Math.max(...all.map((p) => p.steps_per_s), 1) * 1.1;
@@ -25,8 +25,10 @@ function chart(row) {
   for (let k = kLo; k <= kHi; k *= 2) kTicks.push(k);
   axisBottom(root, x, H - M.bottom, kTicks, (v) => String(v));
   axisLeft(root, y, M.left, linearTicks(0, yHi, 4), fmtNum, W - M.left - M.right);
-  const chosen = x(row.array_size);
-  svg("line", { class: "chosen", x1: chosen, x2: chosen, y1: M.top, y2: H - M.bottom }, root);
+  if (row.array_size !== null) {
+    const chosen = x(row.array_size);
+    svg("line", { class: "chosen", x1: chosen, x2: chosen, y1: M.top, y2: H - M.bottom }, root);
+  }
   for (const s of series) {
     svg("polyline", {
       class: s.cls, fill: "none", "data-series": s.name,
@@ -66,11 +68,13 @@ export class ProfilesPanel {
         h("div", { class: "profile-head" },
           h("b", {}, row.fusion_key), h("span", { class: "muted small" }, ` · ${row.device_kind}`)),
         h("div", { class: "muted small", "data-testid": "array-size" },
-          `plans arrays of ${row.array_size}` +
-          (row.capped ? " (the study's max_pack_size caps it)"
-            : measured ? (row.at_once ? " (the best measured: several arrays at once)"
-              : " (the best of the measured curve)")
-            : " (beyond the measured curve: exploring)") +
+          (row.array_size === null
+            ? "plans each group as one array, as large as memory allows (the curve still rises: exploring)"
+            : `plans arrays of ${row.array_size}` +
+              (row.capped ? " (the study's max_pack_size caps it)"
+                : measured ? (row.at_once ? " (the best measured: several arrays at once)"
+                  : " (the best of the measured curve)")
+                : " (beyond the measured curve: exploring)")) +
           ` · ${memory}`),
         row.throughput.length || row.concurrent.length ? chart(row)
           : h("p", { class: "muted small" }, "no speed measured yet"));
