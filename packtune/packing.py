@@ -180,13 +180,15 @@ def planned_array_size(
     None: no cut, each group of units one array as large as memory (and ``cap``) allows.
 
     Omnivore's walk (:func:`best_array_size`) over the better of the two at each size
-    (:func:`execution_curve`). Where the walk's choice lies beyond every measured size (the
-    curve still rises at its end, or nothing is measured yet), None: the larger sizes are
-    unexplored, so the group is not cut (on a CPU the worker then halves a large array for
-    its threads). Where the choice was measured fastest with arrays at once and is the
-    largest size measured at once, the next doubling at once: 2 x the choice (arrays at
-    once are measured only where the planner cut them, so that curve is explored here).
-    Otherwise the choice: larger sizes were measured, and were not worth it.
+    (:func:`execution_curve`) gives a choice. A group is cut at it only where every larger
+    measured size was slower by the walk's margin (10%): larger arrays measured worse, as
+    vmap's convolution rule can be. Where the curve still rises at its end, or is flat past
+    the choice, or nothing is measured, None: the group stays one array (on a CPU, where a
+    flat curve is one core's limit, the worker then halves a large array for its threads,
+    which two arrays of the choice's size would not beat). Where the choice was measured
+    fastest with arrays at once and is the largest size measured at once, the next
+    doubling at once: 2 x the choice (arrays at once are measured only where the planner
+    cut, so that curve explores here).
     """
     if cap is not None and cap < 1:
         raise ValueError(f"cap must be >= 1, got {cap}")
@@ -196,6 +198,8 @@ def planned_array_size(
         return cap
     if at_once.get(choice, 0.0) > alone.get(choice, 0.0) and choice == max(at_once):
         choice *= 2
+    elif not all(_gains(v, curve[choice]) for k, v in curve.items() if k > choice):
+        return cap
     return choice if cap is None else min(choice, cap)
 
 

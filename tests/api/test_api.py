@@ -587,7 +587,7 @@ def test_profiles_show_the_measured_curve_and_the_array_size_planned_from_it(
     assert client.get(f"/api/studies/{study_id}/profiles").json() == {"data": [], "count": 0}
     with session_scope(client.app.state.sessionmaker) as s:  # type: ignore[attr-defined]
         store.set_memory_model(s, "digits-mlp", key, "cpu", 1000, 200)
-        for k, value in ((1, 100.0), (2, 95.0), (4, 300.0), (8, 320.0)):
+        for k, value in ((1, 100.0), (2, 95.0), (4, 300.0), (8, 250.0)):
             store.record_throughput(s, "digits-mlp", key, "cpu", k, value)
         store.set_memory_model(s, "digits-mlp", 'digits-mlp|{"hidden":8}', "cpu", 1, 1)  # not its
     time.sleep(get_settings().read_cache_seconds)
@@ -600,12 +600,12 @@ def test_profiles_show_the_measured_curve_and_the_array_size_planned_from_it(
         (1, 100.0),
         (2, 95.0),
         (4, 300.0),
-        (8, 320.0),
+        (8, 250.0),
     ]
-    assert row["array_size"] == 4 and not row["capped"]  # past the dip at 2; 8 gains <10%
+    assert row["array_size"] == 4 and not row["capped"]  # past the dip at 2; 8 is slower
     assert row["concurrent"] == [] and not row["at_once"]
     with session_scope(client.app.state.sessionmaker) as s:  # type: ignore[attr-defined]
-        # two arrays of 8 at once: 600 trial-steps/s for the pack, where one alone did 320
+        # two arrays of 8 at once: 600 trial-steps/s for the pack, where one alone did 250
         store.record_throughput(s, "digits-mlp", key, "cpu", 8, 600.0, concurrent=True)
     time.sleep(get_settings().read_cache_seconds)
     (row,) = client.get(f"/api/studies/{study_id}/profiles").json()["data"]
@@ -614,10 +614,10 @@ def test_profiles_show_the_measured_curve_and_the_array_size_planned_from_it(
     # the curve rises at its end (8, at once): no cut, each group one array, to explore
     assert row["array_size"] is None and row["at_once"] is False
     with session_scope(client.app.state.sessionmaker) as s:  # type: ignore[attr-defined]
-        store.record_throughput(s, "digits-mlp", key, "cpu", 16, 610.0, concurrent=True)
+        store.record_throughput(s, "digits-mlp", key, "cpu", 16, 500.0, concurrent=True)
     time.sleep(get_settings().read_cache_seconds)
     (row,) = client.get(f"/api/studies/{study_id}/profiles").json()["data"]
-    assert row["array_size"] == 8 and row["at_once"] is True  # 16 gains < 10% over 8 at once
+    assert row["array_size"] == 8 and row["at_once"] is True  # 16 at once is slower
 
 
 def test_packs_with_members_and_timing(
