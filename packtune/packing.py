@@ -12,7 +12,7 @@ plain values only:
    different studies fuse only where that is exact); ``rank`` is the caller's
    priority (lower first; by default all equal).
 2. Cut each group into arrays no larger than the array size given for its key
-   (:func:`planned_array_size`, from the measured curves; None: no cut),
+   (:func:`planned_array_size` or :func:`best_array_size`, from the measured curves),
    the study's ``max_pack_size``, and the largest size whose estimated memory
    fits the roomiest device. A unit that fits no device even alone is
    *unplaceable*: the caller must say so, not wait for it; or, with ``spill``, it
@@ -46,7 +46,7 @@ together or across calls.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
 from operator import attrgetter
@@ -223,6 +223,23 @@ def split_for_threads(arrays: Sequence[Sequence[T]], threads: int, min_part: int
     return out
 
 
+def array_numbers(pack: PlannedPack, whole: Collection[str]) -> list[int]:
+    """The number of each of ``pack``'s arrays as its worker will train them: its own
+    position, except that the arrays of one group of units (``Unit.array_key``) whose key is
+    in ``whole`` share the first one's: a group not cut by a measured size
+    (:func:`planned_array_size` is None) is cut only to spread over devices and to fit
+    memory, and within one pack trains as one array. Spilled arrays keep their own."""
+    numbers: list[int] = []
+    first: dict[tuple[Any, ...], int] = {}
+    for n, array in enumerate(pack.arrays):
+        group = array.units[0].array_key
+        if array.spilled or array.fusion_key not in whole:
+            numbers.append(n)
+        else:
+            numbers.append(first.setdefault(group, n))
+    return numbers
+
+
 def split_in_two(units: Sequence[Unit]) -> tuple[list[Unit], list[Unit]]:
     """Halves of a pack that ran out of memory; the first half gets the odd one."""
     if len(units) < 2:
@@ -283,7 +300,7 @@ def _sort_key(unit: Unit) -> tuple[Any, ...]:
 def _arrays(
     units: Sequence[Unit],
     memory: Mapping[str, MemoryModel],
-    array_size: Mapping[str, int | None],
+    array_size: Mapping[str, int],
     default_memory: MemoryModel,
     max_pack_size: int | None,
     largest_capacity: int,
@@ -296,8 +313,7 @@ def _arrays(
     ):
         group = list(members)
         model = memory.get(key, default_memory)
-        size = array_size.get(key, 1)
-        limit = len(group) if size is None else max(1, size)
+        limit = max(1, array_size.get(key, 1))
         if max_pack_size is not None:
             limit = min(limit, max_pack_size)
         limit = model.max_fit(largest_capacity, limit)
@@ -330,7 +346,7 @@ def plan_packs(
     units: Iterable[Unit],
     devices: Sequence[Device],
     memory: Mapping[str, MemoryModel],
-    array_size: Mapping[str, int | None],
+    array_size: Mapping[str, int],
     *,
     default_memory: MemoryModel,
     max_pack_size: int | None = None,

@@ -32,6 +32,9 @@ from packtune.packing import (
     Device,
     MemoryModel,
     Unit,
+    array_numbers,
+    best_array_size,
+    execution_curve,
     plan_packs,
     planned_array_size,
     segment_key,
@@ -455,12 +458,21 @@ def _plan_group(
     units.sort(key=lambda u: (u.rank, u.trial_id))
     units, later = units[:MAX_UNITS_PER_PLAN], units[MAX_UNITS_PER_PLAN:]
     memory: dict[str, MemoryModel] = {}
-    sizes: dict[str, int | None] = {}
+    sizes: dict[str, int] = {}
+    whole: set[str] = set()  # keys whose groups are not cut by a measured size
     for key in {u.fusion_key for u in units}:
         profile = profiles.get(key)
         if profile and profile.base_bytes is not None and profile.per_trial_bytes is not None:
             memory[key] = MemoryModel(int(profile.base_bytes), int(profile.per_trial_bytes))
-        sizes[key] = planned_array_size(*store.measured_curve(profile), cap)
+        alone, at_once = store.measured_curve(profile)
+        cut = planned_array_size(alone, at_once, None)
+        if cut is None:
+            # cut only to spread over devices and fit memory, at the walk's size (the next
+            # doubling while the curve rises); in one pack, one array (array_numbers)
+            whole.add(key)
+            sizes[key] = best_array_size(execution_curve(alone, at_once), cap)
+        else:
+            sizes[key] = cut if cap is None else min(cut, cap)
     plan = plan_packs(
         units,
         free,
@@ -479,8 +491,9 @@ def _plan_group(
     queued: list[int] = []
     for planned in plan.packs:
         # the arrays as cut by the measured array size: the worker trains them apart
+        numbers = array_numbers(planned, whole)
         members = [
-            (u.trial_id, u.fusion_key, u.from_resource, u.to_resource, u.segment, n)
+            (u.trial_id, u.fusion_key, u.from_resource, u.to_resource, u.segment, numbers[n])
             for n, array in enumerate(planned.arrays)
             for u in array.units
         ]

@@ -13,7 +13,9 @@ from packtune.packing import (
     Device,
     MemoryModel,
     PackPlan,
+    PlannedArray,
     Unit,
+    array_numbers,
     best_array_size,
     execution_curve,
     plan_packs,
@@ -148,16 +150,21 @@ def test_the_planned_size_comes_from_both_curves(
     assert planned_array_size(alone, at_once, cap) == expected
 
 
-def test_a_group_of_no_planned_size_is_one_array_as_large_as_memory_allows() -> None:
-    ready = units("a", range(40)) + units("b", range(40, 50))
-    for device, largest in ((Device("big", 4000 * MiB), 40), (GPU, 16)):
-        plan = plan_packs(ready, [device], {"a": SMALL, "b": SMALL}, {"a": None, "b": 4},
-                          default_memory=SMALL)  # fmt: skip
-        sizes = sorted((a.fusion_key, len(a.units)) for p in plan.packs for a in p.arrays)
-        # SMALL: 100 MiB + 50 MiB per trial; the GPU's 900 MiB hold one array of 16
-        assert sizes[0] == ("a", largest), sizes
-        if device.name == "big":
-            assert sizes == [("a", 40), ("b", 2), ("b", 4), ("b", 4)]
+def test_arrays_of_a_group_not_cut_by_measurement_share_a_number_in_their_pack() -> None:
+    """Keys in ``whole`` were cut only to spread and fit: in one pack, one array."""
+    ready = units("a", range(10)) + units("b", range(10, 16)) + units("a", range(16, 20), 1, 3)
+    sizes = {"a": 4, "b": 4}
+    (pack,) = plan_packs(ready, [GPU], {}, sizes, default_memory=MemoryModel(0, MiB)).packs
+    trained: dict[int, list[PlannedArray]] = {}
+    for n, array in zip(array_numbers(pack, {"a"}), pack.arrays, strict=True):
+        trained.setdefault(n, []).append(array)
+    # a's span 0-1, cut 4 + 4 + 2, is one array; its span 1-3 another; b (cut by
+    # measurement) 4 and 2 apart
+    assert sorted(
+        (group[0].fusion_key, group[0].from_resource, sum(len(a.units) for a in group))
+        for group in trained.values()
+    ) == [("a", 0.0, 10), ("a", 1.0, 4), ("b", 0.0, 2), ("b", 0.0, 4)]
+    assert array_numbers(pack, set()) == list(range(len(pack.arrays)))
 
 
 def test_best_array_size_rejects_a_bad_cap() -> None:

@@ -434,13 +434,23 @@ def test_a_check_whose_job_failed_or_vanished_is_closed_as_an_error(db: None, ho
     assert dispatcher.enqueued == [f"check-{check_id}"]  # closed, not dispatched again
 
 
-@pytest.mark.parametrize(("at_once", "largest"), [({}, 4), ({2: 500.0, 4: 420.0}, 2)])
+SLOWER_PAST_4 = {1: 100.0, 2: 180.0, 4: 300.0, 8: 250.0}
+
+
+@pytest.mark.parametrize(
+    ("alone", "at_once", "largest"),
+    [
+        (SLOWER_PAST_4, {}, 4),
+        (SLOWER_PAST_4, {2: 500.0, 4: 420.0}, 2),
+        ({1: 100.0, 2: 180.0, 4: 300.0, 8: 400.0}, {}, 17),
+    ],
+)
 def test_arrays_take_the_size_measured_fastest_alone_or_several_at_once(
-    db: None, at_once: dict[int, float], largest: int
+    db: None, alone: dict[int, float], at_once: dict[int, float], largest: int
 ) -> None:
     """Alone, arrays of 4 are the best (8 was slower); where two-trial arrays trained at
     once were measured faster than any array alone (and fours at once slower), the planner
-    cuts arrays of 2."""
+    cuts arrays of 2; where the curve still rises, the 17 units are one array."""
     from packtune.space import fusion_key
     from packtune.workloads import get_workload
 
@@ -448,7 +458,7 @@ def test_arrays_take_the_size_measured_fastest_alone_or_several_at_once(
     key = fusion_key("digits-mlp", workload.resolve({}), workload.structural_params())
     with session_scope(get_sessionmaker()) as s:
         store.set_memory_model(s, "digits-mlp", key, "cpu", 2**20, 2**20)
-        for k, value in {1: 100.0, 2: 180.0, 4: 300.0, 8: 250.0}.items():
+        for k, value in alone.items():
             store.record_throughput(s, "digits-mlp", key, "cpu", k, value)
         for k, value in at_once.items():
             store.record_throughput(s, "digits-mlp", key, "cpu", k, value, concurrent=True)
