@@ -177,29 +177,25 @@ def planned_array_size(
     alone: Mapping[int, float], at_once: Mapping[int, float], cap: int | None
 ) -> int | None:
     """The size to cut a fusion key's ready units to, from its two measured curves, or
-    None: no cut, each group of units one array as large as memory (and ``cap``) allows.
+    None: not cut by measurement (a group's chunks train as one array in a pack).
 
-    Omnivore's walk (:func:`best_array_size`) over the better of the two at each size
-    (:func:`execution_curve`) gives a choice. A group is cut at it only where every larger
-    measured size was slower by the walk's margin (10%): larger arrays measured worse, as
-    vmap's convolution rule can be. Where the curve still rises at its end, or is flat past
-    the choice, or nothing is measured, None: the group stays one array (on a CPU, where a
-    flat curve is one core's limit, the worker then halves a large array for its threads,
-    which two arrays of the choice's size would not beat). Where the choice was measured
-    fastest with arrays at once and is the largest size measured at once, the next
-    doubling at once: 2 x the choice (arrays at once are measured only where the planner
-    cut, so that curve explores here).
+    A group is cut only where one array alone peaks: Omnivore's walk (:func:`best_array_size`)
+    over ``alone`` picks a measured size, and every larger size measured alone was slower
+    by the walk's margin (10%), as vmap's convolution rule can be. The cut is then the walk
+    over the better of the two curves at each size up to that peak (:func:`execution_curve`):
+    smaller arrays several at once may beat the peak (one-trial models in streams against
+    vmap on a GPU). Where the alone curve rises at its end or is flat past its choice (on a
+    CPU, one core's limit, where the worker halves a large array for its threads), or nothing
+    is measured, None: readings at once against readings alone at larger sizes would
+    compare two cores with one, and cutting there made a fleet slower (bench g).
     """
     if cap is not None and cap < 1:
         raise ValueError(f"cap must be >= 1, got {cap}")
-    curve = execution_curve(alone, at_once)
-    choice = best_array_size(curve, None)
-    if choice not in curve:
+    peak = best_array_size(alone, None)
+    if peak not in alone or not all(_gains(v, alone[peak]) for k, v in alone.items() if k > peak):
         return cap
-    if at_once.get(choice, 0.0) > alone.get(choice, 0.0) and choice == max(at_once):
-        choice *= 2
-    elif not all(_gains(v, curve[choice]) for k, v in curve.items() if k > choice):
-        return cap
+    up_to_peak = {k: v for k, v in execution_curve(alone, at_once).items() if k <= peak}
+    choice = min(best_array_size(up_to_peak, None), peak)
     return choice if cap is None else min(choice, cap)
 
 

@@ -135,10 +135,12 @@ def test_the_execution_curve_takes_the_faster_way_at_each_size() -> None:
         ({1: 100.0, 2: 190.0, 4: 350.0, 8: 340.0}, {}, None, None),
         # at once slower than alone: the alone curve decides
         ({1: 100.0, 2: 190.0, 4: 350.0, 8: 300.0}, {4: 200.0}, None, 4),
-        # a vmapped CNN on a GPU: one-trial arrays side by side beat any fused array
-        ({1: 100.0, 2: 120.0, 4: 150.0, 8: 160.0}, {1: 330.0, 2: 290.0}, None, 1),
-        # ... measured at once at 1 only: explore 2 at once
-        ({1: 100.0, 2: 120.0, 4: 150.0, 8: 160.0}, {1: 330.0}, None, 2),
+        # a vmapped CNN on a GPU, peaking alone at 4: one-trial arrays side by side beat it
+        ({1: 100.0, 2: 120.0, 4: 150.0, 8: 130.0}, {1: 330.0, 2: 290.0}, None, 1),
+        # ... arrays at once faster only past the peak alone: the peak
+        ({1: 100.0, 2: 120.0, 4: 150.0, 8: 130.0}, {8: 600.0}, None, 4),
+        # arrays at once faster, but one array alone still rising: no cut
+        ({1: 100.0, 2: 120.0, 4: 150.0, 8: 180.0}, {1: 330.0}, None, None),
         # a CPU, one core per array: flat past 8 alone, two of 16 at once as fast as two of
         # 32: no cut (the worker halves a large array for its two threads)
         ({1: 8e3, 2: 14e3, 4: 20e3, 8: 24e3, 16: 26e3, 32: 25e3}, {16: 40e3, 32: 41e3}, None, None),
