@@ -34,7 +34,6 @@ from packtune.packing import (
     Unit,
     array_numbers,
     best_array_size,
-    execution_curve,
     plan_packs,
     planned_array_size,
     segment_key,
@@ -467,10 +466,10 @@ def _plan_group(
         alone, at_once = store.measured_curve(profile)
         cut = planned_array_size(alone, at_once, None)
         if cut is None:
-            # cut only to spread over devices and fit memory, at the walk's size (the next
-            # doubling while the curve rises); in one pack, one array (array_numbers)
+            # cut only to spread over devices and fit memory, at the walk's size over one
+            # array alone (as before); in one pack, one array (array_numbers)
             whole.add(key)
-            sizes[key] = best_array_size(execution_curve(alone, at_once), cap)
+            sizes[key] = best_array_size(alone, cap)
         else:
             sizes[key] = cut if cap is None else min(cut, cap)
     plan = plan_packs(
