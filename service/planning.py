@@ -471,7 +471,7 @@ def _plan_group(
             whole.add(key)
             sizes[key] = best_array_size(alone, cap)
         else:
-            sizes[key] = cut if cap is None else min(cut, cap)
+            sizes[key] = cut  # plan_packs caps it at max_pack_size
     plan = plan_packs(
         units,
         free,

@@ -259,10 +259,10 @@ class ProfilePublic(BaseModel):
         "(threads; on a GPU each on its own stream): the whole pack's trial-steps/s, by k"
     )
     array_size: int | None = Field(
-        description="the array size the planner cuts a group of ready units to, from the better "
-        "of the two curves at each k (a larger size only where it gains 10%; the next doubling "
-        "at once while arrays at once rise at their largest measured size); null: no cut, each "
-        "group one array as large as memory allows, while the curve still rises at its end"
+        description="the array size the planner cuts a group of ready units to, where one array "
+        "alone peaks (every larger size measured alone 10% slower): the best of the two curves "
+        "up to that peak (a larger size only where it gains 10%); null: not cut by measurement "
+        "(the curve alone rises, is flat or is unmeasured), each group one array per pack"
     )
     at_once: bool = Field(
         description="the chosen size was measured faster with several arrays at once than alone"

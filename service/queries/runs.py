@@ -196,7 +196,7 @@ def profiles(s: Session, study_id: int) -> list[Row]:
     the memory model, trial-steps/s by array size (one array alone, and a pack's arrays of
     that size at once), and the array size it plans next from them
     (:func:`packtune.packing.planned_array_size`, capped by the study's ``max_pack_size``;
-    None: no cut, the curve still rises at its end)."""
+    None: not cut by measurement, one array per pack for each group)."""
     study = store.get_study(s, study_id)
     spec = StoredSpec.of(study.spec)
     keys = list(s.scalars(select(Trial.fusion_key).where(Trial.study_id == study_id).distinct()))

@@ -159,16 +159,13 @@ def record_throughput(
     if not math.isfinite(trial_steps_per_second) or trial_steps_per_second <= 0:
         raise ValueError(f"throughput must be a positive number, got {trial_steps_per_second}")
     profile = _locked_profile(s, workload, fusion_key, device_kind)
-    table = dict((profile.concurrent if concurrent else profile.throughput) or {})
+    column = "concurrent" if concurrent else "throughput"
+    table = dict(getattr(profile, column) or {})
     old = table.get(str(k))
     w = THROUGHPUT_SMOOTHING
     value = trial_steps_per_second if old is None else (1 - w) * old + w * trial_steps_per_second
     table[str(k)] = value
-    # a new dict, so the change is seen
-    if concurrent:
-        profile.concurrent = table
-    else:
-        profile.throughput = table
+    setattr(profile, column, table)  # a new dict, so the change is seen
     s.flush()
     return value
 

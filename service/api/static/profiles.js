@@ -1,6 +1,6 @@
 // Array sizes: per fusion key and device kind, the trial-steps/s measured for fused arrays
 // of k trials training alone and for a pack's arrays of k trials training at once, and the
-// size the planner takes next from the better of the two at each k.
+// size the planner cuts arrays to (only where one array alone peaks).
 
 import { axisBottom, axisLeft, fmtBytes, fmtNum, h, linearTicks, scale, svg } from "./svg.js";
 
@@ -69,7 +69,7 @@ export class ProfilesPanel {
           h("b", {}, row.fusion_key), h("span", { class: "muted small" }, ` · ${row.device_kind}`)),
         h("div", { class: "muted small", "data-testid": "array-size" },
           (row.array_size === null
-            ? "plans each group as one array, as large as memory allows (the curve still rises: exploring)"
+            ? "plans each group as one array per pack (not cut: one array alone measured no slower at larger sizes)"
             : `plans arrays of ${row.array_size}` +
               (row.capped ? " (the study's max_pack_size caps it)"
                 : measured ? (row.at_once ? " (the best measured: several arrays at once)"
