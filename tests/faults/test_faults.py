@@ -229,7 +229,12 @@ def test_the_scheduler_killed_and_restarted(
     cluster: Services, database: str, redis_server: RedisServer, reference: Outcome
 ) -> None:
     """kill -9 of the scheduler while packs are queued and running, then a new one: the new
-    scheduler waits out the old one's lease, takes over, and dispatches nothing twice."""
+    scheduler waits out the old one's lease, takes over, and dispatches nothing twice.
+
+    The scheduler commits a dispatch before it puts the job in Redis, so a kill between the
+    two (the test kills it as soon as it sees a queued pack) leaves a queued pack whose job
+    never reached Redis: the new scheduler finds that job missing and dispatches the pack
+    again, as for a Redis restart; its first job id is then in Redis never."""
     start_all(cluster)
     engine = make_engine(database)
     try:
@@ -244,9 +249,14 @@ def test_the_scheduler_killed_and_restarted(
     print(f"packs when the scheduler was killed: {before}")
     got = outcome(database, study_id)
     print(f"largest difference: {assert_same_outcome(got, reference):.3g}")
-    assert not_at_first_attempt(got.packs) == []
+    never_enqueued = [
+        p
+        for p in not_at_first_attempt(got.packs)
+        if (p.status, p.attempts, p.error) == ("completed", 2, "job vanished from the queue")
+    ]
+    assert [p for p in not_at_first_attempt(got.packs) if p not in never_enqueued] == []
     # one RQ job per pack, ever: none was enqueued twice
-    assert redis_server.job_ids() == sorted(f"pack-{p.id}-1" for p in got.packs)
+    assert redis_server.job_ids() == sorted(f"pack-{p.id}-{p.attempts}" for p in got.packs)
 
 
 def test_redis_restarted(
