@@ -14,7 +14,9 @@ plain values only:
 2. Cut each group into arrays no larger than the array size given for its key
    (:func:`planned_array_size` or :func:`best_array_size`, from the measured curves),
    the study's ``max_pack_size``, and the largest size whose estimated memory
-   fits the roomiest device. A unit that fits no device even alone is
+   fits the roomiest device: the fewest arrays, of sizes differing by one at most
+   (:func:`balanced_chunks`), unless memory is what limits them (then as large as fit,
+   in order). A unit that fits no device even alone is
    *unplaceable*: the caller must say so, not wait for it; or, with ``spill``, it
    becomes an array of its own marked ``spilled`` (trained shard by shard through
    a device: :mod:`packtune.spilling`), which takes a device whole, in a pack of its
@@ -309,20 +311,46 @@ def _arrays(
     ):
         group = list(members)
         model = memory.get(key, default_memory)
-        limit = max(1, array_size.get(key, 1))
+        wanted = max(1, array_size.get(key, 1))
         if max_pack_size is not None:
-            limit = min(limit, max_pack_size)
-        limit = model.max_fit(largest_capacity, limit)
+            wanted = min(wanted, max_pack_size)
+        limit = model.max_fit(largest_capacity, wanted)
         if limit == 0 and spill:
             arrays += [PlannedArray(key, start, stop, (u,), model.bytes(1), True) for u in group]
             continue
         if limit == 0:
             unplaceable.extend(group)
             continue
-        for first in range(0, len(group), limit):
-            chunk = tuple(group[first : first + limit])
+        # memory-bound: arrays as large as fit (what does not fit this call waits for the next)
+        cut = balanced_chunks(group, limit) if limit == wanted else _full_chunks(group, limit)
+        for chunk in cut:
             arrays.append(PlannedArray(key, start, stop, chunk, model.bytes(len(chunk))))
     return arrays
+
+
+def _full_chunks(items: Sequence[T], limit: int) -> list[tuple[T, ...]]:
+    return [tuple(items[first : first + limit]) for first in range(0, len(items), limit)]
+
+
+def balanced_chunks(items: Sequence[T], limit: int) -> list[tuple[T, ...]]:
+    """``items`` in order, cut into the fewest chunks of at most ``limit``, their sizes
+    differing by one at most (the larger first): 17 at 4 is 4, 4, 3, 3, 3, not
+    4, 4, 4, 4, 1, whose last array would train far from the measured size and, at once
+    beside the others, finish long before them.
+
+    >>> [len(c) for c in balanced_chunks(range(20), 8)]
+    [7, 7, 6]
+    """
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    count = -(-len(items) // limit)
+    out: list[tuple[T, ...]] = []
+    first = 0
+    for n in range(count):
+        size = len(items) // count + (n < len(items) % count)
+        out.append(tuple(items[first : first + size]))
+        first += size
+    return out
 
 
 @dataclass

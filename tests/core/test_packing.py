@@ -16,6 +16,7 @@ from packtune.packing import (
     PlannedArray,
     Unit,
     array_numbers,
+    balanced_chunks,
     best_array_size,
     execution_curve,
     plan_packs,
@@ -160,12 +161,12 @@ def test_arrays_of_a_group_not_cut_by_measurement_share_a_number_in_their_pack()
     trained: dict[int, list[PlannedArray]] = {}
     for n, array in zip(array_numbers(pack, {"a"}), pack.arrays, strict=True):
         trained.setdefault(n, []).append(array)
-    # a's span 0-1, cut 4 + 4 + 2, is one array; its span 1-3 another; b (cut by
-    # measurement) 4 and 2 apart
+    # a's span 0-1, cut 4 + 3 + 3, is one array; its span 1-3 another; b (cut by
+    # measurement) 3 and 3 apart
     assert sorted(
         (group[0].fusion_key, group[0].from_resource, sum(len(a.units) for a in group))
         for group in trained.values()
-    ) == [("a", 0.0, 10), ("a", 1.0, 4), ("b", 0.0, 2), ("b", 0.0, 4)]
+    ) == [("a", 0.0, 10), ("a", 1.0, 4), ("b", 0.0, 3), ("b", 0.0, 3)]
     assert array_numbers(pack, set()) == list(range(len(pack.arrays)))
 
 
@@ -207,16 +208,12 @@ def test_array_size_defaults_to_one_and_is_capped() -> None:
     plan = plan_packs(ready, [GPU], {}, {"a": 4}, default_memory=model)
     a_sizes = sorted(len(x.units) for p in plan.packs for x in p.arrays if x.fusion_key == "a")
     b_sizes = [len(x.units) for p in plan.packs for x in p.arrays if x.fusion_key == "b"]
-    assert a_sizes == [2, 4, 4] and b_sizes == [1, 1, 1]
+    assert a_sizes == [3, 3, 4] and b_sizes == [1, 1, 1]  # balanced: not 4, 4, 2
 
     capped = plan_packs(ready, [GPU], {}, {"a": 4}, default_memory=model, max_pack_size=3)
     assert all(len(pack.units) <= 3 for pack in capped.packs)
-    assert sorted(len(x.units) for p in capped.packs for x in p.arrays if x.fusion_key == "a") == [
-        1,
-        3,
-        3,
-        3,
-    ]
+    capped_a = [len(x.units) for p in capped.packs for x in p.arrays if x.fusion_key == "a"]
+    assert sorted(capped_a) == [2, 2, 3, 3]
     assert sorted(u.trial_id for u in placed(capped)) == list(range(13))
 
 
@@ -257,6 +254,33 @@ def test_oversized_arrays_shrink_to_fit() -> None:
     assert [len(array.units) for array in arrays] == [5]
     assert arrays[0].estimated_bytes == model.bytes(5) <= GPU.capacity
     assert [unit.trial_id for unit in plan.deferred] == [5, 6, 7]
+
+
+def test_arrays_limited_by_memory_are_as_large_as_fit_not_balanced() -> None:
+    """Balanced cuts would leave fewer units on the device now (two arrays of 4 do not fit
+    where one of 5 does); where memory limits an array, the rest waits for the next plan."""
+    model = MemoryModel(base=0, per_trial=150 * MiB)  # 900 MiB: 6 trials
+    plan = plan_packs(units("a", range(8)), [GPU], {"a": model}, {"a": 8}, default_memory=model)
+    assert [len(array.units) for pack in plan.packs for array in pack.arrays] == [6]
+    assert [unit.trial_id for unit in plan.deferred] == [6, 7]
+
+
+@given(st.integers(0, 60), st.integers(1, 20))
+def test_balanced_chunks(n: int, limit: int) -> None:
+    chunks = balanced_chunks(range(n), limit)
+    assert [i for chunk in chunks for i in chunk] == list(range(n))  # all, in order
+    assert len(chunks) == -(-n // limit)  # the fewest
+    sizes = [len(chunk) for chunk in chunks]
+    assert all(1 <= size <= limit for size in sizes)
+    assert sizes == sorted(sizes, reverse=True) and (not sizes or sizes[0] - sizes[-1] <= 1)
+
+
+def test_balanced_chunks_examples() -> None:
+    assert [len(c) for c in balanced_chunks(range(17), 4)] == [4, 4, 3, 3, 3]
+    assert [len(c) for c in balanced_chunks(range(20), 8)] == [7, 7, 6]
+    assert [len(c) for c in balanced_chunks(range(8), 8)] == [8]
+    with pytest.raises(ValueError, match="limit"):
+        balanced_chunks(range(3), 0)
 
 
 def test_a_unit_that_fits_nowhere_is_unplaceable() -> None:
