@@ -517,10 +517,12 @@ def _split_pack(
     pack = store.get_pack(s, pack_id)
     if pack.status == PackStatus.split:
         return  # an earlier try went through, but the connection broke before it heard so
+    members = store.unfinished_members(s, pack, (TrialStatus.running,))
     units = [
         Unit(m.trial_id, m.fusion_key, m.from_resource, m.to_resource, segment=m.segment)
-        for m in store.unfinished_members(s, pack, (TrialStatus.running,))
+        for m in members
     ]
+    array_no = {(m.trial_id, m.segment): m.array_no for m in members}  # the halves keep them
     store.move_trials(s, sorted({u.trial_id for u in units}), TrialStatus.queued)
     workloads = {array.fusion_key: array.workload for array in arrays}
     for key in {u.fusion_key for u in units}:
@@ -549,8 +551,8 @@ def _split_pack(
     for half in split_in_two(units):
         store.create_pack(
             s, study_id=pack.study_id, parent_id=pack.id,
-            members=[(u.trial_id, u.fusion_key, u.from_resource, u.to_resource, u.segment)
-                     for u in half],
+            members=[(u.trial_id, u.fusion_key, u.from_resource, u.to_resource, u.segment,
+                      array_no[u.trial_id, u.segment]) for u in half],
         )  # fmt: skip
     store.finish_pack(s, pack, PackStatus.split, error=error)
 

@@ -188,6 +188,39 @@ def test_a_unit_checkpointed_but_not_recorded_is_not_trained_twice(
     assert snapshot(ids) == done
 
 
+def test_the_halves_of_a_split_pack_keep_the_arrays_the_planner_cut(
+    db: pytest.MonkeyPatch,
+) -> None:
+    """A pack of two arrays of 3 (the planner's cut by measurement) runs out of memory: each
+    half keeps its members' array numbers, so its arrays are parts of those two, not one
+    array of every member of the key (which would train at a size nobody measured)."""
+    db.setenv("PACKTUNE_OOM_ABOVE", "3")
+    get_settings.cache_clear()
+    pack_id, ids = make_pack([0.05, 0.1, 0.2, 0.3, 0.02, 0.04])
+    with session_scope(get_sessionmaker()) as s:
+        for m in store.get_pack(s, pack_id).members:
+            m.array_no = ids.index(m.trial_id) % 2  # arrays 0: trials 0, 2, 4; 1: 1, 3, 5
+    assert run_pack(pack_id) == "split"
+    with session_scope(get_sessionmaker()) as s:
+        study_id = store.get_pack(s, pack_id).study_id
+        halves = [p for p in store.packs_of(s, study_id) if p.parent_id == pack_id]
+        numbers = {m.trial_id: m.array_no for p in halves for m in p.members}
+        half_ids = [p.id for p in halves]
+    assert numbers == {t: i % 2 for i, t in enumerate(ids)}
+    for hid in half_ids:
+        with session_scope(get_sessionmaker()) as s:
+            store.get_pack(s, hid).status = PackStatus.queued
+        assert run_pack(hid) == "completed"
+    with session_scope(get_sessionmaker()) as s:
+        trained = [
+            sorted(a["trials"]) for hid in half_ids for a in store.get_pack(s, hid).arrays or []
+        ]
+    expected = [[t for t in half if numbers[t] == n] for half in ([ids[0], ids[1], ids[2]],
+                                                                  [ids[3], ids[4], ids[5]])
+                for n in (0, 1)]  # fmt: skip
+    assert sorted(trained) == sorted(sorted(e) for e in expected if e), trained
+
+
 def test_resuming_from_a_checkpoint_matches_one_longer_run(db: pytest.MonkeyPatch) -> None:
     first, ids = make_pack([0.1])
     run_pack(first)
