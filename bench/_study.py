@@ -403,5 +403,5 @@ def run_rq(
                 raise TimeoutError(f"study {study_id} did not finish in {timeout} s")
             time.sleep(0.1)
         seconds = time.perf_counter() - start
-        study = read_study(service.url, study_id)  # before the database is dropped
-    return StudyRun(f"rq:{workers}", _packed(spec), seconds, study)
+        record = read_study(service.url, study_id)  # before the database is dropped
+    return StudyRun(f"rq:{workers}", _packed(spec), seconds, record)

@@ -263,7 +263,7 @@ def read_run(url: str, ids: list[int], workers: int) -> dict[str, Any]:
                             stacks += 1
                             owners = {trial_study.get(t) for t in stack["trials"]}
                             cross_stacks += len(owners - {None}) > 1
-            out = []
+            out: list[dict[str, Any]] = []
             for study_id in ids:
                 st = studies[study_id]
                 best = None
@@ -497,7 +497,7 @@ def summarise(
               "busy", "machine CPU", "train (s)", "gave up / withdrawn", "packs",
               "packs > 1 study", "fused stacks > 1 study",
               "bench (s)"]  # fmt: skip
-    body = [
+    lines = [
         *recording.table(header, rows),
         *per_study,
         "",
@@ -520,7 +520,7 @@ def summarise(
         "`PACKTUNE_SHARE_PACKS=false PACKTUNE_DISPATCH_ORDER=id`; new: `true`, `fair`. Each "
         "run on a fresh service and database, after a warm-up study of each workload.",
     ]
-    return body, summary
+    return lines, summary
 
 
 def settings_known() -> bool:

@@ -33,7 +33,7 @@ import resource
 import tempfile
 import time
 import tracemalloc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -90,10 +90,13 @@ class RecordingDispatcher:
     def enqueue(self, pack_id: int, job_id: str) -> None:
         self.jobs[job_id] = pack_id
 
+    def enqueue_check(self, check_id: int, job_id: str) -> None:
+        self.jobs[job_id] = check_id
+
     def state(self, job_id: str) -> tuple[JobState, str | None]:
         return (JobState.queued if job_id in self.jobs else JobState.missing), None
 
-    notify = None
+    notify: Callable[[], None] | None = None
 
     def start(self, workload: str | None = None) -> None:
         pass
@@ -153,20 +156,20 @@ def complete_dispatched(factory: sessionmaker[Session], rng: random.Random) -> i
         specs = {i: StoredSpec.of(s.get_one(Study, i).spec) for i in {row[1] for row in trials}}
         # as the worker does: paused at the trial's rung, pending after a segment short of it
         at_rung = {tid: to[tid] >= rung_resource(specs[sid], b, r) for tid, sid, b, r in trials}
-        rows = [{"trial_id": tid, "resource": r,
-                 "metrics": {"val_loss": 2.0 / (1 + math.log1p(r)) + rng.random()}}
-                for tid, r in to.items()]  # fmt: skip
+        losses = {tid: 2.0 / (1 + math.log1p(r)) + rng.random() for tid, r in to.items()}
+        rows = [{"trial_id": tid, "resource": to[tid], "metrics": {"val_loss": loss}}
+                for tid, loss in losses.items()]  # fmt: skip
         s.execute(sa.insert(Measurement), rows)
-        for row in rows:  # what store.record_measurement keeps on the trial, for ranking
-            status = TrialStatus.paused if at_rung[row["trial_id"]] else TrialStatus.pending
+        for tid, loss in losses.items():  # what store.record_measurement keeps, for ranking
+            status = TrialStatus.paused if at_rung[tid] else TrialStatus.pending
             s.execute(
                 sa.update(Trial)
-                .where(Trial.id == row["trial_id"])
+                .where(Trial.id == tid)
                 .values(
                     status=status,
-                    resource_done=row["resource"],
-                    measured_resource=row["resource"],
-                    objective=row["metrics"]["val_loss"],
+                    resource_done=to[tid],
+                    measured_resource=to[tid],
+                    objective=loss,
                 )
             )
         s.execute(
