@@ -179,7 +179,9 @@ def planned_array_size(
     alone: Mapping[int, float], at_once: Mapping[int, float], cap: int | None
 ) -> int | None:
     """The size to cut a fusion key's ready units to, from its two measured curves, or
-    None: not cut by measurement (a group's chunks train as one array in a pack).
+    None: not cut by measurement (a group's chunks train as one array in a pack); with
+    ``cap``, a size is never above it, and a group not cut by measurement gets ``cap`` (a
+    pack holds no more).
 
     A group is cut only where one array alone peaks: Omnivore's walk (:func:`best_array_size`)
     over ``alone`` picks a measured size, and every larger size measured alone was slower
@@ -238,8 +240,9 @@ def array_numbers(pack: PlannedPack, whole: Collection[str]) -> list[int]:
     return numbers
 
 
-def split_in_two(units: Sequence[Unit]) -> tuple[list[Unit], list[Unit]]:
-    """Halves of a pack that ran out of memory; the first half gets the odd one."""
+def split_in_two(units: Sequence[T]) -> tuple[list[T], list[T]]:
+    """Halves of a pack's units (or members) that ran out of memory; the first half gets
+    the odd one."""
     if len(units) < 2:
         raise ValueError("a single unit cannot be split; its memory model must rule it out")
     middle = (len(units) + 1) // 2

@@ -39,7 +39,7 @@ import torch
 from sqlalchemy.orm import Session
 
 from packtune.errors import QueueUnavailable, StoreUnavailable, error_cause
-from packtune.packing import MemoryModel, Unit, split_for_threads, split_in_two
+from packtune.packing import MemoryModel, split_for_threads, split_in_two
 from packtune.rungs import rung_resource
 from packtune.settings import WORKER_NAME_ENV, default_torch_threads, get_settings
 from packtune.spec import StoredSpec, TrainingSettings
@@ -517,12 +517,7 @@ def _split_pack(
     pack = store.get_pack(s, pack_id)
     if pack.status == PackStatus.split:
         return  # an earlier try went through, but the connection broke before it heard so
-    members = store.unfinished_members(s, pack, (TrialStatus.running,))
-    units = [
-        Unit(m.trial_id, m.fusion_key, m.from_resource, m.to_resource, segment=m.segment)
-        for m in members
-    ]
-    array_no = {(m.trial_id, m.segment): m.array_no for m in members}  # the halves keep them
+    units = store.unfinished_members(s, pack, (TrialStatus.running,))
     store.move_trials(s, sorted({u.trial_id for u in units}), TrialStatus.queued)
     workloads = {array.fusion_key: array.workload for array in arrays}
     for key in {u.fusion_key for u in units}:
@@ -548,11 +543,11 @@ def _split_pack(
         )  # fmt: skip
         store.finish_pack(s, pack, PackStatus.failed, error=error)
         return
-    for half in split_in_two(units):
+    for half in split_in_two(units):  # its members keep their arrays (the planner's cut)
         store.create_pack(
             s, study_id=pack.study_id, parent_id=pack.id,
             members=[(u.trial_id, u.fusion_key, u.from_resource, u.to_resource, u.segment,
-                      array_no[u.trial_id, u.segment]) for u in half],
+                      u.array_no) for u in half],
         )  # fmt: skip
     store.finish_pack(s, pack, PackStatus.split, error=error)
 
