@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from packtune.dispatcher import Dispatcher, JobState, check_job_id, job_id_for
 from packtune.errors import QueueUnavailable, StoreUnavailable, StudyCannotRun
 from packtune.settings import Settings, get_settings
-from packtune.tuning import MAX_FAULTS, MIN_WAKE_S, PLAN_NEXT_TICK, SAMPLE_CHUNK
+from packtune.tuning import IDLE_TICK_SHARE, MAX_FAULTS, MIN_WAKE_S, PLAN_NEXT_TICK, SAMPLE_CHUNK
 from service import lifecycle, planning, store
 from service.db import DATABASE_ERRORS, get_sessionmaker, session_scope
 from service.models import (
@@ -76,6 +76,17 @@ class TickReport:
 
 def _now() -> datetime:
     return datetime.now(UTC)
+
+
+def idle_wait(interval: float, tick_seconds: float, share: float = IDLE_TICK_SHARE) -> float:
+    """Seconds to wait after a tick that found nothing to do and took ``tick_seconds``: the
+    rest of ``interval`` (counted from the tick's start), but never less than keeps the
+    scheduler ticking ``share`` of its time at most, however slow its ticks are.
+
+    >>> idle_wait(0.5, 0.1), idle_wait(0.5, 0.3), idle_wait(0.2, 0.25)
+    (0.4, 0.6, 0.5)
+    """
+    return max(0.0, interval - tick_seconds, tick_seconds * (1 / share - 1))
 
 
 class Scheduler:
@@ -369,9 +380,10 @@ class Scheduler:
             if until_study is not None and self._finished(until_study):
                 return
             busy = report.dispatched or report.planned or report.requeued or report.deferred
-            wait = 0.0 if busy else max(0.0, interval - (time.monotonic() - started))
+            took = time.monotonic() - started
+            wait = 0.0 if busy else idle_wait(interval, took)
             if report.wakes:  # a waiting pack's claim turns better then: look at once
-                wait = min(wait, max(MIN_WAKE_S, min(report.wakes) - (time.monotonic() - started)))
+                wait = min(wait, max(MIN_WAKE_S, min(report.wakes) - took))
             self.wake.wait(wait)  # a finished pack (embedded runner, or RQ workers' notice)
 
     def _queue_outage(self, error: str | None) -> None:
