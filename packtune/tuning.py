@@ -64,9 +64,9 @@ MIN_QUANTUM_S = 1.0
 MIN_WAKE_S = 0.05
 #: the share of its time an idle scheduler may spend ticking: a tick that found nothing to
 #: do waits at least (1 / share - 1) times its own length before the next (a job's end still
-#: wakes it at once). Without it, 15 small studies on one ``packtune serve`` (a 0.23 s idle
-#: tick on a 2-core AMD EPYC, under the 0.5 s default interval's length only a little) kept
-#: its scheduler ticking back to back, a whole core taken from the training it schedules
+#: wakes it at once). Without it, 15 small studies on one ``packtune serve`` on 2 cores (AMD
+#: EPYC: idle ticks of 0.23 s, at an interval of 0.2 s) kept its scheduler ticking back to
+#: back, a whole core taken from the training it schedules
 IDLE_TICK_SHARE = 1 / 3
 #: units one plan takes at most (in group order, so arrays stay whole but the last)
 MAX_UNITS_PER_PLAN = 2048
