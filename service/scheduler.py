@@ -78,15 +78,22 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
-def idle_wait(interval: float, tick_seconds: float, share: float = IDLE_TICK_SHARE) -> float:
+def idle_wait(
+    interval: float, tick_seconds: float, renew_within: float, share: float = IDLE_TICK_SHARE
+) -> float:
     """Seconds to wait after a tick that found nothing to do and took ``tick_seconds``: the
     rest of ``interval`` (counted from the tick's start), but never less than keeps the
-    scheduler ticking ``share`` of its time at most, however slow its ticks are.
+    scheduler ticking ``share`` of its time at most, however slow its ticks are, unless the
+    next tick would then start more than ``renew_within`` after this one's start (the
+    scheduler's lease, taken at a tick's start, must be renewed before it lapses).
 
-    >>> idle_wait(0.5, 0.1), idle_wait(0.5, 0.3), idle_wait(0.2, 0.25)
+    >>> idle_wait(0.5, 0.1, 5), idle_wait(0.5, 0.3, 5), idle_wait(0.2, 0.25, 5)
     (0.4, 0.6, 0.5)
+    >>> idle_wait(0.5, 4.0, 5)  # a lease of 10 s: renewed 5 s after the last
+    1.0
     """
-    return max(0.0, interval - tick_seconds, tick_seconds * (1 / share - 1))
+    stretched = min(tick_seconds * (1 / share - 1), renew_within - tick_seconds)
+    return max(0.0, interval - tick_seconds, stretched)
 
 
 class Scheduler:
@@ -109,14 +116,18 @@ class Scheduler:
         self.queue_outage = False  # the last tick found the job queue unreachable
         self.dispatcher.notify = self.wake.set  # a job's end wakes the loop at once
 
+    @property
+    def lease_ttl(self) -> float:
+        """Seconds the scheduler lease taken at a tick's start lasts."""
+        return max(10.0, 5 * self.settings.scheduler_interval)
+
     # -- one tick ---------------------------------------------------------------------------
 
     def tick(self) -> TickReport:
         report = TickReport()
         to_enqueue: list[tuple[int, str]] = []
-        ttl = max(10.0, 5 * self.settings.scheduler_interval)
         with session_scope(self.factory) as s:
-            leader = store.acquire_lease(s, LEASE, self.holder, ttl)
+            leader = store.acquire_lease(s, LEASE, self.holder, self.lease_ttl)
             if self.connected_since is None:
                 self.connected_since = time.monotonic()
             if not leader:
@@ -381,7 +392,7 @@ class Scheduler:
                 return
             busy = report.dispatched or report.planned or report.requeued or report.deferred
             took = time.monotonic() - started
-            wait = 0.0 if busy else idle_wait(interval, took)
+            wait = 0.0 if busy else idle_wait(interval, took, renew_within=self.lease_ttl / 2)
             if report.wakes:  # a waiting pack's claim turns better then: look at once
                 wait = min(wait, max(MIN_WAKE_S, min(report.wakes) - took))
             self.wake.wait(wait)  # a finished pack (embedded runner, or RQ workers' notice)

@@ -32,11 +32,20 @@ SPEC = {
 
 
 def test_idle_wait_keeps_a_third_of_the_time_at_most() -> None:
-    assert idle_wait(0.5, 0.1) == 0.4  # a quick tick: the rest of the interval
-    assert idle_wait(0.5, 0.0) == 0.5
+    assert idle_wait(0.5, 0.1, 5) == 0.4  # a quick tick: the rest of the interval
+    assert idle_wait(0.5, 0.0, 5) == 0.5
     for tick in (0.2, 0.25, 1.0, 7.0):  # a slow one: twice its own length
-        wait = idle_wait(0.2, tick)
+        wait = idle_wait(0.2, tick, 100)
         assert tick / (tick + wait) <= 1 / 3 + 1e-9 and wait == 2 * tick
+
+
+def test_idle_wait_renews_the_lease_before_it_lapses() -> None:
+    """Waiting twice a 4 s tick would start the next 12 s after this one: past a 10 s lease,
+    which a standby scheduler could then take. The next tick starts within ``renew_within``."""
+    assert idle_wait(0.5, 4.0, renew_within=5) == 1.0
+    assert idle_wait(0.5, 6.0, renew_within=5) == 0.0  # ticks back to back, as they must
+    for tick in (0.1, 1.0, 2.0, 3.0, 4.9):
+        assert tick + idle_wait(0.5, tick, renew_within=5) <= 5
 
 
 def test_an_idle_scheduler_ticks_a_third_of_its_time_at_most(
