@@ -61,6 +61,17 @@ DEFAULT_MEMORY = MemoryModel(base=DEFAULT_BASE_BYTES, per_trial=DEFAULT_PER_TRIA
 UNFINISHED = (PackStatus.pending, PackStatus.queued, PackStatus.running)
 
 
+@dataclass
+class FleetPlan:
+    """What :func:`plan_fleet` did: the packs it made, and whether it made some yet left
+    ready units while a device still has a slot open (it makes one pack per device):
+    planning again at once places more. Otherwise planning again finds the same until a
+    pack ends, a worker comes or goes, or a study changes."""
+
+    made: int = 0
+    more: bool = False
+
+
 def devices_of(workers: list[Worker], settings: Settings) -> dict[str, tuple[Device, str]]:
     """Every device of the live workers: name -> (Device, device kind)."""
     out: dict[str, tuple[Device, str]] = {}
@@ -150,10 +161,11 @@ def plan_fleet(
     now: datetime,
     asked: list[int] | None = None,
     wake: list[float] | None = None,
-) -> int:
-    """Plan and record packs for the pending trials of ``studies``; returns the packs made
-    (and appends to ``asked`` the running packs asked to give their device up, and to
-    ``wake`` the seconds after which a waiting pack may preempt one: look again then).
+) -> FleetPlan:
+    """Plan and record packs for the pending trials of ``studies`` (returns what was
+    made; see :class:`FleetPlan`), and append to ``asked`` the running packs asked to
+    give their device up, and to ``wake`` the seconds after which a waiting pack may
+    preempt one: look again then.
 
     With ``settings.share_packs`` studies with the same pack size limit are planned
     together: their units share packs, and fuse into one array where their lanes agree
@@ -162,7 +174,7 @@ def plan_fleet(
     what a device cannot take this time is the work of the best-served studies.
     """
     if not studies:
-        return 0
+        return FleetPlan()
     order: Order = settings.dispatch_order
     loads = study_loads(s, studies, settings, now) if order == "fair" else {}
     quantum = fair_share_quantum(s, settings)
@@ -187,14 +199,16 @@ def plan_fleet(
     for p in planned:
         key = ("cap", _cap(p.spec), p.band) if settings.share_packs else ("study", p.study.id)
         groups.setdefault(key, []).append(p)
-    made = 0
+    out = FleetPlan()
     for group in groups.values():
-        made += _plan_group(s, group, workers, settings, order, loads, quantum, now)
+        made, more = _plan_group(s, group, workers, settings, order, loads, quantum, now)
+        out.made += made
+        out.more = out.more or more
     if order == "fair" and settings.preempt:
         yielding = _yield_for(s, loads, quantum, workers, settings, now, wake)
         if asked is not None:
             asked.extend(yielding)
-    return made
+    return out
 
 
 def _yield_for(
@@ -422,9 +436,10 @@ def _plan_group(
     loads: dict[int, StudyLoad],
     quantum: float,
     now: datetime,
-) -> int:
-    """Plan the pending units of one group of studies (one pack size limit); the packs made.
-    With fair order, a device held for a better band than the group's best
+) -> tuple[int, bool]:
+    """Plan the pending units of one group of studies (one pack size limit); the packs made,
+    and whether units were left while a device still has a slot open. With fair order, a
+    device held for a better band than the group's best
     (:func:`_held_devices`) takes none of its packs."""
     study_of: dict[int, int] = {}
     units: list[Unit] = []
@@ -433,7 +448,7 @@ def _plan_group(
         study_of.update({u.trial_id: p.study.id for u in mine})
         units += mine
     if not units:
-        return 0
+        return 0, False
     devices = devices_of(workers, settings)
     busy = store.packs_per_device(s, UNFINISHED)
     ours = min(p.band for p in group)
@@ -445,7 +460,7 @@ def _plan_group(
         if busy[name] < QUEUE_DEPTH and (busy[name] == 0 or held.get(name, ours) >= ours)
     ]  # fmt: skip
     if not free:
-        return 0
+        return 0, False
     kind = devices[free[0].name][1]  # one device kind per plan; mixed fleets use the first
     cap = _cap(group[0].spec)
     profiles: dict[str, Profile] = {}
@@ -453,7 +468,7 @@ def _plan_group(
         profiles.update(store.profiles_of(s, workload, kind))
     units = _probe_first(units, profiles, store.fusion_keys_of_packs(s, UNFINISHED))
     # bounded work per tick: the rest is planned by the next tick, which the loop runs at
-    # once (a tick that plans packs is followed by another without waiting)
+    # once while a device has a slot open (FleetPlan.more)
     units.sort(key=lambda u: (u.rank, u.trial_id))
     units, later = units[:MAX_UNITS_PER_PLAN], units[MAX_UNITS_PER_PLAN:]
     memory: dict[str, MemoryModel] = {}
@@ -514,7 +529,10 @@ def _plan_group(
         "(PACKTUNE_SPILL=true would train it spilled, if its model is an nn.Sequential)",
     )
     s.flush()
-    return len(plan.packs)
+    placed = Counter(p.device for p in plan.packs)
+    room = any(busy[dev.name] + placed[dev.name] < QUEUE_DEPTH for dev in free)
+    # a plan that placed nothing would place nothing again before something changes
+    return len(plan.packs), bool(plan.packs and plan.deferred) and room
 
 
 def dispatch_order(

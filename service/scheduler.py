@@ -62,6 +62,7 @@ class TickReport:
     leader: bool = False
     started: int = 0
     planned: int = 0
+    more: bool = False  # planning left ready units while a device has a slot open
     dispatched: int = 0
     requeued: int = 0
     failed_packs: int = 0
@@ -307,7 +308,7 @@ class Scheduler:
         an error undoes only the planning, and the next tick tries again."""
         try:
             with s.begin_nested():
-                report.planned += planning.plan_fleet(
+                plan = planning.plan_fleet(
                     s,
                     studies,
                     workers,
@@ -316,6 +317,8 @@ class Scheduler:
                     asked=report.yields,
                     wake=report.wakes,
                 )
+                report.planned += plan.made
+                report.more = report.more or plan.more
         except DATABASE_ERRORS:
             raise
         except Exception:
@@ -390,7 +393,9 @@ class Scheduler:
                 on_tick(report)
             if until_study is not None and self._finished(until_study):
                 return
-            busy = report.dispatched or report.planned or report.requeued or report.deferred
+            # look again at once only where that can do more: a plan that left ready units
+            # beside an open device slot, a pack back to pending, a study's work cut short
+            busy = report.more or report.requeued or report.deferred
             took = time.monotonic() - started
             wait = 0.0 if busy else idle_wait(interval, took, renew_within=self.lease_ttl / 2)
             if report.wakes:  # a waiting pack's claim turns better then: look at once
