@@ -441,14 +441,8 @@ def _plan_group(
     and whether units were left while a device still has a slot open. With fair order, a
     device held for a better band than the group's best
     (:func:`_held_devices`) takes none of its packs."""
-    study_of: dict[int, int] = {}
-    units: list[Unit] = []
-    for p in group:
-        mine = _units(s, p, order)
-        study_of.update({u.trial_id: p.study.id for u in mine})
-        units += mine
-    if not units:
-        return 0, False
+    # the devices first: a full fleet (the common case between packs' ends) is one query,
+    # where the group's ready units are one or more per study
     devices = devices_of(workers, settings)
     busy = store.packs_per_device(s, UNFINISHED)
     ours = min(p.band for p in group)
@@ -460,6 +454,14 @@ def _plan_group(
         if busy[name] < QUEUE_DEPTH and (busy[name] == 0 or held.get(name, ours) >= ours)
     ]  # fmt: skip
     if not free:
+        return 0, False
+    study_of: dict[int, int] = {}
+    units: list[Unit] = []
+    for p in group:
+        mine = _units(s, p, order)
+        study_of.update({u.trial_id: p.study.id for u in mine})
+        units += mine
+    if not units:
         return 0, False
     kind = devices[free[0].name][1]  # one device kind per plan; mixed fleets use the first
     cap = _cap(group[0].spec)
