@@ -324,6 +324,8 @@ def _withdraw_for(
     if not ready:
         return
     best = min(ready)
+    if max(p.band for p in planned) <= best:
+        return  # no study in a worse band: no waiting pack is any study's to give back
     busy = store.packs_per_device(s, UNFINISHED)
     full = {name for name in devices_of(workers, settings) if busy[name] >= QUEUE_DEPTH}
     waiting = [p for p in store.packs_with_status(s, PackStatus.queued)
