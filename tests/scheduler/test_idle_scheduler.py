@@ -16,6 +16,8 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from packtune.settings import Settings
 from packtune.space import fusion_key
@@ -28,6 +30,8 @@ from service.rq_dispatcher import RQDispatcher
 from service.scheduler import Scheduler, TickReport, idle_wait
 from tests.support.cluster import create_database, drop_database
 
+Tick = tuple[float, float, TickReport]  # a tick's start and end (monotonic), its report
+
 SPEC = {
     "name": "idle",
     "workload": "digits-mlp",
@@ -36,6 +40,31 @@ SPEC = {
     "hyperband": {"max_resource": 27, "min_resource": 1, "eta": 3},
     "seed": 0,
 }
+
+
+@contextmanager
+def looping(sched: Scheduler) -> Iterator[tuple[list[Tick], threading.Thread]]:
+    """``sched.run`` in a thread, each tick's start, end and report recorded, until the
+    block ends (then stopped and closed)."""
+    ticks: list[Tick] = []
+    tick = sched.tick
+
+    def timed() -> TickReport:
+        began = time.monotonic()
+        report = tick()
+        ticks.append((began, time.monotonic(), report))
+        return report
+
+    sched.tick = timed  # type: ignore[method-assign]
+    stop = threading.Event()
+    thread = threading.Thread(target=sched.run, kwargs={"stop": stop}, daemon=True)
+    thread.start()
+    try:
+        yield ticks, thread
+    finally:
+        stop.set()
+        thread.join(30)
+        sched.close()
 
 
 def test_idle_wait_keeps_a_third_of_the_time_at_most() -> None:
@@ -80,21 +109,7 @@ def test_an_idle_scheduler_ticks_a_third_of_its_time_at_most(
             scheduler_interval=0.01,
         )
         sched = Scheduler(settings, factory, RQDispatcher(settings), holder="idle-test")
-        ticks: list[tuple[float, float]] = []
-        tick = sched.tick
-
-        def timed() -> TickReport:
-            began = time.monotonic()
-            try:
-                return tick()
-            finally:
-                ticks.append((began, time.monotonic()))
-
-        sched.tick = timed  # type: ignore[method-assign]
-        stop = threading.Event()
-        thread = threading.Thread(target=sched.run, kwargs={"stop": stop}, daemon=True)
-        thread.start()
-        try:
+        with looping(sched) as (ticks, thread):
             deadline = time.monotonic() + 60
             while True:  # every study sampled and running: each tick now finds nothing to do
                 with session_scope(factory) as s:
@@ -107,12 +122,8 @@ def test_an_idle_scheduler_ticks_a_third_of_its_time_at_most(
             while len(ticks) < first + 5:  # five whole ticks, each with the wait after it
                 assert thread.is_alive() and time.monotonic() < deadline + 60, "no ticks"
                 time.sleep(0.05)
-        finally:
-            stop.set()
-            thread.join(30)
-            sched.close()
         cycles = ticks[first : first + 5]
-        inside = sum(end - began for began, end in cycles[:-1])
+        inside = sum(end - began for began, end, _ in cycles[:-1])
         share = inside / (cycles[-1][0] - cycles[0][0])
         assert share < 0.5, f"ticking {share:.0%} of the time"
     finally:
@@ -153,20 +164,7 @@ def test_a_tick_that_fills_the_last_device_slot_is_followed_by_a_wait(
             heartbeat_timeout=600,
         )
         sched = Scheduler(settings, factory, RQDispatcher(settings), holder="busy-test")
-        ticks: list[tuple[float, float, TickReport]] = []
-        tick = sched.tick
-
-        def timed() -> TickReport:
-            began = time.monotonic()
-            report = tick()
-            ticks.append((began, time.monotonic(), report))
-            return report
-
-        sched.tick = timed  # type: ignore[method-assign]
-        stop = threading.Event()
-        thread = threading.Thread(target=sched.run, kwargs={"stop": stop}, daemon=True)
-        thread.start()
-        try:
+        with looping(sched) as (ticks, thread):
             deadline = time.monotonic() + 60
             while sum(t[2].planned for t in ticks) < QUEUE_DEPTH:
                 assert thread.is_alive() and time.monotonic() < deadline, "no packs planned"
@@ -174,10 +172,6 @@ def test_a_tick_that_fills_the_last_device_slot_is_followed_by_a_wait(
             filled = next(i for i in range(len(ticks)) if sum(
                 t[2].planned for t in ticks[: i + 1]) >= QUEUE_DEPTH)  # fmt: skip
             time.sleep(max(0.0, ticks[filled][1] + interval / 2 - time.monotonic()))
-        finally:
-            stop.set()
-            thread.join(30)
-            sched.close()
         with session_scope(factory) as s:
             pending = store.packs_with_status(s, (PackStatus.pending, PackStatus.queued))
         planned = [t[2].planned for t in ticks[: filled + 1]]
