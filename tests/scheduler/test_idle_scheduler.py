@@ -18,6 +18,10 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from itertools import accumulate
+
+import pytest
+from sqlalchemy.orm import Session, sessionmaker
 
 from packtune.settings import Settings
 from packtune.space import fusion_key
@@ -28,7 +32,6 @@ from service.db import make_engine, session_factory, session_scope, upgrade
 from service.models import PackStatus, StudyStatus, WorkerStatus
 from service.rq_dispatcher import RQDispatcher
 from service.scheduler import Scheduler, TickReport, idle_wait
-from tests.support.cluster import create_database, drop_database
 
 Tick = tuple[float, float, TickReport]  # a tick's start and end (monotonic), its report
 
@@ -67,6 +70,17 @@ def looping(sched: Scheduler) -> Iterator[tuple[list[Tick], threading.Thread]]:
         sched.close()
 
 
+@pytest.fixture
+def database(fresh_postgres: str) -> Iterator[tuple[str, sessionmaker[Session]]]:
+    """A migrated database of this test's own: its URL and a session factory over it."""
+    upgrade(fresh_postgres)
+    engine = make_engine(fresh_postgres)
+    try:
+        yield fresh_postgres, session_factory(engine)
+    finally:
+        engine.dispose()
+
+
 def test_idle_wait_keeps_a_third_of_the_time_at_most() -> None:
     assert idle_wait(0.5, 0.1, 5) == 0.4  # a quick tick: the rest of the interval
     assert idle_wait(0.5, 0.0, 5) == 0.5
@@ -85,104 +99,88 @@ def test_idle_wait_renews_the_lease_before_it_lapses() -> None:
 
 
 def test_an_idle_scheduler_ticks_a_third_of_its_time_at_most(
-    postgres_url: str, redis_url: str
+    database: tuple[str, sessionmaker[Session]], redis_url: str
 ) -> None:
     """The real loop (``Scheduler.run``, PostgreSQL, an RQ queue no worker listens to) over
     12 running studies with nothing to train them, at an interval far shorter than its
     ticks: over four ticks and the waits after them, ticking fills under half of the time
     (a third, plus the loop's own); before, one tick followed another (~100%)."""
-    name = f"packtune_idle_{uuid.uuid4().hex[:8]}"
-    url = create_database(postgres_url, name)
-    engine = make_engine(url)
-    try:
-        upgrade(url)
-        factory = session_factory(engine)
-        with session_scope(factory) as s:
-            ids = [
-                store.create_study(s, name=f"idle-{i}", workload="digits-mlp", spec=SPEC, seed=i).id
-                for i in range(12)
-            ]
-        settings = Settings(
-            database_url=url,
-            redis_url=redis_url,
-            queue_name=f"idle-{uuid.uuid4().hex[:8]}",
-            scheduler_interval=0.01,
-        )
-        sched = Scheduler(settings, factory, RQDispatcher(settings), holder="idle-test")
-        with looping(sched) as (ticks, thread):
-            deadline = time.monotonic() + 60
-            while True:  # every study sampled and running: each tick now finds nothing to do
-                with session_scope(factory) as s:
-                    if all(store.get_study(s, i).status == StudyStatus.running for i in ids):
-                        break
-                assert thread.is_alive() and time.monotonic() < deadline, "no study started"
-                time.sleep(0.1)
-            time.sleep(0.5)
-            first = len(ticks)
-            while len(ticks) < first + 5:  # five whole ticks, each with the wait after it
-                assert thread.is_alive() and time.monotonic() < deadline + 60, "no ticks"
-                time.sleep(0.05)
-        cycles = ticks[first : first + 5]
-        inside = sum(end - began for began, end, _ in cycles[:-1])
-        share = inside / (cycles[-1][0] - cycles[0][0])
-        assert share < 0.5, f"ticking {share:.0%} of the time"
-    finally:
-        engine.dispose()
-        drop_database(postgres_url, name)
+    url, factory = database
+    with session_scope(factory) as s:
+        ids = [
+            store.create_study(s, name=f"idle-{i}", workload="digits-mlp", spec=SPEC, seed=i).id
+            for i in range(12)
+        ]
+    settings = Settings(
+        database_url=url,
+        redis_url=redis_url,
+        queue_name=f"idle-{uuid.uuid4().hex[:8]}",
+        scheduler_interval=0.01,
+    )
+    sched = Scheduler(settings, factory, RQDispatcher(settings), holder="idle-test")
+    with looping(sched) as (ticks, thread):
+        deadline = time.monotonic() + 60
+        while True:  # every study sampled and running: each tick now finds nothing to do
+            with session_scope(factory) as s:
+                if all(store.get_study(s, i).status == StudyStatus.running for i in ids):
+                    break
+            assert thread.is_alive() and time.monotonic() < deadline, "no study started"
+            time.sleep(0.1)
+        time.sleep(0.5)
+        first = len(ticks)
+        while len(ticks) < first + 5:  # five whole ticks, each with the wait after it
+            assert thread.is_alive() and time.monotonic() < deadline + 60, "no ticks"
+            time.sleep(0.05)
+    cycles = ticks[first : first + 5]
+    inside = sum(end - began for began, end, _ in cycles[:-1])
+    share = inside / (cycles[-1][0] - cycles[0][0])
+    assert share < 0.5, f"ticking {share:.0%} of the time"
 
 
 def test_a_tick_that_fills_the_last_device_slot_is_followed_by_a_wait(
-    postgres_url: str, redis_url: str
+    database: tuple[str, sessionmaker[Session]], redis_url: str
 ) -> None:
     """The real loop over one unpacked study (a trial per pack) and one live CPU worker (an
     RQ queue it does not read, so no pack ends): a tick plans one pack per device, so while
     the device has a slot open and trials wait, the next tick follows at once; the tick
     that fills the last slot is followed by the interval's wait (before: by another tick at
     once, which found nothing)."""
-    name = f"packtune_busy_{uuid.uuid4().hex[:8]}"
-    url = create_database(postgres_url, name)
-    engine = make_engine(url)
+    url, factory = database
     interval = 3.0
-    try:
-        upgrade(url)
-        factory = session_factory(engine)
-        with session_scope(factory) as s:
-            spec = SPEC | {"packing": {"enabled": False}}
-            store.create_study(s, name="busy", workload="digits-mlp", spec=spec, seed=0)
-            store.heartbeat(
-                s, name="cpu-worker", host="test", device_kind="cpu", gpus=[],
-                memory_budget=4 * 2**30, status=WorkerStatus.idle,
-            )  # fmt: skip
-            wl = get_workload("digits-mlp")  # measured already: no probe pack to wait for
-            key = fusion_key(wl.name, wl.resolve({}), wl.structural_params())
-            store.record_throughput(s, wl.name, key, "cpu", 1, 100.0)
-        settings = Settings(
-            database_url=url,
-            redis_url=redis_url,
-            queue_name=f"busy-{uuid.uuid4().hex[:8]}",
-            scheduler_interval=interval,
-            heartbeat_timeout=600,
-        )
-        sched = Scheduler(settings, factory, RQDispatcher(settings), holder="busy-test")
-        with looping(sched) as (ticks, thread):
-            deadline = time.monotonic() + 60
-            while sum(t[2].planned for t in ticks) < QUEUE_DEPTH:
-                assert thread.is_alive() and time.monotonic() < deadline, "no packs planned"
-                time.sleep(0.02)
-            filled = next(i for i in range(len(ticks)) if sum(
-                t[2].planned for t in ticks[: i + 1]) >= QUEUE_DEPTH)  # fmt: skip
-            time.sleep(max(0.0, ticks[filled][1] + interval / 2 - time.monotonic()))
-        with session_scope(factory) as s:
-            pending = store.packs_with_status(s, (PackStatus.pending, PackStatus.queued))
-        planned = [t[2].planned for t in ticks[: filled + 1]]
-        assert len(pending) == QUEUE_DEPTH, "a pack per device slot"
-        assert planned[-QUEUE_DEPTH:] == [1] * QUEUE_DEPTH, planned  # one pack per tick
-        # with a slot open and trials waiting, the next tick came at once, not an interval on
-        gaps = [ticks[i + 1][0] - ticks[i][1] for i in range(filled)]
-        assert gaps[-1] < interval / 3, gaps
-        # the device full: the interval's wait, not a tick that cannot plan anything
-        after = [began for began, _, _ in ticks[filled + 1 :]]
-        assert not after or after[0] - ticks[filled][1] >= interval / 2, "ticked at once"
-    finally:
-        engine.dispose()
-        drop_database(postgres_url, name)
+    with session_scope(factory) as s:
+        spec = SPEC | {"packing": {"enabled": False}}
+        store.create_study(s, name="busy", workload="digits-mlp", spec=spec, seed=0)
+        store.heartbeat(
+            s, name="cpu-worker", host="test", device_kind="cpu", gpus=[],
+            memory_budget=4 * 2**30, status=WorkerStatus.idle,
+        )  # fmt: skip
+        wl = get_workload("digits-mlp")  # measured already: no probe pack to wait for
+        key = fusion_key(wl.name, wl.resolve({}), wl.structural_params())
+        store.record_throughput(s, wl.name, key, "cpu", 1, 100.0)
+    settings = Settings(
+        database_url=url,
+        redis_url=redis_url,
+        queue_name=f"busy-{uuid.uuid4().hex[:8]}",
+        scheduler_interval=interval,
+        heartbeat_timeout=600,
+    )
+    sched = Scheduler(settings, factory, RQDispatcher(settings), holder="busy-test")
+    with looping(sched) as (ticks, thread):
+        deadline = time.monotonic() + 60
+        while sum(t[2].planned for t in ticks) < QUEUE_DEPTH:
+            assert thread.is_alive() and time.monotonic() < deadline, "no packs planned"
+            time.sleep(0.02)
+        made = accumulate(t[2].planned for t in ticks)  # packs planned by each tick's end
+        filled = next(i for i, n in enumerate(made) if n >= QUEUE_DEPTH)
+        time.sleep(max(0.0, ticks[filled][1] + interval / 2 - time.monotonic()))
+    with session_scope(factory) as s:
+        pending = store.packs_with_status(s, (PackStatus.pending, PackStatus.queued))
+    planned = [t[2].planned for t in ticks[: filled + 1]]
+    assert len(pending) == QUEUE_DEPTH, "a pack per device slot"
+    assert planned[-QUEUE_DEPTH:] == [1] * QUEUE_DEPTH, planned  # one pack per tick
+    # with a slot open and trials waiting, the next tick came at once, not an interval on
+    gaps = [ticks[i + 1][0] - ticks[i][1] for i in range(filled)]
+    assert gaps[-1] < interval / 3, gaps
+    # the device full: the interval's wait, not a tick that cannot plan anything
+    after = [began for began, _, _ in ticks[filled + 1 :]]
+    assert not after or after[0] - ticks[filled][1] >= interval / 2, "ticked at once"
