@@ -9,8 +9,9 @@ buffer), and for four plugins beyond in-memory tensors
 writes, batches augmented per trial, a custom step on dict batches with two outputs, a
 step vmap cannot batch), the same study runs packed and unpacked (``max_pack_size: 1``);
 every trial matches its unpacked twin (same sample index) at every measured resource to
-float rounding, and both studies pick the same best trial. The packed studies run on one
-``packtune serve`` and their unpacked twins on another, at once.
+float rounding, and both studies pick the same best trial. Two ``packtune serve`` run at
+once, each with half the packed studies and the unpacked twins of the other half, so that
+no study shares a process, database or data folder with its twin.
 """
 
 from __future__ import annotations
@@ -156,19 +157,25 @@ def plugin_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     )
 
 
+def server_of(workload: str, packed: bool) -> int:
+    """The server (0 or 1) that runs ``workload``'s packed or unpacked study: the packed
+    studies alternate between the two, each twin on the other one."""
+    return (list(SPACES).index(workload) + packed) % 2
+
+
 @pytest.fixture(scope="module")
 def results(
     tmp_path_factory: pytest.TempPathFactory, plugin_path: str
 ) -> Iterator[dict[tuple[str, bool], dict[str, Any]]]:
-    """Every study of :data:`SPACES`: the packed ones on one ``packtune serve``, their
-    unpacked twins on another, both at once (each server has one runner: on two cores the
-    module took 247 s against 360 s on one server, and a twin is trained by another
-    process, database and data folder than its study)."""
+    """Every study of :data:`SPACES`, packed and unpacked, on two ``packtune serve`` at once
+    (each with one runner: on two cores the module took 247 s against 360 s on one server;
+    packed studies on one server and unpacked ones on the other left the packed server idle
+    for the last third). Each result carries its server's log."""
     tmp = tmp_path_factory.mktemp("invariance")
     with ExitStack() as stack:
-        urls, logs = {}, {}
-        for packed in (True, False):
-            where = tmp / ("packed" if packed else "unpacked")
+        urls, logs = [], []
+        for server in range(2):
+            where = tmp / f"server-{server}"
             env = packtune_env(
                 database_url=f"sqlite:///{where / 'packtune.db'}",
                 checkpoint_dir=where / "ckpt",
@@ -177,29 +184,30 @@ def results(
             env["PYTHONPATH"] = plugin_path
             env["PACKTUNE_DATA_DIR"] = str(where / "data")  # digits-files writes its files here
             where.mkdir()
-            logs[packed] = where / "serve.log"
-            urls[packed] = stack.enter_context(serving(env, logs[packed]))
+            logs.append(where / "serve.log")
+            urls.append(stack.enter_context(serving(env, logs[server])))
         ids = {}
         for workload in SPACES:
             for packed in (True, False):
-                resp = httpx.post(
-                    f"{urls[packed]}/api/studies", json=spec(workload, packed), timeout=30
-                )
+                url = urls[server_of(workload, packed)]
+                resp = httpx.post(f"{url}/api/studies", json=spec(workload, packed), timeout=30)
                 assert resp.status_code == 201, resp.text
                 ids[workload, packed] = resp.json()["id"]
         out = {}
         for (workload, packed), study_id in ids.items():
-            base = f"{urls[packed]}/api/studies/{study_id}"
-            summary = wait_finished(urls[packed], study_id, timeout=600, log=logs[packed])
+            server = server_of(workload, packed)
+            base = f"{urls[server]}/api/studies/{study_id}"
+            summary = wait_finished(urls[server], study_id, timeout=600, log=logs[server])
             get = lambda p, b=base: httpx.get(f"{b}/{p}", timeout=30).json()  # noqa: E731
             out[workload, packed] = {
                 "summary": summary,
                 "trials": get("trials?limit=500")["data"],
                 "curves": final_metrics(get("curves")["data"], "val_loss"),
                 "packs": get("packs?limit=500")["data"],
+                "server": server,
             }
-        out_log = logs[True].read_text()
-    yield {**out, ("log", True): {"text": out_log}}
+        texts = [log.read_text() for log in logs]
+    yield {key: {**result, "log": texts[result["server"]]} for key, result in out.items()}
 
 
 @pytest.mark.parametrize("workload", list(SPACES))
@@ -256,7 +264,7 @@ def test_the_traps_differ_where_a_wrong_fusion_would_hide_it(
         if len({m["fusion_key"] for m in p["members"]}) == 1 and len(p["members"]) > 1
     ]  # fmt: skip
     assert mixed, "no misdeclared pack of more than one member"
-    log = results["log", True]["text"]
+    log = results["misdeclared-mlp", True]["log"]
     assert "misdeclared-mlp: members build models that differ" in log
     assert "(parameter 'act')" in log
 
@@ -272,6 +280,6 @@ def test_beyond_in_memory_tensors_the_packs_really_were_streamed_fused_or_split(
             if len(p["members"]) > 1 and len({m["fusion_key"] for m in p["members"]}) == 1
         ]  # fmt: skip
         assert fused, f"{workload}: no pack held one array of several trials"
-    log = results["log", True]["text"]
-    assert "unbatchable: vmap could not run the fused step" in log
-    assert "multi-task: vmap could not run" not in log
+    assert "unbatchable: vmap could not run the fused step" in results["unbatchable", True]["log"]
+    for packed in (True, False):
+        assert "multi-task: vmap could not run" not in results["multi-task", packed]["log"]
