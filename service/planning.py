@@ -547,8 +547,7 @@ def dispatch_order(
     with the longest expected remaining work of a member, then id."""
     if settings.dispatch_order == "id" or len(packs) < 2:
         return sorted(packs, key=lambda pack: pack.id)
-    ids = [m.trial_id for pack in packs for m in pack.members]
-    trials = {t.id: t for t in store.trials_by_id(s, ids)}
+    trials = store.trial_places(s, [m.trial_id for pack in packs for m in pack.members])
     studies = {i: store.get_study(s, i) for i in sorted({t.study_id for t in trials.values()})}
     specs = {i: StoredSpec.of(study.spec) for i, study in studies.items()}
     loads = study_loads(s, list(studies.values()), settings, now)

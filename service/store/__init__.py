@@ -94,6 +94,7 @@ from service.store.transitions import (
 )
 from service.store.trials import (
     TrialBrief,
+    TrialPlace,
     add_trials,
     brackets_summary,
     count_trials,
@@ -110,6 +111,7 @@ from service.store.trials import (
     set_trials,
     studies_with_trials,
     trial_briefs,
+    trial_places,
     trials_by_id,
     trials_of,
     values_at,
@@ -197,6 +199,8 @@ __all__ = [
     "THROUGHPUT_SMOOTHING",
     "trial_briefs",
     "TrialBrief",
+    "TrialPlace",
+    "trial_places",
     "trials_by_id",
     "trials_of",
     "UPDATE_CHUNK",
