@@ -26,7 +26,5 @@ def test_no_file_a_run_leaves_behind_is_tracked() -> None:
         ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout.split()
     assert tracked, "git ls-files listed nothing: not a checkout?"
-    leftovers = [
-        name for name in tracked if any(fnmatch.fnmatch(name, p) for p in RUN_LEFTOVERS)
-    ]
+    leftovers = [name for name in tracked if any(fnmatch.fnmatch(name, p) for p in RUN_LEFTOVERS)]
     assert not leftovers, leftovers
