@@ -57,7 +57,9 @@ def busy_between(
     """The share of the machine's CPU time that was busy between two :func:`cpu_seconds`."""
     if before is None or after is None or after[0] <= before[0]:
         return None
-    return (after[1] - before[1]) / (after[0] - before[0])
+    # at most 1: the tick counts divided by HZ round, and a wholly busy span came out at
+    # 1.0000000000002 (busy ticks never outnumber all ticks)
+    return min(1.0, (after[1] - before[1]) / (after[0] - before[0]))
 
 
 def cpu_model() -> str:

@@ -27,6 +27,15 @@ def results_untouched(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterat
     assert not (tmp_path / "HISTORY.md").exists()
 
 
+def test_a_wholly_busy_span_is_busy_one_not_more() -> None:
+    """Tick counts over HZ round: 2,090 ticks, all busy, came out 1.0000000000042 busy."""
+    hz = 100
+    before = (145_272_509 / hz, 16_940_109 / hz)
+    after = ((145_272_509 + 2_090) / hz, (16_940_109 + 2_090) / hz)
+    assert recording.busy_between(before, after) == 1.0
+    assert recording.busy_between(before, (after[0], before[1] + 10.45)) == pytest.approx(0.5)
+
+
 def test_fused_throughput_quick(capsys: pytest.CaptureFixture[str]) -> None:
     from bench import fused_throughput
 

@@ -126,6 +126,18 @@ def test_run_trains_a_study_and_prints_the_leaderboard(env: dict[str, str], tmp_
     assert "…" not in progress and "units" in progress and "best: trial" in progress
 
 
+def test_the_children_do_not_inherit_the_callers_terminal_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """pytest-xdist's workers set COLUMNS=80: a ``packtune run`` child that inherited it cut
+    its progress line to 80 columns, and the test above found no ``packs running`` in it."""
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.setenv("LINES", "24")
+    env = packtune_env(database_url="sqlite://")
+    assert "COLUMNS" not in env and "LINES" not in env
+    assert env["PACKTUNE_DATABASE_URL"] == "sqlite://"
+
+
 def test_worker_without_redis_says_what_to_do(env: dict[str, str], tmp_path: Path) -> None:
     result = packtune("worker", env=env, cwd=tmp_path)
     assert result.returncode == 2 and "PACKTUNE_REDIS_URL" in result.stderr

@@ -25,8 +25,17 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+#: the size of the terminal the suite was started from (pytest-xdist's workers set them to 80x24):
+#: a child writing to a pipe is in no terminal, and its output must not depend on the caller's
+TERMINAL_SIZE = ("COLUMNS", "LINES")
+
+
 def packtune_env(**settings: Any) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PACKTUNE_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("PACKTUNE_") and k not in TERMINAL_SIZE
+    }
     env.update({f"PACKTUNE_{k.upper()}": str(v) for k, v in settings.items() if v is not None})
     env["PYTHONUNBUFFERED"] = "1"
     return env
