@@ -290,8 +290,10 @@ class Advance:
 def advance_brackets(s: Session, study: Study) -> Advance:
     """Decide every bracket whose current rung is finished.
 
-    Only the brackets that can be decided are read, as :class:`~service.store.TrialBrief`
-    rows (no configs), and written back with bulk UPDATEs.
+    Only the brackets that can be decided are read, in one query, as
+    :class:`~service.store.TrialBrief` rows (no configs); the decisions of all of them are
+    written back together: one INSERT of the promotions, one bulk UPDATE per kind of move
+    (brackets hold disjoint trials, so no decision reads another's writes).
     """
     spec = StoredSpec.of(study.spec)
     if spec.scheduler == "asha":
@@ -299,17 +301,27 @@ def advance_brackets(s: Session, study: Study) -> Advance:
     eta, metric, mode = int(spec.hyperband.eta), spec.objective.metric, spec.objective.mode
     out = Advance()
     planned = {len(spec.brackets) - 1 - j: rungs[0].n for j, rungs in enumerate(spec.brackets)}
-    for (iteration, bracket), counts in store.brackets_summary(s, study.id).items():
-        if any(counts[st] for st in ACTIVE) or not counts[TrialStatus.paused]:
-            continue
-        if sum(counts.values()) < planned[bracket]:
-            continue  # drawn in waves: the rest of the bracket is still to be sampled
-        trials = store.trial_briefs(s, study.id, iteration=iteration, bracket=bracket)
+    due = [
+        key
+        for key, counts in store.brackets_summary(s, study.id).items()
+        if not any(counts[st] for st in ACTIVE)
+        and counts[TrialStatus.paused]
+        # drawn in waves: a bracket not wholly sampled yet is not decided
+        and sum(counts.values()) >= planned[key[1]]
+    ]
+    if not due:
+        return out
+    briefs = store.bracket_briefs(s, study.id, due)
+    completed: list[int] = []
+    stopped: list[int] = []
+    promoted: dict[int, list[int]] = {}  # rung promoted to: trial ids
+    records: list[store.Promotion] = []
+    for iteration, bracket in due:
+        trials = briefs[iteration, bracket]
         paused = [t for t in trials if t.status == TrialStatus.paused]
         rung = paused[0].rung
         if rung >= bracket:  # last rung of this bracket: done
-            store.move_trials(s, [t.id for t in paused], TrialStatus.completed)
-            out.completed += len(paused)
+            completed += [t.id for t in paused]
             continue
         contenders = [t for t in trials if t.rung == rung and t.status in RUNG_DONE]
         resource = rung_resource(spec, bracket, rung)
@@ -326,16 +338,18 @@ def advance_brackets(s: Session, study: Study) -> Advance:
                 values[t.id] = None
         results = [(t.id, values[t.id]) for t in contenders]
         chosen = set(promote(results, eta, mode))
-        store.record_promotions(
-            s, study.id, bracket, rung, [(tid, values[tid]) for tid in sorted(chosen)],
-            iteration=iteration,
-        )  # fmt: skip
-        promoted = [t.id for t in paused if t.id in chosen]
-        stopped = [t.id for t in paused if t.id not in chosen]
-        store.move_trials(s, promoted, TrialStatus.pending, rung=rung + 1)
-        store.move_trials(s, stopped, TrialStatus.stopped)
-        out.promoted += len(promoted)
-        out.stopped += len(stopped)
+        records += [
+            store.Promotion(tid, values[tid], iteration, bracket, rung) for tid in sorted(chosen)
+        ]
+        promoted.setdefault(rung + 1, []).extend(t.id for t in paused if t.id in chosen)
+        stopped += [t.id for t in paused if t.id not in chosen]
+    store.record_promotions_of(s, study.id, records)
+    for to_rung, ids in sorted(promoted.items()):
+        store.move_trials(s, ids, TrialStatus.pending, rung=to_rung)
+        out.promoted += len(ids)
+    store.move_trials(s, stopped, TrialStatus.stopped)
+    store.move_trials(s, completed, TrialStatus.completed)
+    out.stopped, out.completed = len(stopped), len(completed)
     s.flush()
     return out
 

@@ -13,6 +13,7 @@ from sqlalchemy import (
     func,
     or_,
     select,
+    tuple_,
     update,
 )
 from sqlalchemy.orm import Session
@@ -170,6 +171,26 @@ def trial_briefs(
     return [TrialBrief(*row) for row in s.execute(stmt.order_by(Trial.id))]
 
 
+def bracket_briefs(
+    s: Session, study_id: int, brackets: Sequence[tuple[int, int]]
+) -> dict[tuple[int, int], list[TrialBrief]]:
+    """The :class:`TrialBrief` rows of each bracket ``(iteration, s)`` in ``brackets``, in id
+    order, read in one query (a tick decides the finished rungs of several at once)."""
+    out: dict[tuple[int, int], list[TrialBrief]] = {key: [] for key in brackets}
+    if not brackets:
+        return out
+    stmt = (
+        select(*(getattr(Trial, name) for name in TrialBrief._fields))
+        .where(Trial.study_id == study_id)
+        .where(tuple_(Trial.iteration, Trial.bracket).in_(list(out)))
+        .order_by(Trial.id)
+    )
+    for row in s.execute(stmt):
+        brief = TrialBrief(*row)
+        out[brief.iteration, brief.bracket].append(brief)
+    return out
+
+
 def brackets_summary(s: Session, study_id: int) -> dict[tuple[int, int], Counter[TrialStatus]]:
     """Trials per status in each bracket ``(iteration, s)`` of the study, brackets in order
     of their first trial."""
@@ -310,6 +331,16 @@ def latest_measurement(s: Session, trial_id: int) -> Measurement | None:
 # -- promotions ---------------------------------------------------------------
 
 
+class Promotion(NamedTuple):
+    """A trial promoted out of ``rung`` of bracket ``(iteration, bracket)`` with ``value``."""
+
+    trial_id: int
+    value: float | None
+    iteration: int
+    bracket: int
+    rung: int
+
+
 def record_promotions(
     s: Session,
     study_id: int,
@@ -319,13 +350,17 @@ def record_promotions(
     iteration: int = 0,
 ) -> int:
     """Record (trial id, objective value) pairs promoted out of ``rung``; returns the new ones."""
-    if not items:
+    return record_promotions_of(
+        s, study_id, [Promotion(tid, v, iteration, bracket, rung) for tid, v in items]
+    )
+
+
+def record_promotions_of(s: Session, study_id: int, promotions: Sequence[Promotion]) -> int:
+    """Record the ``promotions`` of a study, of any rungs and brackets, in one INSERT (in
+    their order); returns how many were new."""
+    if not promotions:
         return 0
-    rows = [
-        {"study_id": study_id, "trial_id": trial_id, "iteration": iteration,
-         "bracket": bracket, "rung": rung, "value": v}
-        for trial_id, v in items
-    ]  # fmt: skip
+    rows = [{"study_id": study_id, **p._asdict()} for p in promotions]
     stmt, params = insert_rows(s, RungPromotion, rows)
     stmt = stmt.on_conflict_do_nothing(index_elements=["trial_id", "rung"])
     return len(s.execute(stmt.returning(RungPromotion.id), params).all())

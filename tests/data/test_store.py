@@ -202,6 +202,47 @@ def test_deleting_best_trial_clears_it(factory: Factory) -> None:
         assert store.get_study(s, study_id).best_trial_id is None
 
 
+def test_promotions_of_several_rungs_and_brackets_in_one_insert(factory: Factory) -> None:
+    study_id, (a, b, c) = study_with_trials(factory)
+    P = store.Promotion
+    with session_scope(factory) as s:
+        records = [P(b, 0.2, 0, 2, 0), P(a, None, 0, 1, 0), P(c, 0.1, 1, 2, 1)]
+        assert store.record_promotions_of(s, study_id, records) == 3
+        assert (
+            store.record_promotions_of(s, study_id, [P(b, 0.9, 0, 2, 0), P(b, 0.4, 0, 2, 1)]) == 1
+        )
+        assert store.record_promotions_of(s, study_id, []) == 0
+    with session_scope(factory) as s:
+        rows = store.promotions_of(s, study_id)
+        assert [(p.trial_id, p.value, p.iteration, p.bracket, p.rung) for p in rows] == [
+            (a, None, 0, 1, 0), (b, 0.2, 0, 2, 0), (b, 0.4, 0, 2, 1), (c, 0.1, 1, 2, 1),
+        ]  # fmt: skip
+
+
+def test_bracket_briefs_reads_exactly_the_brackets_asked_for(factory: Factory) -> None:
+    with session_scope(factory) as s:
+        study_id = new_study(s).id
+        rows = [
+            {**row, "iteration": iteration, "sample_index": 10 * iteration + row["sample_index"]}
+            for iteration in (0, 1)
+            for bracket in (0, 1, 2)
+            for row in trial_rows(range(3 * bracket, 3 * bracket + 2), bracket=bracket)
+        ]
+        assert store.add_trials(s, study_id, rows) == 12
+        other = new_study(s, "other").id
+        store.add_trials(s, other, trial_rows(range(2), bracket=1))
+    with session_scope(factory) as s:
+        # (0, 2) and (1, 1): not their cross product, (0, 1) and (1, 2)
+        got = store.bracket_briefs(s, study_id, [(0, 2), (1, 1)])
+        assert list(got) == [(0, 2), (1, 1)]
+        assert [t.sample_index for t in got[0, 2]] == [6, 7]
+        assert [t.sample_index for t in got[1, 1]] == [13, 14]
+        assert all(isinstance(t, store.TrialBrief) for t in got[0, 2] + got[1, 1])
+        assert got[0, 2] == [t for t in store.trial_briefs(s, study_id, iteration=0, bracket=2)]
+        assert store.bracket_briefs(s, study_id, [(2, 0)]) == {(2, 0): []}
+        assert store.bracket_briefs(s, study_id, []) == {}
+
+
 # -- trials -------------------------------------------------------------------
 
 
