@@ -65,16 +65,21 @@ def _space_of(study: Study, spec: StoredSpec) -> tuple[Any, dict[str, Dimension]
     return workload, space
 
 
-def sample_due(s: Session, study: Study, limit: int | None = None) -> tuple[int, bool]:
+def sample_due(
+    s: Session, study: Study, limit: int | None = None, sampled: int | None = None
+) -> tuple[int, bool]:
     """Sample every bracket whose turn has come (:mod:`packtune.iterations`: in order, each
     once the rungs it learns from are settled), ``limit`` trials a call at most (the
     scheduler gives a tick's studies :data:`SAMPLE_CHUNK` together); the first trials mark
     the study running. Returns (trials inserted, whether some bracket within the budget is
-    still to be sampled)."""
+    still to be sampled). ``sampled``: how many trials the study has, where the caller
+    has just counted them (:attr:`Advance.sampled`)."""
     limit = SAMPLE_CHUNK if limit is None else limit
     spec = StoredSpec.of(study.spec)
     workload, space = _space_of(study, spec)
-    done = sum(store.count_trials_by_status(s, study.id).values())  # sampled so far
+    if sampled is None:
+        sampled = sum(store.count_trials_by_status(s, study.id).values())
+    done = sampled  # sampled so far
     inserted = taken = 0  # trials new in the database; trials drawn (a retry finds some)
     more = False
     for slot in study_slots(spec):
@@ -285,6 +290,9 @@ class Advance:
     promoted: int = 0
     stopped: int = 0
     completed: int = 0
+    #: the trials the study has (decisions move trials, never add or remove one); None
+    #: where the decisions did not count them
+    sampled: int | None = None
 
 
 def advance_brackets(s: Session, study: Study) -> Advance:
@@ -301,9 +309,11 @@ def advance_brackets(s: Session, study: Study) -> Advance:
     eta, metric, mode = int(spec.hyperband.eta), spec.objective.metric, spec.objective.mode
     out = Advance()
     planned = {len(spec.brackets) - 1 - j: rungs[0].n for j, rungs in enumerate(spec.brackets)}
+    summary = store.brackets_summary(s, study.id)
+    out.sampled = sum(sum(counts.values()) for counts in summary.values())
     due = [
         key
-        for key, counts in store.brackets_summary(s, study.id).items()
+        for key, counts in summary.items()
         if not any(counts[st] for st in ACTIVE)
         and counts[TrialStatus.paused]
         # drawn in waves: a bracket not wholly sampled yet is not decided

@@ -275,7 +275,7 @@ class Scheduler:
         advanced = lifecycle.advance_brackets(s, study)
         was_pending = study.status == StudyStatus.pending
         limit = max(0, SAMPLE_CHUNK - report.sampled)  # the tick's studies share one budget
-        inserted, more = lifecycle.sample_due(s, study, limit)
+        inserted, more = lifecycle.sample_due(s, study, limit, sampled=advanced.sampled)
         report.sampled += inserted
         report.started += was_pending and inserted > 0
         reason = lifecycle.budget_spent(s, study, _now()) if not was_pending else None

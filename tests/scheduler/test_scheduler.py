@@ -171,6 +171,24 @@ def test_study_runs_to_completion_with_its_best_trial(db: None) -> None:
     assert all(p.status == PackStatus.completed for p in packs(study_id))
 
 
+def test_the_rung_decisions_count_the_trials_that_sampling_goes_on_from(db: None) -> None:
+    """A tick's sampling starts from the trial count of the decisions just before it
+    (Advance.sampled), not a query of its own: the count must be every trial of the study,
+    whatever the decisions moved."""
+    study_id = new_study()
+    sched = scheduler(SyncDispatcher())
+    seen = []
+    for _ in range(4):
+        with session_scope(get_sessionmaker()) as s:
+            study = store.get_study(s, study_id)
+            advanced = lifecycle.advance_brackets(s, study)
+            assert advanced.sampled == len(store.trials_of(s, study_id))
+            seen.append((advanced.sampled, advanced.promoted + advanced.stopped))
+        sched.tick()
+    assert seen[0] == (0, 0) and seen[-1][0] == 5
+    assert any(moved for _, moved in seen), seen  # some decisions moved trials
+
+
 def test_two_schedulers_do_not_both_dispatch(db: None) -> None:
     study_id = new_study()
     one, two = SyncDispatcher(run=False), SyncDispatcher(run=False)
