@@ -329,8 +329,8 @@ def test_an_unexpected_error_in_one_study_is_logged_and_undone(
     broken, healthy = new_study({**SPEC, "name": "broken"}), new_study()
     real = lifecycle.sample_due
 
-    def sample_due(s: Any, study: Any, *args: Any) -> Any:
-        out = real(s, study, *args)
+    def sample_due(s: Any, study: Any, *args: Any, **kwargs: Any) -> Any:
+        out = real(s, study, *args, **kwargs)
         if study.id == broken:
             store.move_trials(s, [t.id for t in store.trials_of(s, broken)], TrialStatus.failed)
             raise AttributeError("a bug in a plugin")
