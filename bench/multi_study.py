@@ -307,11 +307,12 @@ def run_once(
     mode: str, variant: str, pattern: str, fleet_specs: list[dict[str, Any]],
     args: argparse.Namespace, workdir: Path,
 ) -> dict[str, Any]:  # fmt: skip
-    """One fresh service; the warm-up studies; then the fleet, by ``pattern``."""
+    """One fresh service; the warm-up studies (none if quick); then the fleet, by ``pattern``."""
     settings = dict(SETTINGS[variant])
     if mode == "serve" and variant == "new" and args.runners > 1:
         settings["embedded_runners"] = str(args.runners)
-    warm = [m.spec() for m in WARM_UP]
+    # --quick checks that the script runs and times nothing: no warm-up (a third of its time)
+    warm = [] if args.quick else [m.spec() for m in WARM_UP]
     with fleet(mode, workdir, settings, args.device) as f:
         warm_ids = [f.submit(spec) for spec in warm]
         wait_all(f.url, warm_ids, args.timeout)
