@@ -21,7 +21,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from service.db import make_engine, session_factory, session_scope
+from service.db import make_engine, session_factory, session_scope, upgrade
 from service.models import Measurement, Pack, PackMember, PackStatus, Profile
 from tests.support.cluster import (
     Outcome,
@@ -121,7 +121,8 @@ def cluster(database: str, redis_server: RedisServer, tmp_path: Path) -> Iterato
         **COMMON,
     )
     services = Services(env, tmp_path / "services.log")
-    services.run("db", "upgrade")
+    # in this process (its imports are paid): `packtune db upgrade` is tested in test_cli
+    upgrade(database)
     try:
         yield services
     finally:
@@ -325,7 +326,7 @@ def test_postgres_restarted(
         database_url=db, redis_url=redis_server.url, checkpoint_dir=tmp_path / "ckpt", **COMMON
     )
     services = Services(env, tmp_path / "services.log")
-    services.run("db", "upgrade")
+    upgrade(db)
     port = free_port()
     api = f"http://127.0.0.1:{port}"
     engine = make_engine(db)
