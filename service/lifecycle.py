@@ -12,7 +12,7 @@ import contextlib
 import math
 import random
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -293,6 +293,9 @@ class Advance:
     #: the trials the study has (decisions move trials, never add or remove one); None
     #: where the decisions did not count them
     sampled: int | None = None
+    #: the study's trials per status where no decision moved one (else None): what
+    #: :func:`finish_if_done` would count again
+    statuses: Counter[TrialStatus] | None = None
 
 
 def advance_brackets(s: Session, study: Study) -> Advance:
@@ -320,6 +323,9 @@ def advance_brackets(s: Session, study: Study) -> Advance:
         and sum(counts.values()) >= planned[key[1]]
     ]
     if not due:
+        out.statuses = Counter(dict.fromkeys(TrialStatus, 0))  # as count_trials_by_status
+        for counts in summary.values():
+            out.statuses.update(counts)
         return out
     briefs = store.bracket_briefs(s, study.id, due)
     completed: list[int] = []
@@ -440,10 +446,16 @@ def best_trial(s: Session, study: Study) -> tuple[int, float] | None:
     return None
 
 
-def finish_if_done(s: Session, study: Study, more: bool = False) -> bool:
+def finish_if_done(
+    s: Session, study: Study, more: bool = False, counts: Mapping[TrialStatus, int] | None = None
+) -> bool:
     """Mark the study completed (with its best trial) or failed once no trial can move and
-    no bracket is still to be sampled (``more``)."""
-    counts = store.count_trials_by_status(s, study.id)
+    no bracket is still to be sampled (``more``). ``counts``: its trials per status, read
+    earlier in this transaction (:attr:`Advance.statuses`); counted here if None. Read
+    earlier, they can only be behind in the direction of not done yet: workers move trials
+    on to finished states, never back."""
+    if counts is None:
+        counts = store.count_trials_by_status(s, study.id)
     if more or not counts or any(counts.get(st, 0) for st in (*ACTIVE, TrialStatus.paused)):
         return False
     _complete(s, study)

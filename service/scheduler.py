@@ -288,7 +288,9 @@ class Scheduler:
             report.deferred += 1  # the next tick goes on at once
             if report.sampled >= SAMPLE_CHUNK:
                 return False
-        if lifecycle.finish_if_done(s, study, more):
+        # the decisions' counts hold unless sampling added trials since
+        counts = advanced.statuses if not inserted else None
+        if lifecycle.finish_if_done(s, study, more, counts=counts):
             report.finished_studies.append(study.id)
             return False
         if advanced.promoted + advanced.stopped + advanced.completed >= PLAN_NEXT_TICK:

@@ -189,6 +189,29 @@ def test_the_rung_decisions_count_the_trials_that_sampling_goes_on_from(db: None
     assert any(moved for _, moved in seen), seen  # some decisions moved trials
 
 
+def test_a_study_is_found_done_from_the_decisions_counts_exactly_as_from_its_own(
+    db: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a tick where no rung was decided and nothing sampled, finish_if_done takes the
+    trial counts the decisions read (Advance.statuses) instead of counting again: they must
+    be the study's counts, and the study must still end as before."""
+    study_id = new_study()
+    real = lifecycle.finish_if_done
+    given: list[dict[TrialStatus, int]] = []
+
+    def checked(s: Any, study: Any, more: bool = False, counts: Any = None) -> bool:
+        if counts is not None:
+            assert dict(counts) == store.count_trials_by_status(s, study.id)
+            given.append(dict(counts))
+        return real(s, study, more, counts=counts)
+
+    monkeypatch.setattr(lifecycle, "finish_if_done", checked)
+    assert run_to_end(scheduler(SyncDispatcher()), study_id) == StudyStatus.completed
+    assert given, "no tick passed the decisions' counts on"
+    with session_scope(get_sessionmaker()) as s:
+        assert store.get_study(s, study_id).best_trial_id is not None
+
+
 def test_two_schedulers_do_not_both_dispatch(db: None) -> None:
     study_id = new_study()
     one, two = SyncDispatcher(run=False), SyncDispatcher(run=False)
