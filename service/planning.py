@@ -121,10 +121,16 @@ class _Planned:
 
 
 def study_loads(
-    s: Session, studies: Sequence[Study], settings: Settings, now: datetime
+    s: Session,
+    studies: Sequence[Study],
+    settings: Settings,
+    now: datetime,
+    used_memo: dict[int, float] | None = None,
 ) -> dict[int, StudyLoad]:
     """Each study's claim on the fleet: its priority, the device-seconds it has used, and
-    its owner's (over every running study of that owner, ``studies`` or not)."""
+    its owner's (over every running study of that owner, ``studies`` or not).
+    ``used_memo``: device-seconds already read this tick (study id -> seconds), read from
+    and added to (a tick's planning and its dispatch order need the same studies' time)."""
     specs = {study.id: StoredSpec.of(study.spec) for study in studies}
     owners = {spec.owner for spec in specs.values() if spec.owner is not None}
     peers = {}  # the owners' other running studies: their device time is the owners' too
@@ -134,7 +140,12 @@ def study_loads(
                 peers[other.id] = spec
     every = {**specs, **peers}
     ids = list(every)
-    used = store.device_seconds(s, ids, now) if len(ids) > 1 else dict.fromkeys(ids, 0.0)
+    if len(ids) <= 1:  # a lone study's load orders nothing
+        used = dict.fromkeys(ids, 0.0)
+    else:
+        memo = {} if used_memo is None else used_memo
+        memo.update(store.device_seconds(s, [i for i in ids if i not in memo], now))
+        used = {i: memo[i] for i in ids}
     loads = with_owners(
         StudyLoad(i, spec.priority, used[i], owner=spec.owner) for i, spec in every.items()
     )
@@ -161,11 +172,12 @@ def plan_fleet(
     now: datetime,
     asked: list[int] | None = None,
     wake: list[float] | None = None,
+    used_memo: dict[int, float] | None = None,
 ) -> FleetPlan:
     """Plan and record packs for the pending trials of ``studies`` (returns what was
     made; see :class:`FleetPlan`), and append to ``asked`` the running packs asked to
     give their device up, and to ``wake`` the seconds after which a waiting pack may
-    preempt one: look again then.
+    preempt one: look again then. ``used_memo``: see :func:`study_loads`.
 
     With ``settings.share_packs`` studies with the same pack size limit are planned
     together: their units share packs, and fuse into one array where their lanes agree
@@ -176,7 +188,7 @@ def plan_fleet(
     if not studies:
         return FleetPlan()
     order: Order = settings.dispatch_order
-    loads = study_loads(s, studies, settings, now) if order == "fair" else {}
+    loads = study_loads(s, studies, settings, now, used_memo) if order == "fair" else {}
     quantum = fair_share_quantum(s, settings)
     planned = [
         _Planned(
@@ -366,7 +378,17 @@ def _withdraw(s: Session, pack: Pack) -> None:
         store.move_trials(s, members, TrialStatus.pending, only_from=(TrialStatus.queued,))
 
 
-def _units(s: Session, p: _Planned, order: Order) -> list[Unit]:
+def _ready_statuses(spec: StoredSpec) -> tuple[TrialStatus, ...]:
+    """The statuses of a study's trials with units to plan: pending; with segment units also
+    queued and running (a trial's span may have segments left that did not fit one plan)."""
+    if spec.training.segment_units:
+        return (TrialStatus.pending, TrialStatus.queued, TrialStatus.running)
+    return (TrialStatus.pending,)
+
+
+def _units(s: Session, p: _Planned, order: Order, briefs: list[store.TrialBrief]) -> list[Unit]:
+    """The units of ``briefs``, the study's trials in any status of :func:`_ready_statuses`
+    (others are left out here)."""
     spec, study = p.spec, p.study
     # what trials of different studies must share to fuse: batches (the seed) and how they
     # train (decoupled segments); not the horizon, since each member has its own schedule
@@ -376,9 +398,8 @@ def _units(s: Session, p: _Planned, order: Order) -> list[Unit]:
     k = spec.training.segment_units
     # a trial of segment units may be queued or running with some of its span's segments
     # planned (they did not all fit one plan): the rest are its ready units
-    ready = (TrialStatus.pending, TrialStatus.queued, TrialStatus.running) if k else (
-        TrialStatus.pending)  # fmt: skip
-    briefs = store.trial_briefs(s, study.id, status=ready)
+    ready = _ready_statuses(spec)
+    briefs = [t for t in briefs if t.status in ready]
     planned = store.planned_segments(
         s, [t.id for t in briefs if t.status != TrialStatus.pending]) if k else {}  # fmt: skip
     units = []
@@ -459,8 +480,13 @@ def _plan_group(
         return 0, False
     study_of: dict[int, int] = {}
     units: list[Unit] = []
+    # every study's ready trials in one query
+    wanted = {status for p in group for status in _ready_statuses(p.spec)}
+    briefs = store.studies_briefs(
+        s, [p.study.id for p in group], [st for st in TrialStatus if st in wanted]
+    )
     for p in group:
-        mine = _units(s, p, order)
+        mine = _units(s, p, order, briefs[p.study.id])
         study_of.update({u.trial_id: p.study.id for u in mine})
         units += mine
     if not units:
@@ -540,17 +566,22 @@ def _plan_group(
 
 
 def dispatch_order(
-    s: Session, packs: Sequence[Pack], settings: Settings, now: datetime
+    s: Session,
+    packs: Sequence[Pack],
+    settings: Settings,
+    now: datetime,
+    used_memo: dict[int, float] | None = None,
 ) -> list[Pack]:
     """``packs`` (pending) in the order to dispatch them: ``id`` order, or with
     ``fair``: the pack of the least-served study first (its best band), then the one
-    with the longest expected remaining work of a member, then id."""
+    with the longest expected remaining work of a member, then id. ``used_memo``: see
+    :func:`study_loads`."""
     if settings.dispatch_order == "id" or len(packs) < 2:
         return sorted(packs, key=lambda pack: pack.id)
     trials = store.trial_places(s, [m.trial_id for pack in packs for m in pack.members])
     studies = {i: store.get_study(s, i) for i in sorted({t.study_id for t in trials.values()})}
     specs = {i: StoredSpec.of(study.spec) for i, study in studies.items()}
-    loads = study_loads(s, list(studies.values()), settings, now)
+    loads = study_loads(s, list(studies.values()), settings, now, used_memo)
     quantum = fair_share_quantum(s, settings)
 
     def key(pack: Pack) -> tuple[Any, ...]:

@@ -151,9 +151,10 @@ class Scheduler:
                 )
                 if self._advance_alone(s, study, report)
             ]
-            self._plan(s, ready, workers, now, report)
+            used: dict[int, float] = {}  # studies' device-seconds, read once a tick
+            self._plan(s, ready, workers, now, report, used)
             self._cancelled(s)
-            to_enqueue = self._dispatch(s, now, report)
+            to_enqueue = self._dispatch(s, now, report, used)
             checks = self._checks(s)
         if report.yields:  # committed: the runner reads the request now, not at its next look
             self.dispatcher.nudge()
@@ -305,6 +306,7 @@ class Scheduler:
         workers: list[Worker],
         now: datetime,
         report: TickReport,
+        used: dict[int, float] | None = None,
     ) -> None:
         """Plan the ready trials of every study that advanced, together (service.planning);
         an error undoes only the planning, and the next tick tries again."""
@@ -318,6 +320,7 @@ class Scheduler:
                     now,
                     asked=report.yields,
                     wake=report.wakes,
+                    used_memo=used,
                 )
                 report.planned += plan.made
                 report.more = report.more or plan.more
@@ -332,10 +335,12 @@ class Scheduler:
         for study in store.studies_with_trials_in(s, StudyStatus.cancelled, movable):
             lifecycle.cancel_rest(s, study)
 
-    def _dispatch(self, s: Session, now: datetime, report: TickReport) -> list[tuple[int, str]]:
+    def _dispatch(
+        self, s: Session, now: datetime, report: TickReport, used: dict[int, float] | None = None
+    ) -> list[tuple[int, str]]:
         out: list[tuple[int, str]] = []
         pending = store.packs_with_status(s, PackStatus.pending)
-        for pack in planning.dispatch_order(s, pending, self.settings, now):
+        for pack in planning.dispatch_order(s, pending, self.settings, now, used):
             if pack.retry_after is not None and pack.retry_after > now:
                 continue  # backing off after a failed attempt
             counted = pack.attempts - pack.faults

@@ -243,6 +243,26 @@ def test_bracket_briefs_reads_exactly_the_brackets_asked_for(factory: Factory) -
         assert store.bracket_briefs(s, study_id, []) == {}
 
 
+def test_studies_briefs_reads_the_studies_and_statuses_asked_for(factory: Factory) -> None:
+    with session_scope(factory) as s:
+        ids = [new_study(s, name).id for name in ("a", "b", "c")]
+        for study_id in ids:
+            assert store.add_trials(s, study_id, trial_rows(range(4))) == 4
+        a_trials = store.trials_of(s, ids[0])
+        assert store.move_trials(s, [a_trials[1].id, a_trials[2].id], TrialStatus.queued) == 2
+        assert store.move_trials(s, [a_trials[2].id], TrialStatus.running) == 1
+    with session_scope(factory) as s:
+        got = store.studies_briefs(s, [ids[1], ids[0]], [TrialStatus.pending])
+        assert list(got) == [ids[1], ids[0]]  # the third study is not read
+        assert [t.sample_index for t in got[ids[0]]] == [0, 3]
+        assert got[ids[1]] == store.trial_briefs(s, ids[1], status=TrialStatus.pending)
+        both = store.studies_briefs(s, ids[:1], [TrialStatus.pending, TrialStatus.queued])
+        assert [(t.sample_index, t.status) for t in both[ids[0]]] == [
+            (0, TrialStatus.pending), (1, TrialStatus.queued), (3, TrialStatus.pending),
+        ]  # fmt: skip
+        assert store.studies_briefs(s, [], [TrialStatus.pending]) == {}
+
+
 # -- trials -------------------------------------------------------------------
 
 

@@ -438,6 +438,21 @@ def test_an_owner_with_several_studies_is_served_as_one(
         first_study = {v: k for k, v in ids.items()}[order[0].study_id]
         assert (first_study == "b") is labelled
         loads = planning.study_loads(s, [store.get_study(s, ids["a1"])], settings, now)
+        # a tick's dispatch order and planning share the device-seconds read once
+        memo: dict[int, float] = {}
+        assert planning.dispatch_order(s, pending, settings, now, memo) == order
+        assert set(memo) == set(ids.values())
+        read: list[list[int]] = []
+        real = store.device_seconds
+
+        def device_seconds(s: Any, study_ids: Any, now: Any) -> dict[int, float]:
+            read.append(list(study_ids))
+            return real(s, study_ids, now)
+
+        monkeypatch.setattr(store, "device_seconds", device_seconds)
+        a1 = store.get_study(s, ids["a1"])
+        assert planning.study_loads(s, [a1], settings, now, memo) == loads
+        assert all(not study_ids for study_ids in read), read  # nothing read again
     if labelled:
         assert loads[ids["a1"]].owner_seconds == pytest.approx(2.0)  # a2's second counts
     else:
