@@ -304,7 +304,7 @@ def test_a_body_that_does_not_come_is_408_not_a_held_connection(tmp_path: Path) 
     import socket
 
     env = packtune_env(database_url=f"sqlite:///{tmp_path / 'packtune.db'}", body_timeout=1)
-    with serving(env, tmp_path / "serve.log") as live:
+    with serving(env, tmp_path / "serve.log", "--no-scheduler") as live:  # the API alone
         host, port = live.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=10) as sock:
             sock.sendall(
