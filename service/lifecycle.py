@@ -77,9 +77,9 @@ def sample_due(
     limit = SAMPLE_CHUNK if limit is None else limit
     spec = StoredSpec.of(study.spec)
     workload, space = _space_of(study, spec)
-    if sampled is None:
-        sampled = sum(store.count_trials_by_status(s, study.id).values())
     done = sampled  # sampled so far
+    if done is None:
+        done = sum(store.count_trials_by_status(s, study.id).values())
     inserted = taken = 0  # trials new in the database; trials drawn (a retry finds some)
     more = False
     for slot in study_slots(spec):

@@ -150,6 +150,11 @@ class TrialBrief(NamedTuple):
     objective: float | None  # the objective value there (None if not finite)
 
 
+def _brief_columns() -> list[Any]:
+    """The columns of a :class:`TrialBrief`, in its field order."""
+    return [getattr(Trial, name) for name in TrialBrief._fields]
+
+
 def trial_briefs(
     s: Session,
     study_id: int,
@@ -160,7 +165,7 @@ def trial_briefs(
 ) -> list[TrialBrief]:
     """:func:`trials_of` as plain rows of :class:`TrialBrief` columns, in id order (no
     configs: what a scheduler tick needs of thousands of trials)."""
-    stmt = select(*(getattr(Trial, name) for name in TrialBrief._fields))
+    stmt = select(*_brief_columns())
     stmt = stmt.where(Trial.study_id == study_id)
     if status is not None:
         stmt = stmt.where(Trial.status.in_(statuses(status)))
@@ -180,7 +185,7 @@ def studies_briefs(
     if not out:
         return out
     stmt = (
-        select(Trial.study_id, *(getattr(Trial, name) for name in TrialBrief._fields))
+        select(Trial.study_id, *_brief_columns())
         .where(Trial.study_id.in_(list(out)), Trial.status.in_(statuses(status)))
         .order_by(Trial.id)
     )
@@ -198,7 +203,7 @@ def bracket_briefs(
     if not brackets:
         return out
     stmt = (
-        select(*(getattr(Trial, name) for name in TrialBrief._fields))
+        select(*_brief_columns())
         .where(Trial.study_id == study_id)
         .where(tuple_(Trial.iteration, Trial.bracket).in_(list(out)))
         .order_by(Trial.id)
