@@ -96,18 +96,16 @@ def _probe_first(
     array sizes (an unmeasured key's units would otherwise take a whole rung,
     long units included)."""
     measured = {key for key, p in profiles.items() if p.throughput}
-    out, kept = [], Counter[str]()
-    ordered = sorted(units, key=lambda u: (u.to_resource - u.from_resource, u.trial_id))
-    for u in ordered:
-        # segment units do not wait for their key's probe: each unit's job probes its key
-        # before it trains (worker.execute.ensure_profile), and a trial's other segments
-        # would otherwise wait on every segment's probe in turn
-        if u.segment >= 0:
-            out.append(u)
-            continue
-        if u.fusion_key not in measured and u.fusion_key in in_flight:
-            continue
-        if u.fusion_key in measured or kept[u.fusion_key] < PROBE_UNITS:
+    # segment units do not wait for their key's probe: each unit's job probes its key
+    # before it trains (worker.execute.ensure_profile), and a trial's other segments
+    # would otherwise wait on every segment's probe in turn
+    out = [u for u in units if u.segment >= 0 or u.fusion_key in measured]
+    probing = [u for u in units if u.segment < 0 and u.fusion_key not in measured]
+    kept = Counter[str]()
+    # in the order of the units given (the caller sorts what comes back), so only the
+    # unmeasured keys' units are sorted: thousands of measured ones are not
+    for u in sorted(probing, key=lambda u: (u.to_resource - u.from_resource, u.trial_id)):
+        if u.fusion_key not in in_flight and kept[u.fusion_key] < PROBE_UNITS:
             kept[u.fusion_key] += 1
             out.append(u)
     return out
@@ -403,10 +401,18 @@ def _units(s: Session, p: _Planned, order: Order, briefs: list[store.TrialBrief]
     planned = store.planned_segments(
         s, [t.id for t in briefs if t.status != TrialStatus.pending]) if k else {}  # fmt: skip
     units = []
+    # a study's thousands of ready trials stand at a handful of (bracket, rung, resource)
+    # places: each place's unit end and remaining work are worked out once
+    places: dict[tuple[int, int, float], tuple[float, float]] = {}
     for t in briefs:
-        target = rung_resource(spec, t.bracket, t.rung)
-        end = unit_end(spec, t.resource_done, target)
-        left = expected_remaining(brackets[s_max - t.bracket], t.rung, t.resource_done)
+        place = (t.bracket, t.rung, t.resource_done)
+        if (known := places.get(place)) is None:
+            target = rung_resource(spec, t.bracket, t.rung)
+            known = places[place] = (
+                unit_end(spec, t.resource_done, target),
+                expected_remaining(brackets[s_max - t.bracket], t.rung, t.resource_done),
+            )
+        end, left = known
         rank = unit_key(order, p.band, study.id, left, t.id)
         if not k:
             units.append(Unit(t.id, t.fusion_key, t.resource_done, end, lane, rank))

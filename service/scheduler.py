@@ -352,8 +352,10 @@ class Scheduler:
                 continue
             attempt = pack.attempts + 1
             job_id = job_id_for(pack.id, attempt)
+            # by id: nothing below reads the pack again, so it is not read back (a SELECT
+            # per pack, with its members, on the tick's critical path)
             if store.move_pack(
-                s, pack, PackStatus.queued, attempts=attempt, job_id=job_id, enqueued_at=now
+                s, pack.id, PackStatus.queued, attempts=attempt, job_id=job_id, enqueued_at=now
             ):
                 out.append((pack.id, job_id))
         report.dispatched = len(out)
