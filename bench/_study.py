@@ -98,7 +98,7 @@ def service_env(**settings: Any) -> dict[str, str]:
 
 
 def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "service.cli", *args]
+    return [sys.executable, "-m", "service", *args]
 
 
 @dataclass

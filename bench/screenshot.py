@@ -70,7 +70,7 @@ def screenshot(spec_path: Path, out: Path, width: int, timeout: float) -> Path:
         url = f"http://127.0.0.1:{port}"
         with open(Path(tmp) / "serve.log", "wb") as log:
             server = subprocess.Popen(
-                [sys.executable, "-m", "service.cli", "serve", "--port", str(port)],
+                [sys.executable, "-m", "service", "serve", "--port", str(port)],
                 env=env,
                 cwd=ROOT,
                 stdout=log,

@@ -379,7 +379,8 @@ def _exit_now(code: int | str | None) -> NoReturn:
 
 def main() -> None:
     try:
-        app()
+        # "packtune" in usage and errors however it was started (`python -m service` too)
+        app(prog_name="packtune")
     except SystemExit as exc:
         if _run_finished:
             _exit_now(exc.code)

@@ -203,7 +203,7 @@ def run_all_gpus(burst: bool = False) -> int:
     from worker.gpu import gpu_readings
 
     indices = [int(r["index"]) for r in gpu_readings()]
-    base = [sys.executable, "-m", "service.cli", "worker"] + (["--burst"] if burst else [])
+    base = [sys.executable, "-m", "service", "worker"] + (["--burst"] if burst else [])
     commands = [base + ["--gpu", str(i)] for i in indices] or [base]
     procs = [subprocess.Popen(cmd) for cmd in commands]
 

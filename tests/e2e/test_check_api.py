@@ -114,14 +114,14 @@ def test_the_cli_runs_a_check_through_the_service(
 ) -> None:
     url, env = served
     out = subprocess.run(
-        [sys.executable, "-m", "service.cli", "check", "digits-mlp", "--url", url,
+        [sys.executable, "-m", "service", "check", "digits-mlp", "--url", url,
          "--members", "2", "--steps", "2"],
         env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     assert "stacks bmm x2" in out.stdout and "(exact)" in out.stdout
     bad = subprocess.run(
-        [sys.executable, "-m", "service.cli", "check", "no-such", "--url", url],
+        [sys.executable, "-m", "service", "check", "no-such", "--url", url],
         env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert bad.returncode != 0

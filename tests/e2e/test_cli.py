@@ -29,7 +29,7 @@ SMALL = {
 
 def packtune(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "service.cli", *args],
+        [sys.executable, "-m", "service", *args],
         env=env,
         cwd=cwd,
         capture_output=True,

@@ -50,7 +50,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
 
 def cli(service: dict[str, Any], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "service.cli", *args, "--url", service["url"]],
+        [sys.executable, "-m", "service", *args, "--url", service["url"]],
         env={**service["env"], "PACKTUNE_API_TOKEN": TOKEN}, capture_output=True, text=True,
         timeout=300, cwd=service["tmp"],
     )  # fmt: skip
@@ -146,7 +146,7 @@ def test_cli_refusals_are_one_line_and_exit_2(service: dict[str, Any], tmp_path:
     assert missing.returncode == 2
     assert missing.stderr.strip() == "error: 404: study 99999 not found"
     away = subprocess.run(
-        [sys.executable, "-m", "service.cli", "studies", "--url", "http://127.0.0.1:9"],
+        [sys.executable, "-m", "service", "studies", "--url", "http://127.0.0.1:9"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert away.returncode == 2 and "cannot reach http://127.0.0.1:9" in away.stderr

@@ -28,7 +28,7 @@ def test_the_example_plugin_checks_and_runs_a_study(tmp_path: Path) -> None:
     )
 
     def packtune(*args: str) -> subprocess.CompletedProcess[str]:
-        command = [sys.executable, "-m", "service.cli", *args]
+        command = [sys.executable, "-m", "service", *args]
         return subprocess.run(
             command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
         )

@@ -44,7 +44,7 @@ def packtune_env(**settings: Any) -> dict[str, str]:
 def start(args: list[str], env: Mapping[str, str], log: Path) -> subprocess.Popen[bytes]:
     out = log.open("ab")
     return subprocess.Popen(
-        [sys.executable, "-m", "service.cli", *args], env=dict(env), stdout=out, stderr=out
+        [sys.executable, "-m", "service", *args], env=dict(env), stdout=out, stderr=out
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -132,7 +133,7 @@ def test_run_leaves_no_runner_behind(tmp_path: Path, database: str) -> None:
     spec = tmp_path / "small.yaml"
     spec.write_text(yaml.safe_dump(SMALL))
     result = subprocess.run(
-        [sys.executable, "-m", "service.cli", "run", str(spec)],
+        [sys.executable, "-m", "service", "run", str(spec)],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     if database == "ok":
@@ -144,3 +145,39 @@ def test_run_leaves_no_runner_behind(tmp_path: Path, database: str) -> None:
     while _marked(marker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _marked(marker) == []
+
+
+def packtune_script() -> str:
+    """The installed ``packtune`` command, beside this interpreter (``.ci/run`` installs it)."""
+    found = shutil.which("packtune", path=str(Path(sys.executable).parent))
+    assert found, f"no packtune script beside {sys.executable}: install the project"
+    return found
+
+
+@pytest.mark.parametrize("command", ["packtune", "python -m service"])
+def test_the_runner_does_not_import_the_cli_again(tmp_path: Path, command: str) -> None:
+    """A spawned child imports its parent's main module again before it runs anything: the
+    ``packtune`` script's module must not pull in the CLI (typer, rich: ~0.15 s on the
+    first pack's critical path). Every process's imports are printed
+    (``PYTHONPROFILEIMPORTTIME``): the CLI once, in the command's own process."""
+    env = packtune_env(
+        database_url=f"sqlite:///{tmp_path / 'packtune.db'}",
+        checkpoint_dir=tmp_path / "ckpt",
+        scheduler_interval=0.1,
+    )
+    env["PYTHONPROFILEIMPORTTIME"] = "1"
+    spec = tmp_path / "small.yaml"
+    spec.write_text(yaml.safe_dump(SMALL))
+    start = [packtune_script()] if command == "packtune" else [sys.executable, "-m", "service"]
+    result = subprocess.run(
+        [*start, "run", str(spec)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "completed" in result.stdout
+    imported = [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()
+                if line.startswith("import time:")]  # fmt: skip
+    # the runner trained the packs, so it imported torch; the CLI, only the parent
+    assert imported.count("torch") == 1, "torch: imported by the runner alone"
+    assert imported.count("service.cli") == 1
+    assert imported.count("typer") == 1

@@ -16,7 +16,7 @@ def test_the_workloads_are_registered() -> None:
 def packtune(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     """The ``packtune`` command, as a user runs it; its output must say it succeeded."""
     result = subprocess.run(
-        [sys.executable, "-m", "service.cli", *args],
+        [sys.executable, "-m", "service", *args],
         capture_output=True,
         text=True,
         check=False,
