@@ -36,6 +36,7 @@ in), so that an omitted default and an explicit one give the same key.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -241,5 +242,22 @@ def fusion_key(workload: str, config: Mapping[str, Any], structural: Collection[
     """``workload|{canonical JSON of the structural values}``, e.g.
     ``digits-mlp|{"batch_size":64,"hidden":128,"optimizer":"sgd"}``."""
     shape, _ = split_config(config, structural)
+    # a study's thousands of trials share a few shapes (a tick samples thousands at once):
+    # a shape of plain values is encoded once, each value's type in the memo's key, as
+    # True == 1 == 1.0 in Python; nested values (where (True,) == (1,) too) each time
+    if all(type(v) in _PLAIN for v in shape.values()):
+        return _encoded(workload, tuple((k, type(v), v) for k, v in sorted(shape.items())))
+    return _encode(workload, shape)
+
+
+_PLAIN = frozenset({str, int, float, bool, type(None)})
+
+
+@functools.lru_cache(maxsize=1024)
+def _encoded(workload: str, shape: tuple[tuple[str, type, Any], ...]) -> str:
+    return _encode(workload, {k: v for k, _, v in shape})
+
+
+def _encode(workload: str, shape: Mapping[str, Any]) -> str:
     encoded = json.dumps(canonical(shape), sort_keys=True, separators=(",", ":"), allow_nan=False)
     return f"{workload}|{encoded}"

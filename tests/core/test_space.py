@@ -222,6 +222,16 @@ def test_fusion_key_keeps_booleans_and_nested_values() -> None:
     assert fusion_key("w", {"nesterov": 1, "sizes": [64, 32]}, structural) != true_key
 
 
+@pytest.mark.parametrize("first", [True, 1, 1.0])
+def test_fusion_key_memo_tells_values_python_calls_equal_apart(first: Any) -> None:
+    """True == 1 == 1.0 (and (True,) == (1,)): shapes are encoded once each, and a shape
+    seen first must not answer for an equal one of another type."""
+    for value in (first, *(v for v in (True, 1, 1.0) if v is not first)):
+        json_value = "true" if value is True else "1"
+        assert fusion_key("w", {"x": value}, {"x"}) == f'w|{{"x":{json_value}}}'
+        assert fusion_key("w", {"x": (value,)}, {"x"}) == f'w|{{"x":[{json_value}]}}'
+
+
 @given(
     st.dictionaries(
         st.text(min_size=1, max_size=8),
