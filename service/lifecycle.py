@@ -34,7 +34,6 @@ from service.models import (
     PackStatus,
     Study,
     StudyStatus,
-    Trial,
     TrialStatus,
 )
 
@@ -469,11 +468,10 @@ def prune_checkpoints(s: Session, study: Study) -> list[int]:
     Returns the trials whose checkpoints went."""
     settings = get_settings()
     mode = StoredSpec.of(study.spec).objective.mode
-    stopped = [
-        t for t in store.trials_of(s, study.id, status=TrialStatus.stopped) if t.checkpoint_path
-    ]
+    # rows, not ORM objects with their configs: a study's end may stop thousands
+    stopped = store.trial_briefs(s, study.id, status=TrialStatus.stopped, checkpointed=True)
 
-    def order(t: Trial) -> tuple[float, int, float, int]:
+    def order(t: store.TrialBrief) -> tuple[float, int, float, int]:
         value = t.objective
         finite = value is not None and math.isfinite(value)
         score = (value if mode == "min" else -value) if finite and value is not None else 0.0

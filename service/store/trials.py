@@ -162,11 +162,15 @@ def trial_briefs(
     status: TrialStatus | Iterable[TrialStatus] | None = None,
     bracket: int | None = None,
     iteration: int | None = None,
+    checkpointed: bool = False,
 ) -> list[TrialBrief]:
     """:func:`trials_of` as plain rows of :class:`TrialBrief` columns, in id order (no
-    configs: what a scheduler tick needs of thousands of trials)."""
+    configs: what a scheduler tick needs of thousands of trials); with ``checkpointed``,
+    only the trials that have a checkpoint."""
     stmt = select(*_brief_columns())
     stmt = stmt.where(Trial.study_id == study_id)
+    if checkpointed:
+        stmt = stmt.where(Trial.checkpoint_path.is_not(None), Trial.checkpoint_path != "")
     if status is not None:
         stmt = stmt.where(Trial.status.in_(statuses(status)))
     if iteration is not None:

@@ -263,6 +263,23 @@ def test_studies_briefs_reads_the_studies_and_statuses_asked_for(factory: Factor
         assert store.studies_briefs(s, [], [TrialStatus.pending]) == {}
 
 
+def test_trial_briefs_of_checkpointed_trials_only(factory: Factory) -> None:
+    """What a study's end prunes: its stopped trials that still have a checkpoint."""
+    with session_scope(factory) as s:
+        study_id = new_study(s).id
+        store.add_trials(s, study_id, trial_rows(range(4)))
+        trials = store.trials_of(s, study_id)
+        for t, path in zip(trials, ["a.pt", None, "", "d.pt"], strict=True):
+            t.checkpoint_path = path
+    with session_scope(factory) as s:
+        got = store.trial_briefs(s, study_id, checkpointed=True)
+        assert [t.sample_index for t in got] == [0, 3]
+        store.forget_checkpoints(s, [got[0].id])
+    with session_scope(factory) as s:
+        assert [t.sample_index for t in store.trial_briefs(s, study_id, checkpointed=True)] == [3]
+        assert len(store.trial_briefs(s, study_id)) == 4
+
+
 # -- trials -------------------------------------------------------------------
 
 
