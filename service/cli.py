@@ -29,9 +29,32 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # docstrings as Markdown: a paragraph's wrapped lines join (the "rich" mode kept each
+    # line break of the source, mid-sentence), `code` shows as code
+    rich_markup_mode="markdown",
 )
 db_app = typer.Typer(help="Database commands.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        from importlib.metadata import version
+
+        typer.echo(f"packtune {version('packtune')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """Pack-aware hyperparameter tuning: Hyperband with trials packed onto one device."""
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
@@ -281,9 +304,10 @@ def check(
         str | None, typer.Option(envvar="PACKTUNE_API_TOKEN", help="Bearer token (--url).")
     ] = None,
 ) -> None:
-    """Check how WORKLOAD fuses: structural and fusible parameters, fused vs one by one,
-    the forward each stack takes, step time for k = 1, 2, 4, 8. Exit 1 where fusion would be
-    wrong or impossible."""
+    """Check how WORKLOAD fuses; exit 1 where fusion would be wrong or impossible.
+
+    Its structural and fusible parameters, fused against one by one, the forward each stack
+    takes, and the step time for k = 1, 2, 4, 8."""
     body = load_spec_file(spec) if spec is not None else None
     if body is not None and body["workload"] != workload:
         fail(f"{spec} is a study of {body['workload']!r}, not {workload!r}")

@@ -173,8 +173,10 @@ def register(app: typer.Typer) -> None:
         url: Url = DEFAULT_URL,
         token: Token = None,
     ) -> None:
-        """A study's trials: id, status, bracket, rung, resource, each config value and
-        each latest metric (csv columns config.NAME and metric.NAME)."""
+        """A study's trials, as CSV or JSON.
+
+        Each trial's id, status, bracket, rung, resource, config values and latest metrics
+        (CSV columns config.NAME and metric.NAME)."""
         with connected(url, token) as client:
             trials = client.trials(study_id)
         text = _as_json(trials) if format_ == "json" else _as_csv(trials)
@@ -193,8 +195,10 @@ def register(app: typer.Typer) -> None:
         url: Url = DEFAULT_URL,
         token: Token = None,
     ) -> None:
-        """Download the best trial's checkpoint (load it with packtune.Client.best_model, or
-        torch.load(OUT, weights_only=True) and the workload's build_model)."""
+        """Download the best trial's checkpoint.
+
+        Load it with packtune.Client.best_model, or torch.load(OUT, weights_only=True) and
+        the workload's build_model."""
         with connected(url, token) as client:
             study = client.get_study(study_id)
             if study.best_trial_id is None:

@@ -295,6 +295,26 @@ def test_help_texts_are_plain(env: dict[str, str], tmp_path: Path) -> None:
             assert role not in result.stdout, (command, role)
 
 
+def test_help_paragraphs_wrap_to_the_terminal_not_to_the_source(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """A docstring's lines are wrapped at 100 columns in the source; on a wide terminal each
+    paragraph of help is one line, not broken where the source's lines were."""
+    wide = {**env, "COLUMNS": "200"}
+    listing = packtune("--help", env=wide, cwd=tmp_path).stdout
+    assert "Check how WORKLOAD fuses; exit 1 where fusion would be wrong or impossible." in listing
+    serve = packtune("serve", "--help", env=wide, cwd=tmp_path).stdout
+    assert re.search(r"child process, not a thread, so that its ticks do not hold", serve), serve
+
+
+def test_version_prints_the_installed_version(env: dict[str, str], tmp_path: Path) -> None:
+    from importlib.metadata import version
+
+    result = packtune("--version", env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"packtune {version('packtune')}"
+
+
 @pytest.fixture
 def failing_env(env: dict[str, str], tmp_path: Path) -> dict[str, str]:
     """``env`` with a plugin whose trials of an odd ``width`` raise in ``build_model``."""
