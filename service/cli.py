@@ -25,7 +25,6 @@ from service import remote_cli
 
 app = typer.Typer(
     name="packtune",
-    help="Pack-aware hyperparameter tuning: Hyperband with trials packed onto one device.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,

@@ -130,12 +130,7 @@ def test_run_leaves_no_runner_behind(tmp_path: Path, database: str) -> None:
     )
     key, value = marker.split("=", 1)
     env[key] = value
-    spec = tmp_path / "small.yaml"
-    spec.write_text(yaml.safe_dump(SMALL))
-    result = subprocess.run(
-        [sys.executable, "-m", "service", "run", str(spec)],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    result = run_small([sys.executable, "-m", "service"], env, tmp_path)
     if database == "ok":
         assert result.returncode == 0, result.stderr
         assert "completed" in result.stdout
@@ -145,6 +140,18 @@ def test_run_leaves_no_runner_behind(tmp_path: Path, database: str) -> None:
     while _marked(marker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _marked(marker) == []
+
+
+def run_small(
+    command: list[str], env: dict[str, str], tmp_path: Path
+) -> subprocess.CompletedProcess[str]:
+    """``COMMAND run`` of :data:`SMALL`, its spec written to ``tmp_path``."""
+    spec = tmp_path / "small.yaml"
+    spec.write_text(yaml.safe_dump(SMALL))
+    return subprocess.run(
+        [*command, "run", str(spec)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
 
 
 def packtune_script() -> str:
@@ -166,13 +173,8 @@ def test_the_runner_does_not_import_the_cli_again(tmp_path: Path, command: str) 
         scheduler_interval=0.1,
     )
     env["PYTHONPROFILEIMPORTTIME"] = "1"
-    spec = tmp_path / "small.yaml"
-    spec.write_text(yaml.safe_dump(SMALL))
     start = [packtune_script()] if command == "packtune" else [sys.executable, "-m", "service"]
-    result = subprocess.run(
-        [*start, "run", str(spec)],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    result = run_small(start, env, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "completed" in result.stdout
     imported = [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()
