@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from packtune.fleet import (
@@ -539,6 +540,7 @@ def _plan_group(
     )
     plan.deferred += later
     queued: list[int] = []
+    new: list[store.NewPack] = []
     for planned in plan.packs:
         # the arrays as cut by the measured array size: the worker trains them apart
         numbers = array_numbers(planned, whole)
@@ -547,14 +549,10 @@ def _plan_group(
             for n, array in enumerate(planned.arrays)
             for u in array.units
         ]
-        store.create_pack(
-            s,
-            study_id=min(study_of[u.trial_id] for u in planned.units),
-            members=members,
-            device=planned.device,
-            estimated_bytes=planned.estimated_bytes,
-        )
+        study_id = min(study_of[u.trial_id] for u in planned.units)
+        new.append(store.NewPack(study_id, members, planned.device, planned.estimated_bytes))
         queued += [u.trial_id for u in planned.units]
+    store.add_packs(s, new)
     store.move_trials(s, sorted(set(queued)), TrialStatus.queued, only_from=(TrialStatus.pending,))
     store.move_trials(
         s,
@@ -584,23 +582,26 @@ def dispatch_order(
     :func:`study_loads`."""
     if settings.dispatch_order == "id" or len(packs) < 2:
         return sorted(packs, key=lambda pack: pack.id)
-    trials = store.trial_places(s, [m.trial_id for pack in packs for m in pack.members])
-    studies = {i: store.get_study(s, i) for i in sorted({t.study_id for t in trials.values()})}
+    members = store.member_places(s, [pack.id for pack in packs])
+    ids = sorted({m.study_id for places in members.values() for m in places})
+    studies = {i: store.get_study(s, i) for i in ids}
     specs = {i: StoredSpec.of(study.spec) for i, study in studies.items()}
     loads = study_loads(s, list(studies.values()), settings, now, used_memo)
     quantum = fair_share_quantum(s, settings)
+    bands = {i: band(loads[i], quantum) for i in ids}
+
+    @cache
+    def remaining(study_id: int, bracket: int, rung: int, done: float) -> float:
+        brackets = specs[study_id].brackets
+        return expected_remaining(brackets[len(brackets) - 1 - bracket], rung, done)
 
     def key(pack: Pack) -> tuple[Any, ...]:
-        bands: list[Band] = []
-        left = [0.0]
-        for m in pack.members:
-            t = trials.get(m.trial_id)
-            if t is None:
-                continue
-            brackets = specs[t.study_id].brackets
-            rungs = brackets[len(brackets) - 1 - t.bracket]
-            bands.append(band(loads[t.study_id], quantum))
-            left.append(expected_remaining(rungs, t.rung, m.from_resource))
-        return (min(bands, default=(0, 0)), -max(left), pack.id)
+        places = members[pack.id]
+        best = min((bands[m.study_id] for m in places), default=(0, 0))
+        left = max(
+            (remaining(m.study_id, m.bracket, m.rung, m.from_resource) for m in places),
+            default=0.0,
+        )
+        return (best, -left, pack.id)
 
     return sorted(packs, key=key)

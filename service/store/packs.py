@@ -6,11 +6,13 @@ import math
 import random
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
     func,
+    insert,
     select,
     update,
 )
@@ -30,46 +32,71 @@ CLAIMABLE_PACK = (PackStatus.pending, PackStatus.queued)
 # -- packs --------------------------------------------------------------------
 
 
+#: a unit of work in a new pack: (trial id, fusion key, from resource, to resource), then
+#: optionally the segment (-1, the whole trial, when left out) and the array it trains in
+#: (0 when left out)
+MemberRow = (
+    tuple[int, str, float, float]
+    | tuple[int, str, float, float, int]
+    | tuple[int, str, float, float, int, int]
+)
+
+
+@dataclass(frozen=True)
+class NewPack:
+    """A ``pending`` pack to add (:func:`add_packs`)."""
+
+    study_id: int
+    members: Sequence[MemberRow]
+    device: str | None = None
+    estimated_bytes: int | None = None
+    parent_id: int | None = None
+
+
+def add_packs(s: Session, packs: Sequence[NewPack]) -> list[int]:
+    """Add ``pending`` packs of units of work, below the ORM (a plan makes several inside a
+    scheduler tick, each of hundreds of units): an INSERT per pack for its id, in order, and
+    one INSERT for every pack's members. Returns the packs' ids."""
+    if any(not pack.members for pack in packs):
+        raise ValueError("a pack needs at least one member")
+    ids: list[int] = []
+    rows: list[dict[str, Any]] = []
+    for pack in packs:
+        pack_id = s.execute(
+            insert(Pack)
+            .values(
+                study_id=pack.study_id, status=PackStatus.pending, device=pack.device,
+                estimated_bytes=pack.estimated_bytes, parent_id=pack.parent_id, attempts=0,
+            )
+            .returning(Pack.id)
+        ).scalar_one()  # fmt: skip
+        ids.append(pack_id)
+        rows += [
+            {"pack_id": pack_id, "trial_id": m[0], "fusion_key": m[1], "from_resource": m[2],
+             "to_resource": m[3], "segment": m[4] if len(m) > 4 else -1,
+             "array_no": m[5] if len(m) > 5 else 0}
+            for m in pack.members
+        ]  # fmt: skip
+    if rows:
+        stmt, params = insert_rows(s, PackMember, rows)
+        s.execute(stmt, params)
+    return ids
+
+
 def create_pack(
     s: Session,
     *,
     study_id: int,
-    members: Sequence[
-        tuple[int, str, float, float]
-        | tuple[int, str, float, float, int]
-        | tuple[int, str, float, float, int, int]
-    ],
+    members: Sequence[MemberRow],
     device: str | None = None,
     estimated_bytes: int | None = None,
     parent_id: int | None = None,
 ) -> Pack:
-    """A ``pending`` pack of units of work (trial id, fusion key, from resource, to resource,
-    optionally the segment: -1, the whole trial, when left out, and the array it trains in:
-    0 when left out)."""
-    if not members:
-        raise ValueError("a pack needs at least one member")
-    pack = Pack(
-        study_id=study_id,
-        status=PackStatus.pending,
-        device=device,
-        estimated_bytes=estimated_bytes,
-        parent_id=parent_id,
-        attempts=0,
-    )
-    s.add(pack)
-    s.flush()
-    # one statement, not an ORM object per member: packs of hundreds of trials are planned
-    # inside a scheduler tick
-    rows = [
-        {"pack_id": pack.id, "trial_id": m[0], "fusion_key": m[1], "from_resource": m[2],
-         "to_resource": m[3], "segment": m[4] if len(m) > 4 else -1,
-         "array_no": m[5] if len(m) > 5 else 0}
-        for m in members
-    ]  # fmt: skip
-    stmt, params = insert_rows(s, PackMember, rows)
-    s.execute(stmt, params)
-    s.expire(pack, ["members"])
-    return pack
+    """A ``pending`` pack of units of work (:data:`MemberRow`), read back as a :class:`Pack`
+    (:func:`add_packs` adds several without reading them)."""
+    new = NewPack(study_id, members, device, estimated_bytes, parent_id)
+    [pack_id] = add_packs(s, [new])
+    return get_pack(s, pack_id)
 
 
 def get_pack(s: Session, pack_id: int) -> Pack:

@@ -23,6 +23,7 @@ from packtune.objective import value_of
 from packtune.spec import StoredSpec
 from service.models import (
     Measurement,
+    PackMember,
     RungPromotion,
     Study,
     Trial,
@@ -61,23 +62,35 @@ def trials_by_id(s: Session, ids: Sequence[int]) -> list[Trial]:
     return list(s.scalars(fresh(select(Trial).where(id_in(s, Trial.id, list(ids))))))
 
 
-class TrialPlace(NamedTuple):
-    """Where a trial stands in its study's Hyperband: what dispatch order reads."""
+class MemberPlace(NamedTuple):
+    """A pending pack's member and where its trial stands in its study's Hyperband: what
+    dispatch order reads."""
 
+    trial_id: int
+    from_resource: float
     study_id: int
     bracket: int
     rung: int
 
 
-def trial_places(s: Session, ids: Sequence[int]) -> dict[int, TrialPlace]:
-    """Trial id -> :class:`TrialPlace`, for those of ``ids`` that exist: three columns per
-    trial, not its row (a fair dispatch order reads every member of every pending pack,
-    thousands of trials on a large fleet)."""
-    if not ids:
-        return {}
-    stmt = select(Trial.id, Trial.study_id, Trial.bracket, Trial.rung)
-    rows = s.execute(stmt.where(id_in(s, Trial.id, list(ids))))
-    return {row[0]: TrialPlace(*row[1:]) for row in rows}
+def member_places(s: Session, pack_ids: Sequence[int]) -> dict[int, list[MemberPlace]]:
+    """Pack id -> its members' :class:`MemberPlace` rows (of trials that exist), in one query
+    of five columns per member: a fair dispatch order reads every member of every pending
+    pack, thousands on a large fleet, and loading them as ORM objects pack by pack took a
+    query per pack."""
+    out: dict[int, list[MemberPlace]] = {i: [] for i in pack_ids}
+    if not out:
+        return out
+    stmt = (
+        select(PackMember.pack_id, PackMember.trial_id, PackMember.from_resource,
+               Trial.study_id, Trial.bracket, Trial.rung)
+        .join(Trial, Trial.id == PackMember.trial_id)
+        .where(id_in(s, PackMember.pack_id, list(out)))
+        .order_by(PackMember.pack_id, PackMember.trial_id)
+    )  # fmt: skip
+    for pack_id, trial_id, done, study_id, bracket, rung in s.execute(stmt):
+        out[pack_id].append(MemberPlace(trial_id, done, study_id, bracket, rung))
+    return out
 
 
 def trials_of(

@@ -437,6 +437,41 @@ def test_pack_life_cycle(factory: Factory) -> None:
         assert [p.id for p in multi] == [pack_id]
 
 
+def test_packs_added_together_keep_their_order_and_members(factory: Factory) -> None:
+    """A plan's packs in one call (what a scheduler tick writes): ids in the order given,
+    each with its own members, and dispatch order's view of them: each member's trial's
+    place, one query for every pack."""
+    study_id, (a, b, c) = study_with_trials(factory)
+    with session_scope(factory) as s:
+        store.set_trials(s, [c], bracket=2, rung=1)
+        first, second = store.add_packs(s, [
+            store.NewPack(study_id, [(b, "f", 0, 1), (a, "f", 0, 1, -1, 1)], device="d0",
+                          estimated_bytes=10),
+            store.NewPack(study_id, [(c, "g", 3, 9, 0)]),
+        ])  # fmt: skip
+        assert first < second
+        with pytest.raises(ValueError, match="at least one member"):
+            store.add_packs(s, [store.NewPack(study_id, [])])
+        assert store.add_packs(s, []) == []
+    with session_scope(factory) as s:
+        one, two = store.get_pack(s, first), store.get_pack(s, second)
+        assert (one.status, one.device, one.estimated_bytes, one.attempts) == (
+            PackStatus.pending, "d0", 10, 0,
+        )  # fmt: skip
+        assert [(m.trial_id, m.segment, m.array_no) for m in one.members] == [
+            (a, -1, 1), (b, -1, 0),
+        ]  # fmt: skip
+        assert [(m.trial_id, m.fusion_key, m.to_resource, m.segment) for m in two.members] == [
+            (c, "g", 9.0, 0),
+        ]
+        places = store.member_places(s, [second, first, 9999])
+        assert places[first] == [
+            store.MemberPlace(a, 0.0, study_id, 0, 0), store.MemberPlace(b, 0.0, study_id, 0, 0),
+        ]  # fmt: skip
+        assert places[second] == [store.MemberPlace(c, 3.0, study_id, 2, 1)]
+        assert places[9999] == [] and store.member_places(s, []) == {}
+
+
 def test_a_yield_is_asked_of_running_packs_once_and_releases_what_had_not_begun(
     factory: Factory,
 ) -> None:
