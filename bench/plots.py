@@ -4,7 +4,10 @@
   per variant (fused, serial, concurrent), from ``fused_throughput_*.json``;
 - ``timeline_<device>.png``: the packs of one packed and one unpacked run
   of the study on a time axis (queued, then training), from
-  ``study_walltime_*.json``.
+  ``study_walltime_*.json``;
+- ``quality_<device>.png``: best val_loss so far against seconds, median and spread over
+  seeds, per system (packtune's samplers, Optuna), from ``quality_*.json`` (bench f draws
+  it too when it runs with matplotlib installed).
 
     python -m bench.plots            # reads bench/results (and bench/results/gpu)
 """
@@ -94,6 +97,16 @@ def timeline_plot(data: dict[str, Any], out: Path) -> Path:
     return path
 
 
+def quality_plot(data: dict[str, Any], out: Path) -> Path:
+    from bench.quality import plot
+
+    path = out / f"quality_{_slug(_device(data))}.png"
+    runs = {name: [{**r, "curve": [tuple(p) for p in r["curve"]]} for r in rs]
+            for name, rs in data["runs"].items()}  # fmt: skip
+    plot(runs, data["summary"], path)
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -112,6 +125,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(throughput_plot(data, args.out))  # subset reruns: not plotted over
         for path in sorted(folder.glob("study_walltime_*.json")):
             print(timeline_plot(json.loads(path.read_text()), args.out))
+        for path in sorted(folder.glob("quality_*.json")):
+            print(quality_plot(json.loads(path.read_text()), args.out))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Each benchmark's ``--quick`` mode runs to the end (tiny sizes; nothing is written).
 
 These check that the benchmark scripts still work against the code they
-measure; they time nothing. The peers and plots parts need the ``bench``
-extra and skip without it. (``study_walltime --quick`` in its ``embedded``
+measure; they time nothing. The peers part needs the ``bench`` extra and skips
+without it. (``study_walltime --quick`` in its ``embedded``
 mode runs two ``packtune run``, ~10-20 s: it is left to
 ``python -m bench.study_walltime --quick``; tests/e2e/test_e2e.py covers the same
 path. Its ``serve`` mode, which the GPU figures rest on, is run here.)
@@ -242,7 +242,6 @@ def test_quality_quick_all_systems(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_plots_from_quick_results(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
     from bench import fused_throughput, plots
 
     fused_throughput.main(["--quick", "--workloads", "synthetic-mlp", "--variants", "fused",
@@ -250,6 +249,17 @@ def test_plots_from_quick_results(tmp_path: Path) -> None:
     plots.main(["--results", str(tmp_path), "--out", str(tmp_path / "png")])
     png = tmp_path / "png" / "throughput_cpu.png"
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_quality_plot_from_the_recorded_result(tmp_path: Path) -> None:
+    """Bench f's plot (best so far against seconds, per system) is drawn again from its
+    JSON, so bench/plots/ can follow bench/results/ without running the benchmark."""
+    from bench import plots
+    from bench.recording import RESULTS_DIR
+
+    [recorded] = RESULTS_DIR.glob("quality_cpu.json")
+    png = plots.quality_plot(json.loads(recorded.read_text()), tmp_path)
+    assert png.name == "quality_cpu.png" and png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_results_md_is_what_the_summary_writes() -> None:
