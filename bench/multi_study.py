@@ -32,10 +32,13 @@ device busy fraction (Σ over the packs of ``finished_at - started_at`` / (worke
 makespan)), packs, packs that held trials of more than one study, fused stacks whose
 trials came from more than one study, and each study's best val_loss. Ratios: sequential
 makespan (the sum of the times alone) / new, today / new, and the small study's completion
-time / its time alone.
+time / its time alone. With ``--repeats N`` every run is made N times, in turn; each ratio
+is taken within one repeat (its own studies alone) and the median of the N is reported,
+with the N beside it.
 
     python -m bench.multi_study                        # serve and rq:2; HISTORY.md, results/
     python -m bench.multi_study --modes serve --variants sequential new
+    python -m bench.multi_study --repeats 3            # each run 3 times: medians of paired ratios
     python -m bench.multi_study --quick                # three tiny studies; writes nothing
 """
 
@@ -383,17 +386,21 @@ def measure(args: argparse.Namespace, fleet_specs: list[dict[str, Any]]) -> dict
     with tempfile.TemporaryDirectory(prefix="packtune-bench-") as tmp:
         n = 0
         for mode in args.modes:
-            for variant, pattern in plan(args):
-                n += 1
-                run = run_once(mode, variant, pattern, fleet_specs, args, Path(tmp) / f"run{n}")
-                runs.setdefault(mode, []).append(run)
-                print(
-                    f"{mode} {label(run)}: makespan {run['makespan']:.1f} s, mean completion "
-                    f"{run['mean_completion']:.1f} s, busy {100 * run['busy_fraction']:.0f}%, "
-                    f"{run['packs']} packs ({run['shared_packs']} shared), "
-                    f"bench {run['bench_seconds']:.1f} s",
-                    flush=True,
-                )
+            for repeat in range(args.repeats):
+                for variant, pattern in plan(args):
+                    n += 1
+                    workdir = Path(tmp) / f"run{n}"
+                    run = run_once(mode, variant, pattern, fleet_specs, args, workdir)
+                    run["repeat"] = repeat
+                    runs.setdefault(mode, []).append(run)
+                    print(
+                        f"{mode} {label(run)} #{repeat + 1}: makespan {run['makespan']:.1f} s, "
+                        f"mean completion {run['mean_completion']:.1f} s, "
+                        f"busy {100 * run['busy_fraction']:.0f}%, "
+                        f"{run['packs']} packs ({run['shared_packs']} shared), "
+                        f"bench {run['bench_seconds']:.1f} s",
+                        flush=True,
+                    )
     return runs
 
 
@@ -419,22 +426,83 @@ def _s(v: float | None) -> str:
     return "-" if v is None else f"{v:.1f}"
 
 
+def _entry(
+    items: list[dict[str, Any]], pattern: str, small: str, alone: dict[str, float]
+) -> dict[str, Any] | None:
+    """One repeat's ratios for ``pattern`` (None where it has no ``new`` run)."""
+    seq = _find(items, "sequential", "-")
+    new, today = _find(items, "new", pattern), _find(items, "today", pattern)
+    if new is None:
+        return None
+
+    def small_time(run: dict[str, Any]) -> float | None:
+        return next((r["completion"] for r in run["studies"] if r["name"] == small), None)
+
+    # behind: two studies, no makespan against the eight alone
+    seq_for = seq if pattern != "behind" else None
+    return {
+        "new_makespan": new["makespan"],
+        "sequential_over_new": _ratio(seq_for["makespan"], new["makespan"]) if seq_for else None,
+        "today_over_new": _ratio(today["makespan"], new["makespan"]) if today else None,
+        "small_over_alone": _ratio(small_time(new), alone.get(small)),
+        "today_small_over_alone": _ratio(small_time(today), alone.get(small)) if today else None,
+    }
+
+
+def _median_entry(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The repeats' entries as one: each figure the median of its repeats' (paired: each
+    ratio within one repeat's runs), the repeats' own in ``<figure>_each``."""
+    out: dict[str, Any] = {"repeats": len(entries)}
+    for key in entries[0]:
+        values = [e[key] for e in entries if e[key] is not None]
+        out[key] = recording.median(values) if values else None
+        out[f"{key}_each"] = [e[key] for e in entries]
+    return out
+
+
+def _each(entry: dict[str, Any], key: str) -> str:
+    values = entry.get(f"{key}_each") or []
+    if len(values) < 2:
+        return ""
+    return " (per repeat: " + ", ".join(_x(v) for v in values) + ")"
+
+
+def _named(run: dict[str, Any], many: bool) -> str:
+    """A run's label, with its repeat's number where there are several."""
+    return label(run) + (f" #{run.get('repeat', 0) + 1}" if many else "")
+
+
 def summarise(
     runs: dict[str, list[dict[str, Any]]], fleet: tuple[Member, ...]
 ) -> tuple[list[str], dict[str, Any]]:
+    """The report's lines and the summary. With repeats, each ratio is the median of the
+    repeats' ratios (each measured within one repeat: the studies alone, today's and the new
+    scheduler one after another), and a study's time alone the median of its repeats'."""
     small = small_of(fleet)
     rows, notes, summary = [], [], {}
     per_study: list[str] = []
     for mode, items in runs.items():
-        seq = _find(items, "sequential", "-")
-        alone = {r["name"]: r["completion"] for r in seq["studies"]} if seq else {}
-        s: dict[str, Any] = {"small_study": small, "alone": alone}
+        repeats = sorted({r.get("repeat", 0) for r in items})
+        by_repeat = {k: [r for r in items if r.get("repeat", 0) == k] for k in repeats}
+        alone_each: dict[int, dict[str, float]] = {}
+        for k, its in by_repeat.items():
+            seq = _find(its, "sequential", "-")
+            alone_each[k] = {r["name"]: r["completion"] for r in seq["studies"]} if seq else {}
+        alone = {
+            m.name: recording.median([a[m.name] for a in alone_each.values() if m.name in a])
+            for m in fleet
+            if any(m.name in a for a in alone_each.values())
+        }
+        s: dict[str, Any] = {"small_study": small, "alone": alone, "repeats": len(repeats)}
+
+        many = len(repeats) > 1
         for run in items:
             by_name = {r["name"]: r for r in run["studies"]}
             small_c = by_name[small]["completion"]
+            own = alone_each[run.get("repeat", 0)]
             rows.append([
-                mode, label(run), _s(run["makespan"]), _s(run["mean_completion"]),
-                f"{_s(small_c)} ({_x(_ratio(small_c, alone.get(small)))})",
+                mode, _named(run, many), _s(run["makespan"]), _s(run["mean_completion"]),
+                f"{_s(small_c)} ({_x(_ratio(small_c, own.get(small)))})",
                 f"{100 * run['busy_fraction']:.0f}%", _percent(run.get("machine_busy")),
                 _s(run.get("train_seconds")),
                 f"{run.get('packs_gave_up', '-')} / {run.get('packs_withdrawn', '-')}",
@@ -442,44 +510,28 @@ def summarise(
                 _s(run["bench_seconds"]),
             ])  # fmt: skip
         for pattern in PATTERNS:
-            new, today = _find(items, "new", pattern), _find(items, "today", pattern)
-            if new is None:
+            found = [_entry(by_repeat[k], pattern, small, alone_each[k]) for k in repeats]
+            entries = [e for e in found if e is not None]
+            if not entries:
                 continue
-            if pattern == "behind":  # two studies: no makespan against the eight alone
-                seq_for = None
-            else:
-                seq_for = seq
-            entry = {
-                "new_makespan": new["makespan"],
-                "sequential_over_new": (
-                    _ratio(seq_for["makespan"], new["makespan"]) if seq_for else None
-                ),
-                "today_over_new": _ratio(today["makespan"], new["makespan"]) if today else None,
-                "small_over_alone": _ratio(
-                    next(r["completion"] for r in new["studies"] if r["name"] == small),
-                    alone.get(small),
-                ),
-                "today_small_over_alone": _ratio(
-                    next(r["completion"] for r in today["studies"] if r["name"] == small),
-                    alone.get(small),
-                )
-                if today
-                else None,
-            }
+            entry = _median_entry(entries)
             s[pattern] = entry
+            median_of = " (median of the repeats)" if len(entries) > 1 else ""
             notes.append(
                 f"- **{mode}, {pattern}**: sequential / new makespan "
-                f"**{_x(entry['sequential_over_new'])}**"
+                f"**{_x(entry['sequential_over_new'])}**{_each(entry, 'sequential_over_new')}"
                 + (" (target >= 1.5x)" if pattern == "at-once" else "")
-                + f", today / new "
-                f"**{_x(entry['today_over_new'])}**; {small} (small, submitted behind the "
-                f"large one) took {_x(entry['small_over_alone'])} its time alone with new, "
+                + f", today / new **{_x(entry['today_over_new'])}**"
+                f"{_each(entry, 'today_over_new')}; {small} (small, submitted behind the "
+                f"large one) took {_x(entry['small_over_alone'])}"
+                f"{_each(entry, 'small_over_alone')} its time alone with new, "
                 f"{_x(entry['today_small_over_alone'])} with today's scheduler"
-                + (" (target <= 2x)." if pattern == "behind" else ".")
+                + (" (target <= 2x)" if pattern == "behind" else "")
+                + f"{median_of}."
             )
         summary[mode] = s
         together = [r for r in items if r["variant"] != "sequential" and r["pattern"] != "behind"]
-        header = ["study", "R", "seed", "alone (s)", *(f"{label(r)} (s)" for r in together),
+        header = ["study", "R", "seed", "alone (s)", *(f"{_named(r, many)} (s)" for r in together),
                   "best val_loss per run"]  # fmt: skip
         body = []
         for i, m in enumerate(fleet):
@@ -492,7 +544,8 @@ def summarise(
                 " ".join("-" if b is None else f"{b:.4f}" for b in bests),
             ])  # fmt: skip
         per_study += ["", f"Completion time per study, {mode} (its creation to its end; x its "
-                      "time alone):", "",
+                      "time alone" + (", the median of the repeats'" if many else "")
+                      + "):", "",
                       *recording.table(header, body)]  # fmt: skip
     header = ["mode", "run", "makespan (s)", "mean completion (s)", f"{small} (s, x alone)",
               "busy", "machine CPU", "train (s)", "gave up / withdrawn", "packs",
@@ -544,6 +597,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="three tiny studies; appends nothing")
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--no-append", action="store_true")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="every run this many times; ratios: the median of the repeats' "
+                        "(each within one repeat)")  # fmt: skip
     parser.add_argument("--runners", type=int, default=1,
                         help="serve's new variant: embedded runners (PACKTUNE_EMBEDDED_RUNNERS; "
                         "sequential and today keep 1)")  # fmt: skip

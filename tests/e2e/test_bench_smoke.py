@@ -205,6 +205,47 @@ def test_multi_study_quick_serve(tmp_path: Path) -> None:
     assert set(data["summary"]["serve"]["alone"]) == set(names)
 
 
+def test_multi_study_repeats_pair_each_ratio_within_its_repeat() -> None:
+    """bench g --repeats: each ratio is taken within one repeat (its own studies alone, its
+    own runs), then the median over the repeats; RESULTS.md's row shows the repeats'."""
+    from bench import multi_study, summary
+
+    fleet = multi_study.QUICK_FLEET
+    small = multi_study.small_of(fleet)
+
+    def run(variant: str, pattern: str, repeat: int, times: list[float]) -> dict[str, object]:
+        studies = [{"name": m.name, "completion": t, "best": 0.1}
+                   for m, t in zip(fleet, times, strict=True)]  # fmt: skip
+        if pattern == "behind":
+            studies = [s for s in studies if s["name"] in (fleet[0].name, small)]
+        return {"variant": variant, "pattern": pattern, "repeat": repeat, "settings": {},
+                "makespan": max(times) if variant != "sequential" else sum(times),
+                "mean_completion": sum(times) / len(times), "busy_fraction": 0.5,
+                "packs": 3, "shared_packs": 0, "cross_study_stacks": 0, "bench_seconds": 9.0,
+                "studies": studies}  # fmt: skip
+
+    # repeat 0: alone 2+2+2 = 6 s, new at once 5 s (1.2x); repeat 1: alone 3+3+3 = 9 s,
+    # new at once 5 s (1.8x); the small study behind: 4 s against 2 s, then 3 s against 3 s
+    runs = {"serve": [
+        run("sequential", "-", 0, [2.0, 2.0, 2.0]), run("new", "at-once", 0, [5.0, 5.0, 5.0]),
+        run("new", "behind", 0, [5.0, 4.0, 5.0]),
+        run("sequential", "-", 1, [3.0, 3.0, 3.0]), run("new", "at-once", 1, [5.0, 5.0, 5.0]),
+        run("new", "behind", 1, [5.0, 3.0, 5.0]),
+    ]}  # fmt: skip
+    lines, got = multi_study.summarise(runs, fleet)
+    at_once, behind = got["serve"]["at-once"], got["serve"]["behind"]
+    assert at_once["sequential_over_new_each"] == pytest.approx([1.2, 1.8])
+    assert at_once["sequential_over_new"] == pytest.approx(1.5)  # not 7.5 / 5 of the medians
+    assert behind["small_over_alone_each"] == pytest.approx([2.0, 1.0])
+    assert behind["small_over_alone"] == pytest.approx(1.5)
+    assert got["serve"]["alone"][small] == pytest.approx(2.5) and got["serve"]["repeats"] == 2
+    assert any("per repeat: 1.20x, 1.80x" in line for line in lines)
+    assert summary._repeats(at_once, "sequential_over_new") == (
+        "; median of 2 repeats: 1.20x, 1.80x"
+    )
+    assert summary._repeats({"sequential_over_new_each": [1.3]}, "sequential_over_new") == ""
+
+
 def test_peers_quick_optuna(capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("optuna")
     from bench import peers
