@@ -462,7 +462,7 @@ def _median_entry(entries: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _each(entry: dict[str, Any], key: str) -> str:
     values = entry.get(f"{key}_each") or []
-    if len(values) < 2:
+    if len(values) < 2 or all(v is None for v in values):
         return ""
     return " (per repeat: " + ", ".join(_x(v) for v in values) + ")"
 

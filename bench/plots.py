@@ -33,6 +33,19 @@ def _slug(device: str) -> str:
     return "cpu" if device == "cpu" else device.split()[1].lower() if " " in device else device
 
 
+def fullest(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per device, the throughput run to plot: the one of the most workloads, the newest of
+    those (a rerun of a subset of the workloads writes its own JSON beside the full run's,
+    and the plot of each device has one file)."""
+    out: dict[str, dict[str, Any]] = {}
+    for data in runs:
+        slug = _slug(_device(data))
+        rank = (len(data["results"]), str(data.get("date", "")))
+        if slug not in out or rank > (len(out[slug]["results"]), str(out[slug].get("date", ""))):
+            out[slug] = data
+    return out
+
+
 def throughput_plot(data: dict[str, Any], out: Path) -> Path:
     import matplotlib.pyplot as plt
 
@@ -119,10 +132,9 @@ def main(argv: list[str] | None = None) -> None:
     matplotlib.use("Agg")
     args.out.mkdir(parents=True, exist_ok=True)
     for folder in args.results:
-        for path in sorted(folder.glob("fused_throughput_*.json")):
-            data = json.loads(path.read_text())
-            if len(data["results"]) > 1 or len(list(folder.glob("fused_throughput_*"))) == 1:
-                print(throughput_plot(data, args.out))  # subset reruns: not plotted over
+        runs = [json.loads(p.read_text()) for p in sorted(folder.glob("fused_throughput_*.json"))]
+        for data in fullest(runs).values():
+            print(throughput_plot(data, args.out))
         for path in sorted(folder.glob("study_walltime_*.json")):
             print(timeline_plot(json.loads(path.read_text()), args.out))
         for path in sorted(folder.glob("quality_*.json")):

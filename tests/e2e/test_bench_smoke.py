@@ -292,6 +292,24 @@ def test_plots_from_quick_results(tmp_path: Path) -> None:
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_the_throughput_plot_is_of_each_devices_fullest_run() -> None:
+    """A rerun of a subset of workloads writes its own JSON (sorted after the full run's):
+    the device's plot is of the run of the most workloads, the newest of those, whatever
+    order the files come in. (It was the last file in name order, a two-workload rerun.)"""
+    from bench import plots
+
+    def run(device: str, workloads: list[str], date: str) -> dict[str, object]:
+        return {"machine": {"device": device}, "date": date,
+                "results": {w: {"ks": {}} for w in workloads}}  # fmt: skip
+
+    full = run("cpu", ["a", "b", "c"], "2026-11-22 15:51 UTC")
+    newer_full = run("cpu", ["a", "b", "c"], "2026-11-25 02:39 UTC")
+    subset = run("cpu", ["a", "b"], "2026-11-26 10:00 UTC")
+    gpu = run("NVIDIA H100 80GB HBM3", ["a"], "2026-11-22 22:23 UTC")
+    for runs in ([full, newer_full, subset, gpu], [gpu, subset, newer_full, full]):
+        assert plots.fullest(runs) == {"cpu": newer_full, "h100": gpu}
+
+
 def test_quality_plot_from_the_recorded_result(tmp_path: Path) -> None:
     """Bench f's plot (best so far against seconds, per system) is drawn again from its
     JSON, so bench/plots/ can follow bench/results/ without running the benchmark."""
