@@ -38,11 +38,8 @@ def fullest(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     those (a rerun of a subset of the workloads writes its own JSON beside the full run's,
     and the plot of each device has one file)."""
     out: dict[str, dict[str, Any]] = {}
-    for data in runs:
-        slug = _slug(_device(data))
-        rank = (len(data["results"]), str(data.get("date", "")))
-        if slug not in out or rank > (len(out[slug]["results"]), str(out[slug].get("date", ""))):
-            out[slug] = data
+    for data in sorted(runs, key=lambda d: (len(d["results"]), str(d.get("date", "")))):
+        out[_slug(_device(data))] = data  # the last of a device's, in this order, stays
     return out
 
 
@@ -114,9 +111,7 @@ def quality_plot(data: dict[str, Any], out: Path) -> Path:
     from bench.quality import plot
 
     path = out / f"quality_{_slug(_device(data))}.png"
-    runs = {name: [{**r, "curve": [tuple(p) for p in r["curve"]]} for r in rs]
-            for name, rs in data["runs"].items()}  # fmt: skip
-    plot(runs, data["summary"], path)
+    plot(data["runs"], data["summary"], path)
     return path
 
 
