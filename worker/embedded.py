@@ -148,7 +148,7 @@ class EmbeddedDispatcher:
         self._names_queue: Any = None  # the runners' names, as long as their pool lives
         self._pool: ProcessPoolExecutor | None = None
         self._jobs: dict[str, Future[str]] = {}
-        self.warm_up: Future[str] | None = None
+        self.warm_ups: list[Future[str]] = []  # one a runner (a fast one may take two)
         self.notify: Callable[[], None] | None = None  # called when a job ends
 
     def start(self, workload: str | None = None) -> None:
@@ -156,9 +156,7 @@ class EmbeddedDispatcher:
         packs enqueued meanwhile run after the warm-ups, in order."""
         if self._pool is None:
             pool = self._executor()
-            self.warm_up = pool.submit(_warm_up, workload)
-            for _ in range(self.runners - 1):  # one each (a fast one may take two: harmless)
-                pool.submit(_warm_up, workload)
+            self.warm_ups = [pool.submit(_warm_up, workload) for _ in range(self.runners)]
 
     def _submit(self, arg: int, job: Callable[[int], str]) -> Future[str]:
         fut = self._executor().submit(job, arg)
