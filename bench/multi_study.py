@@ -630,16 +630,23 @@ def main(argv: list[str] | None = None) -> None:
         recording.append_section(
             f"g. Many studies on one fleet — {info['device']}",
             info,
-            [
-                f"Fleet: {len(members)} studies ("
-                + ", ".join(f"{m.name} R={m.max_resource} seed {m.seed}" for m in members)
-                + f"), staggered every {args.stagger:g} s, the first (large) one first."
-                + ("" if known else IGNORED),
-                "",
-                *body,
-            ],
+            history_lines(members, args.stagger, known, body),
             load,
         )
+
+
+def history_lines(
+    members: tuple[Member, ...], stagger: float, known: bool, body: list[str]
+) -> list[str]:
+    """A run's HISTORY.md section: the fleet, then the report's ``body``."""
+    return [
+        f"Fleet: {len(members)} studies ("
+        + ", ".join(f"{m.name} R={m.max_resource} seed {m.seed}" for m in members)
+        + f"), staggered every {stagger:g} s, the first (large) one first."
+        + ("" if known else IGNORED),
+        "",
+        *body,
+    ]
 
 
 if __name__ == "__main__":

@@ -80,9 +80,9 @@ def run_packtune(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     }
 
 
-def optuna_run(spec: dict[str, Any], trial: Any) -> Any:
+def optuna_run(spec: dict[str, Any], trial: Any, device: str = "cpu") -> Any:
     """An Optuna trial's config drawn from the spec's space, built as a plain
-    :class:`bench._plain.PlainRun` on the CPU."""
+    :class:`bench._plain.PlainRun` on ``device``."""
     import torch
 
     from bench._plain import PlainRun
@@ -96,7 +96,7 @@ def optuna_run(spec: dict[str, Any], trial: Any) -> Any:
 
     config = {name: suggest(name, p) for name, p in spec["space"].items()}
     return PlainRun.build(
-        spec["workload"], trial_config(spec, config, trial.number), torch.device("cpu")
+        spec["workload"], trial_config(spec, config, trial.number), torch.device(device)
     )
 
 

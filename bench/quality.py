@@ -22,6 +22,8 @@ how long each takes to reach Optuna's final median best.
 
     python -m bench.quality                 # 10 seeds; HISTORY.md, results/quality_cpu.json
     python -m bench.quality --quick         # a tiny study, one seed; writes nothing
+    python -m bench.quality --device cuda --seeds 0 1 2 3 4 --out-dir DIR --no-append
+                                            # on a GPU box: results/quality_<GPU>.json there
 """
 
 from __future__ import annotations
@@ -79,7 +81,11 @@ def first_time(curve: list[tuple[float, float]], target: float) -> float | None:
 
 
 def run_packtune(
-    spec: dict[str, Any], system: str, workdir: Path, random_fraction: float | None = None
+    spec: dict[str, Any],
+    system: str,
+    workdir: Path,
+    random_fraction: float | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     import yaml
 
@@ -94,7 +100,7 @@ def run_packtune(
     path = workdir / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))
     url = f"sqlite:///{workdir / 'packtune.db'}"
-    env = service_env(database_url=url, checkpoint_dir=workdir / "ckpt")
+    env = service_env(database_url=url, checkpoint_dir=workdir / "ckpt", device=device)
     started = time.time()
     proc = subprocess.run(cli("run", str(path), "--top", "1"), env=env, cwd=workdir,
                           capture_output=True, text=True)  # fmt: skip
@@ -117,9 +123,11 @@ def run_packtune(
             "completed": len(events)}  # fmt: skip
 
 
-def run_optuna(spec: dict[str, Any], budget: float, threads: int, started: float) -> dict[str, Any]:
+def run_optuna(
+    spec: dict[str, Any], budget: float, threads: int, started: float, device: str = "cpu"
+) -> dict[str, Any]:
     """In the child process: Optuna's default TPE with its Hyperband pruner, until ``budget``
-    trial-epochs are spent."""
+    trial-epochs are spent, trials trained on ``device``."""
     import optuna
     import torch
 
@@ -131,7 +139,7 @@ def run_optuna(spec: dict[str, Any], budget: float, threads: int, started: float
 
     def objective(trial: optuna.Trial) -> float:
         nonlocal epochs
-        run = optuna_run(spec, trial)
+        run = optuna_run(spec, trial, device)
         value = math.nan
         for epoch in range(max_r):
             if epochs >= budget:
@@ -155,7 +163,9 @@ def run_optuna(spec: dict[str, Any], budget: float, threads: int, started: float
             "completed": len(events)}  # fmt: skip
 
 
-def run_optuna_child(spec: dict[str, Any], workdir: Path, threads: int) -> dict[str, Any]:
+def run_optuna_child(
+    spec: dict[str, Any], workdir: Path, threads: int, device: str = "cpu"
+) -> dict[str, Any]:
     path = workdir / "spec.json"
     workdir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(spec))
@@ -163,7 +173,7 @@ def run_optuna_child(spec: dict[str, Any], workdir: Path, threads: int) -> dict[
     started = time.time()
     command = [sys.executable, "-m", "bench.quality", "--child", "--spec", str(path),
                "--threads", str(threads), "--started", repr(started),
-               "--budget", repr(budget)]  # fmt: skip
+               "--budget", repr(budget), "--device", device]  # fmt: skip
     proc = subprocess.run(command, env={**os.environ, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, cwd=workdir)  # fmt: skip
     wall = time.time() - started
@@ -186,9 +196,9 @@ def measure(args: argparse.Namespace, spec: dict[str, Any]) -> dict[str, list[di
             for name in order:
                 workdir = Path(tmp) / f"{name}-{seed}"
                 if name == "optuna":
-                    row = run_optuna_child(seeded, workdir, args.threads)
+                    row = run_optuna_child(seeded, workdir, args.threads, args.device)
                 else:
-                    row = run_packtune(seeded, name, workdir, args.random_fraction)
+                    row = run_packtune(seeded, name, workdir, args.random_fraction, args.device)
                 row["seed"] = seed
                 row["load"] = recording.load_average()
                 runs[name].append(row)
@@ -277,18 +287,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--spec", type=Path, default=ROOT / "examples" / "digits-mlp.yaml")
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     parser.add_argument("--seeds", type=int, nargs="+", default=list(range(10)))
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where every system trains (Optuna's trials too)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     parser.add_argument("--random-fraction", type=float, default=None,
                         help="packtune-tpe: sampler.random_fraction")  # fmt: skip
-    parser.add_argument("--quick", action="store_true", help="a tiny study; writes nothing")
-    parser.add_argument("--out-dir", type=Path, default=None)
+    recording.output_options(parser, "a tiny study, one seed")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--started", type=float, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--budget", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:  # Optuna's run in this fresh process; one JSON line out
         spec = json.loads(args.spec.read_text())
-        print(json.dumps(run_optuna(spec, args.budget, args.threads, args.started)))
+        print(json.dumps(run_optuna(spec, args.budget, args.threads, args.started, args.device)))
         return
     spec = load_spec(args.spec)
     if args.quick:
@@ -298,24 +309,25 @@ def main(argv: list[str] | None = None) -> None:
     runs = measure(args, spec)
     summary = summarise(runs)
     lines = report(summary, runs)
-    print("\n".join(lines))
-    if args.quick:
-        return
-    info = recording.machine("cpu")
-    data = {"machine": info, "spec": spec, "seeds": args.seeds, "runs": runs,
-            "summary": summary, "command": recording.command_line(),
-            "date": recording.now()}  # fmt: skip
-    recording.save_json("quality_cpu", data, args.out_dir)
-    with_plot = ""
-    try:
-        plot(runs, summary, recording.BENCH_DIR / "plots" / "quality_cpu.png")
-        with_plot = "; plot: bench/plots/quality_cpu.png"
-    except ImportError:
-        with_plot = "; no plot (matplotlib is not installed)"
-    recording.append_section(
-        "f. best val_loss against wall time: packtune's samplers and Optuna (TPE + Hyperband)",
-        info, [*lines, "", f"seeds {args.seeds}{with_plot}"], load,
-    )  # fmt: skip
+    info = recording.machine(args.device)
+    kind = "cpu" if info["device"] == "cpu" else info["device"].replace(" ", "-")
+    appended = not (args.quick or args.no_append)
+    note = ""
+    if appended:  # a full run here: its plot too (a run elsewhere: `python -m bench.plots`)
+        try:
+            plot(runs, summary, recording.BENCH_DIR / "plots" / f"quality_{kind}.png")
+            note = f"; plot: bench/plots/quality_{kind}.png"
+        except ImportError:
+            note = "; no plot (matplotlib is not installed)"
+    data = {"spec": spec, "seeds": args.seeds, "runs": runs, "summary": summary}
+    recording.publish(f"quality_{kind}", section(info), [*lines, "", f"seeds {args.seeds}{note}"],
+                      info, load, data, args)  # fmt: skip
+
+
+def section(info: dict[str, Any]) -> str:
+    """The HISTORY.md title of a run on ``info``'s device."""
+    title = "f. best val_loss against wall time: packtune's samplers and Optuna (TPE + Hyperband)"
+    return title if info["device"] == "cpu" else f"{title} — {info['device']}"
 
 
 if __name__ == "__main__":

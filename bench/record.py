@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench import fused_throughput, recording, study_walltime
+from bench import fused_throughput, multi_study, quality, recording, study_walltime
 
 
 def _command(data: dict[str, Any], via: str | None) -> str:
@@ -52,6 +52,27 @@ def record_study(data: dict[str, Any], via: str | None, notes: list[str]) -> Non
         date=data["date"], load_after="n/a")  # fmt: skip
 
 
+def record_quality(data: dict[str, Any], via: str | None, notes: list[str]) -> None:
+    # in the run's order (the JSON's keys are sorted); summarised again from its curves
+    runs = {name: data["runs"][name] for name in quality.SYSTEMS if name in data["runs"]}
+    body = [*quality.report(quality.summarise(runs), runs), "", f"seeds {data['seeds']}", *notes]
+    first = next(iter(runs.values()))[0]
+    recording.append_section(quality.section(data["machine"]), data["machine"], body,
+                             first.get("load", "n/a"), command=_command(data, via),
+                             date=data["date"], load_after="n/a")  # fmt: skip
+
+
+def record_multi_study(data: dict[str, Any], via: str | None, notes: list[str]) -> None:
+    members = tuple(multi_study.Member(**m) for m in data["fleet"])
+    body, _ = multi_study.summarise(data["runs"], members)
+    lines = multi_study.history_lines(members, data["stagger"], data["settings_known"], body)
+    first = next(iter(data["runs"].values()))[0]
+    recording.append_section(f"g. Many studies on one fleet — {data['machine']['device']}",
+                             data["machine"], [*lines, *notes], first.get("load", "n/a"),
+                             command=_command(data, via), date=data["date"],
+                             load_after="n/a")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path)
@@ -63,6 +84,10 @@ def main(argv: list[str] | None = None) -> None:
         record_throughput(json.loads(path.read_text()), args.via, notes)
     for path in sorted(args.folder.glob("study_walltime_*.json")):
         record_study(json.loads(path.read_text()), args.via, notes)
+    for path in sorted(args.folder.glob("quality_*.json")):
+        record_quality(json.loads(path.read_text()), args.via, notes)
+    for path in sorted(args.folder.glob("multi_study_*.json")):
+        record_multi_study(json.loads(path.read_text()), args.via, notes)
 
 
 if __name__ == "__main__":

@@ -155,13 +155,16 @@ def test_study_walltime_quick_serve(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 
 @pytest.mark.slow
-def test_multi_study_quick_serve(tmp_path: Path) -> None:
+def test_multi_study_quick_serve(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """bench g: three tiny studies on one ``packtune serve``, one after another with today's
     scheduler, then at once and a small one behind a large one with the new one on two
     embedded runners; every study completes in every run. (``today`` at once and the
     staggered pattern differ from these only in settings and sleeps: left to the full
-    bench, for the suite's time.)"""
-    from bench import multi_study
+    bench, for the suite's time.) Its JSON renders into HISTORY.md as the run printed it
+    (bench.record, for a run on a GPU box)."""
+    from bench import multi_study, record
 
     multi_study.main(
         [
@@ -203,6 +206,14 @@ def test_multi_study_quick_serve(tmp_path: Path) -> None:
         if run["settings"]["share_packs"] == "false":
             assert run["shared_packs"] == 0  # one study per pack
     assert set(data["summary"]["serve"]["alone"]) == set(names)
+    printed = [x for x in capsys.readouterr().out.splitlines() if x.startswith("| ")]
+    history = tmp_path / "recorded_history"  # the bench itself appended nothing (results_untouched)
+    monkeypatch.setattr(recording, "HISTORY_MD", history)
+    record.main([str(tmp_path)])
+    text = history.read_text()
+    assert "## g. Many studies on one fleet — cpu" in text
+    assert f"Fleet: {len(names)} studies" in text
+    assert printed and [x for x in text.splitlines() if x.startswith("| ")] == printed
 
 
 def test_multi_study_repeats_pair_each_ratio_within_its_repeat() -> None:
@@ -268,18 +279,30 @@ def test_an_optuna_study_of_one_seed_has_one_name() -> None:
     assert name(2) == name(2) != name(3)
 
 
-def test_quality_quick_all_systems(capsys: pytest.CaptureFixture[str]) -> None:
+def test_quality_quick_all_systems(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """bench f: packtune's two samplers and Optuna run the same tiny study to the end, each
-    with a best-so-far curve from its own clock."""
-    from bench import quality
+    with a best-so-far curve from its own clock; its JSON, as a GPU box writes it
+    (``--out-dir``, ``--no-append``), renders into HISTORY.md here (bench.record)."""
+    from bench import quality, record
 
-    quality.main(["--quick"])
+    quality.main(["--quick", "--out-dir", str(tmp_path), "--no-append"])
     out = capsys.readouterr().out
     for name in quality.SYSTEMS:
         assert f"| {name} |" in out
         line = next(x for x in out.splitlines() if x.startswith(f"| {name} |"))
         best = float(line.split("|")[4])
         assert 0 < best < 5, line  # a finite val_loss was reached at max_resource
+    history = tmp_path / "recorded_history"  # the bench itself appended nothing (results_untouched)
+    monkeypatch.setattr(recording, "HISTORY_MD", history)
+    record.main([str(tmp_path), "--via", "bash bench/gpu_run.sh"])
+    text = history.read_text()
+    assert "## f. best val_loss against wall time" in text
+    assert "bash bench/gpu_run.sh` → `python3 -m " in text
+    assert [x for x in text.splitlines() if x.startswith("| ")] == [
+        x for x in out.splitlines() if x.startswith("| ")
+    ]  # the same table as the run printed
 
 
 def test_plots_from_quick_results(tmp_path: Path) -> None:
