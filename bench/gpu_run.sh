@@ -6,7 +6,7 @@
 #   STEPS="tests b f g" bash bench/gpu_run.sh      # some of them: tests a a2 a3 a4 b f g h
 set -u
 OUT=${OUT:-bench/results/gpu}
-STEPS=${STEPS:-tests a a2 a3 a4 b f g h}
+STEPS=${STEPS-tests a a2 a3 a4 b f g h}
 want() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 mkdir -p "$OUT"
 if [ -d bench/.wheels ]; then

@@ -45,6 +45,11 @@ class QueueUnavailable(PacktuneError):
     status_code = 503
 
 
+class DeviceUnavailable(PacktuneError):
+    """The device the settings ask for (``PACKTUNE_DEVICE=cuda``) is not there: a worker
+    cannot train on it. ``packtune run`` and ``packtune worker`` stop with this text."""
+
+
 class StudyCannotRun(PacktuneError):
     """A stored study that can never run as it is: its workload is no longer registered, or
     its space no longer fits the workload. The scheduler fails the study with this text."""

@@ -13,13 +13,14 @@ import re
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
 import yaml
 
-from packtune.errors import PacktuneError, SpecError
+from packtune.errors import DeviceUnavailable, PacktuneError, SpecError
 from packtune.settings import SettingsError, get_settings
 from service import remote_cli
 
@@ -122,6 +123,17 @@ def run(
     # pack's critical path: it overlaps everything that follows, this process's imports too
     dispatcher = make_dispatcher(settings)
     dispatcher.start(body["workload"])
+    stop = threading.Event()
+    unusable: list[str] = []  # the runner found no device to train on: stop, say why
+
+    def device_check(warm_up: Future[str]) -> None:
+        exc = None if warm_up.cancelled() else warm_up.exception()
+        if isinstance(exc, DeviceUnavailable):
+            unusable.append(str(exc))
+            stop.set()
+
+    for warm_up in getattr(dispatcher, "warm_ups", []):
+        warm_up.add_done_callback(device_check)
     if body["sampler"]["name"] == "tpe":
         preload_sampler()
     try:
@@ -154,7 +166,6 @@ def run(
             return study_summary(s, study_id)  # with its best so far
 
     started = time.monotonic()
-    stop = threading.Event()
     thread = threading.Thread(
         target=scheduler.run, kwargs={"stop": stop, "until_study": study_id}, daemon=True
     )
@@ -170,6 +181,8 @@ def run(
         stop.set()
         thread.join()
         scheduler.close()
+    if unusable:
+        fail(f"{unusable[0]} (study {study_id} is kept: `packtune serve` resumes it)")
     metric = body["objective"]["metric"]
     with session_scope(factory) as s:
         rows, _ = leaderboard(s, study_id, limit=top)
@@ -283,6 +296,8 @@ def worker(
         if all_gpus:
             raise typer.Exit(run_all_gpus(burst=burst))
         run_worker(gpu=gpu, name=name, burst=burst)
+    except DeviceUnavailable as exc:
+        fail(str(exc))
     except KeyboardInterrupt:
         pass
 

@@ -86,7 +86,7 @@ def test_gpu_run_names_only_benchmarks_and_options_that_exist() -> None:
 
 def test_gpu_run_steps_are_all_known_and_all_run_by_default() -> None:
     script = GPU_RUN.read_text()
-    default = re.search(r"STEPS=\$\{STEPS:-([^}]*)\}", script)
+    default = re.search(r"STEPS=\$\{STEPS:?-([^}]*)\}", script)
     assert default is not None
     used = set(re.findall(r"want ([a-z0-9]+) &&", script))
     assert used == set(default.group(1).split())

@@ -28,6 +28,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from packtune.dispatcher import JobState
+from packtune.errors import DeviceUnavailable
 from packtune.settings import ENV_PREFIX, WORKER_NAME_ENV, Settings, default_torch_threads
 from worker.gpu import gpu_readings
 
@@ -95,6 +96,8 @@ def _warm_up(workload: str | None) -> str:
         # first pack's critical path). Frozen, not collected first: that collection would
         # cost the same 0.12 s here.
         gc.freeze()
+    except DeviceUnavailable:
+        raise  # nothing can train here: packtune run stops on it (worker.jobs.pick_device)
     except Exception as exc:
         log.warning("embedded runner: warm-up failed (%s: %s)", type(exc).__name__, exc)
         return f"failed: {exc}"

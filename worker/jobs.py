@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from sqlalchemy.orm import Session
 
-from packtune.errors import QueueUnavailable, StoreUnavailable, error_cause
+from packtune.errors import DeviceUnavailable, QueueUnavailable, StoreUnavailable, error_cause
 from packtune.packing import MemoryModel, split_for_threads, split_in_two
 from packtune.rungs import rung_resource
 from packtune.settings import WORKER_NAME_ENV, default_torch_threads, get_settings
@@ -72,8 +72,25 @@ class InjectedOutOfMemory(torch.cuda.OutOfMemoryError):
     """Raised by the ``PACKTUNE_OOM_ABOVE`` fault injection."""
 
 
+def device_problem(setting: str) -> str | None:
+    """Why the device ``setting`` (``PACKTUNE_DEVICE``) names cannot be used here; None
+    where it can."""
+    if setting == "cuda" and not torch.cuda.is_available():
+        why = "a build without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        return (
+            f"PACKTUNE_DEVICE=cuda, but torch {torch.__version__} has no GPU to train on "
+            f"({why}); set PACKTUNE_DEVICE=auto or cpu"
+        )
+    return None
+
+
 def pick_device() -> torch.device:
+    """The device this process trains on, as the settings say (:class:`DeviceUnavailable`
+    where they name one that is not there), with torch's threads and TF32 set."""
     settings = get_settings()
+    problem = device_problem(settings.device)
+    if problem is not None:
+        raise DeviceUnavailable(problem)
     # Small models gain nothing from many threads, and on a busy 2-core box two torch
     # threads fighting the scheduler for a core ran ~10x slower than one.
     torch.set_num_threads(settings.torch_threads or default_torch_threads())

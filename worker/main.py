@@ -23,6 +23,7 @@ from typing import Any
 
 from rq import SimpleWorker
 
+from packtune.errors import DeviceUnavailable
 from packtune.settings import WORKER_NAME_ENV, get_settings
 from service.bus import announce
 
@@ -159,6 +160,11 @@ def run_worker(gpu: int | None = None, name: str | None = None, burst: bool = Fa
     # for seconds (longer than a short heartbeat timeout).
     import torch  # noqa: F401
 
+    from worker.jobs import device_problem  # after CUDA_VISIBLE_DEVICES: it asks CUDA
+
+    problem = device_problem(settings.device)
+    if problem is not None:
+        raise DeviceUnavailable(problem)
     host = socket.gethostname()
     name = name or (f"{host}-gpu{gpu}" if gpu is not None else f"{host}-{os.getpid()}")
     os.environ[WORKER_NAME_ENV] = name

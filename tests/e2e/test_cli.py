@@ -365,3 +365,45 @@ def test_submit_watch_names_the_errors_of_a_study_that_completes_anyway(
     runs = [a for p in packs for a in p["arrays"]]
     assert {st["mode"] for a in runs for st in a["stacks"]} == {"bmm"}
     assert any(a["failed"] and not a["stacks"] for a in runs)
+
+
+NO_CUDA = pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="here CUDA is there: nothing is missing"
+)
+
+
+@NO_CUDA
+def test_run_on_a_gpu_that_is_not_there_stops_at_once_saying_so(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """PACKTUNE_DEVICE=cuda without a GPU: the runner's warm-up finds it within seconds and
+    ``packtune run`` stops with one line. (It used to log a warning and retry the packs,
+    each failing on torch's assertion, for minutes.)"""
+    spec = write(tmp_path / "small.yaml", SMALL)
+    result = subprocess.run(
+        [sys.executable, "-m", "service", "run", str(spec)],
+        env={**env, "PACKTUNE_DEVICE": "cuda"},
+        cwd=tmp_path, capture_output=True, text=True, timeout=90,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr
+    assert "PACKTUNE_DEVICE=cuda, but torch" in errors[0]
+    assert "set PACKTUNE_DEVICE=auto or cpu" in errors[0]
+    assert "study 1 is kept" in errors[0]
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+@NO_CUDA
+def test_a_worker_for_a_gpu_that_is_not_there_does_not_start(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    assert packtune("db", "upgrade", env=env, cwd=tmp_path).returncode == 0
+    result = subprocess.run(
+        [sys.executable, "-m", "service", "worker", "--burst"],
+        env={**env, "PACKTUNE_DEVICE": "cuda", "PACKTUNE_REDIS_URL": "redis://127.0.0.1:1/0"},
+        cwd=tmp_path, capture_output=True, text=True, timeout=90,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error: PACKTUNE_DEVICE=cuda, but")
+    assert "Traceback" not in result.stdout + result.stderr
