@@ -299,7 +299,7 @@ def test_quality_quick_all_systems(
     record.main([str(tmp_path), "--via", "bash bench/gpu_run.sh"])
     text = history.read_text()
     assert "## f. best val_loss against wall time" in text
-    assert "bash bench/gpu_run.sh` → `python3 -m " in text
+    assert "- command: `bash bench/gpu_run.sh` → `" in text  # the wrapper, then the run's own
     assert [x for x in text.splitlines() if x.startswith("| ")] == [
         x for x in out.splitlines() if x.startswith("| ")
     ]  # the same table as the run printed
