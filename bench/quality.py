@@ -306,6 +306,7 @@ def main(argv: list[str] | None = None) -> None:
         spec["hyperband"] = {"max_resource": 3, "min_resource": 1, "eta": 3}
         args.seeds = args.seeds[:1]
     load = recording.load_average()
+    commit = recording.git_commit()  # before the plot below changes a tracked file
     runs = measure(args, spec)
     summary = summarise(runs)
     lines = report(summary, runs)
@@ -319,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
             note = f"; plot: bench/plots/quality_{kind}.png"
         except ImportError:
             note = "; no plot (matplotlib is not installed)"
-    data = {"spec": spec, "seeds": args.seeds, "runs": runs, "summary": summary}
+    data = {"spec": spec, "seeds": args.seeds, "runs": runs, "summary": summary, "commit": commit}
     recording.publish(f"quality_{kind}", section(info), [*lines, "", f"seeds {args.seeds}{note}"],
                       info, load, data, args)  # fmt: skip
 
