@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench import fused_throughput, multi_study, quality, recording, study_walltime
+from bench import fused_throughput, multi_study, quality, recording, spill, study_walltime
 
 
 def _command(data: dict[str, Any], via: str | None) -> str:
@@ -73,6 +73,14 @@ def record_multi_study(data: dict[str, Any], via: str | None, notes: list[str]) 
                              load_after="n/a")  # fmt: skip
 
 
+def record_spill(data: dict[str, Any], via: str | None, notes: list[str]) -> None:
+    device = data["machine"]["device"]
+    title = "h. spilled training" + ("" if device == "cpu" else f" — {device}")
+    recording.append_section(title, data["machine"], [*spill.report(data["result"]), *notes],
+                             "n/a", command=_command(data, via), date=data["date"],
+                             load_after="n/a")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path)
@@ -88,6 +96,8 @@ def main(argv: list[str] | None = None) -> None:
         record_quality(json.loads(path.read_text()), args.via, notes)
     for path in sorted(args.folder.glob("multi_study_*.json")):
         record_multi_study(json.loads(path.read_text()), args.via, notes)
+    for path in sorted(args.folder.glob("spill_*.json")):
+        record_spill(json.loads(path.read_text()), args.via, notes)
 
 
 if __name__ == "__main__":

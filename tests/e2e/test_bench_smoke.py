@@ -75,13 +75,24 @@ def test_fused_throughput_in_bf16_without_tf32_quick(tmp_path: Path) -> None:
     assert run["ks"]["2"]["fused"] and run["ks"]["2"]["serial"]
 
 
-def test_spill_quick(tmp_path: Path) -> None:
-    from bench import spill
+def test_spill_quick(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench h's quick run; its JSON renders into HISTORY.md as the run printed it
+    (bench.record, for a run on a GPU box)."""
+    from bench import record, spill
 
     spill.main(["--quick", "--alternate", "--out-dir", str(tmp_path), "--no-append"])
     result = json.loads((tmp_path / "spill_cpu.json").read_text())["result"]
     assert result["shards"] >= 2 and result["spilled_steps_per_s"] > 0
     assert result["alternation"]["alternating_s"] > 0
+    printed = [x for x in capsys.readouterr().out.splitlines() if x.startswith("| ")]
+    history = tmp_path / "recorded_history"  # the bench itself appended nothing (results_untouched)
+    monkeypatch.setattr(recording, "HISTORY_MD", history)
+    record.main([str(tmp_path)])
+    text = history.read_text()
+    assert "## h. spilled training\n" in text
+    assert printed and [x for x in text.splitlines() if x.startswith("| ")] == printed
 
 
 def test_decoupled_quick(tmp_path: Path) -> None:
