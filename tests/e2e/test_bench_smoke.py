@@ -27,6 +27,22 @@ def results_untouched(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterat
     assert not (tmp_path / "HISTORY.md").exists()
 
 
+def table_rows(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("| ")]
+
+
+def recorded(folder: Path, monkeypatch: pytest.MonkeyPatch, *args: str) -> str:
+    """What ``python -m bench.record FOLDER ARGS`` appends to HISTORY.md for the JSON in
+    ``folder`` (as a GPU box's ``--out-dir`` holds it), written aside: the quick run itself
+    appended nothing (``results_untouched``)."""
+    from bench import record
+
+    history = folder / "recorded_history"
+    monkeypatch.setattr(recording, "HISTORY_MD", history)
+    record.main([str(folder), *args])
+    return history.read_text()
+
+
 def test_a_wholly_busy_span_is_busy_one_not_more() -> None:
     """Tick counts over HZ round: 2,090 ticks, all busy, came out 1.0000000000042 busy."""
     hz = 100
@@ -80,19 +96,16 @@ def test_spill_quick(
 ) -> None:
     """bench h's quick run; its JSON renders into HISTORY.md as the run printed it
     (bench.record, for a run on a GPU box)."""
-    from bench import record, spill
+    from bench import spill
 
     spill.main(["--quick", "--alternate", "--out-dir", str(tmp_path), "--no-append"])
     result = json.loads((tmp_path / "spill_cpu.json").read_text())["result"]
     assert result["shards"] >= 2 and result["spilled_steps_per_s"] > 0
     assert result["alternation"]["alternating_s"] > 0
-    printed = [x for x in capsys.readouterr().out.splitlines() if x.startswith("| ")]
-    history = tmp_path / "recorded_history"  # the bench itself appended nothing (results_untouched)
-    monkeypatch.setattr(recording, "HISTORY_MD", history)
-    record.main([str(tmp_path)])
-    text = history.read_text()
+    printed = table_rows(capsys.readouterr().out)
+    text = recorded(tmp_path, monkeypatch)
     assert "## h. spilled training\n" in text
-    assert printed and [x for x in text.splitlines() if x.startswith("| ")] == printed
+    assert printed and table_rows(text) == printed
 
 
 def test_decoupled_quick(tmp_path: Path) -> None:
@@ -175,7 +188,7 @@ def test_multi_study_quick_serve(
     staggered pattern differ from these only in settings and sleeps: left to the full
     bench, for the suite's time.) Its JSON renders into HISTORY.md as the run printed it
     (bench.record, for a run on a GPU box)."""
-    from bench import multi_study, record
+    from bench import multi_study
 
     multi_study.main(
         [
@@ -217,14 +230,11 @@ def test_multi_study_quick_serve(
         if run["settings"]["share_packs"] == "false":
             assert run["shared_packs"] == 0  # one study per pack
     assert set(data["summary"]["serve"]["alone"]) == set(names)
-    printed = [x for x in capsys.readouterr().out.splitlines() if x.startswith("| ")]
-    history = tmp_path / "recorded_history"  # the bench itself appended nothing (results_untouched)
-    monkeypatch.setattr(recording, "HISTORY_MD", history)
-    record.main([str(tmp_path)])
-    text = history.read_text()
+    printed = table_rows(capsys.readouterr().out)
+    text = recorded(tmp_path, monkeypatch)
     assert "## g. Many studies on one fleet — cpu" in text
     assert f"Fleet: {len(names)} studies" in text
-    assert printed and [x for x in text.splitlines() if x.startswith("| ")] == printed
+    assert printed and table_rows(text) == printed
 
 
 def test_multi_study_repeats_pair_each_ratio_within_its_repeat() -> None:
@@ -296,7 +306,7 @@ def test_quality_quick_all_systems(
     """bench f: packtune's two samplers and Optuna run the same tiny study to the end, each
     with a best-so-far curve from its own clock; its JSON, as a GPU box writes it
     (``--out-dir``, ``--no-append``), renders into HISTORY.md here (bench.record)."""
-    from bench import quality, record
+    from bench import quality
 
     quality.main(["--quick", "--out-dir", str(tmp_path), "--no-append"])
     out = capsys.readouterr().out
@@ -305,15 +315,10 @@ def test_quality_quick_all_systems(
         line = next(x for x in out.splitlines() if x.startswith(f"| {name} |"))
         best = float(line.split("|")[4])
         assert 0 < best < 5, line  # a finite val_loss was reached at max_resource
-    history = tmp_path / "recorded_history"  # the bench itself appended nothing (results_untouched)
-    monkeypatch.setattr(recording, "HISTORY_MD", history)
-    record.main([str(tmp_path), "--via", "bash bench/gpu_run.sh"])
-    text = history.read_text()
+    text = recorded(tmp_path, monkeypatch, "--via", "bash bench/gpu_run.sh")
     assert "## f. best val_loss against wall time" in text
     assert "- command: `bash bench/gpu_run.sh` → `" in text  # the wrapper, then the run's own
-    assert [x for x in text.splitlines() if x.startswith("| ")] == [
-        x for x in out.splitlines() if x.startswith("| ")
-    ]  # the same table as the run printed
+    assert table_rows(text) == table_rows(out)  # the same table as the run printed
 
 
 def test_plots_from_quick_results(tmp_path: Path) -> None:
