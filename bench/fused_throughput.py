@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(body))
     if args.quick and args.out_dir is None:
         return
-    kind = "cpu" if info["device"] == "cpu" else info["device"].replace(" ", "-")
+    kind = recording.device_kind(info)
     if args.workloads != list(CONFIGS):  # a subset: do not overwrite the full run's figures
         kind += "_" + "_".join(args.workloads)
     if args.precision != "fp32" or args.tf32 is not None:  # the same: its own figures

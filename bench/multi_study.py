@@ -620,7 +620,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(body))
     if args.quick and args.out_dir is None:
         return
-    kind = "cpu" if info["device"] == "cpu" else info["device"].replace(" ", "-")
+    kind = recording.device_kind(info)
     recording.save_json(f"multi_study_{kind}", {
         "machine": info, "date": recording.now(), "command": recording.command_line(),
         "fleet": [m.to_json() for m in members], "warm_up": [m.to_json() for m in WARM_UP],
@@ -628,11 +628,16 @@ def main(argv: list[str] | None = None) -> None:
         "runs": runs}, args.out_dir)  # fmt: skip
     if not (args.quick or args.no_append):
         recording.append_section(
-            f"g. Many studies on one fleet — {info['device']}",
+            section(info),
             info,
             history_lines(members, args.stagger, known, body),
             load,
         )
+
+
+def section(info: dict[str, Any]) -> str:
+    """The HISTORY.md title of a run on ``info``'s device."""
+    return f"g. Many studies on one fleet — {info['device']}"
 
 
 def history_lines(

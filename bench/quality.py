@@ -311,13 +311,15 @@ def main(argv: list[str] | None = None) -> None:
     summary = summarise(runs)
     lines = report(summary, runs)
     info = recording.machine(args.device)
-    kind = "cpu" if info["device"] == "cpu" else info["device"].replace(" ", "-")
-    appended = not (args.quick or args.no_append)
+    kind = recording.device_kind(info)
     note = ""
-    if appended:  # a full run here: its plot too (a run elsewhere: `python -m bench.plots`)
+    if not (args.quick or args.no_append):  # a full run here: its plot too (one elsewhere:
+        from bench.plots import quality_plot  # `python -m bench.plots` draws it here)
+
         try:
-            plot(runs, summary, recording.BENCH_DIR / "plots" / f"quality_{kind}.png")
-            note = f"; plot: bench/plots/quality_{kind}.png"
+            drawn = quality_plot({"machine": info, "runs": runs, "summary": summary},
+                                 recording.BENCH_DIR / "plots")  # fmt: skip
+            note = f"; plot: {drawn.relative_to(ROOT)}"
         except ImportError:
             note = "; no plot (matplotlib is not installed)"
     data = {"spec": spec, "seeds": args.seeds, "runs": runs, "summary": summary, "commit": commit}

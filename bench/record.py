@@ -67,16 +67,15 @@ def record_multi_study(data: dict[str, Any], via: str | None, notes: list[str]) 
     body, _ = multi_study.summarise(data["runs"], members)
     lines = multi_study.history_lines(members, data["stagger"], data["settings_known"], body)
     first = next(iter(data["runs"].values()))[0]
-    recording.append_section(f"g. Many studies on one fleet — {data['machine']['device']}",
+    recording.append_section(multi_study.section(data["machine"]),
                              data["machine"], [*lines, *notes], first.get("load", "n/a"),
                              command=_command(data, via), date=data["date"],
                              load_after="n/a")  # fmt: skip
 
 
 def record_spill(data: dict[str, Any], via: str | None, notes: list[str]) -> None:
-    device = data["machine"]["device"]
-    title = "h. spilled training" + ("" if device == "cpu" else f" — {device}")
-    recording.append_section(title, data["machine"], [*spill.report(data["result"]), *notes],
+    recording.append_section(spill.SECTION, data["machine"],
+                             [*spill.report(data["result"]), *notes],
                              "n/a", command=_command(data, via), date=data["date"],
                              load_after="n/a")  # fmt: skip
 

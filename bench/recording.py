@@ -89,6 +89,12 @@ def machine(device: str = "cpu") -> dict[str, Any]:
     return info
 
 
+def device_kind(info: dict[str, Any]) -> str:
+    """The device of a :func:`machine` as result files name it: ``cpu``, or the GPU's name
+    with dashes for spaces (``NVIDIA-H100-80GB-HBM3``)."""
+    return "cpu" if info["device"] == "cpu" else str(info["device"]).replace(" ", "-")
+
+
 def describe(info: dict[str, Any]) -> str:
     device = "" if info["device"] == "cpu" else f", GPU {info['device']}"
     return (

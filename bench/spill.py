@@ -27,6 +27,8 @@ from typing import Any
 
 from bench import recording
 
+#: its HISTORY.md section's title (the machine line names the device)
+SECTION = "h. spilled training"
 CONFIG: dict[str, Any] = {
     "input_dim": 256, "hidden": 1024, "layers": 8, "output_dim": 10, "n_train": 4096,
     "n_val": 512, "batch_size": 128, "optimizer": "adam", "lr": 1e-3, "seed": 1, "data_seed": 1,
@@ -216,8 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     info = recording.machine(args.device)
     result = measure(config, args.device, args.repeats, args.steps, args.budget, args.alternate)
     body = report(result)
-    kind = "cpu" if info["device"] == "cpu" else info["device"].replace(" ", "-")
-    recording.publish(f"spill_{kind}", "h. spilled training", body, info, load,
+    kind = recording.device_kind(info)
+    recording.publish(f"spill_{kind}", SECTION, body, info, load,
                       {"result": result}, args)  # fmt: skip
 
 

@@ -184,7 +184,7 @@ def run(args: argparse.Namespace, settings: dict[str, str]) -> None:
     print("\n".join(body))
     if args.quick and args.out_dir is None:
         return
-    kind = "cpu" if info["device"] == "cpu" else info["device"].replace(" ", "-")
+    kind = recording.device_kind(info)
     kind += "".join(f"_{key}-{value}" for key, value in sorted(settings.items()))
     recording.save_json(f"study_walltime_{kind}", {
         "machine": info, "date": recording.now(), "command": recording.command_line(),
