@@ -181,8 +181,9 @@ def children(pid: int) -> list[int]:
     return out
 
 
-def runner_identity(seconds: float) -> tuple[str | None, str | None]:
-    """Run in an embedded runner: after ``seconds`` (so that a second call goes to another
-    idle runner), its worker name and torch threads setting."""
-    time.sleep(seconds)
+def runner_identity(together: Any) -> tuple[str | None, str | None]:
+    """Run in an embedded runner: once ``together`` (a manager's ``Barrier`` of two) has
+    seen another call running at the same time, so that the two calls are in two runners
+    however late one of them took its call, its worker name and torch threads setting."""
+    together.wait()
     return os.environ.get("PACKTUNE_WORKER_NAME"), os.environ.get("PACKTUNE_TORCH_THREADS")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -90,9 +92,20 @@ def test_two_runners_each_take_a_name_of_their_own_and_a_share_of_the_cores(
         assert all(w.result(timeout=120) for w in dispatcher.warm_ups)
         assert len(dispatcher.warm_ups) == 2
         pool = dispatcher._executor()
-        # each call holds its runner a second: the second goes to the other one
-        calls = [pool.submit(runner_identity, 1.0) for _ in range(2)]
-        got = sorted(c.result(timeout=120) for c in calls)
+        # Each call waits for the other to be running too, so the two run in two runners
+        # whichever takes them when. One runner is held still meanwhile, as a loaded machine
+        # holds a process: the other takes the first call, and the second waits for the
+        # held one (calls that only slept a second went both to the free runner then).
+        held = runners(os.getpid())[0]
+        with multiprocessing.Manager() as manager:
+            together = manager.Barrier(2, timeout=60)
+            os.kill(held, signal.SIGSTOP)
+            try:
+                calls = [pool.submit(runner_identity, together) for _ in range(2)]
+                time.sleep(1.5)
+            finally:
+                os.kill(held, signal.SIGCONT)
+            got = sorted(c.result(timeout=120) for c in calls)
         threads = str(max(1, ((os.cpu_count() or 2) - 1) // 2))
         assert got == [(f"embedded-2@{host}", threads), (f"embedded@{host}", threads)]
         assert len(runners(os.getpid())) == 2
