@@ -15,9 +15,11 @@ segment short of it, pack completed) — bulk SQL, not timed.
 Eight fake GPU workers (8 x 80 GB) heartbeat, and a throughput profile makes
 arrays of 256 the best size, so that the study moves through all its rungs.
 
-Per tick: wall seconds (no tracemalloc), and in a second identical pass the
-tracemalloc peak. Peak RSS of the process is reported too. Both on SQLite
-(a file) and PostgreSQL (a fresh database).
+The heap is collected and frozen before the first tick, as the scheduler's
+process does (``service.runtime.settle_heap``). Per tick: wall seconds (no
+tracemalloc), and in a second identical pass the tracemalloc peak. Peak RSS of
+the process is reported too. Both on SQLite (a file) and PostgreSQL (a fresh
+database).
 
     python -m bench.scheduler_scale
     python -m bench.scheduler_scale --studies 20 # 20 studies, 12,295 trials
@@ -27,6 +29,7 @@ tracemalloc peak. Peak RSS of the process is reported too. Both on SQLite
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import random
 import resource
@@ -62,6 +65,7 @@ from service.models import (
     TrialStatus,
     utcnow,
 )
+from service.runtime import settle_heap
 from service.scheduler import Scheduler
 
 DEVICE_KIND = "NVIDIA H100 80GB HBM3"
@@ -225,6 +229,7 @@ def one_pass(
                 )
         scheduler = Scheduler(settings, factory=factory, dispatcher=RecordingDispatcher(),
                               holder="bench")  # fmt: skip
+        settle_heap()  # as the scheduler's process does before its first tick
         statements = [0]
 
         def count(*_: Any) -> None:
@@ -259,6 +264,7 @@ def one_pass(
         finally:
             scheduler.close()
             engine.dispose()
+            gc.unfreeze()  # the next pass starts as this one did
     assert status == StudyStatus.completed or len(ticks) == max_ticks, status
     return {"ticks": ticks, "status": status, "trials": trials, "packs": packs,
             "studies": len(ids)}  # fmt: skip

@@ -8,6 +8,7 @@ layer may import it).
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import threading
 
@@ -27,16 +28,29 @@ def make_dispatcher(settings: Settings) -> Dispatcher:
     return EmbeddedDispatcher(settings)
 
 
-def preload_sampler() -> None:
+def preload_sampler() -> threading.Thread:
     """Import the model-based sampler's library (Optuna, ~0.2 s) in a background thread, so
     that a study's first model-based draw does not pay it inside a scheduler tick, on the
-    study's critical path (the scheduler waits for its runner's start meanwhile anyway)."""
+    study's critical path (the scheduler waits for its runner's start meanwhile anyway).
+    Returns the thread."""
 
     def load() -> None:
         with contextlib.suppress(ImportError):
             importlib.import_module("optuna")
 
-    threading.Thread(target=load, name="packtune-preload", daemon=True).start()
+    thread = threading.Thread(target=load, name="packtune-preload", daemon=True)
+    thread.start()
+    return thread
+
+
+def settle_heap() -> None:
+    """Collect, then freeze what is alive (imports, settings, the engine: what lives as long
+    as the process) out of the collector's way, as the API does at its start. A full
+    collection otherwise walks all of it in the middle of a tick: 16 of them in one pass of
+    bench d (20 studies, PostgreSQL), 50-90 ms each, 0.88 s of the pass's ticks; frozen,
+    20-40 ms each, 0.42 s (AMD EPYC, 2 cores)."""
+    gc.collect()
+    gc.freeze()
 
 
 def run_scheduler(
@@ -55,9 +69,11 @@ def run_scheduler(
     scheduler = Scheduler(
         settings, session_factory(engine), dispatcher or make_dispatcher(settings)
     )
-    preload_sampler()
+    loading = preload_sampler()
     try:
         scheduler.dispatcher.start()  # embedded: the runner starts; RQ: hear workers finish
+        loading.join(timeout=30)  # once, at the start: Optuna's objects are frozen too
+        settle_heap()
         scheduler.run(stop)
     finally:
         scheduler.close()
