@@ -46,9 +46,9 @@ def preload_sampler() -> threading.Thread:
 def settle_heap() -> None:
     """Collect, then freeze what is alive (imports, settings, the engine: what lives as long
     as the process) out of the collector's way, as the API does at its start. A full
-    collection otherwise walks all of it in the middle of a tick: 16 of them in one pass of
-    bench d (20 studies, PostgreSQL), 50-90 ms each, 0.88 s of the pass's ticks; frozen,
-    20-40 ms each, 0.42 s (AMD EPYC, 2 cores)."""
+    collection otherwise walks all of it in the middle of a tick: in one pass of bench d
+    (20 studies, PostgreSQL) 16 full collections at 50-90 ms each, 0.88 s of collections in
+    all inside its ticks; frozen, 20-40 ms each, 0.42 s (AMD EPYC, 2 cores)."""
     gc.collect()
     gc.freeze()
 
