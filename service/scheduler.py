@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from packtune.dispatcher import Dispatcher, JobState, check_job_id, job_id_for
 from packtune.errors import QueueUnavailable, StoreUnavailable, StudyCannotRun
 from packtune.settings import Settings, get_settings
-from packtune.tuning import IDLE_TICK_SHARE, MAX_FAULTS, MIN_WAKE_S, PLAN_NEXT_TICK, SAMPLE_CHUNK
+from packtune.tuning import IDLE_TICK_SHARE, MAX_FAULTS, MIN_WAKE_S, PLAN_NEXT_TICK, TICK_SAMPLES
 from service import lifecycle, planning, store
 from service.db import DATABASE_ERRORS, get_sessionmaker, session_scope
 from service.models import (
@@ -67,7 +67,7 @@ class TickReport:
     requeued: int = 0
     failed_packs: int = 0
     deferred: int = 0  # studies whose planning waits for the next tick (run at once)
-    sampled: int = 0  # trials sampled by this tick (of every study: SAMPLE_CHUNK at most)
+    sampled: int = 0  # trials sampled by this tick (of every study: about TICK_SAMPLES)
     queue_error: str | None = None  # the job queue could not be reached
     finished_studies: list[int] = field(default_factory=list)
     yields: list[int] = field(default_factory=list)  # running packs asked to give way
@@ -275,8 +275,10 @@ class Scheduler:
     def _advance(self, s: Session, study: Study, report: TickReport) -> bool:
         advanced = lifecycle.advance_brackets(s, study)
         was_pending = study.status == StudyStatus.pending
-        limit = max(0, SAMPLE_CHUNK - report.sampled)  # the tick's studies share one budget
-        inserted, more = lifecycle.sample_due(s, study, limit, sampled=advanced.sampled)
+        limit = max(0, TICK_SAMPLES - report.sampled)  # the tick's studies share one budget
+        inserted, more = lifecycle.sample_due(
+            s, study, limit, sampled=advanced.sampled, whole=not report.sampled
+        )
         report.sampled += inserted
         report.started += was_pending and inserted > 0
         reason = lifecycle.budget_spent(s, study, _now()) if not was_pending else None
@@ -285,9 +287,9 @@ class Scheduler:
             lifecycle.stop_for_budget(s, study, reason)
             report.finished_studies.append(study.id)
             return False
-        if more and (inserted or limit < SAMPLE_CHUNK):  # perhaps cut short by the budget:
+        if more and (inserted or limit < TICK_SAMPLES):  # perhaps cut short by the budget:
             report.deferred += 1  # the next tick goes on at once
-            if report.sampled >= SAMPLE_CHUNK:
+            if report.sampled >= TICK_SAMPLES:
                 return False
         # the decisions' counts hold unless sampling added trials since
         counts = advanced.statuses if not inserted else None

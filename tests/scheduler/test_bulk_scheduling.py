@@ -213,7 +213,7 @@ def test_study_decisions_equal_promote_over_the_measurements(
     trials per tick), so that a study is sampled, planned and decided over many ticks."""
     if bounded:
         monkeypatch.setattr(lifecycle, "SAMPLE_CHUNK", 10)
-        monkeypatch.setattr(scheduler_module, "SAMPLE_CHUNK", 10)
+        monkeypatch.setattr(scheduler_module, "TICK_SAMPLES", 10)
         monkeypatch.setattr(planning, "MAX_UNITS_PER_PLAN", 8)
         monkeypatch.setattr(scheduler_module, "PLAN_NEXT_TICK", 5)
     planned: list[int] = []
@@ -272,9 +272,9 @@ def test_a_tick_samples_a_bounded_number_of_trials_over_all_studies(
     factory: Factory, url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Twenty studies sampled in one tick would make that tick twenty times as long: a tick's
-    studies share one budget of SAMPLE_CHUNK trials, and the next ticks go on at once."""
+    studies share one budget of TICK_SAMPLES trials, and the next ticks go on at once."""
     monkeypatch.setattr(lifecycle, "SAMPLE_CHUNK", 10)
-    monkeypatch.setattr(scheduler_module, "SAMPLE_CHUNK", 10)
+    monkeypatch.setattr(scheduler_module, "TICK_SAMPLES", 10)
     with session_scope(factory) as s:
         fleet(s)
         ids = [
@@ -297,3 +297,31 @@ def test_a_tick_samples_a_bounded_number_of_trials_over_all_studies(
     finally:
         scheduler.close()
     assert counts[-1] == total and len(counts) >= total // 10
+
+
+def test_a_chunk_above_the_tick_budget_is_drawn_whole_by_a_tick_that_drew_nothing_yet(
+    factory: Factory, url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk is drawn as one batch (a model's draws must not depend on the ticks), so a tick
+    budget (TICK_SAMPLES) below the chunk size would never draw it: the tick's first draw
+    takes one whole chunk above the budget, and nothing is drawn after it in that tick."""
+    monkeypatch.setattr(lifecycle, "SAMPLE_CHUNK", 20)
+    monkeypatch.setattr(scheduler_module, "TICK_SAMPLES", 8)
+    with session_scope(factory) as s:
+        fleet(s)
+        ids = [
+            store.create_study(s, name=f"chunk-{i}", workload="digits-mlp", spec=SPEC, seed=0).id
+            for i in range(2)
+        ]
+    settings = Settings(database_url=url, heartbeat_timeout=10**6)
+    scheduler = Scheduler(settings, factory=factory, dispatcher=RecordingDispatcher(), holder="t")  # type: ignore[arg-type]
+    per_tick = []
+    try:
+        for _ in range(12):
+            per_tick.append(scheduler.tick().sampled)
+    finally:
+        scheduler.close()
+    # brackets of 27 (chunks of 20 and 7), 12, 6 and 4 trials; the first study first
+    assert per_tick[:11] == [20, 7, 12, 6, 4, 20, 7, 12, 6, 4, 0]
+    with session_scope(factory) as s:
+        assert [sum(store.count_trials_by_status(s, i).values()) for i in ids] == [49, 49]
