@@ -6,7 +6,7 @@ trials (9 brackets). With ``--studies 20``: 5 studies with ``max_resource`` 729
 (1,214 trials each) and 15 with 243 (415 each), 12,295 trials, all running at
 once, so that every tick plans the ready trials of all of them together (fair
 share, cross-study packs). The trials are created by the scheduler's own first
-ticks (2,048 per tick; a tick also plans at most 2,048 units). A *recording*
+ticks (about 1,024 per tick; a tick also plans at most 2,048 units). A *recording*
 dispatcher stands in for RQ (it records the packs it is handed and says they
 are queued), and the bench plays the workers: after
 each tick it completes every dispatched pack at once (measurements at the

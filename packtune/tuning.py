@@ -44,9 +44,7 @@ MAX_FAULTS = 10
 SAMPLE_CHUNK = 2048
 #: trials one tick samples over all its studies before it leaves the rest to the next tick
 #: (run at once). A chunk is drawn whole: a tick that has drawn nothing yet takes one chunk
-#: even above it. Measured with bench d ``--studies 20`` on PostgreSQL (AMD EPYC), side by
-#: side: 2,048 gave worst ticks of 0.72-0.93 s, the ticks that sampled 2,048 trials of many
-#: studies (inserting them took ~0.18 s, drawing ~0.1 s); see docs/design.md
+#: even above it. Why 1,024: docs/design.md, "Tuning constants"
 TICK_SAMPLES = 1024
 #: an iteration's first bracket (whose first rung is the study's lowest resource) is drawn
 #: from a model in this many waves, each after the first rung of the one before; its other
