@@ -268,21 +268,36 @@ def test_study_decisions_equal_promote_over_the_measurements(
     assert set(statuses) <= {TrialStatus.completed, TrialStatus.stopped, TrialStatus.diverged}
 
 
+def studies_to_sample(
+    factory: Factory,
+    url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    n: int,
+    *,
+    chunk: int,
+    per_tick: int,
+) -> tuple[list[int], Scheduler]:
+    """``n`` new studies of SPEC and a scheduler that draws chunks of ``chunk`` trials and
+    samples ``per_tick`` trials a tick."""
+    monkeypatch.setattr(lifecycle, "SAMPLE_CHUNK", chunk)
+    monkeypatch.setattr(scheduler_module, "TICK_SAMPLES", per_tick)
+    with session_scope(factory) as s:
+        fleet(s)
+        ids = [
+            store.create_study(s, name=f"bulk-{i}", workload="digits-mlp", spec=SPEC, seed=0).id
+            for i in range(n)
+        ]
+    settings = Settings(database_url=url, heartbeat_timeout=10**6)
+    scheduler = Scheduler(settings, factory=factory, dispatcher=RecordingDispatcher(), holder="t")  # type: ignore[arg-type]
+    return ids, scheduler
+
+
 def test_a_tick_samples_a_bounded_number_of_trials_over_all_studies(
     factory: Factory, url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Twenty studies sampled in one tick would make that tick twenty times as long: a tick's
     studies share one budget of TICK_SAMPLES trials, and the next ticks go on at once."""
-    monkeypatch.setattr(lifecycle, "SAMPLE_CHUNK", 10)
-    monkeypatch.setattr(scheduler_module, "TICK_SAMPLES", 10)
-    with session_scope(factory) as s:
-        fleet(s)
-        ids = [
-            store.create_study(s, name=f"bulk-{i}", workload="digits-mlp", spec=SPEC, seed=0).id
-            for i in range(3)
-        ]
-    settings = Settings(database_url=url, heartbeat_timeout=10**6)
-    scheduler = Scheduler(settings, factory=factory, dispatcher=RecordingDispatcher(), holder="t")  # type: ignore[arg-type]
+    ids, scheduler = studies_to_sample(factory, url, monkeypatch, 3, chunk=10, per_tick=10)
     total = 3 * sum(bracket[0].n for bracket in StoredSpec.of(SPEC).brackets)
     counts = []
     try:
@@ -305,16 +320,7 @@ def test_a_chunk_above_the_tick_budget_is_drawn_whole_by_a_tick_that_drew_nothin
     """A chunk is drawn as one batch (a model's draws must not depend on the ticks), so a tick
     budget (TICK_SAMPLES) below the chunk size would never draw it: the tick's first draw
     takes one whole chunk above the budget, and nothing is drawn after it in that tick."""
-    monkeypatch.setattr(lifecycle, "SAMPLE_CHUNK", 20)
-    monkeypatch.setattr(scheduler_module, "TICK_SAMPLES", 8)
-    with session_scope(factory) as s:
-        fleet(s)
-        ids = [
-            store.create_study(s, name=f"chunk-{i}", workload="digits-mlp", spec=SPEC, seed=0).id
-            for i in range(2)
-        ]
-    settings = Settings(database_url=url, heartbeat_timeout=10**6)
-    scheduler = Scheduler(settings, factory=factory, dispatcher=RecordingDispatcher(), holder="t")  # type: ignore[arg-type]
+    ids, scheduler = studies_to_sample(factory, url, monkeypatch, 2, chunk=20, per_tick=8)
     per_tick = []
     try:
         for _ in range(12):
