@@ -27,7 +27,7 @@ from packtune.sampling import Observation, min_points, suggest
 from packtune.settings import get_settings
 from packtune.space import Dimension, fusion_key, parse_space
 from packtune.spec import StoredSpec
-from packtune.tuning import SAMPLE_CHUNK, TICK_SAMPLES, WAVES_PER_BRACKET
+from packtune.tuning import SAMPLE_CHUNK, WAVES_PER_BRACKET
 from packtune.workloads import get_workload
 from service import store
 from service.models import (
@@ -74,12 +74,13 @@ def sample_due(
 ) -> tuple[int, bool]:
     """Sample every bracket whose turn has come (:mod:`packtune.iterations`: in order, each
     once the rungs it learns from are settled), ``limit`` trials a call at most (the
-    scheduler gives a tick's studies :data:`TICK_SAMPLES` together), but a whole chunk
-    (:data:`SAMPLE_CHUNK` at most) even above it where ``whole`` (the tick has drawn
-    nothing yet); the first trials mark the study running. Returns (trials inserted,
-    whether some bracket within the budget is still to be sampled). ``sampled``: how many
-    trials the study has, where the caller has just counted them (:attr:`Advance.sampled`)."""
-    limit = TICK_SAMPLES if limit is None else limit
+    scheduler gives a tick's studies :data:`~packtune.tuning.TICK_SAMPLES` together; by
+    default one chunk's worth), but a whole chunk (:data:`SAMPLE_CHUNK` at most) even
+    above it where ``whole`` (the tick has drawn nothing yet); the first trials mark the
+    study running. Returns (trials inserted, whether some bracket within the budget is
+    still to be sampled). ``sampled``: how many trials the study has, where the caller has
+    just counted them (:attr:`Advance.sampled`)."""
+    limit = SAMPLE_CHUNK if limit is None else limit
     spec = StoredSpec.of(study.spec)
     workload, space = _space_of(study, spec)
     done = sampled  # sampled so far
