@@ -362,14 +362,18 @@ def retry_pack(s: Session, pack: Pack, *, error: str, fault: bool, backoff: floa
     count toward ``max_attempts``). False when the pack had moved on (finished, cancelled),
     and when every unit was trained: the attempt ended after its units' ends (killed before
     closing the pack), so the pack is completed, with ``error`` kept, instead of waiting for
-    a dispatch with nothing to train (and staying pending if its study ended first)."""
+    a dispatch with nothing to train (and staying pending if its study ended first).
+
+    Its ``started_at`` is cleared: a pack's start is its current attempt's, and the wait for
+    the next one is not device time (:func:`device_seconds` and :func:`busy_intervals` count
+    a started pack to now while it has no end)."""
     trials = {t.id: t for t in trials_by_id(s, [m.trial_id for m in pack.members])}
     if finished_before(pack, trials):
         finish_pack(s, pack, PackStatus.completed, error=error)
         return False
     delay = retry_delay(backoff, pack.attempts, random.random())
     retry_after = utcnow() + timedelta(seconds=delay) if delay > 0 else None
-    values: dict[str, Any] = {"error": error, "retry_after": retry_after}
+    values: dict[str, Any] = {"error": error, "retry_after": retry_after, "started_at": None}
     if fault:
         values["faults"] = Pack.faults + 1
     return move_pack(s, pack, PackStatus.pending, **values)

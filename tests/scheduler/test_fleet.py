@@ -26,6 +26,7 @@ from tests.scheduler.test_scheduler import (
     db,
     final_values,
     new_study,
+    packs,
     run_to_end,
     scheduler,
 )
@@ -399,6 +400,32 @@ def test_the_scheduler_looks_again_when_a_running_pack_leaves_the_waiting_ones_b
     assert waited < 10, f"asked after {waited:.1f} s: at the next regular tick, not at once"
     (asked,) = [p for p in all_packs() if p.id == first.id]
     assert asked.yield_requested_at is not None
+
+
+def test_a_pack_waiting_for_its_retry_is_not_charged_device_time(
+    db: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pack whose job failed after its worker took it goes back to pending and waits out
+    its retry backoff; that wait is not device time. Before, the failed attempt's start stayed
+    the pack's start, so every second of the wait was charged to its study as if the pack
+    ran (its fair share shrank, and the dashboard showed it busy, not waiting)."""
+    monkeypatch.setenv("PACKTUNE_RETRY_BACKOFF", "60")
+    get_settings.cache_clear()
+    study_id = new_study({**SPEC, "sampler": "random"})
+    dispatcher = SyncDispatcher(run=False)  # jobs stay queued: this test plays the worker
+    sched = scheduler(dispatcher)
+    sched.tick()
+    (pack, *_) = packs(study_id)
+    with session_scope(get_sessionmaker()) as s:
+        assert store.claim_pack(s, pack.id, worker_name="sync@test", device="cpu") is not None
+    dispatcher.states[pack.job_id or ""] = (JobState.failed, "RuntimeError: killed")
+    sched.tick()  # the failed job is seen: back to pending, not before a minute
+    (retried, *_) = packs(study_id)
+    assert retried.status == PackStatus.pending and retried.retry_after is not None
+    later = utcnow() + timedelta(seconds=50)  # still waiting
+    with session_scope(get_sessionmaker()) as s:
+        assert store.device_seconds(s, [study_id], later)[study_id] < 5.0
+        assert store.busy_intervals(s, [study_id], later)[study_id] == []
 
 
 @pytest.mark.parametrize("labelled", [True, False])
