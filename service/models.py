@@ -227,6 +227,9 @@ class Pack(Base):
     estimated_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     peak_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     train_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
+    #: device-seconds of its earlier attempts, those that ended without finishing it (a
+    #: failed job, a lost worker): charged to its studies with the current attempt's time
+    spent_seconds: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     #: how each array ran, written when the pack completes: [{"trials": [...], "stacks":
     #: [{"trials": [...], "mode": "bmm" | "vmap" | "serial"}], "notes": [...],

@@ -13,6 +13,7 @@ from typing import Any
 from sqlalchemy import (
     func,
     insert,
+    or_,
     select,
     update,
 )
@@ -199,9 +200,10 @@ def studies_of_packs(s: Session, pack_ids: Iterable[int]) -> dict[int, set[int]]
 
 
 def device_seconds(s: Session, study_ids: Iterable[int], now: datetime) -> dict[int, float]:
-    """Device-seconds each study's trials have trained so far: every started pack's time on
-    its device (to ``now`` while it runs), split between the studies it holds in proportion
-    to the resource each trains in it (:func:`packtune.fleet.split_seconds`)."""
+    """Device-seconds each study's trials have trained so far: every pack's time on its
+    device, its earlier attempts' (``spent_seconds``) and its current one's (to ``now``
+    while it runs), split between the studies it holds in proportion to the resource each
+    trains in it (:func:`packtune.fleet.split_seconds`)."""
     ids = list(study_ids)
     used = dict.fromkeys(ids, 0.0)
     if not ids:
@@ -213,17 +215,18 @@ def device_seconds(s: Session, study_ids: Iterable[int], now: datetime) -> dict[
     )
     stmt = (
         select(
-            Pack.id, Pack.started_at, Pack.finished_at, Trial.study_id,
+            Pack.id, Pack.started_at, Pack.finished_at, Pack.spent_seconds, Trial.study_id,
             func.sum(PackMember.to_resource - PackMember.from_resource),
         )
         .join(PackMember, PackMember.pack_id == Pack.id)
         .join(Trial, Trial.id == PackMember.trial_id)
-        .where(Pack.started_at.is_not(None), Pack.id.in_(theirs))
-        .group_by(Pack.id, Pack.started_at, Pack.finished_at, Trial.study_id)
+        .where(or_(Pack.started_at.is_not(None), Pack.spent_seconds > 0), Pack.id.in_(theirs))
+        .group_by(Pack.id, Pack.started_at, Pack.finished_at, Pack.spent_seconds, Trial.study_id)
     )  # fmt: skip
     packs: dict[int, tuple[float, dict[int, float]]] = {}
-    for pack_id, started, finished, study_id, work in s.execute(stmt):
+    for pack_id, started, finished, spent, study_id, work in s.execute(stmt):
         took = max(0.0, ((finished or now) - started).total_seconds()) if started else 0.0
+        took += float(spent or 0.0)
         packs.setdefault(pack_id, (took, {}))[1][study_id] = float(work or 0.0)
     for took, by_study in packs.values():
         for study_id, share in split_seconds(took, by_study).items():
@@ -366,14 +369,20 @@ def retry_pack(s: Session, pack: Pack, *, error: str, fault: bool, backoff: floa
 
     Its ``started_at`` is cleared: a pack's start is its current attempt's, and the wait for
     the next one is not device time (:func:`device_seconds` and :func:`busy_intervals` count
-    a started pack to now while it has no end)."""
+    a started pack to now while it has no end). The attempt's own time, from its start to
+    now, is added to ``spent_seconds``: it held the device for the pack's studies, and
+    :func:`device_seconds` charges it to them."""
     trials = {t.id: t for t in trials_by_id(s, [m.trial_id for m in pack.members])}
     if finished_before(pack, trials):
         finish_pack(s, pack, PackStatus.completed, error=error)
         return False
+    now = utcnow()
     delay = retry_delay(backoff, pack.attempts, random.random())
-    retry_after = utcnow() + timedelta(seconds=delay) if delay > 0 else None
+    retry_after = now + timedelta(seconds=delay) if delay > 0 else None
     values: dict[str, Any] = {"error": error, "retry_after": retry_after, "started_at": None}
+    if pack.started_at is not None:
+        took = max(0.0, (now - pack.started_at).total_seconds())
+        values["spent_seconds"] = Pack.spent_seconds + took
     if fault:
         values["faults"] = Pack.faults + 1
     return move_pack(s, pack, PackStatus.pending, **values)

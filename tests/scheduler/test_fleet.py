@@ -428,6 +428,42 @@ def test_a_pack_waiting_for_its_retry_is_not_charged_device_time(
         assert store.busy_intervals(s, [study_id], later)[study_id] == []
 
 
+def test_a_failed_attempt_is_charged_to_its_study(
+    db: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pack whose attempt held the device 20 s and then failed charges those 20 s to its
+    study: while it waits for its retry, and once a second attempt has run too (20 s + that
+    attempt's). Before, clearing the failed attempt's start dropped its time: a study whose
+    packs kept failing used the device without its fair share shrinking (0 s charged)."""
+    monkeypatch.setenv("PACKTUNE_RETRY_BACKOFF", "60")
+    get_settings.cache_clear()
+    study_id = new_study({**SPEC, "sampler": "random"})
+    dispatcher = SyncDispatcher(run=False)  # jobs stay queued: this test plays the worker
+    sched = scheduler(dispatcher)
+    sched.tick()
+    (pack, *_) = packs(study_id)
+    with session_scope(get_sessionmaker()) as s:
+        claimed = store.claim_pack(s, pack.id, worker_name="sync@test", device="cpu")
+        assert claimed is not None
+        claimed.started_at = utcnow() - timedelta(seconds=20)  # it has run 20 s
+    dispatcher.states[pack.job_id or ""] = (JobState.failed, "RuntimeError: killed")
+    sched.tick()  # the failed job is seen: back to pending, not before a minute
+    (retried, *_) = packs(study_id)
+    assert retried.status == PackStatus.pending and retried.started_at is None
+    later = utcnow() + timedelta(seconds=50)  # still waiting: the wait is not charged
+    with session_scope(get_sessionmaker()) as s:
+        charged = store.device_seconds(s, [study_id], later)[study_id]
+    assert 20.0 <= charged < 25.0, charged
+    with session_scope(get_sessionmaker()) as s:  # the second attempt runs 5 s and ends
+        again = s.get(Pack, pack.id)
+        assert again is not None
+        again.status, again.finished_at = PackStatus.completed, utcnow()
+        again.started_at = again.finished_at - timedelta(seconds=5)
+    with session_scope(get_sessionmaker()) as s:
+        charged = store.device_seconds(s, [study_id], utcnow())[study_id]
+    assert 25.0 <= charged < 30.0, charged
+
+
 @pytest.mark.parametrize("labelled", [True, False])
 def test_an_owner_with_several_studies_is_served_as_one(
     db: None, monkeypatch: pytest.MonkeyPatch, labelled: bool
