@@ -9,7 +9,7 @@ finally the settings' ``database_url``. Connections are made through
 from __future__ import annotations
 
 from alembic import context
-from sqlalchemy.engine import URL
+from sqlalchemy.engine import URL, Connection
 
 from packtune.settings import get_settings
 from service.db import make_engine, normalise_url
@@ -38,14 +38,38 @@ def run_offline() -> None:
         context.run_migrations()
 
 
+def _foreign_keys(connection: Connection, on: bool) -> None:
+    """SQLite's foreign key enforcement for this connection, set outside any transaction
+    (SQLite ignores the pragma inside one)."""
+    driver = connection.connection.driver_connection
+    assert driver is not None
+    driver.execute(f"PRAGMA foreign_keys={'ON' if on else 'OFF'}")
+
+
 def run_online() -> None:
     url = _url()
+    sqlite = url.get_backend_name() == "sqlite"
     engine = make_engine(url)
     try:
         with engine.connect() as connection:
-            context.configure(connection=connection, **_options(url))
-            with context.begin_transaction():
-                context.run_migrations()
+            # A batch migration copies a table and drops the old one; with foreign keys on,
+            # the drop would delete every row referring to it (ON DELETE CASCADE). Off while
+            # migrating, and checked before the commit instead.
+            if sqlite:
+                _foreign_keys(connection, on=False)
+            try:
+                context.configure(connection=connection, **_options(url))
+                with context.begin_transaction():
+                    context.run_migrations()
+                    if sqlite:
+                        broken = connection.exec_driver_sql("PRAGMA foreign_key_check").all()
+                        if broken:
+                            raise RuntimeError(
+                                f"rows referring to no row after migrating: {broken}"
+                            )
+            finally:
+                if sqlite:
+                    _foreign_keys(connection, on=True)
     finally:
         engine.dispose()
 

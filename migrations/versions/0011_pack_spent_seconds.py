@@ -26,9 +26,8 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    # Not in a batch: on SQLite a batch would copy ``packs`` to a new table and drop the old
-    # one, and the drop cascades to every ``pack_members`` row. SQLite adds (3.2+) and drops
-    # (3.35+) a plain column in place.
+    # Not in a batch: SQLite adds (3.2+) and drops (3.35+) a plain column in place, where a
+    # batch would copy the whole table.
     op.add_column(
         "packs", sa.Column("spent_seconds", sa.Float(), nullable=False, server_default="0")
     )

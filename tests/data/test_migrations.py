@@ -213,3 +213,52 @@ def test_0009_keeps_pack_members_as_whole_trials(empty_url: str | URL) -> None:
         rows = conn.exec_driver_sql("SELECT trial_id, to_resource FROM pack_members")
         assert [tuple(r) for r in rows] == [(1, 1.0)]  # segment -1, the lowest
     engine.dispose()
+
+
+def test_downgrading_keeps_the_rows_of_tables_copied_on_sqlite(empty_url: str | URL) -> None:
+    """Downgrades that drop a column of ``studies``, ``trials`` or ``packs`` copy the table to
+    a new one on SQLite (batch mode) and drop the old one; with foreign keys on, that drop
+    deleted every row referring to it (``ON DELETE CASCADE``): a study's trials, packs,
+    measurements and pack members. Down to 0001 and up again, every row is still there."""
+    upgrade(empty_url)
+    engine = make_engine(empty_url)
+    stamp = "'2026-11-28 00:00:00'"
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "INSERT INTO studies (id, name, workload, spec, seed, status, created_at)"
+            f" VALUES (1, 's', 'digits-mlp', '{{}}', 0, 'running', {stamp})"
+        )
+        conn.exec_driver_sql(
+            "INSERT INTO trials (id, study_id, sample_index, bracket, rung, config, fusion_key,"
+            f" status, resource_done, created_at, updated_at) VALUES (1, 1, 0, 0, 0, '{{}}',"
+            f" 'k', 'running', 1, {stamp}, {stamp})"
+        )
+        conn.exec_driver_sql(
+            "INSERT INTO measurements (trial_id, resource, metrics, created_at)"
+            f" VALUES (1, 1.0, '{{\"val_loss\": 0.5}}', {stamp})"
+        )
+        conn.exec_driver_sql(
+            "INSERT INTO packs (id, study_id, status, attempts, created_at)"
+            f" VALUES (1, 1, 'running', 1, {stamp})"
+        )
+        conn.exec_driver_sql(
+            "INSERT INTO pack_members (pack_id, trial_id, fusion_key, from_resource, to_resource)"
+            " VALUES (1, 1, 'k', 0, 3)"
+        )
+    engine.dispose()
+    tables = ("studies", "trials", "measurements", "packs", "pack_members")
+
+    def counts() -> dict[str, int]:
+        engine = make_engine(empty_url)
+        try:
+            with engine.connect() as conn:
+                return {t: conn.exec_driver_sql(f"SELECT count(*) FROM {t}").scalar_one()
+                        for t in tables}  # fmt: skip
+        finally:
+            engine.dispose()
+
+    command.downgrade(alembic_config(empty_url), "0001")
+    assert counts() == dict.fromkeys(tables, 1)
+    upgrade(empty_url)
+    assert counts() == dict.fromkeys(tables, 1)
+    assert inspect_db(empty_url)[1] == []
