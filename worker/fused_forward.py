@@ -63,15 +63,22 @@ def bmm_plan(model: nn.Module, convs: bool = False) -> list[tuple[str, nn.Module
     ``convs``, also Conv2d (zero padding), BatchNorm2d with a momentum and 2-d
     pooling (HFTA's fused convolutions: k members' Conv2d as one grouped
     convolution, BatchNorm2d as one over k*C channels, pooling over k*C channels).
+    Those classes exactly, not subclasses (a subclass may have its own ``forward``),
+    and no hooks on any module or registered for all of them: the hand-fused forward
+    reads the modules' weights and never calls them.
     """
     steps: list[tuple[str, nn.Module, str]] = []
+    if _global_hooks():
+        return None
 
     def walk(module: nn.Module, prefix: str) -> bool:
+        if _hooked(module):
+            return False
         if isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward:
             return all(walk(child, f"{prefix}{name}.") for name, child in module.named_children())
-        if isinstance(module, nn.Linear):
+        if type(module) is nn.Linear:
             steps.append(("linear", module, prefix))
-        elif isinstance(module, nn.BatchNorm1d) and module.momentum is not None:
+        elif type(module) is nn.BatchNorm1d and module.momentum is not None:
             steps.append(("batch_norm", module, prefix))
         elif convs and type(module) is nn.Conv2d and module.padding_mode == "zeros":
             steps.append(("conv", module, prefix))
@@ -79,7 +86,7 @@ def bmm_plan(model: nn.Module, convs: bool = False) -> list[tuple[str, nn.Module
             steps.append(("batch_norm", module, prefix))
         elif convs and type(module) in _POOLING and not getattr(module, "return_indices", False):
             steps.append(("pool", module, prefix))
-        elif isinstance(module, nn.Flatten) and (module.start_dim, module.end_dim) == (1, -1):
+        elif type(module) is nn.Flatten and (module.start_dim, module.end_dim) == (1, -1):
             steps.append(("flatten", module, prefix))
         elif type(module) in _POINTWISE:
             steps.append(("pointwise", module, prefix))
@@ -88,6 +95,25 @@ def bmm_plan(model: nn.Module, convs: bool = False) -> list[tuple[str, nn.Module
         return True
 
     return steps if walk(model, "") else None
+
+
+def _hooked(module: nn.Module) -> bool:
+    """``module`` has hooks that calling it would run: the hand-fused forward never calls
+    a module, so it would train a model without them (vmap's ``functional_call`` does)."""
+    return bool(
+        module._forward_hooks or module._forward_pre_hooks
+        or module._backward_hooks or module._backward_pre_hooks
+    )  # fmt: skip
+
+
+def _global_hooks() -> bool:
+    """Hooks registered for every module (``nn.modules.module.register_module_*_hook``)."""
+    from torch.nn.modules import module as mod
+
+    return bool(
+        mod._global_forward_hooks or mod._global_forward_pre_hooks
+        or mod._global_backward_hooks or mod._global_backward_pre_hooks
+    )  # fmt: skip
 
 
 def _stacked_batch_norm(

@@ -347,3 +347,61 @@ def test_hand_fused_convolutions_equal_each_member_alone(stacked: bool) -> None:
             assert torch.equal(mine[name].detach(), p.detach())
         for name, b in model.named_buffers():
             assert torch.allclose(buffers[name][j], b, rtol=1e-12, atol=0), name
+
+
+class _ScaledLinear(torch.nn.Linear):
+    """A Linear with a forward of its own: the hand-fused path reads only its weights."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 3.0 * super().forward(x)
+
+
+class _OddLinearMLP(TinyMLP):
+    """TinyMLP whose first Linear is a subclass with its own forward, or has a hook."""
+
+    def __init__(self, odd: str) -> None:
+        self.odd = odd
+
+    def build_model(self, config: dict[str, Any]) -> torch.nn.Module:
+        model = super().build_model(config)
+        first = model[0]
+        if self.odd == "subclass":
+            scaled = _ScaledLinear(first.in_features, first.out_features).to(first.weight.dtype)
+            scaled.load_state_dict(first.state_dict())
+            model[0] = scaled
+        else:
+            first.register_forward_hook(lambda _m, _i, out: out.clamp(-0.1, 0.1))
+        return model
+
+
+@pytest.mark.parametrize("odd", ["subclass", "hook"])
+def test_a_linear_with_its_own_forward_or_a_hook_trains_as_written(odd: str) -> None:
+    """Before, the hand-fused path took any ``nn.Linear`` subclass for a Linear and ignored
+    hooks: the array trained a different model from the user's (3x outputs or unclamped),
+    alone and fused alike, so no comparison between the two could catch it. Now such a
+    model is not hand-fused, and every member matches its plain torch run."""
+    from worker.fused_forward import bmm_plan
+
+    workload = _OddLinearMLP(odd)
+    assert bmm_plan(TinyMLP().build_model({})) is not None
+    assert bmm_plan(workload.build_model({})) is None
+    members = member_configs("sgd", {})
+    array = FusedArray(workload, members)
+    assert array.mode != "bmm"
+    reports = train(array, EPOCHS * array.steps_per_epoch)
+    for key, cfg in members:
+        compare(array, reports, key, cfg, 1e-10)
+
+
+def test_a_hook_on_every_module_stops_hand_fusion() -> None:
+    from torch.nn.modules.module import register_module_forward_hook
+
+    from worker.fused_forward import bmm_plan
+
+    model = TinyMLP().build_model({})
+    handle = register_module_forward_hook(lambda _m, _i, out: out)
+    try:
+        assert bmm_plan(model) is None
+    finally:
+        handle.remove()
+    assert bmm_plan(model) is not None
