@@ -145,10 +145,22 @@ def rank(results: Sequence[tuple[int, float | None]], mode: Direction) -> list[i
     return [trial_id for _, trial_id in finite] + rest
 
 
-def promote(results: Sequence[tuple[int, float | None]], eta: int, mode: Direction) -> list[int]:
-    """The ids to promote from a finished rung: its best ``floor(n_i / eta)``, finite only."""
+def promote(
+    results: Sequence[tuple[int, float | None]],
+    eta: int,
+    mode: Direction,
+    *,
+    planned: int | None = None,
+) -> list[int]:
+    """The ids to promote from a finished rung: its best ``floor(n_i / eta)``, finite only.
+
+    ``planned``: the rung's size ``n_i`` in the bracket's plan (default: ``len(results)``).
+    A rung left short because an earlier rung had too few finite results (diverged or
+    failed trials are never promoted) still keeps the plan's ``floor(n_i / eta)``, as many
+    as it has: judged by its own size, 2 trials of a planned 3 at eta 3 would keep none,
+    and the bracket would end with no trial at its largest resource."""
     if isinstance(eta, bool) or not isinstance(eta, int) or eta < 2:
         raise ValueError(f"eta must be an integer >= 2, got {eta!r}")
-    keep = len(results) // eta
+    keep = (len(results) if planned is None else planned) // eta
     finite = sum(1 for _, value in results if _finite(value))
     return rank(results, mode)[: min(keep, finite)]

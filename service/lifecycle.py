@@ -317,7 +317,10 @@ def advance_brackets(s: Session, study: Study) -> Advance:
         return advance_asha(s, study, spec)
     eta, metric, mode = int(spec.hyperband.eta), spec.objective.metric, spec.objective.mode
     out = Advance()
-    planned = {len(spec.brackets) - 1 - j: rungs[0].n for j, rungs in enumerate(spec.brackets)}
+    sizes = {
+        len(spec.brackets) - 1 - j: [r.n for r in rungs] for j, rungs in enumerate(spec.brackets)
+    }
+    planned = {bracket: rungs[0] for bracket, rungs in sizes.items()}
     summary = store.brackets_summary(s, study.id)
     out.sampled = sum(sum(counts.values()) for counts in summary.values())
     due = [
@@ -359,7 +362,7 @@ def advance_brackets(s: Session, study: Study) -> Advance:
             if t.status != TrialStatus.paused:
                 values[t.id] = None
         results = [(t.id, values[t.id]) for t in contenders]
-        chosen = set(promote(results, eta, mode))
+        chosen = set(promote(results, eta, mode, planned=sizes[bracket][rung]))
         records += [
             store.Promotion(tid, values[tid], iteration, bracket, rung) for tid in sorted(chosen)
         ]

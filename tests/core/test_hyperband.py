@@ -188,6 +188,15 @@ def test_promote_keeps_the_best_third() -> None:
     assert promote(results[:2], 3, "min") == []
 
 
+def test_a_rung_left_short_keeps_its_planned_third() -> None:
+    """Two trials of a rung planned for 3 (eta 3): the plan keeps floor(3 / 3) = 1, not
+    floor(2 / 3) = 0; never more than it has."""
+    results = [(1, 0.4), (2, 0.3)]
+    assert promote(results, 3, "min") == []
+    assert promote(results, 3, "min", planned=3) == [2]
+    assert promote(results, 3, "min", planned=9) == [2, 1]
+
+
 def test_promote_never_takes_a_diverged_trial() -> None:
     results = [(1, 0.5), (2, math.nan), (3, None), (4, math.inf), (5, -math.inf), (6, None)]
     assert promote(results, 2, "min") == [1]

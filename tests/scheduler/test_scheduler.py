@@ -529,3 +529,45 @@ def test_the_scheduler_process_freezes_its_long_lived_heap_before_it_ticks(db: N
         assert gc.get_freeze_count() > 10_000, gc.get_freeze_count()
     finally:
         gc.unfreeze()
+
+
+def test_a_rung_left_short_by_diverged_trials_keeps_its_planned_survivors(db: None) -> None:
+    """R=9, eta=3, bracket 2 plans 9 -> 3 -> 1. Seven of its nine diverge at rung 0, so
+    rung 1 holds the two finite ones, not three: it still promotes the plan's one to
+    R. Before, it kept floor(2 / 3) = 0, the bracket ended with no trial at R, and a study
+    where that happened everywhere failed for want of a result at R."""
+    spec = {**SPEC, "hyperband": {"max_resource": 9, "min_resource": 1, "eta": 3}}
+    study_id = new_study(spec)
+    factory = get_sessionmaker()
+    with session_scope(factory) as s:
+        lifecycle.sample_due(s, store.get_study(s, study_id))
+    with session_scope(factory) as s:
+        briefs = store.trial_briefs(s, study_id)
+        others = [t.id for t in briefs if t.bracket != 2]
+        store.move_trials(s, others, TrialStatus.cancelled)  # only bracket 2 counts
+        ids = [t.id for t in briefs if t.bracket == 2]
+        assert len(ids) == 9
+        store.move_trials(s, ids, TrialStatus.queued)
+        store.move_trials(s, ids, TrialStatus.running)
+        store.move_trials(s, ids[:7], TrialStatus.diverged)
+        for j, trial_id in enumerate(ids[7:]):
+            store.record_measurement(s, trial_id, 1.0, {"val_loss": 0.5 + j}, metric="val_loss")
+        store.move_trials(s, ids[7:], TrialStatus.paused, resource_done=1.0)
+    with session_scope(factory) as s:
+        assert lifecycle.advance_brackets(s, store.get_study(s, study_id)).promoted == 2
+    with session_scope(factory) as s:
+        up = [t.id for t in store.trial_briefs(s, study_id, status=TrialStatus.pending)]
+        assert sorted(up) == sorted(ids[7:])
+        store.move_trials(s, up, TrialStatus.queued)
+        store.move_trials(s, up, TrialStatus.running)
+        for j, trial_id in enumerate(sorted(up)):
+            store.record_measurement(
+                s, trial_id, 3.0, {"val_loss": 0.3 - j / 10}, metric="val_loss"
+            )
+        store.move_trials(s, up, TrialStatus.paused, resource_done=3.0)
+    with session_scope(factory) as s:
+        decided = lifecycle.advance_brackets(s, store.get_study(s, study_id))
+        assert (decided.promoted, decided.stopped) == (1, 1)
+    with session_scope(factory) as s:
+        (last,) = store.trial_briefs(s, study_id, status=TrialStatus.pending)
+        assert (last.id, last.rung) == (max(up), 2)  # the better one (0.2) goes on to R
