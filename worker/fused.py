@@ -437,8 +437,8 @@ class FusedArray:
             self.step_keys[id(group)] = key
 
     def _split_per_member(self, group: Group, error: BaseException) -> list[Group]:
-        """``group``'s members as one stack each (its vmap step failed): the same tensors
-        and optimizer state, trained one at a time from here on."""
+        """``group``'s members as one stack each (its vmap step failed): the same tensors,
+        optimizer state and epoch loss so far, trained one at a time from here on."""
         note = (
             f"{self.workload.name}: vmap could not run the fused step ({type(error).__name__}: "
             f"{str(error).splitlines()[0] if str(error) else ''}); members "
@@ -449,7 +449,7 @@ class FusedArray:
             log.warning("%s (said once per process)", note)
         self.notes.append(note)
         stack = stack_of(self.workload, group.template, "serial", group.stochastic)
-        return [
+        singles = [
             self._group(
                 [key],
                 {
@@ -462,6 +462,12 @@ class FusedArray:
             )  # fmt: skip
             for i, key in enumerate(group.keys)
         ]
+        # the epoch's losses so far (carried from a checkpoint taken mid-epoch, or summed
+        # before the failing step) go with each member: its train_loss divides by them
+        sums, bad = group.losses.totals(), group.losses.bad_steps()
+        for i, single in enumerate(singles):
+            single.losses.carry(0, sums[i], bad[i])
+        return singles
 
     def spill_notes(self) -> list[str]:
         """What a spilled array says of how it ran (nothing for an array in device memory)."""

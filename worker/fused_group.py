@@ -54,9 +54,10 @@ class HostLosses:
     def reset(self) -> None:
         self.sums = [0.0] * len(self.sums)
 
-    def carry(self, i: int, total: float) -> None:
-        """Member ``i``'s sum so far this epoch, from a checkpoint taken in the middle of it."""
-        self.sums[i] = total
+    def carry(self, i: int, total: float, bad: int = 0) -> None:
+        """Member ``i``'s sum so far this epoch (and its first non-finite step, or 0), from
+        a checkpoint taken in the middle of it or from the group it was split from."""
+        self.sums[i], self.bad[i] = total, bad
 
     def keep(self, index: list[int]) -> None:
         self.sums, self.bad = [self.sums[i] for i in index], [self.bad[i] for i in index]
@@ -83,9 +84,10 @@ class DeviceLosses:
     def reset(self) -> None:
         self.sums.zero_()
 
-    def carry(self, i: int, total: float) -> None:
-        """Member ``i``'s sum so far this epoch, from a checkpoint taken in the middle of it."""
-        self.sums[i] = total
+    def carry(self, i: int, total: float, bad: int = 0) -> None:
+        """Member ``i``'s sum so far this epoch (and its first non-finite step, or 0), from
+        a checkpoint taken in the middle of it or from the group it was split from."""
+        self.sums[i], self.bad[i] = total, bad
 
     def keep(self, index: list[int]) -> None:
         idx = torch.tensor(index, dtype=torch.long, device=self.sums.device)

@@ -405,3 +405,43 @@ def test_a_hook_on_every_module_stops_hand_fusion() -> None:
     finally:
         handle.remove()
     assert bmm_plan(model) is not None
+
+
+class _Branchy(torch.nn.Module):
+    """A model vmap cannot run (a tensor read as a bool): its array splits per member."""
+
+    def __init__(self, body: torch.nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.body(x)
+        return out * 1.0 if out.sum() > -1e9 else out
+
+
+class _BranchyMLP(TinyMLP):
+    def build_model(self, config: dict[str, Any]) -> torch.nn.Module:
+        return _Branchy(super().build_model(config))
+
+
+def test_an_array_split_per_member_keeps_the_epoch_loss_it_resumed_with() -> None:
+    """Two members stop in the middle of an epoch (their states carry the epoch's losses so
+    far) and resume in an array whose vmap step fails, so it splits per member: the epoch's
+    train_loss is the unbroken epoch's. Before, the split's new groups started their sums
+    at 0 and the epoch's train_loss was about half (the steps before the stop were lost)."""
+    workload = _BranchyMLP()
+    members = member_configs("sgd", {})[:2]
+    straight = FusedArray(workload, members)
+    whole = train(straight, straight.steps_per_epoch)
+    half = straight.steps_per_epoch // 2
+    first = FusedArray(workload, members)
+    train(first, half)
+    states = [first.member_state(key) for key, _ in members]
+    assert all(state["epoch_loss_steps"] == half for state in states)
+    resumed = FusedArray(workload, members, states=states, mode="vmap")
+    rest = train(resumed, straight.steps_per_epoch)  # to the epoch's end
+    assert "vmap could not run the fused step" in " ".join(resumed.notes)
+    for key, _ in members:
+        assert rest[-1].metrics[key]["train_loss"] == pytest.approx(
+            whole[-1].metrics[key]["train_loss"], rel=1e-9
+        ), key
