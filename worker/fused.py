@@ -26,16 +26,15 @@ own step (``training_loss``) runs it under vmap; a vmap stack whose first step f
 (code vmap cannot batch) is split into one stack per member, with a warning, before any
 member's weights change: the members then train one at a time, as they would unpacked.
 
-Randomness (dropout): each member owns a CPU ``torch.Generator`` seeded from
-its trial seed; its state is part of the member's exported state. Before each
-step of a stack the global generator is reseeded from one draw of each of its
-members' generators, and the stack's ops draw from it. In ``auto`` mode a
-stochastic model runs ``serial`` (a stack of one), so each trial's masks come
-from its own stream alone: the same as when it trains unpacked, whoever it
-is packed with. (Forced ``bmm``/``vmap`` stacks share one draw; with
-``vmap(randomness="different")`` each member still gets different masks,
-reproducible given the companions.) Models without randomness do not touch
-any generator.
+Randomness (dropout, or draws seen in a probe forward: :func:`_is_stochastic`): each
+member owns a CPU ``torch.Generator`` seeded from its trial seed; its state is part of
+the member's exported state. Before each step of a stack the global generator is
+reseeded from one draw of each of its members' generators, and the stack's ops draw
+from it. In ``auto`` mode a stochastic model runs ``serial`` (a stack of one), so each
+trial's draws come from its own stream alone: the same as when it trains unpacked,
+whoever it is packed with. (Forced ``bmm``/``vmap`` stacks share one draw; with
+``vmap(randomness="different")`` each member still gets different masks, reproducible
+given the companions.) Models without randomness do not touch any generator.
 """
 
 from __future__ import annotations
@@ -77,6 +76,7 @@ from worker.fused_forward import (
 from worker.fused_group import Group, Stack, losses_function, shapes
 from worker.fusion_guard import model_signature, partition, split_causes
 from worker.optim import OPTIMIZER_HYPER, build_optimizer
+from worker.rng import draws_random
 from worker.spill import SpilledGroup, spill_problem
 
 StackMode = Literal["auto", "vmap", "bmm", "serial"]
@@ -86,6 +86,11 @@ log = logging.getLogger(__name__)
 _RNG_MIX = 6364136223846793005  # Knuth's MMIX multiplier, to fold member draws into one seed
 #: workloads whose vmap step failed and split per member in this process (logged once)
 _SPLIT_LOGGED: set[str] = set()
+#: (workload, custom step, model signature) -> whether its training draws random numbers,
+#: and a note where a probe could not tell (:func:`_is_stochastic`)
+_DRAWS: dict[Hashable, tuple[bool, str | None]] = {}
+#: examples a randomness probe runs forward
+PROBE_EXAMPLES = 4
 
 
 def hyper_tensors(configs: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
@@ -141,12 +146,46 @@ def _build_model(
     return model.train()
 
 
-def _is_stochastic(workload: Workload, model: nn.Module) -> bool:
-    """Whether training draws random numbers: active dropout, or the workload says so."""
+def _is_stochastic(
+    workload: Workload, model: nn.Module, signature: Hashable, batch: tuple[Tensor, Tensor] | None
+) -> tuple[bool, str | None]:
+    """Whether training draws random numbers, and a note when that could not be told.
+
+    Random: the workload says so (``stochastic = True``), the model has active dropout, or a
+    training forward and loss of a copy of ``model`` on ``batch`` (a few training examples)
+    was seen to draw from torch's generators (:func:`worker.rng.draws_random`: functional
+    dropout, ``nn.RReLU``, noise in a loss). Seen once per process and model signature. A
+    probe that raises counts as random: members then train one per stack, as unpacked.
+    Without a batch (streamed data) only the first two are known."""
     dropout = nn.modules.dropout._DropoutNd
-    return bool(getattr(workload, "stochastic", False)) or any(
-        isinstance(m, dropout) and m.p > 0 for m in model.modules()
-    )
+    if workload.stochastic or any(isinstance(m, dropout) and m.p > 0 for m in model.modules()):
+        return True, None
+    if batch is None:
+        return False, None
+    key = (workload.name, workload.custom_step, signature)
+    if key not in _DRAWS:
+        probe = copy.deepcopy(model).train()
+        first = next(probe.parameters(), None)
+        x, y = (t.to(first.device) if first is not None else t for t in batch)
+
+        def run() -> None:
+            with torch.no_grad():
+                if workload.custom_step:
+                    workload.training_loss(probe, (x, y))
+                else:
+                    workload.loss(probe(x), y)
+
+        try:
+            _DRAWS[key] = (draws_random(run, first.device if first is not None else None), None)
+        except Exception as exc:
+            note = (
+                f"{workload.name}: could not tell whether training draws random numbers (a "
+                f"forward on {len(x)} examples raised {type(exc).__name__}: {exc}); its "
+                "members train one per stack, as they would unpacked"
+            )
+            log.warning("%s", note)
+            _DRAWS[key] = (True, note)
+    return _DRAWS[key]
 
 
 def _member_generator(
@@ -322,7 +361,8 @@ class FusedArray:
         self.diverged: dict[Hashable, int] = {}
         self.check_every = CUDA_CHECK_EVERY if self.device.type == "cuda" else 1
         models = [_build_model(workload, c, s) for c, s in zip(configs, states, strict=True)]
-        parts = partition([model_signature(m) for m in models])
+        signatures = [model_signature(m) for m in models]
+        parts = partition(signatures)
         self.warning = _split_warning(workload, keys, configs, parts) if len(parts) > 1 else None
         if self.warning:
             log.warning("%s", self.warning)
@@ -338,10 +378,18 @@ class FusedArray:
         self.val_split: Split | None = None
         if not self.streaming:
             self.train_split, self.val_split = data or workload.data(self.config, self.device)
+        probe_batch = None
+        if self.train_split is not None:
+            some = slice(0, PROBE_EXAMPLES)
+            probe_batch = (self.train_split.x[some], self.train_split.y[some])
         self.groups: list[Group] = []
         for part in parts:
             template = copy.deepcopy(models[part[0]]).to("meta")
-            stochastic = _is_stochastic(workload, template)
+            stochastic, note = _is_stochastic(
+                workload, models[part[0]], signatures[part[0]], probe_batch
+            )
+            if note is not None:
+                self.notes.append(note)
             if self.decoupled is not None:
                 problem = decoupled_problem(workload, template, self.decoupled.segments)
                 if problem is not None:

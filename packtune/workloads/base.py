@@ -230,6 +230,10 @@ class Workload(abc.ABC):
     #: (``train_batches`` is called with each trial's config, ``seed`` included, e.g. for
     #: augmentation seeded per trial) instead of one shared batch for the whole array
     per_member_batches: bool = False
+    #: training draws random numbers some other way than a dropout module: each member of a
+    #: fused array then trains in a stack of its own, from its own random stream. Needed only
+    #: with streamed data; with ``data()`` a probe forward on a few examples finds such draws
+    stochastic: bool = False
 
     def train_batches(self, config: Mapping[str, Any], epoch: int) -> Iterable[Any]:
         """Optional, streaming: the training batches of ``epoch`` (0-based), e.g. a

@@ -445,3 +445,63 @@ def test_an_array_split_per_member_keeps_the_epoch_loss_it_resumed_with() -> Non
         assert rest[-1].metrics[key]["train_loss"] == pytest.approx(
             whole[-1].metrics[key]["train_loss"], rel=1e-9
         ), key
+
+
+class _FunctionalDropout(torch.nn.Module):
+    def __init__(self, body: torch.nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(self.body(x), 0.3, self.training)
+
+
+class _RandomByOtherMeans(TinyMLP):
+    """Training that draws random numbers without a Dropout module: ``F.dropout`` in a
+    module's forward, ``nn.RReLU`` (a random slope), or noise added in the workload's own
+    step."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def build_model(self, config: dict[str, Any]) -> torch.nn.Module:
+        model = super().build_model(config)
+        if self.how == "functional":
+            return _FunctionalDropout(model)
+        if self.how == "rrelu":
+            model[1] = torch.nn.RReLU()
+        return model
+
+    def training_loss(self, model: Any, batch: Any) -> torch.Tensor:
+        x, y = batch
+        if self.how == "noise":
+            x = x + 0.5 * torch.randn_like(x)
+        return self.loss(model(x), y)
+
+    def validation_metrics(self, model: Any, batch: Any) -> dict[str, Any]:
+        x, y = batch
+        return {"val_loss": self.loss(model(x), y)}
+
+
+@pytest.mark.parametrize("how", ["functional", "rrelu", "noise"])
+def test_randomness_outside_dropout_modules_trains_as_alone(how: str) -> None:
+    """Each member of an array whose training draws random numbers some other way than a
+    Dropout module ends with the weights it has trained alone: its draws come from its own
+    stream. Before, only Dropout modules were seen: such arrays fused, and a member's draws
+    depended on its companions (up to 0.1 apart after 6 steps)."""
+    workload = _RandomByOtherMeans(how)
+    members = member_configs("sgd", {})[:3]
+    packed = FusedArray(workload, members)
+    train(packed, packed.steps_per_epoch)
+    for key, cfg in members:
+        alone = FusedArray(workload, [(key, cfg)])
+        train(alone, alone.steps_per_epoch)
+        mine, ref = packed.member_state(key)["params"], alone.member_state(key)["params"]
+        for name, tensor in ref.items():
+            assert torch.equal(mine[name], tensor), (how, key, name)
+    assert packed.stochastic
+
+
+def test_a_model_without_randomness_is_still_fused() -> None:
+    array = FusedArray(TinyMLP(), member_configs("sgd", {}))
+    assert not array.stochastic and array.mode == "bmm"
