@@ -16,7 +16,9 @@ plain values only:
    the study's ``max_pack_size``, and the largest size whose estimated memory
    fits the roomiest device: the fewest arrays, of sizes differing by one at most
    (:func:`balanced_chunks`), unless memory is what limits them (then as large as fit,
-   in order). A unit that fits no device even alone is
+   in order). A unit that fits none of the given devices even alone waits (is
+   deferred) where it fits a live device that has no slot open now (``largest_live``);
+   one that fits no live device is
    *unplaceable*: the caller must say so, not wait for it; or, with ``spill``, it
    becomes an array of its own marked ``spilled`` (trained shard by shard through
    a device: :mod:`packtune.spilling`), which takes a device whole, in a pack of its
@@ -306,7 +308,9 @@ def _arrays(
     max_pack_size: int | None,
     largest_capacity: int,
     unplaceable: list[Unit],
-    spill: bool = False,
+    spill: bool,
+    largest_live: int,
+    waiting: list[Unit],
 ) -> list[PlannedArray]:
     arrays = []
     for (key, _, start, stop), members in groupby(
@@ -318,6 +322,9 @@ def _arrays(
         if max_pack_size is not None:
             wanted = min(wanted, max_pack_size)
         limit = model.max_fit(largest_capacity, wanted)
+        if limit == 0 and model.max_fit(largest_live, 1) > 0:
+            waiting.extend(group)  # a live device without a slot now fits it: wait for it
+            continue
         if limit == 0 and spill:
             arrays += [PlannedArray(key, start, stop, (u,), model.bytes(1), True) for u in group]
             continue
@@ -380,12 +387,16 @@ def plan_packs(
     max_packs_per_device: int | None = None,
     spread: bool = False,
     spill: bool = False,
+    largest_live: int | None = None,
 ) -> PackPlan:
     """Bin-pack ready units into packs that fit their devices (see the module docstring).
 
     ``spread``: keep several devices busy rather than fill the first: an array goes to a
     device that has no pack yet while one is free, else to the open pack with the least
-    work (trial-resource) that has room; first-fit otherwise."""
+    work (trial-resource) that has room; first-fit otherwise. ``largest_live``: the
+    largest capacity of every live device, ``devices`` or not (those with no slot open
+    now): a unit too large for ``devices`` that fits it is deferred until that device has
+    a slot, neither unplaceable nor spilled."""
     units = list(units)
     if len({(unit.trial_id, unit.segment) for unit in units}) != len(units):
         raise ValueError("a trial (or a segment of one) may have only one ready unit of work")
@@ -402,14 +413,14 @@ def plan_packs(
 
     plan = PackPlan()
     largest = max(device.capacity for device in devices)
+    deferred: list[Unit] = []
     arrays = _arrays(
         units, memory, array_size, default_memory, max_pack_size, largest, plan.unplaceable,
-        spill,
+        spill, max(largest, largest_live or 0), deferred,
     )  # fmt: skip
     used = {device.name: 0 for device in devices}
     count = {device.name: 0 for device in devices}
     open_packs: list[_OpenPack] = []
-    deferred: list[Unit] = []
     # sorted() is stable: equal ranks and estimates keep the deterministic group order.
     for array in sorted(arrays, key=lambda array: (array.rank, -array.estimated_bytes)):
         if array.spilled:  # a device of its own, or alternating with other spilled arrays

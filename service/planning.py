@@ -537,6 +537,9 @@ def _plan_group(
         spread=settings.share_packs,
         # a unit too large for every device trains alone, spilled (PACKTUNE_SPILL)
         spill=settings.spill,
+        # ...for every live device, that is: one that fits a device with no slot open now
+        # waits for it, rather than failing or training spilled on a smaller one
+        largest_live=max(dev.capacity for dev, _ in devices.values()),
     )
     plan.deferred += later
     queued: list[int] = []

@@ -291,6 +291,26 @@ def test_a_unit_that_fits_nowhere_is_unplaceable() -> None:
     assert sorted(unit.trial_id for unit in placed(plan)) == [2, 3]
 
 
+@pytest.mark.parametrize("spill", [False, True])
+def test_a_unit_that_fits_only_a_busy_device_waits_for_it(spill: bool) -> None:
+    """The 900 MiB device is free; a live 4 GiB one has no slot open now (not given). A unit
+    of 2 GiB waits for the large one: neither unplaceable (its trials would be failed) nor
+    spilled through the small one; one too large for both is still unplaceable (or spilled)."""
+    huge = MemoryModel(base=2000 * MiB, per_trial=MiB)
+    giant = MemoryModel(base=9000 * MiB, per_trial=MiB)
+    ready = units("huge", range(2)) + units("giant", range(2, 3)) + units("ok", range(3, 5))
+    big = Device("big", 4096 * MiB)
+    plan = plan_packs(
+        ready, [GPU], {"huge": huge, "giant": giant}, {"huge": 2}, default_memory=SMALL,
+        spill=spill, largest_live=big.capacity,
+    )  # fmt: skip
+    assert {0, 1} <= {unit.trial_id for unit in plan.deferred}
+    spilled = [u.trial_id for p in plan.packs for a in p.arrays if a.spilled for u in a.units]
+    assert ([u.trial_id for u in plan.unplaceable], spilled) == (([], [2]) if spill else ([2], []))
+    if not spill:  # (the spilled array takes the small device whole)
+        assert sorted(u.trial_id for u in placed(plan)) == [3, 4]
+
+
 def test_with_spill_a_unit_that_fits_nowhere_takes_a_device_or_alternates() -> None:
     huge = MemoryModel(base=2000 * MiB, per_trial=MiB)
     other = Device("other", 1024 * MiB)

@@ -464,6 +464,44 @@ def test_a_failed_attempt_is_charged_to_its_study(
     assert 25.0 <= charged < 30.0, charged
 
 
+@pytest.mark.parametrize("spill", ["false", "true"])
+def test_trials_that_fit_only_a_busy_gpu_wait_for_it(
+    db: None, monkeypatch: pytest.MonkeyPatch, spill: str
+) -> None:
+    """An 80 GiB GPU holds two packs of another study (no slot open); an 8 GiB one is free.
+    The study's trials need 10 GiB + 1 GiB each: they wait for the large GPU. Before, the
+    plan judged "fits no device" against the free devices only: without spilling every
+    trial was failed for good ("exceeds every live device's free memory"), with it they
+    trained spilled, shard by shard, through the small GPU."""
+    monkeypatch.setenv("PACKTUNE_SPILL", spill)
+    get_settings.cache_clear()
+    gib = 2**30
+    study_id = new_study({**SPEC, "name": "a", "sampler": "random"})
+    other = new_study({**SPEC, "name": "b", "seed": 2, "sampler": "random"})
+    with session_scope(get_sessionmaker()) as s:
+        for sid in (study_id, other):
+            lifecycle.sample_due(s, store.get_study(s, sid))
+        for name, free in (("big", 80 * gib), ("small", 8 * gib)):
+            gpu = {"index": 0, "name": "H100", "memory_total": free, "memory_available": free}
+            store.heartbeat(s, name=name, host="h", device_kind="H100", gpus=[gpu])
+        key = store.trial_briefs(s, study_id)[0].fusion_key
+        store.set_memory_model(s, "digits-mlp", key, "H100", 10 * gib, gib)
+        store.record_throughput(s, "digits-mlp", key, "H100", 1, 100.0)
+        theirs = [t.id for t in store.trial_briefs(s, other)][:2]
+        store.add_packs(s, [store.NewPack(other, [(i, key, 0.0, 1.0)], "big/cuda:0")
+                            for i in theirs])  # fmt: skip
+        store.move_trials(s, theirs, TrialStatus.queued)
+    with session_scope(get_sessionmaker()) as s:
+        workers = store.live_workers(s, 30)
+        study = store.get_study(s, study_id)
+        planning.plan_fleet(s, [study], workers, get_settings(), utcnow())
+    with session_scope(get_sessionmaker()) as s:
+        mine = store.trials_of(s, study_id)
+        assert [t.error for t in mine if t.status == TrialStatus.failed] == []
+        assert {t.status for t in mine} == {TrialStatus.pending}
+    assert [p.device for p in packs(study_id)] == []
+
+
 @pytest.mark.parametrize("labelled", [True, False])
 def test_an_owner_with_several_studies_is_served_as_one(
     db: None, monkeypatch: pytest.MonkeyPatch, labelled: bool
