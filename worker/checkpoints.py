@@ -23,6 +23,7 @@ import errno
 import os
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ import torch
 from packtune.checkpoints import checkpoint_path
 from packtune.settings import get_settings
 
-__all__ = ["checkpoint_path", "load_checkpoint", "save_checkpoint"]
+__all__ = ["Staged", "checkpoint_path", "load_checkpoint", "save_checkpoint", "stage_checkpoint"]
 
 
 def _fsync_directory(path: Path) -> None:
@@ -48,6 +49,35 @@ def save_checkpoint(
     directory: str | os.PathLike[str], study_id: object, trial_id: object, state: Mapping[str, Any]
 ) -> Path:
     """Write ``state`` atomically as the trial's checkpoint; returns its path."""
+    staged = stage_checkpoint(directory, study_id, trial_id, state)
+    staged.commit()
+    return staged.path
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A checkpoint written, flushed and fsynced beside its place, not yet in it: a job
+    puts it in place (:meth:`commit`) only once the database has taken its unit as done,
+    so that a job that lost its pack (its worker was taken for dead and the pack trained
+    again elsewhere) never overwrites a newer checkpoint with its own."""
+
+    path: Path
+    tmp: Path
+
+    def commit(self) -> None:
+        """Put it in place (again: nothing, so a retried transaction may call it twice)."""
+        if self.tmp.exists():
+            os.replace(self.tmp, self.path)
+            _fsync_directory(self.path.parent)
+
+    def discard(self) -> None:
+        self.tmp.unlink(missing_ok=True)
+
+
+def stage_checkpoint(
+    directory: str | os.PathLike[str], study_id: object, trial_id: object, state: Mapping[str, Any]
+) -> Staged:
+    """Write ``state`` as the trial's next checkpoint, not yet in place (:class:`Staged`)."""
     full = get_settings().disk_full_while
     if full is not None and full.exists():  # fault injection (PACKTUNE_DISK_FULL_WHILE)
         raise OSError(errno.ENOSPC, "No space left on device (injected)", str(directory))
@@ -60,12 +90,10 @@ def save_checkpoint(
             torch.save(dict(state), f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_directory(path.parent)
-    return path
+    return Staged(path, tmp)
 
 
 def load_checkpoint(path: str | os.PathLike[str], mmap: bool = False) -> dict[str, Any] | None:

@@ -17,7 +17,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +39,7 @@ from packtune.workloads.base import Workload
 from service import store
 from service.db import retrying
 from service.models import TrialStatus
-from worker.checkpoints import load_checkpoint, save_checkpoint
+from worker.checkpoints import Staged, load_checkpoint, stage_checkpoint
 from worker.fused import BuildError, Dropped, FusedArray, Report, train
 from worker.memory import probe
 from worker.rng import GLOBAL_RNG
@@ -144,27 +144,46 @@ def member_checkpoint(
     return state, False
 
 
-def mark_done(job: ArrayJob, done: dict[int, str], resource: float | None = None) -> None:
+def mark_done(
+    job: ArrayJob,
+    done: Mapping[int, str | Staged],
+    resource: float | None = None,
+) -> None:
     """Trials whose unit is finished (or, with ``resource``, that stopped there on the way,
     their pack giving its device up): resource, checkpoint, and ``paused`` for the scheduler
     at their rung, or ``pending`` when they are not at it yet. Only trials still running
     and still at the unit's start move: one that a late writer finds on its next unit
-    already (a segment unit finishing a trial another had finished) is left alone."""
+    already (a segment unit finishing a trial another had finished) is left alone.
+
+    A :class:`~worker.checkpoints.Staged` checkpoint is put in place inside the transaction
+    that moves its trial, before the commit, and only if it moved; otherwise it is thrown
+    away. A job whose pack was trained again elsewhere (its worker stalled past the
+    heartbeat timeout, then went on) so never overwrites the newer checkpoint; a commit
+    that fails after the move leaves the checkpoint ahead of its row, which the next
+    attempt takes as trained (:func:`member_checkpoint`)."""
     targets = {m.trial_id: m.rung_resource for m in job.members}
     reached = job.to_resource if resource is None else resource
 
     def write(s: Session) -> None:
-        for trial_id, path in done.items():
+        for trial_id, saved in done.items():
             at_rung = reached >= targets[trial_id] or math.isclose(
                 reached, targets[trial_id], rel_tol=1e-9
             )
-            store.move_trials(  # only from running: a trial cancelled meanwhile stays so
+            path = str(saved.path) if isinstance(saved, Staged) else saved
+            moved = store.move_trials(  # only from running: a trial cancelled meanwhile stays so
                 s, [trial_id], TrialStatus.paused if at_rung else TrialStatus.pending,
                 only_from=(TrialStatus.running,), only_at=job.from_resource,
                 resource_done=reached, checkpoint_path=path,
             )  # fmt: skip
+            if moved and isinstance(saved, Staged):
+                saved.commit()
 
-    retrying(write)
+    try:
+        retrying(write)
+    finally:
+        for saved in done.values():
+            if isinstance(saved, Staged):
+                saved.discard()  # those not put in place (a committed one has no file left)
 
 
 @functools.cache
@@ -443,12 +462,16 @@ def run_array(
     seconds = time.perf_counter() - started
     if stop is not None and stop.is_set():
         raise PackCancelled(f"pack {job.pack_id}: its study was cancelled")
-    saved = {
-        _id(key): str(
-            save_checkpoint(checkpoint_dir, study_of[_id(key)], key, array.member_state(key))
-        )
-        for key in array.keys
-    }
+    # staged, put in place by mark_done only where the database still takes the unit
+    saved: dict[int, Staged] = {}
+    try:
+        for key in array.keys:
+            state = array.member_state(key)
+            saved[_id(key)] = stage_checkpoint(checkpoint_dir, study_of[_id(key)], key, state)
+    except BaseException:
+        for staged in saved.values():
+            staged.discard()
+        raise
     stopped_short = array.step < to_step and bool(array.groups)
     gave_up = give_up is not None and give_up.is_set() and stopped_short
     mark_done(job, saved, array.step / spe if gave_up else None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import time
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -571,3 +572,47 @@ def test_a_rung_left_short_by_diverged_trials_keeps_its_planned_survivors(db: No
     with session_scope(factory) as s:
         (last,) = store.trial_briefs(s, study_id, status=TrialStatus.pending)
         assert (last.id, last.rung) == (max(up), 2)  # the better one (0.2) goes on to R
+
+
+def test_a_worker_back_from_a_stall_does_not_overwrite_newer_checkpoints(
+    db: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Worker w1 claims the first pack and stalls past the heartbeat timeout (a SIGSTOP, a
+    paused VM); the scheduler takes it for dead, the pack trains again elsewhere and the
+    study runs to its end. Then w1 goes on with its stale unit: its trials are no longer
+    running there, so it moves none of them and every trial's checkpoint stays the one
+    its row names (its measurements are upserted with the same values). Before, w1 wrote
+    its checkpoints over the newer ones (a completed trial's checkpoint went back to an
+    earlier epoch: the best model download handed out the wrong model)."""
+    import torch
+
+    from worker import jobs
+    from worker.checkpoints import load_checkpoint
+
+    monkeypatch.setenv("PACKTUNE_HEARTBEAT_TIMEOUT", "1")
+    get_settings.cache_clear()
+    study_id = new_study()
+    dispatcher = SyncDispatcher(run=False)
+    sched = scheduler(dispatcher)
+    sched.tick()
+    first = min(p.id for p in packs(study_id))
+    with session_scope(get_sessionmaker()) as s:
+        store.heartbeat(s, name="w1@host", host="host", device_kind="cpu", gpus=[],
+                        memory_budget=get_settings().cpu_memory_budget)  # fmt: skip
+    stale = jobs._load(first, "w1@host", torch.device("cpu"))
+    assert stale
+    time.sleep(1.5)  # w1 misses its heartbeats
+    dispatcher.run = True
+    assert run_to_end(sched, study_id) == StudyStatus.completed
+
+    def checkpoints() -> dict[int, tuple[float, int | None]]:
+        out = {}
+        for t in trials(study_id):
+            state = load_checkpoint(t.checkpoint_path) if t.checkpoint_path else None
+            steps = int(state["steps_done"]) if state else None
+            out[t.id] = (t.resource_done, steps)
+        return out
+
+    before = checkpoints()
+    jobs._run_arrays(stale, torch.device("cpu"), "cpu", get_settings().checkpoint_dir)
+    assert checkpoints() == before
