@@ -239,7 +239,8 @@ def retry_study(s: Session, study: Study) -> list[int]:
     (their checkpoints and measurements kept) where nobody of their bracket has moved past
     their rung, and the study runs again. Returns the trials; :class:`Conflict` when the
     study is not failed or has no trial that can run again (a rung decided without a trial
-    cannot be decided again with it)."""
+    cannot be decided again with it). Its ``started_at`` moves on by the time it sat failed:
+    a ``max_seconds`` budget counts the time it ran, not the time until someone retried it."""
     if study.status is not StudyStatus.failed:
         raise Conflict(f"study {study.id} is {study.status.value}; only a failed study is retried")
     rungs = s.execute(
@@ -264,10 +265,14 @@ def retry_study(s: Session, study: Study) -> list[int]:
             .values(status=TrialStatus.pending, error=None),
             execution_options={"synchronize_session": False},
         )  # fmt: skip
+    values: dict[str, Any] = {"status": StudyStatus.running, "finished_at": None, "error": None}
+    if study.started_at is not None and study.finished_at is not None:
+        # the time it sat failed is not its running time (its max_seconds budget)
+        values["started_at"] = utcnow() - (study.finished_at - study.started_at)
     s.execute(
         update(Study)
         .where(Study.id == study.id, Study.status == StudyStatus.failed)
-        .values(status=StudyStatus.running, finished_at=None, error=None),
+        .values(**values),
         execution_options={"synchronize_session": False},
     )
     s.refresh(study)

@@ -16,7 +16,7 @@ from packtune.settings import get_settings
 from service import store
 from service.api.app import MAX_BODY_BYTES, create_app
 from service.db import dispose_engines, session_scope, upgrade
-from service.models import PackStatus, StudyStatus, TrialStatus, WorkerStatus
+from service.models import PackStatus, StudyStatus, TrialStatus, WorkerStatus, utcnow
 from tests.support.processes import imports_torch
 
 SPEC: dict[str, Any] = {
@@ -769,6 +769,35 @@ def test_a_failed_study_is_retried_where_its_rungs_are_still_open(client: TestCl
     others = [tid for tid in ids if tid != ids[0] and tid not in same_bracket]
     assert others and all(status[tid] == (TrialStatus.pending, None) for tid in others)
     assert client.post(f"/api/studies/{study_id}/retry").status_code == 409  # running now
+
+
+def test_a_retried_study_does_not_count_the_time_it_sat_failed(client: TestClient) -> None:
+    """A study with an hour's budget ran 10 minutes, failed, and is retried a day later:
+    it runs on, with 50 minutes left. Before, its start stayed a day back, so the next tick
+    stopped it at once for its max_seconds budget."""
+    from datetime import timedelta
+
+    from service import lifecycle
+
+    body = spec(sampler="random", budget={"max_seconds": 3600})
+    study_id = client.post("/api/studies", json=body).json()["id"]
+    with session_scope(client.app.state.sessionmaker) as s:  # type: ignore[attr-defined]
+        study = store.get_study(s, study_id)
+        lifecycle.sample_due(s, study)
+        ids = [t.id for t in store.trials_of(s, study_id)]
+        for to in (TrialStatus.queued, TrialStatus.running, TrialStatus.failed):
+            store.move_trials(s, ids, to, error="disk full")
+        store.move_study(s, study, StudyStatus.failed, error="no trial reached max_resource")
+        day_ago = utcnow() - timedelta(days=1)
+        study.started_at, study.finished_at = day_ago, day_ago + timedelta(minutes=10)
+    assert client.post(f"/api/studies/{study_id}/retry").status_code == 200
+    with session_scope(client.app.state.sessionmaker) as s:  # type: ignore[attr-defined]
+        study = store.get_study(s, study_id)
+        assert lifecycle.budget_spent(s, study, utcnow()) is None
+        ran = (utcnow() - study.started_at).total_seconds()
+        assert 600 <= ran < 660, ran
+        later = utcnow() + timedelta(minutes=51)
+        assert lifecycle.budget_spent(s, study, later) == "max_seconds"
 
 
 def test_the_study_list_leaves_out_the_spec_and_a_study_has_it(client: TestClient) -> None:
