@@ -35,7 +35,7 @@ from packtune.spec import TrainingSettings
 from packtune.spilling import Unspillable
 from packtune.tuning import DROP_BELOW_S, HEADROOM, LARGER_PROBE_SIZES, RECORD_EVERY_S
 from packtune.workloads import get_workload
-from packtune.workloads.base import Workload
+from packtune.workloads.base import ConfigReads, Workload
 from service import store
 from service.db import retrying
 from service.models import TrialStatus
@@ -297,6 +297,28 @@ def _structural_parts(workload: Workload, job: ArrayJob) -> list[list[MemberJob]
     return list(parts.values())
 
 
+def _data_parts(
+    workload: Workload,
+    todo: list[MemberJob],
+    configs: Mapping[int, Mapping[str, Any]],
+    reads: set[str],
+) -> tuple[list[str], list[list[MemberJob]]]:
+    """The parameters the data path read (``reads``) whose values differ between ``todo``'s
+    members (structural ones and ``data_seed`` are equal in an array already), and the
+    members grouped by their values: one group where none differ."""
+    shared = workload.structural_params() | {"data_seed"}
+    resolved = {m.trial_id: workload.resolve(configs[m.trial_id]) for m in todo}
+    varying = sorted(
+        key for key in reads - shared
+        if len({repr(resolved[m.trial_id].get(key)) for m in todo}) > 1
+    )  # fmt: skip
+    groups: dict[tuple[str, ...], list[MemberJob]] = {}
+    for m in todo:
+        values = tuple(repr(resolved[m.trial_id].get(key)) for key in varying)
+        groups.setdefault(values, []).append(m)
+    return varying, list(groups.values())
+
+
 def run_array(
     job: ArrayJob,
     device: torch.device,
@@ -365,7 +387,35 @@ def run_array(
     if not todo or (give_up is not None and give_up.is_set()):
         return []
     try:
-        data = None if workload.streams else workload.data(first, device)
+        # what the data path reads of a config: the members share the first one's batches
+        seen = ConfigReads(first)
+        data = None if workload.streams else workload.data(seen, device)
+        if not workload.streams:
+            workload.steps_per_epoch(seen)
+            next(iter(workload.batch_indices(seen, 0)), None)
+    except NOT_A_TRIAL_FAULT:
+        raise
+    except Exception as exc:
+        raise TrialError(exc) from exc
+    varying, parts = _data_parts(workload, todo, configs, seen.reads)
+    if len(parts) > 1:
+        note = (
+            f"{workload.name}'s data path reads {', '.join(varying)}, which differ between "
+            f"trials {', '.join(str(m.trial_id) for m in todo)}: they cannot share batches, "
+            f"so they trained as {len(parts)} arrays (declare {', '.join(varying)} structural, "
+            "not fusible)"
+        )
+        log.warning("pack %s: %s", job.pack_id, note)
+        runs = [
+            run
+            for part in parts
+            for run in run_array(dataclasses.replace(job, members=part), device, kind,
+                                 checkpoint_dir, True, stop, give_up, spill_share)
+        ]  # fmt: skip
+        for run in runs:
+            run["notes"] = [note, *run.get("notes", [])]
+        return runs
+    try:
         ensure_profile(job, first, device, kind, data)
         budget = spill_budget(job, kind, device, len(todo), spill_share)
         settings = get_settings()

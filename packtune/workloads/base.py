@@ -119,6 +119,32 @@ def epoch_generator(config: Mapping[str, Any], epoch: int, *, per_trial: bool = 
     return torch.Generator().manual_seed(seed)
 
 
+class ConfigReads(dict[str, Any]):
+    """A trial's config that notes the keys read from it (``config[key]``, ``.get``, ``in``),
+    in ``reads``, shared with the config :meth:`Workload.resolve` makes of it. The worker
+    hands one to the data path (``data``, ``steps_per_epoch``, ``batch_indices``): the
+    members of an array share its first member's batches, so a parameter read there must
+    be equal in all of them. Copies (``dict(config)``, ``{**config}``) read nothing and are
+    not followed."""
+
+    def __init__(self, values: Mapping[str, Any], reads: set[str] | None = None) -> None:
+        super().__init__(values)
+        self.reads: set[str] = set() if reads is None else reads
+
+    def __getitem__(self, key: str) -> Any:
+        self.reads.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.reads.add(key)
+        return super().get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        if isinstance(key, str):
+            self.reads.add(key)
+        return super().__contains__(key)
+
+
 @dataclass(frozen=True)
 class Split:
     """Inputs and targets of one split, already on the target device (what
@@ -212,7 +238,8 @@ class Workload(abc.ABC):
         unknown = set(config) - set(self.params) - RESERVED
         if unknown:
             raise KeyError(f"{self.name} does not take parameter(s) {sorted(unknown)}")
-        return {**self.params, **config}
+        merged = {**self.params, **config}
+        return ConfigReads(merged, config.reads) if isinstance(config, ConfigReads) else merged
 
     @abc.abstractmethod
     def build_model(self, config: Mapping[str, Any]) -> nn.Module:

@@ -616,3 +616,32 @@ def test_a_worker_back_from_a_stall_does_not_overwrite_newer_checkpoints(
     before = checkpoints()
     jobs._run_arrays(stale, torch.device("cpu"), "cpu", get_settings().checkpoint_dir)
     assert checkpoints() == before
+
+
+def test_a_fusible_parameter_the_data_reads_does_not_share_batches(
+    db: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``input_scale`` is declared fusible, but data() scales the inputs with it: members of
+    an array train on the first member's batches, so trials with different scales must not
+    share one. Packed, every trial ends as it does alone (max_pack_size 1), and the packs
+    say why they were cut. Before, every member trained on the first one's scaled data
+    (val_loss apart by far more than rounding), with no warning."""
+    from packtune.workloads import registry
+    from tests.support.plugins.trap_workloads import DataScaledMLP
+
+    monkeypatch.setitem(registry(), DataScaledMLP.name, DataScaledMLP())
+    space = {"lr": SPEC["space"]["lr"], "input_scale": {"type": "uniform", "low": 0.2, "high": 3}}
+    results, notes = {}, []
+    for packed in (True, False):
+        spec = {**SPEC, "name": f"scaled-{packed}", "workload": DataScaledMLP.name,
+                "space": space, "sampler": "random",
+                "packing": {"enabled": True, "max_pack_size": None if packed else 1}}  # fmt: skip
+        study_id = new_study(spec)
+        assert run_to_end(scheduler(SyncDispatcher()), study_id) == StudyStatus.completed
+        results[packed] = {t.sample_index: t.objective for t in trials(study_id)}
+        if packed:
+            notes = [n for p in packs(study_id) for a in p.arrays or [] for n in a["notes"]]
+    assert results[True].keys() == results[False].keys()
+    for index, value in results[True].items():
+        assert value == pytest.approx(results[False][index], rel=1e-5), index
+    assert any("reads input_scale" in n for n in notes), notes

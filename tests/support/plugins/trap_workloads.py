@@ -11,6 +11,8 @@
 - ``horizon-order-mlp`` orders its batches by the study's horizon (``max_epochs``) too,
   against the contract (the order may follow ``data_seed`` and the epoch only): trials of
   studies of different ``max_resource`` may share an array, so ``packtune check`` must fail it.
+- ``data-scaled-mlp`` declares ``input_scale`` fusible but scales the data with it: members
+  with different scales must not share batches (the worker trains them as arrays apart).
 
 All train on the digits (64 features, 10 classes) with a one-hidden-layer MLP.
 """
@@ -111,6 +113,26 @@ class HorizonOrderMLP(_DigitsPlugin):
     def batch_indices(self, config: Mapping[str, Any], epoch: int) -> Any:
         seed = int(config.get("data_seed", 0)) + int(config.get("max_epochs", 1))
         return super().batch_indices({**config, "data_seed": seed}, epoch)
+
+    def build_model(self, config: Mapping[str, Any]) -> Any:
+        from torch import nn
+
+        hidden = int(self.resolve(config)["hidden"])
+        return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, N_CLASSES))
+
+
+class DataScaledMLP(_DigitsPlugin):
+    """MLP whose ``input_scale`` is declared fusible but scales the data, not the model
+    (against the contract: a parameter ``data()`` reads is structural)."""
+
+    name = "data-scaled-mlp"
+    params: Mapping[str, Any] = {**_DigitsPlugin.params, "input_scale": 1.0}
+    fusible = frozenset({"input_scale"})
+
+    def data(self, config: Mapping[str, Any], device: Any = "cpu") -> tuple[Split, Split]:
+        scale = float(self.resolve(config)["input_scale"])
+        train, val = digits_splits(device_name(device))
+        return Split(train.x * scale, train.y), Split(val.x * scale, val.y)
 
     def build_model(self, config: Mapping[str, Any]) -> Any:
         from torch import nn
