@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 
 #: statuses after which a study changes no more
 FINISHED = ("completed", "failed", "cancelled")
+#: seconds a GET waits out a service that answered before and is away (a restart)
+RETRY_SECONDS = 60.0
+#: studies per request when listing them all
+STUDY_PAGE = 500
 
 
 class ApiError(Exception):
@@ -174,6 +178,8 @@ class Client:
     ) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.url = url.rstrip("/")
+        #: a request was answered: a later lost connection is a restart, worth waiting out
+        self._answered = False
         self.http = httpx.Client(
             base_url=self.url, headers=headers, timeout=timeout, transport=transport
         )
@@ -187,10 +193,38 @@ class Client:
     def close(self) -> None:
         self.http.close()
 
-    def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        resp = self.http.request(method, path, **kwargs)
+    def _call(self, method: str, path: str, *, raw: bool = False, **kwargs: Any) -> httpx.Response:
+        """One request; an error status, a redirect, or (unless ``raw``) a body that is not
+        JSON raise :class:`ApiError`. A GET of a service that answered before is tried again
+        on a lost connection or a 502/503/504 (a restart, a database away for a while), for
+        up to :data:`RETRY_SECONDS`."""
+        deadline = time.monotonic() + RETRY_SECONDS
+        wait = 0.25
+        while True:
+            try:
+                resp = self.http.request(method, path, **kwargs)
+            except httpx.TransportError:
+                if method != "GET" or not self._answered or time.monotonic() > deadline:
+                    raise
+            else:
+                transient = resp.status_code in (502, 503, 504) and method == "GET"
+                if not transient or time.monotonic() > deadline:
+                    break
+            time.sleep(wait)
+            wait = min(2 * wait, 5.0)
         if resp.status_code >= 400:
             raise ApiError(resp.status_code, _detail(resp))
+        if 300 <= resp.status_code < 400:
+            where = resp.headers.get("location", "elsewhere")
+            raise ApiError(resp.status_code, f"redirected to {where}: use that URL")
+        kind = resp.headers.get("content-type", "")
+        if not raw and resp.status_code != 204 and "json" not in kind:
+            raise ApiError(
+                resp.status_code,
+                f"{resp.url} answered {kind or 'with no content type'}, not JSON: "
+                "is it a packtune service?",
+            )
+        self._answered = True
         return resp
 
     # -- studies ----------------------------------------------------------------------------
@@ -202,13 +236,28 @@ class Client:
     def get_study(self, study: int | Study) -> Study:
         return Study.of(self._call("GET", f"/api/studies/{_id(study)}").json())
 
-    def studies(self, status: str | list[str] | None = None, limit: int = 100) -> list[Study]:
-        """Studies, newest first; ``status`` keeps those in it (one or several)."""
-        params: dict[str, Any] = {"limit": limit}
-        if status is not None:
-            params["status"] = [status] if isinstance(status, str) else list(status)
-        rows = self._call("GET", "/api/studies", params=params).json()["data"]
-        return [Study.of(row) for row in rows]
+    def studies(
+        self, status: str | list[str] | None = None, limit: int | None = 100, offset: int = 0
+    ) -> list[Study]:
+        """Studies, newest first, from the ``offset``-th; ``status`` keeps those in it (one or
+        several); ``limit`` None: all of them (fetched a page at a time)."""
+        return self.studies_page(status, limit, offset)[0]
+
+    def studies_page(
+        self, status: str | list[str] | None = None, limit: int | None = 100, offset: int = 0
+    ) -> tuple[list[Study], int]:
+        """:meth:`studies`, and how many studies match in all."""
+        out: list[Study] = []
+        while True:
+            page = STUDY_PAGE if limit is None else min(STUDY_PAGE, limit - len(out))
+            params: dict[str, Any] = {"limit": page, "offset": offset + len(out)}
+            if status is not None:
+                params["status"] = [status] if isinstance(status, str) else list(status)
+            body = self._call("GET", "/api/studies", params=params).json()
+            out += [Study.of(row) for row in body["data"]]
+            count = int(body["count"])
+            if not body["data"] or offset + len(out) >= count or len(out) == limit:
+                return out, count
 
     def wait(
         self,
@@ -270,15 +319,23 @@ class Client:
         members: int = 4,
         steps: int = 5,
         poll: float = 0.5,
+        timeout: float | None = 600.0,
     ) -> dict[str, Any]:
         """``packtune check`` on one of the service's workers: how ``workload`` fuses (see
         ``POST /api/workloads/{name}/check``). Returns the check (``status`` ``passed``,
-        ``failed`` or ``error``, and its ``report``)."""
+        ``failed`` or ``error``, and its ``report``). Raises ``TimeoutError`` when no worker
+        has finished it within ``timeout`` seconds (None: wait for ever)."""
         body = {"space": dict(space) if space is not None else None, "members": members,
                 "steps": steps}  # fmt: skip
         resp = self._call("POST", f"/api/workloads/{workload}/check", json=body)
         location = resp.headers["Location"]
+        deadline = None if timeout is None else time.monotonic() + timeout
         while (found := self._call("GET", location).json())["status"] in ("queued", "running"):
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"check of {workload} still {found['status']} after {timeout:g} s: "
+                    "is a worker running?"
+                )
             time.sleep(poll)
         return dict(found)
 
@@ -309,7 +366,7 @@ class Client:
         """A trial's latest checkpoint, as ``torch.save`` wrote it."""
         trial_id = trial.id if isinstance(trial, Trial) else int(trial)
         path = f"/api/studies/{_id(study)}/trials/{trial_id}/checkpoint"
-        return self._call("GET", path).content
+        return self._call("GET", path, raw=True).content
 
     def best_model(self, study: int | Study) -> tuple[nn.Module, dict[str, Any]]:
         """The study's best trial as a ready model (eval mode) and its config: its checkpoint

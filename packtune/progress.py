@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -89,7 +90,7 @@ def watch(
     )
     with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task(
-            summary.get("name", "study"), total=None, packs=0, best="best: -", budget=""
+            escape(summary.get("name", "study")), total=None, packs=0, best="best: -", budget=""
         )
         while True:
             progress = summary.get("progress") or {}
@@ -100,7 +101,7 @@ def watch(
                 packs=summary.get("packs_running", 0),
                 best=_best(summary, metric),
                 budget=budget_text(summary),
-                description=f"{summary.get('name', 'study')} [{summary.get('status')}]",
+                description=escape(f"{summary.get('name', 'study')} [{summary.get('status')}]"),
             )
             if summary.get("status") in FINISHED or (until is not None and until()):
                 break
@@ -129,7 +130,7 @@ def leaderboard_table(rows: list[dict[str, Any]], metric: str, limit: int = 10) 
             str(row.get("bracket", "")),
             f"{row.get('resource', 0):g}",
             f"{value:.4f}" if isinstance(value, int | float) else "-",
-            config,
+            escape(config),
         )
     return table
 

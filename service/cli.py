@@ -157,8 +157,8 @@ def run(
         raise
     console = output_console()
     console.print(
-        f"study {study_id} [bold]{body['name']}[/]: {body['workload']}, "
-        f"database {_masked(settings.database_url)}"
+        f"study {study_id} [bold]{remote_cli.escape(body['name'])}[/]: "
+        f"{remote_cli.escape(body['workload'])}, database {_masked(settings.database_url)}"
     )
 
     def fetch() -> dict[str, Any]:
@@ -195,9 +195,9 @@ def run(
             for row in trials(s, study_id, status=status)[0]
         ]
     for line in error_lines(troubled):
-        console.print(f"[red]{line}[/]")
+        console.print(f"[red]{remote_cli.escape(line)}[/]")
     if summary.get("error"):
-        console.print(f"[red]study {study_id} failed: {summary['error']}[/]")
+        console.print(f"[red]study {study_id} failed: {remote_cli.escape(summary['error'])}[/]")
     progress = summary["progress"]
     console.print(
         f"study {study_id} {summary['status']} in {time.monotonic() - started:.1f} s: "
@@ -362,7 +362,10 @@ def _print_check(report: dict[str, Any], members: int, steps: int) -> None:
     from packtune.progress import output_console
 
     console = output_console()
-    console.print(f"[bold]{report['workload']}[/]: structural {', '.join(report['structural'])}")
+    console.print(
+        f"[bold]{remote_cli.escape(report['workload'])}[/]: "
+        f"structural {', '.join(report['structural'])}"
+    )
     console.print(f"fusible (may differ inside one array): {', '.join(report['fusible'])}")
     stacks = "; ".join(f"{mode} x{len(keys)}" for keys, mode in report["stacks"])
     console.print(f"{members} members, {steps} steps: stacks {stacks}")
@@ -383,7 +386,7 @@ def _print_check(report: dict[str, Any], members: int, steps: int) -> None:
         console.print("decoupled training: " + (f"not possible ({decoupled})" if decoupled
                       else "possible (training: {mode: decoupled})"))  # fmt: skip
     for line in report["warnings"]:
-        console.print(f"[yellow]warning:[/] {line}")
+        console.print(f"[yellow]warning:[/] {remote_cli.escape(line)}")
 
 
 @db_app.command("upgrade")

@@ -50,6 +50,10 @@ def connected(url: str, token: str | None) -> Iterator[Client]:
         _fail(str(exc))
     except httpx.HTTPError as exc:
         _fail(f"cannot reach {url}: {exc}")
+    except TimeoutError as exc:
+        _fail(str(exc))
+    except (KeyError, ValueError, TypeError) as exc:  # JSON, but not a packtune answer
+        _fail(f"unexpected answer from {url} ({type(exc).__name__}: {exc}): is it packtune?")
 
 
 def _line(study: Study) -> str:
@@ -81,7 +85,7 @@ def register(app: typer.Typer) -> None:
         with connected(url, token) as client:
             study = client.create_study(body)
             console = output_console()
-            console.print(f"study {study.id} submitted: {client.url}/#/studies/{study.id}")
+            console.print(escape(f"study {study.id} submitted: {client.url}/#/studies/{study.id}"))
             if not watch_:
                 return
             study = client.wait(study, progress=True, poll=0.5)
@@ -89,16 +93,20 @@ def register(app: typer.Typer) -> None:
             console.print(leaderboard_table(rows, study.metric))
             troubled = client.trials(study, status="failed") + client.trials(study, "diverged")
             for line in error_lines([t.raw for t in troubled]):
-                console.print(f"[red]{line}[/]")
+                console.print(f"[red]{escape(line)}[/]")
             if study.error:
-                console.print(f"[red]study {study.id} failed: {study.error}[/]")
+                console.print(f"[red]study {study.id} failed: {escape(study.error)}[/]")
             console.print(f"study {study.id} {study.status}")
+        if study.status != "completed":
+            raise typer.Exit(1)  # as packtune run: a script sees a study that did not end well
 
     @app.command()
     def studies(
         status: Annotated[
             list[str] | None, typer.Option(help="Only studies in this status (repeatable).")
         ] = None,
+        limit: Annotated[int, typer.Option(min=0, help="Most studies to list (0: all).")] = 100,
+        offset: Annotated[int, typer.Option(min=0, help="Skip the newest this many.")] = 0,
         url: Url = DEFAULT_URL,
         token: Token = None,
     ) -> None:
@@ -108,16 +116,23 @@ def register(app: typer.Typer) -> None:
         from packtune.progress import output_console
 
         with connected(url, token) as client:
-            rows = client.studies(status=status)
+            rows, count = client.studies_page(status, limit or None, offset)
         table = Table("id", "name", "workload", "status", "units", "best", "share", "owner")
         for study in rows:
             done, total = study.progress
             value = (study.best_metrics or {}).get(study.metric)
             best = f"{study.metric}={value:.4g}" if isinstance(value, int | float) else "-"
             share = f"{study.share:.0%}" if study.share is not None else "-"
-            table.add_row(str(study.id), study.name, study.workload, study.status,
-                          f"{done}/{total}", best, share, study.owner or "-")  # fmt: skip
-        output_console().print(table)
+            table.add_row(str(study.id), escape(study.name), escape(study.workload),
+                          study.status, f"{done}/{total}", best, share,
+                          escape(study.owner or "-"))  # fmt: skip
+        console = output_console()
+        console.print(table)
+        if offset + len(rows) < count or offset > 0:
+            console.print(
+                f"studies {offset + 1 if rows else offset}-{offset + len(rows)} of {count} "
+                "(--limit 0 lists all; --offset skips the newest)"
+            )
 
     @app.command()
     def show(study_id: StudyId, url: Url = DEFAULT_URL, token: Token = None) -> None:
@@ -128,9 +143,9 @@ def register(app: typer.Typer) -> None:
             study = client.get_study(study_id)
             top = [t.raw for t in client.leaderboard(study, limit=5)]
         console = output_console()
-        console.print(_line(study))
+        console.print(escape(_line(study)))
         if study.error:
-            console.print(f"error: {study.error}")
+            console.print(escape(f"error: {study.error}"))
         if top:
             console.print(leaderboard_table(top, study.metric, limit=5))
 
@@ -183,7 +198,7 @@ def register(app: typer.Typer) -> None:
         if out is None:
             sys.stdout.write(text)
         else:
-            out.write_text(text)
+            _write(out, text.encode())
             typer.echo(f"{len(trials)} trials of study {study_id} written to {out}")
 
     @app.command()
@@ -204,8 +219,24 @@ def register(app: typer.Typer) -> None:
             if study.best_trial_id is None:
                 _fail(f"study {study_id} has no best trial ({study.status})")
             data = client.checkpoint(study, study.best_trial_id)  # type: ignore[arg-type]
-        out.write_bytes(data)
+        _write(out, data)
         typer.echo(f"trial {study.best_trial_id} of study {study_id} written to {out}")
+
+
+def _write(out: Path, data: bytes) -> None:
+    """``data`` to ``out``; a path that cannot be written is one line and exit 2."""
+    try:
+        out.write_bytes(data)
+    except OSError as exc:
+        _fail(f"cannot write {out}: {exc.strerror or exc}")
+
+
+def escape(text: str) -> str:
+    """``text`` (a study's name, an error: the user's or the server's words) printed as it
+    is, never read as rich markup: ``[/]`` in a name crashed the table."""
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(text)
 
 
 def _as_csv(trials: list[Any]) -> str:

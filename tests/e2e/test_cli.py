@@ -335,10 +335,13 @@ def failing_spec(widths: list[int]) -> dict[str, object]:
 def test_run_names_each_distinct_error_and_the_root_cause(
     failing_env: dict[str, str], tmp_path: Path
 ) -> None:
-    spec = write(tmp_path / "odd.yaml", failing_spec([7, 9]))
+    # a name with brackets is the user's words, not rich markup (a MarkupError crashed the
+    # run after it had made the study)
+    spec = write(tmp_path / "odd.yaml", {**failing_spec([7, 9]), "name": "odd [/] run"})
     result = packtune("run", str(spec), env=failing_env, cwd=tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
     out = " ".join(result.stdout.split())  # rich wraps long lines
+    assert "study 1 odd [/] run: odd-fails" in out
     assert re.search(r"\d trials? failed: ValueError: this layer needs an even width, got 7\b", out)
     assert re.search(r"\d trials? failed: ValueError: this layer needs an even width, got 9\b", out)
     assert "study 1 failed: no trial reached max_resource" in out
@@ -365,6 +368,20 @@ def test_submit_watch_names_the_errors_of_a_study_that_completes_anyway(
     runs = [a for p in packs for a in p["arrays"]]
     assert {st["mode"] for a in runs for st in a["stacks"]} == {"bmm"}
     assert any(a["failed"] and not a["stacks"] for a in runs)
+
+
+def test_submit_watch_of_a_study_that_failed_exits_1(
+    failing_env: dict[str, str], tmp_path: Path
+) -> None:
+    """As ``packtune run``: a script sees a study that did not complete (it exited 0)."""
+    spec = write(tmp_path / "odd.yaml", {**failing_spec([7, 9]), "name": "odd [/] watch"})
+    with serving(failing_env, tmp_path / "serve.log") as url:
+        result = packtune("submit", str(spec), "--url", url, "--watch", env=failing_env,
+                          cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    out = " ".join(result.stdout.split())
+    assert "study 1 failed: no trial reached max_resource" in out and "odd [/] watch" in out
+    assert "Traceback" not in result.stdout + result.stderr
 
 
 NO_CUDA = pytest.mark.skipif(

@@ -6,13 +6,17 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 import yaml
@@ -182,3 +186,85 @@ def test_the_cli_updates_cancels_and_deletes(service: dict[str, Any]) -> None:
     assert f"study {study_id} deleted" in deleted.stdout
     with Client(service["url"]) as client, pytest.raises(ApiError):
         client.get_study(int(study_id))
+
+
+def test_names_with_brackets_are_shown_as_they_are(service: dict[str, Any], tmp_path: Path) -> None:
+    """A study's name and owner are the user's words, not rich markup: ``[/]`` in a name
+    crashed ``packtune studies`` and ``show`` with a MarkupError traceback (no study could
+    be listed until it was deleted), and ``[red]x[/red]`` lost its brackets."""
+    with Client(service["url"], TOKEN) as client:
+        study = client.create_study({**SPEC, "name": "a [/] b", "owner": "[red]ops[/red]"})
+    listed = cli(service, "studies")
+    assert listed.returncode == 0, listed.stderr
+    assert "a [/] b" in listed.stdout and "[red]ops[/red]" in listed.stdout
+    shown = cli(service, "show", str(study.id))
+    assert shown.returncode == 0, shown.stderr
+    assert f"study {study.id} a [/] b (digits-mlp)" in shown.stdout
+    page = cli(service, "studies", "--limit", "1")
+    assert page.returncode == 0, page.stderr
+    assert re.search(r"studies 1-1 of \d+ \(--limit 0 lists all", " ".join(page.stdout.split()))
+
+
+def test_a_file_that_cannot_be_written_is_one_line(service: dict[str, Any], tmp_path: Path) -> None:
+    """``export --out`` and ``best --out`` to a missing folder or onto a folder: one line and
+    exit 2, not a FileNotFoundError / IsADirectoryError traceback."""
+    study = service["study"]
+    for args in (("export", str(study.id), "--out", str(tmp_path / "nodir" / "x.csv")),
+                 ("best", str(study.id), "--out", str(tmp_path))):  # fmt: skip
+        done = cli(service, *args)
+        assert done.returncode == 2, (args, done.stdout, done.stderr)
+        assert done.stderr.startswith("error: cannot write") and "Traceback" not in done.stderr
+
+
+class _NotPacktune(BaseHTTPRequestHandler):
+    """A login page, or a proxy's redirect to https: what a wrong --url may answer."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        if self.path.startswith("/moved"):
+            self.send_response(301)
+            self.send_header("Location", "https://example.invalid/")
+            self.end_headers()
+            return
+        body = b"<html><body>please log in</body></html>"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_an_answer_that_is_not_packtunes_is_one_line(service: dict[str, Any]) -> None:
+    server = HTTPServer(("127.0.0.1", 0), _NotPacktune)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        for url, says in ((base, "not JSON"), (f"{base}/moved", "redirected to https://")):
+            done = subprocess.run(
+                [sys.executable, "-m", "service", "studies", "--url", url],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            assert done.returncode == 2, (url, done.stdout, done.stderr)
+            assert says in done.stderr and "Traceback" not in done.stderr, done.stderr
+    finally:
+        server.shutdown()
+
+
+def test_a_get_waits_out_a_service_that_is_away_for_a_while() -> None:
+    """Polling a study through a restart or a database away for a few seconds (503) goes on;
+    before, the first 503 ended ``Client.wait`` (and ``submit --watch``)."""
+    answers = iter([200, 503, 503, 200])
+    body = {"id": 1, "name": "s", "workload": "w", "status": "completed",
+            "objective": {"metric": "val_loss", "mode": "min"}}  # fmt: skip
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        code = next(answers)
+        if code == 503:
+            return httpx.Response(503, json={"detail": "the database is unavailable"})
+        return httpx.Response(200, json=body)
+
+    with Client("http://packtune.invalid", transport=httpx.MockTransport(handle)) as client:
+        assert client.get_study(1).status == "completed"
+        assert client.wait(1, poll=0.01).status == "completed"
