@@ -268,3 +268,17 @@ def test_a_get_waits_out_a_service_that_is_away_for_a_while() -> None:
     with Client("http://packtune.invalid", transport=httpx.MockTransport(handle)) as client:
         assert client.get_study(1).status == "completed"
         assert client.wait(1, poll=0.01).status == "completed"
+
+
+def test_a_check_no_worker_takes_gives_up_saying_so() -> None:
+    """A check stays queued where no worker runs: ``Client.check`` polled it for ever."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            return httpx.Response(202, json={"id": 1, "status": "queued"},
+                                  headers={"Location": "/api/workloads/checks/1"})  # fmt: skip
+        return httpx.Response(200, json={"id": 1, "status": "queued"})
+
+    with Client("http://packtune.invalid", transport=httpx.MockTransport(handle)) as client:
+        with pytest.raises(TimeoutError, match="is a worker running"):
+            client.check("digits-mlp", poll=0.01, timeout=0.1)
