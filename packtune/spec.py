@@ -288,6 +288,8 @@ class StudySpec(_Strict):
         check_search_space(self.workload, self.space)
         check_objective(self.workload, self.objective)
         check_size(self.hyperband, self.budget)
+        if self.scheduler == "hyperband":
+            check_first_bracket(self.hyperband, self.budget)
         return self
 
     def dimensions(self) -> dict[str, Dimension]:
@@ -495,6 +497,21 @@ def check_objective(workload: str, objective: Objective) -> None:
             "objective.mode",
             f"{objective.metric} is better when {higher} ({workload!r} declares {better!r}); "
             f"mode {objective.mode!r} would rank the worst trial first",
+        )
+
+
+def check_first_bracket(hb: HyperbandSettings, budget: Budget) -> None:
+    """Reject a ``max_trials`` below the first bracket's trials: Hyperband starts a bracket
+    only when all of its trials fit, so such a study would sample nothing and fail."""
+    if budget.max_trials is None:
+        return
+    first = plan_brackets(hb.max_resource, hb.eta, hb.min_resource)[0][0].n
+    if budget.max_trials < first:
+        raise SpecError(
+            "budget.max_trials",
+            f"{budget.max_trials} is fewer than the {first} trials of the first bracket, which "
+            f"starts only when all of them fit: nothing would run; raise it to {first} or more, "
+            "or use scheduler: asha",
         )
 
 

@@ -150,6 +150,20 @@ def test_each_rule_names_its_field(path: str, value: Any, field: str, words: str
     assert str(error) == f"{field}: {error.message}"
 
 
+def test_a_max_trials_below_the_first_bracket_is_rejected() -> None:
+    """Hyperband starts a bracket only when all of its trials fit: with R=27, eta=3 the
+    first bracket has 27, so max_trials 20 sampled nothing and the study failed. ASHA cuts
+    its last batch to what is left, so it takes any max_trials."""
+    hyperband = {"max_resource": 27, "min_resource": 1, "eta": 3}
+    spec = {**with_("hyperband", hyperband), "budget": {"max_trials": 20}}
+    error = rejected(spec)
+    assert (
+        error.field == "budget.max_trials" and "the 27 trials of the first bracket" in error.message
+    )
+    assert validate_spec({**spec, "budget": {"max_trials": 27}}).budget.max_trials == 27
+    assert validate_spec({**spec, "scheduler": "asha"}).budget.max_trials == 20
+
+
 def test_a_spec_that_is_not_a_mapping_is_rejected() -> None:
     assert rejected([1, 2]).field == "spec"
     assert rejected(None).field == "spec"
