@@ -120,8 +120,15 @@ class WorkerStatus(enum.StrEnum):
     dead = "dead"
 
 
+#: SQLite reuses the largest id of a table once its row is deleted, unless the table is
+#: AUTOINCREMENT: a deleted study's id (and its trials' and packs') would name a new one,
+#: and a script or a dashboard tab holding it would act on another study. Never reused.
+NEVER_REUSE_IDS = {"sqlite_autoincrement": True}
+
+
 class Study(Base):
     __tablename__ = "studies"
+    __table_args__ = NEVER_REUSE_IDS
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(200))
@@ -153,6 +160,7 @@ class Trial(Base):
         Index("ix_trials_study_bracket_rung", "study_id", "iteration", "bracket", "rung"),
         Index("ix_trials_study_measured", "study_id", "measured_resource", "objective"),
         Index("ix_trials_study_id", "study_id", "id"),
+        NEVER_REUSE_IDS,
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -207,6 +215,7 @@ class Pack(Base):
     __table_args__ = (
         Index("ix_packs_study_status", "study_id", "status"),
         Index("ix_packs_study_id", "study_id", "id"),
+        NEVER_REUSE_IDS,
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -348,7 +357,7 @@ class WorkloadCheck(Base):
     there): the request, and the report once done."""
 
     __tablename__ = "workload_checks"
-    __table_args__ = (Index("ix_workload_checks_status", "status"),)
+    __table_args__ = (Index("ix_workload_checks_status", "status"), NEVER_REUSE_IDS)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     workload: Mapped[str] = mapped_column(String(100))

@@ -794,3 +794,19 @@ def test_only_the_transitions_module_writes_a_status() -> None:
         if assigned.search(line) and "Worker" not in line and "worker" not in line.split("=")[0]
     ]
     assert not offenders, offenders
+
+
+def test_a_deleted_studys_ids_are_not_given_again(factory: Factory) -> None:
+    """The newest study, deleted: the next study, trial and pack get new ids. Before, SQLite
+    gave them the deleted ones' (a script or a dashboard tab holding the id then acted on
+    an unrelated study)."""
+    study_with_trials(factory)
+    gone, gone_trials = study_with_trials(factory)
+    with session_scope(factory) as s:
+        gone_pack = store.create_pack(s, study_id=gone, members=[(gone_trials[0], "f", 0, 1)]).id
+    with session_scope(factory) as s:
+        store.delete_study(s, gone)
+    new, new_trials = study_with_trials(factory)
+    with session_scope(factory) as s:
+        new_pack = store.create_pack(s, study_id=new, members=[(new_trials[0], "f", 0, 1)]).id
+    assert new > gone and min(new_trials) > max(gone_trials) and new_pack > gone_pack
