@@ -89,7 +89,7 @@ _SPLIT_LOGGED: set[str] = set()
 #: (workload, custom step, model signature) -> whether its training draws random numbers,
 #: and a note where a probe could not tell (:func:`_is_stochastic`)
 _DRAWS: dict[Hashable, tuple[bool, str | None]] = {}
-#: examples a randomness probe runs forward
+#: examples a randomness probe runs forward first (then, if that raised, a whole batch)
 PROBE_EXAMPLES = 4
 
 
@@ -147,28 +147,42 @@ def _build_model(
 
 
 def _is_stochastic(
-    workload: Workload, model: nn.Module, signature: Hashable, batch: tuple[Tensor, Tensor] | None
+    workload: Workload,
+    model: nn.Module,
+    signature: Hashable,
+    batches: Sequence[tuple[Tensor, Tensor]],
 ) -> tuple[bool, str | None]:
     """Whether training draws random numbers, and a note when that could not be told.
 
     Random: the workload says so (``stochastic = True``), the model has active dropout, or a
-    training forward and loss of a copy of ``model`` on ``batch`` (a few training examples)
+    training forward and loss of a copy of ``model`` on the first of ``batches`` that it
+    runs on (a few training examples, then a whole batch: a model may need its batch size)
     was seen to draw from torch's generators (:func:`worker.rng.draws_random`: functional
     dropout, ``nn.RReLU``, noise in a loss). Seen once per process and model signature. A
-    probe that raises counts as random: members then train one per stack, as unpacked.
-    Without a batch (streamed data) only the first two are known."""
+    probe that raises on every batch counts as random: members then train one per stack,
+    as unpacked. Without batches (streamed data) only the first two are known."""
     dropout = nn.modules.dropout._DropoutNd
     if workload.stochastic or any(isinstance(m, dropout) and m.p > 0 for m in model.modules()):
         return True, None
-    if batch is None:
+    if not batches:
         return False, None
     key = (workload.name, workload.custom_step, signature)
     if key not in _DRAWS:
-        probe = copy.deepcopy(model).train()
-        first = next(probe.parameters(), None)
-        x, y = (t.to(first.device) if first is not None else t for t in batch)
+        _DRAWS[key] = _probe_draws(workload, model, batches)
+    return _DRAWS[key]
 
-        def run() -> None:
+
+def _probe_draws(
+    workload: Workload, model: nn.Module, batches: Sequence[tuple[Tensor, Tensor]]
+) -> tuple[bool, str | None]:
+    first = next(model.parameters(), None)
+    device = first.device if first is not None else None
+    error: Exception | None = None
+    for batch in batches:
+        probe = copy.deepcopy(model).train()  # its BatchNorm statistics move: a copy's
+        x, y = (t.to(device) if device is not None else t for t in batch)
+
+        def run(probe: nn.Module = probe, x: Tensor = x, y: Tensor = y) -> None:
             with torch.no_grad():
                 if workload.custom_step:
                     workload.training_loss(probe, (x, y))
@@ -176,16 +190,16 @@ def _is_stochastic(
                     workload.loss(probe(x), y)
 
         try:
-            _DRAWS[key] = (draws_random(run, first.device if first is not None else None), None)
+            return draws_random(run, device), None
         except Exception as exc:
-            note = (
-                f"{workload.name}: could not tell whether training draws random numbers (a "
-                f"forward on {len(x)} examples raised {type(exc).__name__}: {exc}); its "
-                "members train one per stack, as they would unpacked"
-            )
-            log.warning("%s", note)
-            _DRAWS[key] = (True, note)
-    return _DRAWS[key]
+            error = exc
+    note = (
+        f"{workload.name}: could not tell whether training draws random numbers (a training "
+        f"forward raised {type(error).__name__}: {error}); its members train one per stack, "
+        "as they would unpacked"
+    )
+    log.warning("%s", note)
+    return True, note
 
 
 def _member_generator(
@@ -378,15 +392,16 @@ class FusedArray:
         self.val_split: Split | None = None
         if not self.streaming:
             self.train_split, self.val_split = data or workload.data(self.config, self.device)
-        probe_batch = None
+        probes: list[tuple[Tensor, Tensor]] = []
         if self.train_split is not None:
-            some = slice(0, PROBE_EXAMPLES)
-            probe_batch = (self.train_split.x[some], self.train_split.y[some])
+            size = int(self.config.get("batch_size", PROBE_EXAMPLES))
+            for n in sorted({PROBE_EXAMPLES, max(1, size)}):
+                probes.append((self.train_split.x[:n], self.train_split.y[:n]))
         self.groups: list[Group] = []
         for part in parts:
             template = copy.deepcopy(models[part[0]]).to("meta")
             stochastic, note = _is_stochastic(
-                workload, models[part[0]], signatures[part[0]], probe_batch
+                workload, models[part[0]], signatures[part[0]], probes
             )
             if note is not None:
                 self.notes.append(note)

@@ -505,3 +505,24 @@ def test_randomness_outside_dropout_modules_trains_as_alone(how: str) -> None:
 def test_a_model_without_randomness_is_still_fused() -> None:
     array = FusedArray(TinyMLP(), member_configs("sgd", {}))
     assert not array.stochastic and array.mode == "bmm"
+
+
+class _FixedBatch(torch.nn.Module):
+    """A model that only runs on its batch size (16): a probe of 4 examples raises."""
+
+    def __init__(self, body: torch.nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x.reshape(16, 8))
+
+
+class _FixedBatchMLP(TinyMLP):
+    def build_model(self, config: dict[str, Any]) -> torch.nn.Module:
+        return _FixedBatch(super().build_model(config))
+
+
+def test_a_model_that_needs_its_batch_size_is_probed_with_a_whole_batch() -> None:
+    array = FusedArray(_FixedBatchMLP(), member_configs("sgd", {})[:2])
+    assert not array.stochastic and array.mode == "vmap" and array.notes == []
