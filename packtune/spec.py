@@ -73,6 +73,12 @@ Name = Annotated[
     StringConstraints(strip_whitespace=True, min_length=1, max_length=200),
     AfterValidator(_printable),
 ]
+#: a user or team label (a study's ``owner``): as a name, shorter
+Label = Annotated[
+    str,
+    StringConstraints(strip_whitespace=True, min_length=1, max_length=100),
+    AfterValidator(_printable),
+]
 Resource = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
@@ -268,7 +274,7 @@ class StudySpec(_Strict):
     #: its share of device time against other running studies (weighted fair share)
     priority: Annotated[float, Field(gt=0, le=1_000, allow_inf_nan=False)] = 1.0
     #: who it is for (a user or team label, shown in the API and the dashboard)
-    owner: Annotated[str, StringConstraints(min_length=1, max_length=100)] | None = None
+    owner: Label | None = None
 
     @field_validator("workload")
     @classmethod

@@ -10,8 +10,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field
 
+from packtune.spec import Label
 from service.models import PackStatus, StudyStatus, TrialStatus, WorkerStatus
 
 T = TypeVar("T")
@@ -117,7 +118,7 @@ class StudyPatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     priority: Annotated[float, Field(gt=0, le=1_000, allow_inf_nan=False)] | None = None
-    owner: Annotated[str, StringConstraints(min_length=1, max_length=100)] | None = None
+    owner: Label | None = None
 
 
 class StudyPublic(BaseModel):

@@ -124,6 +124,7 @@ def test_a_running_study_changes_priority_and_owner(any_client: TestClient) -> N
     assert changed.json()["fleet"] == {**created["fleet"], "priority": 4.0}
     assert any_client.get(path).json()["spec"]["priority"] == 4  # what the scheduler reads
     for body, field in (({"priority": 0}, "priority"), ({"owner": ""}, "owner"),
+                        ({"owner": "  "}, "owner"), ({"owner": "a\x00b"}, "owner"),
                         ({"seed": 3}, "seed")):  # fmt: skip
         bad = any_client.patch(path, json=body)
         assert bad.status_code == 422

@@ -115,6 +115,10 @@ def test_defaults_fill_the_optional_parts() -> None:
         ("name", "study\u0085two", "name", "U+0085"),
         ("name", "evil\u202egnp.exe", "name", "U+202E (RIGHT-TO-LEFT OVERRIDE)"),
         ("name", "zero\u200bwidth", "name", "U+200B (ZERO WIDTH SPACE)"),
+        # the owner is shown beside the name (API, CLI, dashboard): the same rules
+        ("owner", "a\x00b", "owner", "control or invisible"),
+        ("owner", "evil\u202eteam", "owner", "U+202E"),
+        ("owner", "   ", "owner", "at least 1 character"),
         ("space.hidden.values", list(range(1001)), "space.hidden.values", "at most 1000"),
         ("seed", -1, "seed", "greater than or equal to 0"),
         ("packing.max_pack_size", 0, "packing.max_pack_size", "greater than or equal to 1"),
