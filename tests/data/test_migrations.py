@@ -165,6 +165,19 @@ def test_0002_fills_each_trials_latest_objective(empty_url: str | URL) -> None:
     assert [tuple(row) for row in rows] == [(1, 3.0, 0.75), (2, 1.0, None), (3, None, None)]
 
 
+def insert_study_and_trial(conn: sa.Connection, stamp: str, status: str, done: float) -> None:
+    """Study 1 with trial 1 (``status``, ``done`` epochs), written at ``stamp``."""
+    conn.exec_driver_sql(
+        "INSERT INTO studies (id, name, workload, spec, seed, status, created_at)"
+        f" VALUES (1, 's', 'digits-mlp', '{{}}', 0, 'running', {stamp})"
+    )
+    conn.exec_driver_sql(
+        "INSERT INTO trials (id, study_id, sample_index, bracket, rung, config, fusion_key,"
+        f" status, resource_done, created_at, updated_at) VALUES (1, 1, 0, 0, 0, '{{}}',"
+        f" 'k', '{status}', {done}, {stamp}, {stamp})"
+    )
+
+
 def test_0009_keeps_pack_members_as_whole_trials(empty_url: str | URL) -> None:
     """Members planned before 0009 become whole-trial members (segment -1); after it, two
     segments of one trial may share a pack; downgrading keeps one row per trial."""
@@ -172,15 +185,7 @@ def test_0009_keeps_pack_members_as_whole_trials(empty_url: str | URL) -> None:
     engine = make_engine(empty_url)
     stamp = "'2026-11-25 00:00:00'"
     with engine.begin() as conn:
-        conn.exec_driver_sql(
-            "INSERT INTO studies (id, name, workload, spec, seed, status, created_at)"
-            f" VALUES (1, 's', 'digits-mlp', '{{}}', 0, 'running', {stamp})"
-        )
-        conn.exec_driver_sql(
-            "INSERT INTO trials (id, study_id, sample_index, bracket, rung, config, fusion_key,"
-            f" status, resource_done, created_at, updated_at) VALUES (1, 1, 0, 0, 0, '{{}}',"
-            f" 'k', 'queued', 0, {stamp}, {stamp})"
-        )
+        insert_study_and_trial(conn, stamp, "queued", 0)
         conn.exec_driver_sql(
             "INSERT INTO packs (id, study_id, status, attempts, created_at)"
             f" VALUES (1, 1, 'pending', 0, {stamp})"
@@ -224,15 +229,7 @@ def test_downgrading_keeps_the_rows_of_tables_copied_on_sqlite(empty_url: str | 
     engine = make_engine(empty_url)
     stamp = "'2026-11-28 00:00:00'"
     with engine.begin() as conn:
-        conn.exec_driver_sql(
-            "INSERT INTO studies (id, name, workload, spec, seed, status, created_at)"
-            f" VALUES (1, 's', 'digits-mlp', '{{}}', 0, 'running', {stamp})"
-        )
-        conn.exec_driver_sql(
-            "INSERT INTO trials (id, study_id, sample_index, bracket, rung, config, fusion_key,"
-            f" status, resource_done, created_at, updated_at) VALUES (1, 1, 0, 0, 0, '{{}}',"
-            f" 'k', 'running', 1, {stamp}, {stamp})"
-        )
+        insert_study_and_trial(conn, stamp, "running", 1)
         conn.exec_driver_sql(
             "INSERT INTO measurements (trial_id, resource, metrics, created_at)"
             f" VALUES (1, 1.0, '{{\"val_loss\": 0.5}}', {stamp})"

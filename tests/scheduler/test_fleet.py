@@ -402,13 +402,9 @@ def test_the_scheduler_looks_again_when_a_running_pack_leaves_the_waiting_ones_b
     assert asked.yield_requested_at is not None
 
 
-def test_a_pack_waiting_for_its_retry_is_not_charged_device_time(
-    db: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A pack whose job failed after its worker took it goes back to pending and waits out
-    its retry backoff; that wait is not device time. Before, the failed attempt's start stayed
-    the pack's start, so every second of the wait was charged to its study as if the pack
-    ran (its fair share shrank, and the dashboard showed it busy, not waiting)."""
+def failed_attempt(monkeypatch: pytest.MonkeyPatch, ran_for: float) -> tuple[int, Pack]:
+    """A study whose first pack a worker took, trained ``ran_for`` seconds and failed; the
+    scheduler's tick has seen it: pending again, not before a minute (the backoff)."""
     monkeypatch.setenv("PACKTUNE_RETRY_BACKOFF", "60")
     get_settings.cache_clear()
     study_id = new_study({**SPEC, "sampler": "random"})
@@ -417,9 +413,22 @@ def test_a_pack_waiting_for_its_retry_is_not_charged_device_time(
     sched.tick()
     (pack, *_) = packs(study_id)
     with session_scope(get_sessionmaker()) as s:
-        assert store.claim_pack(s, pack.id, worker_name="sync@test", device="cpu") is not None
+        claimed = store.claim_pack(s, pack.id, worker_name="sync@test", device="cpu")
+        assert claimed is not None
+        claimed.started_at = utcnow() - timedelta(seconds=ran_for)
     dispatcher.states[pack.job_id or ""] = (JobState.failed, "RuntimeError: killed")
-    sched.tick()  # the failed job is seen: back to pending, not before a minute
+    sched.tick()
+    return study_id, pack
+
+
+def test_a_pack_waiting_for_its_retry_is_not_charged_device_time(
+    db: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pack whose job failed after its worker took it goes back to pending and waits out
+    its retry backoff; that wait is not device time. Before, the failed attempt's start stayed
+    the pack's start, so every second of the wait was charged to its study as if the pack
+    ran (its fair share shrank, and the dashboard showed it busy, not waiting)."""
+    study_id, pack = failed_attempt(monkeypatch, ran_for=0.0)
     (retried, *_) = packs(study_id)
     assert retried.status == PackStatus.pending and retried.retry_after is not None
     later = utcnow() + timedelta(seconds=50)  # still waiting
@@ -435,19 +444,7 @@ def test_a_failed_attempt_is_charged_to_its_study(
     study: while it waits for its retry, and once a second attempt has run too (20 s + that
     attempt's). Before, clearing the failed attempt's start dropped its time: a study whose
     packs kept failing used the device without its fair share shrinking (0 s charged)."""
-    monkeypatch.setenv("PACKTUNE_RETRY_BACKOFF", "60")
-    get_settings.cache_clear()
-    study_id = new_study({**SPEC, "sampler": "random"})
-    dispatcher = SyncDispatcher(run=False)  # jobs stay queued: this test plays the worker
-    sched = scheduler(dispatcher)
-    sched.tick()
-    (pack, *_) = packs(study_id)
-    with session_scope(get_sessionmaker()) as s:
-        claimed = store.claim_pack(s, pack.id, worker_name="sync@test", device="cpu")
-        assert claimed is not None
-        claimed.started_at = utcnow() - timedelta(seconds=20)  # it has run 20 s
-    dispatcher.states[pack.job_id or ""] = (JobState.failed, "RuntimeError: killed")
-    sched.tick()  # the failed job is seen: back to pending, not before a minute
+    study_id, pack = failed_attempt(monkeypatch, ran_for=20.0)
     (retried, *_) = packs(study_id)
     assert retried.status == PackStatus.pending and retried.started_at is None
     later = utcnow() + timedelta(seconds=50)  # still waiting: the wait is not charged
