@@ -386,6 +386,7 @@ def check_search_space(workload: str, raw: dict[str, Any]) -> None:
     takes, within its bounds, and gives the shared training parameters values they know."""
     check_space(workload, raw)
     check_bounds(workload, raw)
+    check_choices(workload, raw)
     check_training(workload, raw)
 
 
@@ -431,6 +432,23 @@ def check_bounds(workload: str, raw: dict[str, Any]) -> None:
                 raise SpecError(
                     f"space.{name}.{end}",
                     f"{value!r} is outside what {workload} takes: {low:g} to {high:g}",
+                )
+
+
+def check_choices(workload: str, raw: dict[str, Any]) -> None:
+    """A categorical parameter the workload lists in ``choices`` gets only values it takes."""
+    choices = _workloads()[workload].choices
+    for name, dimension in parse_space(raw).items():
+        if name not in choices:
+            continue
+        known = list(choices[name])
+        if not isinstance(dimension, Choice):
+            raise SpecError(f"space.{name}", f"takes one of {known}: give a choice of them")
+        for i, value in enumerate(dimension.values):
+            if value not in known:
+                raise SpecError(
+                    f"space.{name}.values",
+                    f"value {value!r} (position {i}) is not one {workload} takes: {known}",
                 )
 
 

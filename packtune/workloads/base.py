@@ -44,7 +44,7 @@ see the same batches) before calling the workload.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -216,6 +216,9 @@ class Workload(abc.ABC):
     #: inclusive (low, high) limits of numeric parameters the workload can build: a study
     #: whose space reaches outside them is a 422 naming the bound, not trials that fail
     bounds: Mapping[str, tuple[float, float]] = {}
+    #: the values a categorical parameter takes (e.g. an activation's names): a study whose
+    #: space gives it another is a 422 naming the value, not trials that fail when built
+    choices: Mapping[str, Sequence[Any]] = {}
 
     def reported_metrics(self) -> dict[str, str] | None:
         """Every metric a trial of this workload records, with its better direction; None

@@ -115,6 +115,11 @@ def test_defaults_fill_the_optional_parts() -> None:
         ("name", "study\u0085two", "name", "U+0085"),
         ("name", "evil\u202egnp.exe", "name", "U+202E (RIGHT-TO-LEFT OVERRIDE)"),
         ("name", "zero\u200bwidth", "name", "U+200B (ZERO WIDTH SPACE)"),
+        # a categorical value the workload does not take (it failed every trial of it)
+        ("space.activation", {"type": "choice", "values": ["relu", "rleu"]},
+         "space.activation.values", "value 'rleu' (position 1) is not one digits-mlp takes"),
+        ("space.activation", {"type": "uniform", "low": 0, "high": 1}, "space.activation",
+         "takes one of ['relu', 'tanh', 'gelu']"),
         # the owner is shown beside the name (API, CLI, dashboard): the same rules
         ("owner", "a\x00b", "owner", "control or invisible"),
         ("owner", "evil\u202eteam", "owner", "U+202E"),

@@ -13,12 +13,18 @@ from __future__ import annotations
 import functools
 import gzip
 import importlib.util
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from packtune.workloads.base import OPTIMIZER_PARAMS, OPTIMIZER_STRUCTURAL, Split
-from worker.workloads.parts import ClassificationWorkload, activation, device_name, positive_int
+from worker.workloads.parts import (
+    ACTIVATIONS,
+    ClassificationWorkload,
+    activation,
+    device_name,
+    positive_int,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -115,6 +121,7 @@ class DigitsMLP(ClassificationWorkload):
         "hidden": (1, 65_536), "layers": (0, 64), "dropout": (0, 0.999),
         "batch_size": (1, N_TRAIN),
     }  # fmt: skip
+    choices: Mapping[str, Sequence[Any]] = {"activation": ACTIVATIONS}
 
     def build_model(self, config: Mapping[str, Any]) -> nn.Module:
         from torch import nn

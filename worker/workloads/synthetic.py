@@ -14,11 +14,12 @@ data or the shapes that an array's members share.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from packtune.workloads.base import OPTIMIZER_PARAMS, OPTIMIZER_STRUCTURAL, Split, Workload
 from worker.workloads.parts import (
+    ACTIVATIONS,
     activation,
     classification_metrics,
     device_name,
@@ -102,6 +103,7 @@ class SyntheticMLP(Workload):
         "output_dim": (1, 65_536), "n_train": (1, 10_000_000), "n_val": (1, 10_000_000),
         "batch_size": (1, 10_000_000),
     }  # fmt: skip
+    choices: Mapping[str, Sequence[Any]] = {"activation": ACTIVATIONS, "task": TASKS}
 
     def build_model(self, config: Mapping[str, Any]) -> nn.Module:
         from torch import nn
