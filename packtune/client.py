@@ -60,11 +60,13 @@ class Trial:
     raw: dict[str, Any] = field(repr=False, compare=False)
 
     def flat(self) -> dict[str, Any]:
-        """One flat row: id, status, bracket, rung, resource reached, then ``config.<name>``
-        and ``metric.<name>`` (a dataframe's or a CSV file's)."""
+        """One flat row: id, status, bracket, rung, ``resource`` (how far it trained, as the
+        API's and the JSON export's ``resource``), ``measured_resource`` (where its metrics
+        are from), then ``config.<name>`` and ``metric.<name>`` (a dataframe's or a CSV
+        file's)."""
         return {
             "id": self.id, "status": self.status, "bracket": self.bracket, "rung": self.rung,
-            "resource": self.measured_resource,
+            "resource": self.resource, "measured_resource": self.measured_resource,
             **{f"config.{k}": v for k, v in sorted(self.config.items())},
             **{f"metric.{k}": v for k, v in sorted(self.metrics.items())},
         }  # fmt: skip

@@ -190,8 +190,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """A study's trials, as CSV or JSON.
 
-        Each trial's id, status, bracket, rung, resource, config values and latest metrics
-        (CSV columns config.NAME and metric.NAME)."""
+        Each trial's id, status, bracket, rung, resource trained, measured_resource (where
+        its metrics are from), config values and latest metrics (CSV columns config.NAME and
+        metric.NAME)."""
         with connected(url, token) as client:
             trials = client.trials(study_id)
         text = _as_json(trials) if format_ == "json" else _as_csv(trials)

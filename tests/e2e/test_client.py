@@ -76,6 +76,17 @@ def test_a_study_made_from_a_file_runs_and_reads_back_typed(service: dict[str, A
         assert values == sorted(values)
 
 
+def test_a_flat_row_says_how_far_a_trial_trained_and_where_it_was_measured() -> None:
+    """One meaning of ``resource`` in the CSV, the dataframe and the JSON (the API's: how far
+    it trained); before, the flat row's ``resource`` was where it was last measured (a
+    trial 2 epochs in, measured at 1, showed 1 in the CSV and 2 in the JSON)."""
+    row = {"id": 4, "status": "running", "config": {"lr": 0.1}, "bracket": 1, "rung": 0,
+           "resource": 2.0, "measured_resource": 1.0, "metrics": {"val_loss": 0.5}}  # fmt: skip
+    flat = Trial.of(row).flat()
+    assert (flat["resource"], flat["measured_resource"]) == (2.0, 1.0)
+    assert flat["config.lr"] == 0.1 and flat["metric.val_loss"] == 0.5
+
+
 def test_trials_come_as_a_dataframe(service: dict[str, Any]) -> None:
     with Client(service["url"]) as client:
         frame = client.trials_dataframe(service["study"])
@@ -135,6 +146,8 @@ def test_the_cli_lists_shows_exports_and_takes_the_best_model(service: dict[str,
     assert {"id", "status", "config.lr", "metric.val_loss"} <= set(rows[0])
     as_json = cli(service, "export", str(study.id), "--format", "json")
     assert len(json.loads(as_json.stdout)) == len(rows)
+    trained = {int(r["id"]): float(r["resource"]) for r in json.loads(as_json.stdout)}
+    assert {int(r["id"]): float(r["resource"]) for r in rows} == trained
 
     out = service["tmp"] / "best.pt"
     taken = cli(service, "best", str(study.id), "--out", str(out))
