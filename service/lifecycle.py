@@ -537,18 +537,34 @@ def budget_spent(s: Session, study: Study, now: datetime) -> str | None:
         if (now - study.started_at).total_seconds() >= budget.max_seconds:
             return "max_seconds"
     if budget.target is not None:
-        best = best_trial(s, study)
         mode = StoredSpec.of(study.spec).objective.mode
-        if best is not None and (
-            best[1] <= budget.target if mode == "min" else best[1] >= budget.target
-        ):
+        values = [t.objective for t in _trained_to_max(s, study) if t.objective is not None]
+        if any(v <= budget.target if mode == "min" else v >= budget.target for v in values):
             return "target"
     return None
 
 
+def _trained_to_max(s: Session, study: Study) -> list[store.TrialBrief]:
+    """Trials measured at ``max_resource`` with a finite objective: completed, or paused
+    there (a Hyperband trial at R waits for the rest of its bracket's last rung)."""
+    max_resource = float(StoredSpec.of(study.spec).hyperband.max_resource)
+    return [
+        t
+        for status in (TrialStatus.paused, TrialStatus.completed)
+        for t in store.trial_briefs(s, study.id, status=status)
+        if t.measured_resource is not None
+        and math.isclose(t.measured_resource, max_resource, rel_tol=1e-9)
+        and t.objective is not None
+        and math.isfinite(t.objective)
+    ]
+
+
 def stop_for_budget(s: Session, study: Study, reason: str) -> None:
-    """End a study whose budget is spent: what can still move is cancelled (running packs
+    """End a study whose budget is spent: trials already trained to ``max_resource`` (paused
+    there for their bracket) are completed, what can still move is cancelled (running packs
     stop at their next step), and the study completes with its best trial so far."""
+    done = [t.id for t in _trained_to_max(s, study) if t.status == TrialStatus.paused]
+    store.move_trials(s, done, TrialStatus.completed, only_from=(TrialStatus.paused,))
     store.move_study_trials(s, study.id, TrialStatus.cancelled)
     store.move_study_packs(
         s, study.id, PackStatus.cancelled, only_from=(PackStatus.pending, PackStatus.queued)

@@ -645,3 +645,32 @@ def test_a_fusible_parameter_the_data_reads_does_not_share_batches(
     for index, value in results[True].items():
         assert value == pytest.approx(results[False][index], rel=1e-5), index
     assert any("reads input_scale" in n for n in notes), notes
+
+
+def test_a_target_reached_at_max_resource_stops_the_study_with_that_trial(db: None) -> None:
+    """``budget.target`` counts a trial measured at max_resource as soon as it is (paused
+    there for its bracket, not yet completed): the study stops at the next tick with that
+    trial as its best. Before, only completed trials counted: the rest of the bracket went
+    on training to R after the target was met, and the trial that met it was cancelled with
+    the rest, so another became the best."""
+    from service.models import Measurement
+
+    spec = {**SPEC, "hyperband": {"max_resource": 9, "min_resource": 1, "eta": 3},
+            "packing": {"enabled": True, "max_pack_size": 1}, "sampler": "random",
+            "budget": {"target": 100.0}}  # fmt: skip  # any val_loss reaches it
+    study_id = new_study(spec)
+    sched = scheduler(SyncDispatcher())
+    first = None
+    for _ in range(100):
+        sched.tick()
+        with session_scope(get_sessionmaker()) as s:
+            study = store.get_study(s, study_id)
+            at_max = s.scalars(select(Measurement.trial_id).where(Measurement.resource == 9)).all()
+            if first is None and at_max:
+                first = sorted(at_max)
+            if study.status is not StudyStatus.running:
+                break
+    assert first is not None
+    assert (study.status, study.stop_reason) == (StudyStatus.completed, "target")
+    assert study.best_trial_id in first  # a trial that met the target, not a later one
+    assert sorted(at_max) == first  # nothing else trained to R after it
