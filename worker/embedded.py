@@ -30,7 +30,7 @@ from typing import Any
 from packtune.dispatcher import JobState
 from packtune.errors import DeviceUnavailable
 from packtune.settings import ENV_PREFIX, WORKER_NAME_ENV, Settings, default_torch_threads
-from worker.gpu import gpu_readings
+from worker.gpu import cuda_device_readings, gpu_readings
 
 THREADS_ENV = f"{ENV_PREFIX}TORCH_THREADS"
 
@@ -222,7 +222,8 @@ class EmbeddedDispatcher:
         """The runners' heartbeats, written by the scheduler (a runner has no loop of its own
         to send one): the device as NVML sees it (no torch in this process), and whether
         each has a pack (as many as there are jobs out, first names first)."""
-        gpus = gpu_readings() if self._device != "cpu" else []
+        # the GPU the runner trains on (torch's cuda:0, by its NVML index), not the host's first
+        gpus = cuda_device_readings(0) if self._device != "cpu" else []
         busy = self.busy()
         return [
             {

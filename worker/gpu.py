@@ -113,6 +113,20 @@ def nvml_index(
     return matches[0] if len(matches) == 1 else None
 
 
+def device_label(worker: str, device: Any) -> str:
+    """``worker``'s ``device`` as the planner names it from the heartbeats: a GPU by its NVML
+    index (torch's ``cuda:0`` is GPU 3 under ``CUDA_VISIBLE_DEVICES=3``, and the heartbeat
+    says 3), anything else by torch's name."""
+    if getattr(device, "type", None) == "cuda":
+        cuda_index = device.index or 0
+        index = nvml_index(cuda_index)
+        if index is None:  # UUIDs in CUDA_VISIBLE_DEVICES: NVML tells which GPU
+            index = nvml_index(cuda_index, readings=gpu_readings())
+        if index is not None:
+            return f"{worker}/cuda:{index}"
+    return f"{worker}/{device}"
+
+
 def cuda_device_readings(cuda_index: int = 0) -> list[dict[str, Any]]:
     """Readings of the GPU torch calls ``cuda:<cuda_index>`` (``[]`` if unknown or no NVML)."""
     readings = gpu_readings()

@@ -64,6 +64,7 @@ from worker.execute import (
     run_array,
     spill_budget,
 )
+from worker.gpu import device_label
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,8 @@ def _load(pack_id: int, worker: str, device: torch.device) -> list[ArrayJob] | N
 
 
 def _claim(s: Session, pack_id: int, worker: str, device: torch.device) -> list[ArrayJob] | None:
-    pack = store.claim_pack(s, pack_id, worker_name=worker, device=f"{worker}/{device}")
+    # named as the planner names it, or its running pack would not count on that device
+    pack = store.claim_pack(s, pack_id, worker_name=worker, device=device_label(worker, device))
     if pack is None:
         return None
     # members still queued, or running from an earlier run of this job, at the unit's start;

@@ -87,11 +87,13 @@ def reclaim(name: str) -> list[int]:
 
 
 def readings_with_headroom(index: int | None) -> list[dict[str, Any]]:
-    """NVML readings; ``memory_available`` adds back what this process's torch holds
-    (packs run one at a time, so the next pack may use it)."""
-    from worker.gpu import gpu_readings
+    """NVML readings of the GPU this worker trains on (``index``; without one, the GPU torch
+    calls ``cuda:0``: a worker trains one pack at a time there, not on every GPU of the
+    host); ``memory_available`` adds back what this process's torch holds (packs run one at
+    a time, so the next pack may use it)."""
+    from worker.gpu import cuda_device_readings, gpu_readings
 
-    readings = gpu_readings(index=index)
+    readings = gpu_readings(index=index) if index is not None else cuda_device_readings(0)
     torch = sys.modules.get("torch")
     reserved = 0
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -120,30 +122,45 @@ def send_heartbeat(name: str, index: int | None, busy: bool) -> None:
         )
 
 
-class PackWorker(SimpleWorker):
-    """A ``SimpleWorker`` that announces each job's end once RQ has recorded it."""
-
-    def perform_job(self, job: Any, queue: Any, *args: Any, **kwargs: Any) -> bool:
-        try:
-            return bool(super().perform_job(job, queue, *args, **kwargs))
-        finally:
-            announce(self.connection, queue.name, job.id)
-
-
 class Heartbeat(threading.Thread):
     def __init__(self, name: str, index: int | None, interval: float) -> None:
         super().__init__(name="packtune-heartbeat", daemon=True)
         self.worker_name, self.index, self.interval = name, index, interval
         self.busy = False
         self.stop = threading.Event()
+        self.changed = threading.Event()
+
+    def mark(self, busy: bool) -> None:
+        """Training a job or not: sent at once (the API and dashboard show it)."""
+        self.busy = busy
+        self.changed.set()
 
     def run(self) -> None:
         while not self.stop.is_set():
+            self.changed.clear()
             try:
                 send_heartbeat(self.worker_name, self.index, self.busy)
             except Exception as exc:  # the database may be restarting; try again next beat
                 log.warning("heartbeat failed: %s", exc)
-            self.stop.wait(self.interval)
+            self.changed.wait(self.interval)
+
+
+class PackWorker(SimpleWorker):
+    """A ``SimpleWorker`` that announces each job's end once RQ has recorded it, and marks
+    its worker busy in its heartbeat while a job runs."""
+
+    #: packtune's heartbeat (not RQ's own ``heartbeat`` method)
+    beat: Heartbeat | None = None
+
+    def perform_job(self, job: Any, queue: Any, *args: Any, **kwargs: Any) -> bool:
+        if self.beat is not None:
+            self.beat.mark(True)
+        try:
+            return bool(super().perform_job(job, queue, *args, **kwargs))
+        finally:
+            if self.beat is not None:
+                self.beat.mark(False)
+            announce(self.connection, queue.name, job.id)
 
 
 def run_worker(gpu: int | None = None, name: str | None = None, burst: bool = False) -> None:
@@ -186,6 +203,7 @@ def run_worker(gpu: int | None = None, name: str | None = None, burst: bool = Fa
                 rq_worker = PackWorker(
                     [queue], connection=redis, name=f"{name}-{uuid.uuid4().hex[:8]}"
                 )
+                rq_worker.beat = beat
                 if outage:
                     log.warning("Redis is back; listening on %s", settings.queue_name)
                     outage, delay = False, 1.0
@@ -201,6 +219,7 @@ def run_worker(gpu: int | None = None, name: str | None = None, burst: bool = Fa
                 delay = min(2 * delay, 10.0)
     finally:
         beat.stop.set()
+        beat.changed.set()
 
 
 def run_all_gpus(burst: bool = False) -> int:

@@ -499,6 +499,37 @@ def test_trials_that_fit_only_a_busy_gpu_wait_for_it(
     assert [p.device for p in packs(study_id)] == []
 
 
+def test_a_pack_claimed_on_a_worker_of_gpu_1_counts_on_gpu_1(
+    db: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``packtune worker --gpu 1`` heartbeats NVML GPU 1, so its packs are planned on
+    ``w/cuda:1``; it trains on torch's cuda:0 (CUDA_VISIBLE_DEVICES=1). Its claim names
+    the device as the planner does, so the running pack holds that device's slot (and can
+    be asked to yield for it). Before, the claim wrote ``w/cuda:0``: on every GPU but the
+    first, a running pack counted on no device the planner knows."""
+    import torch
+
+    from worker import jobs
+
+    gib = 2**30
+    study_id = new_study({**SPEC, "sampler": "random"})
+    with session_scope(get_sessionmaker()) as s:
+        lifecycle.sample_due(s, store.get_study(s, study_id))
+        gpu = {"index": 1, "name": "H100", "memory_total": 80 * gib, "memory_available": 80 * gib}
+        store.heartbeat(s, name="w", host="h", device_kind="H100", gpus=[gpu])
+        workers = store.live_workers(s, 30)
+        study = store.get_study(s, study_id)
+        planning.plan_fleet(s, [study], workers, get_settings(), utcnow())
+    (pack, *_) = packs(study_id)
+    assert pack.device == "w/cuda:1"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert jobs._load(pack.id, "w", torch.device("cuda:0"))
+    (claimed, *_) = packs(study_id)
+    assert (claimed.status, claimed.device) == (PackStatus.running, "w/cuda:1")
+    with session_scope(get_sessionmaker()) as s:
+        assert store.packs_per_device(s, (PackStatus.running,))["w/cuda:1"] == 1
+
+
 @pytest.mark.parametrize("labelled", [True, False])
 def test_an_owner_with_several_studies_is_served_as_one(
     db: None, monkeypatch: pytest.MonkeyPatch, labelled: bool

@@ -16,7 +16,7 @@ from packtune.settings import get_settings
 from service.bus import announce, wake_channel
 from service.rq_dispatcher import RQDispatcher
 from service.scheduler import Scheduler, TickReport
-from worker.main import PackWorker
+from worker.main import Heartbeat, PackWorker
 
 
 @pytest.fixture
@@ -122,3 +122,31 @@ def test_a_study_created_through_the_api_wakes_the_scheduler(rq_env: str, redis_
         assert not woken.wait(0.3)
         bus.study_changed(get_settings())
         assert woken.wait(5), "the API's wake-up did not reach the scheduler"
+
+
+#: the heartbeat of the worker running :func:`busy_now` (RQ's SimpleWorker: this process)
+BEAT: list[Heartbeat] = []
+
+
+def busy_now() -> bool:
+    """A job that says whether its worker's heartbeat said busy while it ran."""
+    return BEAT[0].busy
+
+
+def test_a_worker_is_busy_in_its_heartbeat_while_a_job_runs(rq_env: str, redis_url: str) -> None:
+    """Before, an RQ worker's heartbeat said idle for ever: the API and dashboard showed
+    every worker idle while it trained."""
+    beat = Heartbeat("busy-test", None, 3600.0)  # not started: no database writes
+    BEAT[:] = [beat]
+    redis = Redis.from_url(redis_url)
+    try:
+        queue = Queue(rq_env, connection=redis)
+        job = queue.enqueue_call(f"{__name__}.busy_now", job_id=f"busy-{uuid.uuid4().hex}")
+        worker = PackWorker([queue], connection=redis)
+        worker.beat = beat
+        worker.work(burst=True, with_scheduler=False)
+        assert job.get_status(refresh=True) == "finished"
+        assert job.return_value() is True  # busy while it ran
+        assert beat.busy is False and beat.changed.is_set()  # idle again, said at once
+    finally:
+        redis.close()

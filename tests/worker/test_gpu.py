@@ -117,3 +117,57 @@ def test_real_readings_on_a_gpu() -> None:
     assert gpu.device_kind(mine) == torch.cuda.get_device_name(0)
     _, cuda_total = torch.cuda.mem_get_info(0)  # CUDA leaves out the driver's reserve
     assert cuda_total <= mine[0]["memory_total"] <= 1.05 * cuda_total
+
+
+def fake_nvml(monkeypatch: pytest.MonkeyPatch, visible: str | None) -> None:
+    """Two GPUs as NVML sees them; ``CUDA_VISIBLE_DEVICES`` as given."""
+    readings = [{**r, "memory_free": 8 * 2**30, "memory_total": 80 * 2**30} for r in READINGS]
+
+    def fake(index: int | None = None) -> list[dict[str, object]]:
+        return [dict(r) for r in readings if index is None or r["index"] == index]
+
+    monkeypatch.setattr(gpu, "gpu_readings", fake)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+
+
+@pytest.mark.parametrize(
+    "visible,label", [(None, "w/cuda:0"), ("1", "w/cuda:1"), ("GPU-bbbb", "w/cuda:1")]
+)
+def test_a_device_is_labelled_by_its_nvml_index(
+    monkeypatch: pytest.MonkeyPatch, visible: str | None, label: str
+) -> None:
+    """What a worker that trains on torch's cuda:0 calls its device when it claims a pack:
+    the GPU its heartbeat reports (the planner's name), whatever torch calls it."""
+    import torch
+
+    fake_nvml(monkeypatch, visible)
+    assert gpu.device_label("w", torch.device("cuda:0")) == label
+    assert gpu.device_label("w", torch.device("cpu")) == "w/cpu"
+
+
+@pytest.mark.parametrize("visible,index", [(None, 0), ("1", 1)])
+def test_a_worker_and_a_runner_report_the_gpu_they_train_on(
+    monkeypatch: pytest.MonkeyPatch, visible: str | None, index: int
+) -> None:
+    """A ``packtune worker`` without ``--gpu`` trains on torch's cuda:0, one pack at a time:
+    its heartbeat reports that GPU only. Before, it reported every GPU of the host (the
+    planner saw two devices and planned packs for both). The embedded runner likewise
+    reports the GPU it trains on, not the host's first."""
+    from packtune.settings import get_settings
+    from worker.embedded import EmbeddedDispatcher
+    from worker.main import readings_with_headroom
+
+    fake_nvml(monkeypatch, visible)
+    assert [r["index"] for r in readings_with_headroom(None)] == [index]
+    monkeypatch.setenv("PACKTUNE_DEVICE", "cuda")
+    get_settings.cache_clear()
+    runner = EmbeddedDispatcher(get_settings())
+    try:
+        statuses = runner.runner_statuses()
+    finally:
+        runner.close()
+        get_settings.cache_clear()
+    assert statuses and all([g["index"] for g in s["gpus"]] == [index] for s in statuses)
