@@ -33,6 +33,8 @@ THROUGHPUT_SMOOTHING = 0.5
 
 #: longest wait before a failed pack is tried again (settings.retry_backoff doubles up to it)
 RETRY_BACKOFF_MAX_S = 60.0
+#: a dead worker's row (the API's /api/workers, /metrics' worker_alive) is kept this long
+DEAD_WORKER_KEPT_S = 86_400.0
 #: attempts ended by faults that are not the trials' a pack may take beyond max_attempts
 #: (bounded, so that a trial that kills its worker every time still ends)
 MAX_FAULTS = 10

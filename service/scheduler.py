@@ -34,7 +34,14 @@ from typing import TYPE_CHECKING
 from packtune.dispatcher import Dispatcher, JobState, check_job_id, job_id_for
 from packtune.errors import QueueUnavailable, StoreUnavailable, StudyCannotRun
 from packtune.settings import Settings, get_settings
-from packtune.tuning import IDLE_TICK_SHARE, MAX_FAULTS, MIN_WAKE_S, PLAN_NEXT_TICK, TICK_SAMPLES
+from packtune.tuning import (
+    DEAD_WORKER_KEPT_S,
+    IDLE_TICK_SHARE,
+    MAX_FAULTS,
+    MIN_WAKE_S,
+    PLAN_NEXT_TICK,
+    TICK_SAMPLES,
+)
 from service import lifecycle, planning, store
 from service.db import DATABASE_ERRORS, get_sessionmaker, session_scope
 from service.models import (
@@ -138,6 +145,7 @@ class Scheduler:
             self._embedded_heartbeat(s)
             timeout = self.settings.heartbeat_timeout
             workers = store.live_workers(s, timeout)
+            store.forget_dead_workers(s, DEAD_WORKER_KEPT_S)
             if time.monotonic() - self.connected_since >= timeout:
                 store.mark_dead_workers(s, timeout)
                 trusted = {w.name for w in workers}

@@ -31,6 +31,7 @@ from service.store.checks import (
 from service.store.fleet import (
     THROUGHPUT_SMOOTHING,
     acquire_lease,
+    forget_dead_workers,
     get_profile,
     heartbeat,
     live_workers,
@@ -179,6 +180,7 @@ __all__ = [
     "latest_measurement",
     "list_studies",
     "live_workers",
+    "forget_dead_workers",
     "mark_dead_workers",
     "measured_curve",
     "move_pack",

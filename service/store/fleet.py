@@ -77,6 +77,16 @@ def mark_dead_workers(s: Session, timeout_seconds: float) -> list[str]:
     return sorted(names)
 
 
+def forget_dead_workers(s: Session, after_seconds: float) -> int:
+    """Delete the rows of workers dead and silent for ``after_seconds``; how many. A worker
+    started without a name is ``host-pid``, a new row each start: kept for ever, they
+    filled ``/api/workers`` and ``/metrics`` (one ``worker_alive`` series each)."""
+    cutoff = utcnow() - timedelta(seconds=after_seconds)
+    stmt = delete(Worker).where(Worker.status == WorkerStatus.dead, Worker.last_heartbeat < cutoff)
+    result = s.execute(stmt, execution_options={"synchronize_session": False})
+    return int(getattr(result, "rowcount", 0) or 0)
+
+
 # -- profiles -----------------------------------------------------------------
 
 

@@ -674,3 +674,24 @@ def test_a_target_reached_at_max_resource_stops_the_study_with_that_trial(db: No
     assert (study.status, study.stop_reason) == (StudyStatus.completed, "target")
     assert study.best_trial_id in first  # a trial that met the target, not a later one
     assert sorted(at_max) == first  # nothing else trained to R after it
+
+
+def test_a_worker_dead_for_a_day_is_forgotten(db: None) -> None:
+    """A worker started without a name is ``host-pid``, a new row at each start: dead rows
+    were kept for ever (``/api/workers`` and ``/metrics`` listed every one). A tick deletes
+    those dead and silent for a day; a worker dead for an hour stays listed."""
+    from service.models import Worker, WorkerStatus
+
+    with session_scope(get_sessionmaker()) as s:
+        for name in ("host-101", "host-202"):
+            store.heartbeat(s, name=name, host="host", device_kind="cpu", gpus=[],
+                            memory_budget=2**30)  # fmt: skip
+        ages = {"host-101": timedelta(days=2), "host-202": timedelta(hours=1)}
+        for worker in s.scalars(select(Worker)):
+            if worker.name in ages:
+                worker.status = WorkerStatus.dead
+                worker.last_heartbeat = datetime.now(UTC) - ages[worker.name]
+    scheduler(SyncDispatcher()).tick()
+    with session_scope(get_sessionmaker()) as s:
+        names = set(s.scalars(select(Worker.name)))
+    assert "host-101" not in names and "host-202" in names
