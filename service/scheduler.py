@@ -23,6 +23,7 @@ nothing twice.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
@@ -62,6 +63,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LEASE = "scheduler"
+#: how often a tick also deletes workers dead for DEAD_WORKER_KEPT_S (not every tick)
+FORGET_WORKERS_EVERY_S = 60.0
 
 
 @dataclass
@@ -121,6 +124,7 @@ class Scheduler:
         self.wake = threading.Event()
         # since when (monotonic) every tick has reached the database; None after a failure
         self.connected_since: float | None = None
+        self._forgot_workers_at = -math.inf  # store.forget_dead_workers, at the first tick
         self.queue_outage = False  # the last tick found the job queue unreachable
         self.dispatcher.notify = self.wake.set  # a job's end wakes the loop at once
 
@@ -145,7 +149,9 @@ class Scheduler:
             self._embedded_heartbeat(s)
             timeout = self.settings.heartbeat_timeout
             workers = store.live_workers(s, timeout)
-            store.forget_dead_workers(s, DEAD_WORKER_KEPT_S)
+            if time.monotonic() - self._forgot_workers_at >= FORGET_WORKERS_EVERY_S:
+                store.forget_dead_workers(s, DEAD_WORKER_KEPT_S)  # not a statement every tick
+                self._forgot_workers_at = time.monotonic()
             if time.monotonic() - self.connected_since >= timeout:
                 store.mark_dead_workers(s, timeout)
                 trusted = {w.name for w in workers}

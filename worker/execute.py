@@ -319,6 +319,26 @@ def _data_parts(
     return varying, list(groups.values())
 
 
+def _run_apart(
+    job: ArrayJob,
+    parts: list[list[MemberJob]],
+    device: torch.device,
+    kind: str,
+    checkpoint_dir: Path,
+    stop: threading.Event | None,
+    give_up: threading.Event | None,
+    spill_share: int,
+) -> list[ArrayRun]:
+    """``job``'s members that must not share an array, ``parts`` of them one after another,
+    each an array of its own (their speeds are not the fusion key's: ``shared``)."""
+    return [
+        run
+        for part in parts
+        for run in run_array(dataclasses.replace(job, members=part), device, kind,
+                             checkpoint_dir, True, stop, give_up, spill_share)
+    ]  # fmt: skip
+
+
 def run_array(
     job: ArrayJob,
     device: torch.device,
@@ -356,20 +376,7 @@ def run_array(
             job.pack_id, [m.trial_id for m in job.members], job.fusion_key, job.workload,
             len(parts),
         )  # fmt: skip
-        return [
-            run
-            for part in parts
-            for run in run_array(
-                dataclasses.replace(job, members=part),
-                device,
-                kind,
-                checkpoint_dir,
-                True,
-                stop,
-                give_up,
-                spill_share,
-            )
-        ]
+        return _run_apart(job, parts, device, kind, checkpoint_dir, stop, give_up, spill_share)
     configs = {m.trial_id: job.config(m) for m in job.members}
     first = workload.resolve(next(iter(configs.values())))
     spe = workload.steps_per_epoch(first)
@@ -406,12 +413,7 @@ def run_array(
             "not fusible)"
         )
         log.warning("pack %s: %s", job.pack_id, note)
-        runs = [
-            run
-            for part in parts
-            for run in run_array(dataclasses.replace(job, members=part), device, kind,
-                                 checkpoint_dir, True, stop, give_up, spill_share)
-        ]  # fmt: skip
+        runs = _run_apart(job, parts, device, kind, checkpoint_dir, stop, give_up, spill_share)
         for run in runs:
             run["notes"] = [note, *run.get("notes", [])]
         return runs

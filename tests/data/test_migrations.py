@@ -165,8 +165,12 @@ def test_0002_fills_each_trials_latest_objective(empty_url: str | URL) -> None:
     assert [tuple(row) for row in rows] == [(1, 3.0, 0.75), (2, 1.0, None), (3, None, None)]
 
 
-def insert_study_and_trial(conn: sa.Connection, stamp: str, status: str, done: float) -> None:
-    """Study 1 with trial 1 (``status``, ``done`` epochs), written at ``stamp``."""
+def insert_rows(
+    conn: sa.Connection, stamp: str, trial: tuple[str, float], pack: tuple[str, int], to: float
+) -> None:
+    """Study 1, its trial 1 (status, epochs done) and pack 1 (status, attempts) training it
+    from 0 to ``to``, written at ``stamp`` (in the columns every revision from 0008 has)."""
+    status, done = trial
     conn.exec_driver_sql(
         "INSERT INTO studies (id, name, workload, spec, seed, status, created_at)"
         f" VALUES (1, 's', 'digits-mlp', '{{}}', 0, 'running', {stamp})"
@@ -175,6 +179,14 @@ def insert_study_and_trial(conn: sa.Connection, stamp: str, status: str, done: f
         "INSERT INTO trials (id, study_id, sample_index, bracket, rung, config, fusion_key,"
         f" status, resource_done, created_at, updated_at) VALUES (1, 1, 0, 0, 0, '{{}}',"
         f" 'k', '{status}', {done}, {stamp}, {stamp})"
+    )
+    conn.exec_driver_sql(
+        "INSERT INTO packs (id, study_id, status, attempts, created_at)"
+        f" VALUES (1, 1, '{pack[0]}', {pack[1]}, {stamp})"
+    )
+    conn.exec_driver_sql(
+        "INSERT INTO pack_members (pack_id, trial_id, fusion_key, from_resource, to_resource)"
+        f" VALUES (1, 1, 'k', 0, {to})"
     )
 
 
@@ -185,15 +197,7 @@ def test_0009_keeps_pack_members_as_whole_trials(empty_url: str | URL) -> None:
     engine = make_engine(empty_url)
     stamp = "'2026-11-25 00:00:00'"
     with engine.begin() as conn:
-        insert_study_and_trial(conn, stamp, "queued", 0)
-        conn.exec_driver_sql(
-            "INSERT INTO packs (id, study_id, status, attempts, created_at)"
-            f" VALUES (1, 1, 'pending', 0, {stamp})"
-        )
-        conn.exec_driver_sql(
-            "INSERT INTO pack_members (pack_id, trial_id, fusion_key, from_resource, to_resource)"
-            " VALUES (1, 1, 'k', 0, 1)"
-        )
+        insert_rows(conn, stamp, trial=("queued", 0), pack=("pending", 0), to=1)
     engine.dispose()
     upgrade(empty_url)
     engine = make_engine(empty_url)
@@ -229,18 +233,10 @@ def test_downgrading_keeps_the_rows_of_tables_copied_on_sqlite(empty_url: str | 
     engine = make_engine(empty_url)
     stamp = "'2026-11-28 00:00:00'"
     with engine.begin() as conn:
-        insert_study_and_trial(conn, stamp, "running", 1)
+        insert_rows(conn, stamp, trial=("running", 1), pack=("running", 1), to=3)
         conn.exec_driver_sql(
             "INSERT INTO measurements (trial_id, resource, metrics, created_at)"
             f" VALUES (1, 1.0, '{{\"val_loss\": 0.5}}', {stamp})"
-        )
-        conn.exec_driver_sql(
-            "INSERT INTO packs (id, study_id, status, attempts, created_at)"
-            f" VALUES (1, 1, 'running', 1, {stamp})"
-        )
-        conn.exec_driver_sql(
-            "INSERT INTO pack_members (pack_id, trial_id, fusion_key, from_resource, to_resource)"
-            " VALUES (1, 1, 'k', 0, 3)"
         )
     engine.dispose()
     tables = ("studies", "trials", "measurements", "packs", "pack_members")
