@@ -26,6 +26,7 @@ from packtune.workloads.base import Workload
 from worker.decoupled_group import decoupled_problem
 from worker.fused import FusedArray, train
 from worker.spill import spill_problem
+from worker.ties import meta_template
 
 #: relative and absolute tolerance of "equal to float rounding" after a few steps
 RTOL, ATOL = 1e-4, 1e-5
@@ -133,7 +134,7 @@ def check(
     )
     data = None if workload.streams else workload.data(workload.resolve(configs[0]), device)
     torch.manual_seed(0)
-    template = workload.build_model(workload.resolve(configs[0])).to("meta")
+    template = meta_template(workload.build_model(workload.resolve(configs[0])))
     report.spill_problem = spill_problem(workload, template)
     report.decoupled_problem = decoupled_problem(workload, template, 2)
     chosen = [(i, configs[i]) for i in range(members)]

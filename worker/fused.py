@@ -26,7 +26,7 @@ own step (``training_loss``) runs it under vmap; a vmap stack whose first step f
 (code vmap cannot batch) is split into one stack per member, with a warning, before any
 member's weights change: the members then train one at a time, as they would unpacked.
 
-Randomness (dropout, or draws seen in a probe forward: :func:`_is_stochastic`): each
+Randomness (dropout, or draws seen in a probe forward: :func:`worker.probe.is_stochastic`): each
 member owns a CPU ``torch.Generator`` seeded from its trial seed; its state is part of
 the member's exported state. Before each step of a stack the global generator is
 reseeded from one draw of each of its members' generators, and the stack's ops draw
@@ -63,6 +63,7 @@ from worker.batches import (
     on_device,
     stack_batches,
     started,
+    tensors,
     tree_map,
 )
 from worker.decoupled_group import decoupled_group, decoupled_problem, segment_names
@@ -74,10 +75,12 @@ from worker.fused_forward import (
     vmap_forward,
 )
 from worker.fused_group import Group, Stack, losses_function, shapes
-from worker.fusion_guard import model_signature, partition, split_causes
+from worker.fusion_guard import model_signature, partition, split_causes, workload_differences
 from worker.optim import OPTIMIZER_HYPER, build_optimizer
-from worker.rng import draws_random
+from worker.probe import PROBE_EXAMPLES, is_stochastic, probe
+from worker.rng import HostState, host_state, seed_host, set_host_state
 from worker.spill import SpilledGroup, spill_problem
+from worker.ties import aliases, meta_template, with_aliases
 
 StackMode = Literal["auto", "vmap", "bmm", "serial"]
 
@@ -86,11 +89,6 @@ log = logging.getLogger(__name__)
 _RNG_MIX = 6364136223846793005  # Knuth's MMIX multiplier, to fold member draws into one seed
 #: workloads whose vmap step failed and split per member in this process (logged once)
 _SPLIT_LOGGED: set[str] = set()
-#: (workload, custom step, model signature) -> whether its training draws random numbers,
-#: and a note where a probe could not tell (:func:`_is_stochastic`)
-_DRAWS: dict[Hashable, tuple[bool, str | None]] = {}
-#: examples a randomness probe runs forward first (then, if that raised, a whole batch)
-PROBE_EXAMPLES = 4
 
 
 def hyper_tensors(configs: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
@@ -142,64 +140,9 @@ def _build_model(
             f"build the model of {_suspects(config)}]"
         ) from exc
     if state is not None:
-        model.load_state_dict({**state["params"], **state["buffers"]})
+        # by every name of a tied tensor, as the model's own state_dict has it
+        model.load_state_dict(with_aliases({**state["params"], **state["buffers"]}, aliases(model)))
     return model.train()
-
-
-def _is_stochastic(
-    workload: Workload,
-    model: nn.Module,
-    signature: Hashable,
-    batches: Sequence[tuple[Tensor, Tensor]],
-) -> tuple[bool, str | None]:
-    """Whether training draws random numbers, and a note when that could not be told.
-
-    Random: the workload says so (``stochastic = True``), the model has active dropout, or a
-    training forward and loss of a copy of ``model`` on the first of ``batches`` that it
-    runs on (a few training examples, then a whole batch: a model may need its batch size)
-    was seen to draw from torch's generators (:func:`worker.rng.draws_random`: functional
-    dropout, ``nn.RReLU``, noise in a loss). Seen once per process and model signature. A
-    probe that raises on every batch counts as random: members then train one per stack,
-    as unpacked. Without batches (streamed data) only the first two are known."""
-    dropout = nn.modules.dropout._DropoutNd
-    if workload.stochastic or any(isinstance(m, dropout) and m.p > 0 for m in model.modules()):
-        return True, None
-    if not batches:
-        return False, None
-    key = (workload.name, workload.custom_step, signature)
-    if key not in _DRAWS:
-        _DRAWS[key] = _probe_draws(workload, model, batches)
-    return _DRAWS[key]
-
-
-def _probe_draws(
-    workload: Workload, model: nn.Module, batches: Sequence[tuple[Tensor, Tensor]]
-) -> tuple[bool, str | None]:
-    first = next(model.parameters(), None)
-    device = first.device if first is not None else None
-    error: Exception | None = None
-    for batch in batches:
-        probe = copy.deepcopy(model).train()  # its BatchNorm statistics move: a copy's
-        x, y = (t.to(device) if device is not None else t for t in batch)
-
-        def run(probe: nn.Module = probe, x: Tensor = x, y: Tensor = y) -> None:
-            with torch.no_grad():
-                if workload.custom_step:
-                    workload.training_loss(probe, (x, y))
-                else:
-                    workload.loss(probe(x), y)
-
-        try:
-            return draws_random(run, device), None
-        except Exception as exc:
-            error = exc
-    note = (
-        f"{workload.name}: could not tell whether training draws random numbers (a training "
-        f"forward raised {type(error).__name__}: {error}); its members train one per stack, "
-        "as they would unpacked"
-    )
-    log.warning("%s", note)
-    return True, note
 
 
 def _member_generator(
@@ -262,12 +205,13 @@ def stack_of(workload: Workload, template: nn.Module, mode: str, stochastic: boo
 
 
 def _forwards(
-    workload: Workload,
+    workloads: Sequence[Workload],
     template: nn.Module,
     part: list[int],
     mode: StackMode,
     stochastic: bool,
     precision: str = "fp32",
+    apart: bool = False,
 ) -> list[tuple[list[int], Stack]]:
     """The stacks a part of equal models runs as: ``(member indices, stack)``.
 
@@ -275,10 +219,16 @@ def _forwards(
     rounding of vmap's batched convolution differs from one model's by ~1e-3, and training
     grows that (digits-cnn: 13% apart after two epochs at lr 0.08), so the result would
     depend on the pack. The hand-fused ``bmm`` path rounds like one model's in bf16 too.
+    ``workloads``: each member's copy of the workload (a stack's steps run its first's);
+    ``apart``: the members train one per stack (their steps change the batch in place, or
+    their workloads differ).
+    Stacks of one member each have a template of their own: Python state a forward keeps on
+    its module (a step counter) is then each member's, as unpacked.
     """
+    workload = workloads[part[0]]
     plan = None if workload.custom_step else bmm_plan(template, convs=mode == "bmm")
     if mode == "auto":
-        if stochastic:
+        if stochastic or apart:
             mode = "serial"  # each member draws from its own stream alone, as when unpacked
         elif plan is not None:
             mode = "bmm"
@@ -287,8 +237,15 @@ def _forwards(
     if mode == "bmm" and plan is None:
         raise ValueError(f"{workload.name}'s model is not a hand-fusable Sequential")
     if mode == "serial":
-        return [([i], stack_of(workload, template, mode, stochastic)) for i in part]
+        return [([i], stack_of(workloads[i], own_copy(template, n), mode, stochastic))
+                for n, i in enumerate(part)]  # fmt: skip
     return [(list(part), stack_of(workload, template, mode, stochastic))]
+
+
+def own_copy(template: nn.Module, n: int) -> nn.Module:
+    """The template of a stack's ``n``-th one-member stack: the first takes ``template``,
+    each other one a copy of it (meta tensors: no memory)."""
+    return template if n == 0 else copy.deepcopy(template)
 
 
 def _split_warning(
@@ -374,7 +331,24 @@ class FusedArray:
         self.steps_per_epoch = workload.steps_per_epoch(self.config)
         self.diverged: dict[Hashable, int] = {}
         self.check_every = CUDA_CHECK_EVERY if self.device.type == "cuda" else 1
-        models = [_build_model(workload, c, s) for c, s in zip(configs, states, strict=True)]
+        # each member built from its trial seed, torch's generators and the host's (Python's
+        # random, NumPy's) alike, and the host's left to its own stream from there
+        host = host_state()
+        models: list[nn.Module] = []
+        #: each member's own host random stream (used by an array that draws from it)
+        self.host_streams: dict[Hashable, HostState] = {}
+        #: each member's own copy of the workload object, which its build_model may have set
+        #: values on that its loss reads (:func:`worker.fusion_guard.workload_differences`)
+        self.member_workloads: dict[Hashable, Workload] = {}
+        for key, config, state in zip(keys, configs, states, strict=True):
+            seed_host(int(config["seed"]))
+            self.member_workloads[key] = copy.copy(workload)
+            models.append(_build_model(self.member_workloads[key], config, state))
+            self.host_streams[key] = host_state()
+        set_host_state(host)
+        drifted = workload_differences(list(self.member_workloads.values()))
+        #: each member's tied tensors' other names (:mod:`worker.ties`), for its exported state
+        self.ties = {key: aliases(model) for key, model in zip(keys, models, strict=True)}
         signatures = [model_signature(m) for m in models]
         parts = partition(signatures)
         self.warning = _split_warning(workload, keys, configs, parts) if len(parts) > 1 else None
@@ -387,11 +361,22 @@ class FusedArray:
         self.precision = str(self.config.get("precision", "fp32"))
         #: what the array did that its caller should know (a vmap stack split per member)
         self.notes: list[str] = []
+        if drifted:
+            self.notes.append(
+                f"{workload.name}: build_model set {', '.join(repr(a) for a in drifted)} on the "
+                "workload object, differently per trial; its members train one at a time, "
+                "each with its own copy of the workload, as unpacked. Keep per-trial values "
+                "in the model (a buffer) for them to be fused"
+            )
         self.streaming = workload.streams
         self.train_split: Split | None = None
         self.val_split: Split | None = None
         if not self.streaming:
             self.train_split, self.val_split = data or workload.data(self.config, self.device)
+        #: the model draws from the host's generators: each member's step from its own stream
+        self.host_random = False
+        #: training changes its batch in place: each stack steps on (and evaluates) a copy
+        self.copies_batches = False
         probes: list[tuple[Tensor, Tensor]] = []
         if self.train_split is not None:
             size = int(self.config.get("batch_size", PROBE_EXAMPLES))
@@ -399,12 +384,29 @@ class FusedArray:
                 probes.append((self.train_split.x[:n], self.train_split.y[:n]))
         self.groups: list[Group] = []
         for part in parts:
-            template = copy.deepcopy(models[part[0]]).to("meta")
-            stochastic, note = _is_stochastic(
-                workload, models[part[0]], signatures[part[0]], probes
+            template = meta_template(models[part[0]])
+            probed = probe(
+                self.member_workloads[keys[part[0]]], models[part[0]], signatures[part[0]], probes
             )
-            if note is not None:
-                self.notes.append(note)
+            if probed.reassigned:
+                names = ", ".join(repr(n) for n in probed.reassigned)
+                raise ValueError(
+                    f"{workload.name}'s model replaces its buffer {names} in forward (self.x = "
+                    "...): packtune holds buffers as stacked tensors and would keep the old "
+                    "value; update it in place instead (self.x.copy_(...), .mul_(), .add_())"
+                )
+            stochastic = is_stochastic(workload, models[part[0]], probed)
+            self.host_random |= probed.host_draws
+            if probed.note is not None:
+                self.notes.append(probed.note)
+            if probed.mutates and not self.copies_batches:
+                self.copies_batches = True
+                self.notes.append(
+                    f"{workload.name}: training changes its input batch in place (an in-place "
+                    "op on a forward's input, targets changed in a loss); its members train "
+                    "one at a time, each on its own copy of the batch, as unpacked. Make the "
+                    "operation out of place (x = x / 255) for them to be fused"
+                )
             if self.decoupled is not None:
                 problem = decoupled_problem(workload, template, self.decoupled.segments)
                 if problem is not None:
@@ -417,8 +419,9 @@ class FusedArray:
                 )
             only = (None if self.decoupled is None or segment is None
                     else segment_names(template, self.decoupled.segments, segment))  # fmt: skip
-            for idx, stack in _forwards(workload, template, part, mode, stochastic,
-                                        self.precision):  # fmt: skip
+            own = [self.member_workloads[key] for key in keys]
+            for idx, stack in _forwards(own, template, part, mode, stochastic, self.precision,
+                                        apart=probed.mutates or bool(drifted)):  # fmt: skip
                 params, buffers = _stack([models[i] for i in idx], home, only)
                 self.groups.append(self._group(
                     [keys[i] for i in idx], params, buffers,
@@ -486,7 +489,7 @@ class FusedArray:
         """Give ``group`` its compiled step (:mod:`worker.compiled`) where one applies."""
         if type(group) is not Group or group.stochastic:
             return  # spilled and decoupled stacks, and random draws, stay eager
-        workload, device, precision = self.workload, self.device, self.precision
+        workload, device, precision = self.workload_of(group), self.device, self.precision
         key = (workload.name, model_signature(group.template), group.mode,
                workload.per_member_batches, precision, device.type, device.index)  # fmt: skip
 
@@ -511,7 +514,6 @@ class FusedArray:
             _SPLIT_LOGGED.add(self.workload.name)
             log.warning("%s (said once per process)", note)
         self.notes.append(note)
-        stack = stack_of(self.workload, group.template, "serial", group.stochastic)
         singles = [
             self._group(
                 [key],
@@ -521,7 +523,12 @@ class FusedArray:
                 },
                 {n: b[i : i + 1].clone() for n, b in group.buffers.items()},
                 [group.optimizer.member_state(i)],
-                stack,
+                stack_of(
+                    self.member_workloads[key],
+                    own_copy(group.template, i),
+                    "serial",
+                    group.stochastic,
+                ),  # fmt: skip
             )  # fmt: skip
             for i, key in enumerate(group.keys)
         ]
@@ -573,6 +580,11 @@ class FusedArray:
         """Keys of the members still training, in order."""
         return [key for group in self.groups for key in group.keys]
 
+    def workload_of(self, group: Group) -> Workload:
+        """The workload whose loss ``group`` trains and is measured with: its first member's
+        copy (the members of a stack have equal ones)."""
+        return self.member_workloads[group.keys[0]]
+
     def _locate(self, key: Hashable) -> tuple[Group, int]:
         for group in self.groups:
             if key in group.keys:
@@ -597,14 +609,43 @@ class FusedArray:
         alone in its slice: members share no arithmetic, so the others are unchanged.
         """
         for group, own in self.group_batches(batch):
-            self._step_group(group, own)
+            versions = [t._version for t in tensors(own)]
+            if self.host_random:
+                self._host_step(group, own)
+            else:
+                self._step_group(group, own)
+            shared = not self.copies_batches and len(self.keys) > 1
+            if shared and [t._version for t in tensors(own)] != versions:
+                raise RuntimeError(
+                    f"{self.workload.name}: a training step changed its input batch in place "
+                    "(an in-place op on a forward's input, or targets changed in a loss), "
+                    "which the trials of an array share: make the operation out of place "
+                    "(x = x / 255)"
+                )
         self.step += 1
         if self.step % self.check_every == 0:
             self.check_divergence()
 
+    def _host_step(self, group: Group, batch: Any) -> None:
+        """A step of ``group`` drawing from its (first) member's own host random stream."""
+        key, outer = group.keys[0], host_state()
+        set_host_state(self.host_streams[key])
+        try:
+            self._step_group(group, batch)
+        finally:
+            if key in self.host_streams:
+                self.host_streams[key] = host_state()
+            set_host_state(outer)
+
     def group_batches(self, batch: Any) -> list[tuple[Group, Any]]:
         """Each group with the training batch it takes from ``batch`` (see :meth:`train_step`):
-        ``(x, y)`` shared by all, or its members' own batches stacked."""
+        ``(x, y)`` shared by all, or its members' own batches stacked; a copy for each
+        where training changes its batch in place."""
+        if self.copies_batches:
+            return [(group, tree_map(torch.clone, own)) for group, own in self._batches(batch)]
+        return self._batches(batch)
+
+    def _batches(self, batch: Any) -> list[tuple[Group, Any]]:
         if not self.streaming:
             assert self.train_split is not None
             index = batch.to(self.device)
@@ -618,7 +659,7 @@ class FusedArray:
         if group.settled(batch):
             if group.stochastic:
                 self._reseed(group)
-            group.step(batch, self.workload, self.step + 1)
+            group.step(batch, self.workload_of(group), self.step + 1)
             return
         # A vmap stack's first step (vmap may be unable to batch the model's code), or a
         # compiled step's first at a batch shape (it compiles). Nothing but buffers
@@ -633,12 +674,12 @@ class FusedArray:
                 self._reseed(group)
             if group.compiled is not None:
                 with compiled.COMPILING:
-                    group.step(batch, self.workload, self.step + 1)
+                    group.step(batch, self.workload_of(group), self.step + 1)
                 group.compiled_shapes.add(shapes(batch))
                 self.compile_seconds += time.perf_counter() - began
                 self.compile_steps += 1
             else:
-                group.step(batch, self.workload, self.step + 1)
+                group.step(batch, self.workload_of(group), self.step + 1)
         except (torch.cuda.OutOfMemoryError, Unspillable):
             raise
         except Exception as exc:
@@ -751,13 +792,16 @@ class FusedArray:
             assert self.val_split is not None
             y = self.val_split.y
             results: dict[Hashable, dict[str, float]] = {}
+            copy = self.copies_batches  # each forward, loss and metric on its own
             for group in self.groups:
-                chunks = [group.outputs(x) for x, _ in self._validation_batches()]
+                chunks = [group.outputs(x.clone() if copy else x)
+                          for x, _ in self._validation_batches()]  # fmt: skip
                 out = torch.cat(chunks, dim=1)
+                workload = self.workload_of(group)
                 for i, key in enumerate(group.keys):
                     results[key] = {
-                        "val_loss": float(self.workload.loss(out[i], y)),
-                        **self.workload.metrics(out[i], y),
+                        "val_loss": float(workload.loss(out[i], y.clone() if copy else y)),
+                        **workload.metrics(out[i], y.clone() if copy else y),
                     }
             return results
         finally:
@@ -779,8 +823,9 @@ class FusedArray:
         for batch in self._validation_batches():
             examples += batch_size(batch)
             for group in self.groups:
-                for key, values in zip(group.keys, group.batch_metrics(batch, self.workload),
-                                       strict=True):  # fmt: skip
+                own = tree_map(torch.clone, batch) if self.copies_batches else batch
+                metrics = group.batch_metrics(own, self.workload_of(group))
+                for key, values in zip(group.keys, metrics, strict=True):
                     for name, value in values.items():
                         sums[key][name] = sums[key].get(name, 0.0) + value
         if examples == 0:
@@ -792,12 +837,15 @@ class FusedArray:
         training one segment, that segment's part only (its group holds no other), marked
         with the segment."""
         group, i = self._locate(key)
+        params = {n: p[i].detach().to("cpu", copy=True) for n, p in group.params.items()}
+        buffers = {n: b[i].to("cpu", copy=True) for n, b in group.buffers.items()}
         return {
             **({"segment": self.segment} if self.segment is not None else {}),
             "key": key,
             "config": dict(self.configs[key]),
-            "params": {n: p[i].detach().to("cpu", copy=True) for n, p in group.params.items()},
-            "buffers": {n: b[i].to("cpu", copy=True) for n, b in group.buffers.items()},
+            # a tied tensor under each of its names, as the model's state_dict() has it
+            "params": with_aliases(params, self.ties[key]),
+            "buffers": with_aliases(buffers, self.ties[key]),
             "optimizer": group.optimizer.member_state(i),
             "rng": self.generators[key].get_state(),
             "steps_done": self.step,

@@ -40,6 +40,7 @@ from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from worker.batches import tree_map
+from worker.ties import aliases
 
 Forward = Callable[[dict[str, Tensor], dict[str, Tensor], Tensor], Tensor]
 #: ``(params, buffers, batch) -> [k]`` losses of a custom per-batch step
@@ -65,17 +66,22 @@ def bmm_plan(model: nn.Module, convs: bool = False) -> list[tuple[str, nn.Module
     convolution, BatchNorm2d as one over k*C channels, pooling over k*C channels).
     Those classes exactly, not subclasses (a subclass may have its own ``forward``),
     and no hooks on any module or registered for all of them: the hand-fused forward
-    reads the modules' weights and never calls them.
+    reads the modules' weights and never calls them. No tensor under two names (tied
+    weights, a Linear used twice: :mod:`worker.ties`); a parameterless module used twice
+    (one activation at every place) is a step at each place.
     """
     steps: list[tuple[str, nn.Module, str]] = []
-    if _global_hooks():
-        return None
+    if _global_hooks() or aliases(model):
+        return None  # tied tensors: vmap's functional_call follows the template's ties
 
     def walk(module: nn.Module, prefix: str) -> bool:
         if _hooked(module):
             return False
         if isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward:
-            return all(walk(child, f"{prefix}{name}.") for name, child in module.named_children())
+            # every place of a module used twice (named_children lists it once), as its
+            # forward calls it
+            return all(walk(child, f"{prefix}{name}.") for name, child in module._modules.items()
+                       if child is not None)  # fmt: skip
         if type(module) is nn.Linear:
             steps.append(("linear", module, prefix))
         elif type(module) is nn.BatchNorm1d and module.momentum is not None:

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from packtune.tuning import GUARD_MAX_DEPTH
+from worker.ties import aliases, reused_modules
 
 #: Config keys that always differ between members and say nothing about a split's cause.
 _PER_MEMBER_KEYS = frozenset({"seed"})
@@ -80,6 +81,7 @@ def model_signature(model: nn.Module) -> Hashable:
         )
         children = tuple(module._modules)
         rows.append((name, _class(type(module), 0), attrs, params, buffers, children))
+    rows.append(("ties", tuple(sorted(aliases(model).items())), reused_modules(model)))
     return tuple(rows)
 
 
@@ -205,3 +207,39 @@ def split_causes(configs: Sequence[Mapping[str, Any]], parts: Sequence[Sequence[
         return exact
     others = [key for key in varying if key not in _PER_MEMBER_KEYS]
     return others or [key for key in varying if key in _PER_MEMBER_KEYS]
+
+
+def workload_differences(workloads: Sequence[Any]) -> list[str]:
+    """The attributes that members' copies of one workload object hold with different
+    values after each built its member's model (``build_model`` keeping a per-trial value,
+    e.g. ``self.label_smoothing = cfg["label_smoothing"]``, that the loss then reads): a
+    stack's members share one workload's loss. Values are compared as the objects are (a
+    tensor by its values); what cannot be compared counts as different."""
+    first, *rest = workloads
+    names = sorted({name for w in workloads for name in vars(w)})
+    return [
+        name
+        for name in names
+        if any(
+            not _same(vars(first).get(name, _MISSING), vars(w).get(name, _MISSING)) for w in rest
+        )  # fmt: skip
+    ]
+
+
+_MISSING = object()
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device)
+            and bool(torch.equal(a, b))
+        )
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # an ambiguous or failing comparison: unsure, so different
+        return False

@@ -4,7 +4,8 @@ touches it from more than one thread.
 Arrays of one pack train at once, each in a thread (``worker.jobs``). Held while an array
 draws from torch's global generator: building its members (each seeded with
 ``torch.manual_seed``) and, for a stochastic array, all of its training (each step reseeds
-it), so arrays trained at once draw exactly what they would draw one after another. Held
+it), so arrays trained at once draw exactly what they would draw one after another; the
+host's generators (Python's ``random``, NumPy's) likewise, for an array that draws from them. Held
 too while a streamed loader starts its worker processes (``worker.batches``): a process
 forked while another thread is inside ``torch.manual_seed`` inherits torch's lazy-CUDA
 lock held, and its own first ``manual_seed`` waits for ever (seen: a ``DataLoader`` worker
@@ -13,26 +14,79 @@ hung in ``torch.cuda._lazy_call``).
 
 from __future__ import annotations
 
+import random
+import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 GLOBAL_RNG = threading.RLock()
 
 
-def draws_random(run: Callable[[], object], device: torch.device | None = None) -> bool:
+@dataclass(frozen=True)
+class Draws:
+    """What a run drew from: torch's global generators, the host's (Python's ``random``,
+    NumPy's global ``numpy.random``)."""
+
+    torch: bool
+    host: bool
+
+
+def draws_random(run: Callable[[], object], device: torch.device | None = None) -> Draws:
     """Whether ``run()`` (one training forward and loss of a model) draws from torch's global
-    generators: the CPU one, and ``device``'s where it is a GPU. Dropout modules are one way;
-    ``F.dropout``, ``nn.RReLU``, noise added with ``torch.randn_like`` in a loss are others,
-    and no list of modules finds them all. Run with :data:`GLOBAL_RNG` held: the generators
-    are read before and after, and put back as they were."""
+    generators (the CPU one, and ``device``'s where it is a GPU) and from the host's. Dropout
+    modules are one way; ``F.dropout``, ``nn.RReLU``, noise added with ``torch.randn_like`` in
+    a loss, ``random.random()`` deciding to skip a block are others, and no list of modules
+    finds them all. Run with :data:`GLOBAL_RNG` held: the generators are read before and
+    after, and put back as they were."""
     devices = [device] if device is not None and device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(0)
-        before = _states(devices)
-        run()
-        return not all(torch.equal(a, b) for a, b in zip(before, _states(devices), strict=True))
+    host = host_state()
+    try:
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(0)
+            before = _states(devices)
+            run()
+            drew = not all(torch.equal(a, b) for a, b in zip(before, _states(devices), strict=True))
+        return Draws(torch=drew, host=not _same_host(host, host_state()))
+    finally:
+        set_host_state(host)
+
+
+HostState = tuple[Any, Any]
+
+
+def host_state() -> HostState:
+    """Python's ``random`` state, and NumPy's global one where NumPy is loaded."""
+    numpy = sys.modules.get("numpy")
+    return random.getstate(), (numpy.random.get_state() if numpy is not None else None)
+
+
+def set_host_state(state: HostState) -> None:
+    random.setstate(state[0])
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and state[1] is not None:
+        numpy.random.set_state(state[1])
+
+
+def seed_host(seed: int) -> None:
+    """Seed the host's generators, as ``torch.manual_seed`` seeds torch's."""
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(seed % 2**32)
+
+
+def _same_host(a: HostState, b: HostState) -> bool:
+    if a[0] != b[0]:
+        return False
+    if a[1] is None or b[1] is None:
+        return a[1] is b[1]
+    numpy = sys.modules["numpy"]
+    return bool(a[1][0] == b[1][0] and numpy.array_equal(a[1][1], b[1][1])
+                and tuple(a[1][2:]) == tuple(b[1][2:]))  # fmt: skip
 
 
 def _states(devices: list[torch.device]) -> list[torch.Tensor]:

@@ -41,12 +41,15 @@ from worker.fused_forward import Forward, bmm_forward, bmm_plan, single_forward,
 from worker.fused_group import DeviceLosses, Group, HostLosses, Stack, full
 from worker.optim import StackedOptimizer
 from worker.rng import GLOBAL_RNG
+from worker.ties import aliases, reused_modules
 
 
 def chain_of(template: nn.Module) -> list[tuple[str, nn.Module]] | None:
     """The layers of a model that is a plain ``nn.Sequential`` (not a subclass, whose
-    ``forward`` may do more than call them in turn); None for any other model."""
-    if type(template) is not nn.Sequential:
+    ``forward`` may do more than call them in turn) of distinct layers holding no tensor
+    under two names (:mod:`worker.ties`: a shard or segment would not have all of a tied
+    tensor's places); None for any other model."""
+    if type(template) is not nn.Sequential or reused_modules(template) or aliases(template):
         return None
     return list(template.named_children())
 

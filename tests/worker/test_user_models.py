@@ -1,0 +1,358 @@
+"""Models as users write them, trained in fused arrays: each member must end as a plain torch
+run of its model ends (weights, losses), whatever else the array holds."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tests.support.tiny_workloads import TinyMLP
+from tests.worker.test_fused import compare, member_configs
+from worker.fused import FusedArray, train
+from worker.spill import chain_of
+from worker.ties import aliases
+
+
+class _Block(nn.Module):
+    def __init__(self, projection: torch.Tensor) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8, dtype=torch.float64)
+        self.register_buffer("projection", projection)  # one fixed tensor, in every block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x @ self.projection))
+
+
+class _SharedBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        projection = torch.linalg.qr(torch.randn(8, 8, dtype=torch.float64))[0]
+        self.a, self.b = _Block(projection), _Block(projection)
+        self.head = nn.Linear(8, 3, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.b(self.a(x)))
+
+
+class _TiedOutput(nn.Module):
+    """A layer whose weight is the input layer's (weight tying), outside a Sequential."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8, dtype=torch.float64)
+        self.body = nn.Linear(8, 8, dtype=torch.float64)
+        self.out = nn.Linear(8, 8, bias=False, dtype=torch.float64)
+        self.out.weight = self.inp.weight
+        self.head = nn.Linear(8, 3, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.body(torch.tanh(self.inp(x))))
+        return self.head(torch.tanh(self.out(h)))
+
+
+class _Reused(TinyMLP):
+    """Models holding one module or tensor at several places."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def build_model(self, config: dict[str, Any]) -> nn.Module:
+        if self.how == "activation":  # one activation object at every place
+            act = nn.Tanh()
+            layers = (nn.Linear(8, 6), act, nn.Linear(6, 6), act, nn.Linear(6, 3))
+            return nn.Sequential(*layers).double()
+        if self.how == "linear":  # one Linear applied twice
+            mid = nn.Linear(6, 6)
+            return nn.Sequential(
+                nn.Linear(8, 6), nn.Tanh(), mid, nn.Tanh(), mid, nn.Tanh(), nn.Linear(6, 3)
+            ).double()
+        if self.how == "tied-linears":  # two Linears sharing one weight
+            first, second = nn.Linear(6, 6), nn.Linear(6, 6)
+            second.weight = first.weight
+            return nn.Sequential(
+                nn.Linear(8, 6), nn.Tanh(), first, nn.Tanh(), second, nn.Tanh(), nn.Linear(6, 3)
+            ).double()
+        if self.how == "buffer":
+            return _SharedBuffer()
+        return _TiedOutput()
+
+
+@pytest.mark.parametrize("how", ["activation", "linear", "tied-linears", "buffer", "tied-output"])
+def test_a_module_or_tensor_at_several_places_trains_as_plain_torch(how: str) -> None:
+    """A Sequential reusing one module, tied weights, a buffer shared by two blocks: every
+    member of an array, and a member resumed from its exported state, ends as a plain torch
+    run. Before, the hand-fused walk skipped a module's second place (``named_children``
+    lists it once: 0.28 apart in weights, both packed and alone), and a tied tensor's second
+    name read the meta template's own tensor: uninitialised memory on a CPU (a different
+    val_loss at each run), or a KeyError / "expected device meta" for trainable ties."""
+    workload = _Reused(how)
+    members = member_configs("sgd", {})[:3]
+    array = FusedArray(workload, members)
+    reports = train(array, 2 * array.steps_per_epoch)
+    for key, cfg in members:
+        compare(array, reports, key, cfg, 1e-10)
+    # the exported state names every place of a tied tensor, as a model's state_dict does:
+    # the user's own model takes it, and a resumed member trains on as an unbroken one
+    key, cfg = members[1]
+    torch.manual_seed(0)
+    own = workload.build_model(workload.resolve(cfg))
+    state = array.member_state(key)
+    own.load_state_dict({**state["params"], **state["buffers"]})
+    half = FusedArray(workload, [(key, cfg)])
+    train(half, half.steps_per_epoch)
+    resumed = FusedArray(workload, [(key, cfg)], states=[half.member_state(key)])
+    train(resumed, 2 * resumed.steps_per_epoch)
+    for name, tensor in state["params"].items():
+        assert torch.allclose(resumed.member_state(key)["params"][name], tensor, atol=1e-12), name
+
+
+def test_tied_models_are_neither_spilled_nor_cut_into_segments() -> None:
+    """A shard or a segment would hold one place of a tied tensor without the other."""
+    torch.manual_seed(0)
+    for how in ("linear", "tied-linears"):
+        model = _Reused(how).build_model({})
+        assert chain_of(model) is None
+    model = _Reused("activation").build_model({})
+    assert chain_of(model) is None and not aliases(model)  # a module at two places
+    assert chain_of(TinyMLP().build_model(TinyMLP().resolve({}))) is not None
+
+
+class _Scale(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.div_(4.0)  # input scaling in place, as ``pixels.div_(255)``
+
+
+class _InPlace(TinyMLP):
+    """Training that changes its batch in place: a forward scaling its input (in a model with
+    dropout, whose members train one per stack), or a loss smoothing its targets."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def build_model(self, config: dict[str, Any]) -> nn.Module:
+        if self.where == "forward":
+            return nn.Sequential(
+                _Scale(), nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 3)
+            ).double()
+        return super().build_model(config)
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.where == "loss":
+            smooth = torch.nn.functional.one_hot(targets, 3).double()
+            smooth.mul_(0.9).add_(0.1 / 3)
+            targets = smooth.argmax(1)
+            targets.add_(0)  # an in-place op on a tensor of its own: not the batch's
+            return torch.nn.functional.cross_entropy(outputs, smooth)
+        return super().loss(outputs, targets)
+
+
+class _SmoothsTargets(TinyMLP):
+    """A loss that changes the batch's own targets in place (binary targets, smoothed)."""
+
+    def data(self, config: Any, device: Any = "cpu") -> tuple[Any, Any]:
+        from packtune.workloads.base import Split
+
+        train_split, val_split = super().data(config, device)
+        return (
+            Split(train_split.x, (train_split.y == 0).double()),
+            Split(val_split.x, (val_split.y == 0).double()),
+        )
+
+    def build_model(self, config: dict[str, Any]) -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1), nn.Flatten(0)).double()
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        targets.mul_(0.9).add_(0.05)
+        return torch.nn.functional.binary_cross_entropy_with_logits(outputs, targets)
+
+    def metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+        return {}
+
+
+def _trains_as_alone(workload: Any, members: list[Any], epochs: int = 2) -> FusedArray:
+    """Train ``members`` as one array and each alone; assert every member ends equal."""
+    packed = FusedArray(workload, members)
+    reports = train(packed, epochs * packed.steps_per_epoch)
+    for key, cfg in members:
+        alone = FusedArray(workload, [(key, cfg)])
+        alone_reports = train(alone, epochs * alone.steps_per_epoch)
+        mine, ref = packed.member_state(key), alone.member_state(key)
+        for name, tensor in ref["params"].items():
+            assert torch.equal(mine["params"][name], tensor), (key, name)
+        assert reports[-1].metrics[key] == alone_reports[-1].metrics[key], key
+    return packed
+
+
+@pytest.mark.parametrize("workload", [_InPlace("forward"), _SmoothsTargets()], ids=["x", "y"])
+def test_training_that_changes_its_batch_in_place_trains_as_alone(workload: Any) -> None:
+    """One batch is handed to every stack and member of an array: a forward dividing its
+    input in place, or a loss smoothing its targets in place, changed the batch the next
+    member trained on (and the stored validation split). Before: up to 5e-2 apart in weights
+    from alone, no warning. Now the probe sees it: one member per stack, each on its own
+    copy, with a note; and the data splits are left as they were."""
+    members = member_configs("sgd", {})[:3]
+    train_split, val_split = workload.data(workload.resolve(members[0][1]))
+    before = [t.clone() for t in (train_split.x, train_split.y, val_split.x, val_split.y)]
+    packed = FusedArray(workload, members, data=(train_split, val_split))
+    train(packed, 2 * packed.steps_per_epoch)
+    assert packed.copies_batches and any("in place" in note for note in packed.notes)
+    for now, was in zip(
+        (train_split.x, train_split.y, val_split.x, val_split.y), before, strict=True
+    ):
+        assert torch.equal(now, was)
+    _trains_as_alone(workload, members)
+
+
+def test_a_loss_changing_a_tensor_of_its_own_in_place_still_fuses() -> None:
+    array = FusedArray(_InPlace("loss"), member_configs("sgd", {})[:3])
+    assert not array.copies_batches and array.mode == "bmm"
+
+
+class _ScalesLargeBatches(TinyMLP):
+    """Changes its input in place only on batches larger than the probe's few examples."""
+
+    def build_model(self, config: dict[str, Any]) -> nn.Module:
+        return _Wrapped(super().build_model(config))
+
+
+class _Wrapped(nn.Module):
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 4:
+            x.mul_(1.0)
+        return self.body(x)
+
+
+def test_a_batch_changed_in_place_that_the_probe_missed_stops_the_array() -> None:
+    """Where the probe could not see it (here: only larger batches are changed), a step that
+    changes the shared batch raises, naming the cause, instead of training the next member
+    on what it left."""
+    workload = _ScalesLargeBatches()
+    members = member_configs("sgd", {})[:2]
+    array = FusedArray(workload, members)
+    with pytest.raises(RuntimeError, match="changed its input batch in place"):
+        train(array, array.steps_per_epoch)
+    alone = FusedArray(workload, members[:1])  # nothing is shared: it trains
+    train(alone, alone.steps_per_epoch)
+
+
+class _Ramp(nn.Module):
+    """A warm-up kept as a Python counter on the module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+        return x * min(1.0, self.calls / 20)
+
+
+class _Counter(TinyMLP):
+    def build_model(self, config: dict[str, Any]) -> nn.Module:
+        return nn.Sequential(
+            nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1), _Ramp(), nn.Linear(16, 3)
+        ).double()
+
+
+def test_python_state_of_a_forward_is_each_members_own() -> None:
+    """Members trained one per stack shared one template module, so a counter kept on it
+    advanced k times a step. Before: 8.7e-2 apart in weights from alone."""
+    _trains_as_alone(_Counter(), member_configs("sgd", {})[:3])
+
+
+class _Skip(nn.Module):
+    def __init__(self, draw: str) -> None:
+        super().__init__()
+        self.f = nn.Linear(8, 8)
+        self.draw = draw
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import numpy
+
+        coin = random.random() if self.draw == "python" else float(numpy.random.rand())
+        if self.training and coin < 0.5:
+            return x  # stochastic depth
+        return x + torch.tanh(self.f(x))
+
+
+class _HostRandom(TinyMLP):
+    def __init__(self, draw: str) -> None:
+        self.draw = draw
+
+    def build_model(self, config: dict[str, Any]) -> nn.Module:
+        return nn.Sequential(
+            nn.Linear(8, 8), _Skip(self.draw), _Skip(self.draw), nn.Linear(8, 3)
+        ).double()
+
+
+@pytest.mark.parametrize("draw", ["python", "numpy"])
+def test_draws_from_pythons_or_numpys_generator_are_each_members_own(draw: str) -> None:
+    """Stochastic depth drawn with ``random.random()`` (or NumPy's): the probe watched only
+    torch's generators, so the array fused and one draw decided for every member. Before:
+    9.8e-2 apart in weights from alone. Now each member draws from its own stream, seeded
+    from its trial seed, whoever it is packed with; and a second run draws the same."""
+    workload = _HostRandom(draw)
+    members = member_configs("sgd", {})[:3]
+    packed = _trains_as_alone(workload, members)
+    assert packed.stochastic and packed.host_random
+    again = FusedArray(workload, members)
+    train(again, 2 * again.steps_per_epoch)
+    for key, _ in members:
+        assert torch.equal(again.member_state(key)["params"]["1.f.weight"],
+                           packed.member_state(key)["params"]["1.f.weight"])  # fmt: skip
+
+
+class _RunningMean(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(8, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.mean = 0.9 * self.mean + 0.1 * x.mean(0)  # replaced, not updated in place
+        return x - self.mean
+
+
+class _Reassigns(TinyMLP):
+    def build_model(self, config: dict[str, Any]) -> nn.Module:
+        return nn.Sequential(_RunningMean(), nn.Linear(8, 3)).double()
+
+
+def test_a_buffer_replaced_in_forward_is_refused_by_name() -> None:
+    """Buffers live in stacked tensors: a forward assigning a new one kept the old value
+    (the running mean stayed 0, alone and packed, silently). Now it is an error naming the
+    buffer and the fix."""
+    with pytest.raises(ValueError, match=r"replaces its buffer '0.mean'.*in place"):
+        FusedArray(_Reassigns(), member_configs("sgd", {})[:1])
+
+
+class _KeepsOnSelf(TinyMLP):
+    """``build_model`` keeps a per-trial value on the workload object, which ``loss`` (given
+    no config) then reads: label smoothing from a fusible parameter."""
+
+    def build_model(self, config: dict[str, Any]) -> nn.Module:
+        self.smoothing = 2 * float(config["lr"])
+        return super().build_model(config)
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(outputs, targets, label_smoothing=self.smoothing)
+
+
+def test_a_value_build_model_keeps_on_the_workload_is_each_members_own() -> None:
+    """Members were built one after another on one workload object, so every member's loss
+    read the last-built member's value. Before: 1.5e-1 apart in weights from alone, no
+    warning. Now each member has its own copy of the workload; members whose copies differ
+    train one per stack, with a note naming the attribute."""
+    packed = _trains_as_alone(_KeepsOnSelf(), member_configs("sgd", {})[:3])
+    assert any("set 'smoothing' on the workload object" in note for note in packed.notes)
+    same = FusedArray(_KeepsOnSelf(), [(k, {**c, "lr": 0.1}) for k, c in member_configs("sgd", {})])
+    assert same.mode == "bmm" and not same.notes  # equal values: fused as before

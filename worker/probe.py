@@ -1,0 +1,119 @@
+"""A look at a member's training before an array trains it: one training forward and loss of
+a copy of its model on a few examples (:func:`probe`), once per process and model signature.
+
+It tells what no list of module classes can: whether training draws random numbers (from
+torch's generators or the host's), changes its input batch in place, or replaces a buffer
+by assignment; :class:`worker.fused.FusedArray` decides from it how the members train (one
+per stack, each on its own copy of the batch, from its own random streams) so that each
+ends as it would unpacked, or refuses what it cannot train as written.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from packtune.workloads.base import Workload
+from worker.rng import draws_random
+
+log = logging.getLogger(__name__)
+
+#: examples a probe runs forward first (then, if that raised, a whole batch)
+PROBE_EXAMPLES = 4
+#: (workload, custom step, model signature) -> what a probe of its training saw
+_PROBED: dict[Hashable, Probed] = {}
+
+
+@dataclass(frozen=True)
+class Probed:
+    """What a training forward and loss of a copy of a member's model did (:func:`_probe`).
+
+    ``draws``: it drew from torch's generators; ``host_draws``: from Python's ``random`` or
+    NumPy's; ``mutates``: it changed its input batch in place (``x.div_(255)`` in a forward,
+    targets smoothed in place in a loss); ``reassigned``: buffers it replaced by assignment
+    (``self.mean = ...``); ``note``: why it could not tell (every probe raised)."""
+
+    draws: bool = False
+    host_draws: bool = False
+    mutates: bool = False
+    reassigned: tuple[str, ...] = ()
+    note: str | None = None
+
+
+def probe(
+    workload: Workload,
+    model: nn.Module,
+    signature: Hashable,
+    batches: Sequence[tuple[Tensor, Tensor]],
+) -> Probed:
+    """A training forward and loss of a copy of ``model`` on the first of ``batches`` it runs
+    on (a few training examples, then a whole batch: a model may need its batch size), once
+    per process and model signature. A probe that raises on every batch counts as drawing
+    random numbers: members then train one per stack, as unpacked. Without batches (streamed
+    data) nothing is seen; :meth:`worker.fused.FusedArray.train_step` still refuses a batch
+    changed in place."""
+    if not batches:
+        return Probed()
+    key = (workload.name, workload.custom_step, signature)
+    if key not in _PROBED:
+        _PROBED[key] = _run_probe(workload, model, batches)
+    return _PROBED[key]
+
+
+def _run_probe(
+    workload: Workload, model: nn.Module, batches: Sequence[tuple[Tensor, Tensor]]
+) -> Probed:
+    first = next(model.parameters(), None)
+    device = first.device if first is not None else None
+    error: Exception | None = None
+    for batch in batches:
+        trial = copy.deepcopy(model).train()  # its BatchNorm statistics move: a copy's
+        # copies: the probe's own in-place changes must not reach the shared split
+        x, y = (t.to(device, copy=True) if device is not None else t.clone() for t in batch)
+        versions = (x._version, y._version)
+        buffers = dict(trial.named_buffers())
+
+        def run(trial: nn.Module = trial, x: Tensor = x, y: Tensor = y) -> None:
+            with torch.no_grad():
+                if workload.custom_step:
+                    workload.training_loss(trial, (x, y))
+                else:
+                    workload.loss(trial(x), y)
+
+        try:
+            drew = draws_random(run, device)
+        except Exception as exc:
+            error = exc
+            continue
+        now = dict(trial.named_buffers())
+        return Probed(
+            draws=drew.torch, host_draws=drew.host,
+            mutates=(x._version, y._version) != versions,
+            reassigned=tuple(n for n, b in buffers.items() if now.get(n) is not b),
+        )  # fmt: skip
+    note = (
+        f"{workload.name}: could not tell whether training draws random numbers (a training "
+        f"forward raised {type(error).__name__}: {error}); its members train one per stack, "
+        "as they would unpacked"
+    )
+    log.warning("%s", note)
+    return Probed(draws=True, note=note)
+
+
+def is_stochastic(workload: Workload, model: nn.Module, probed: Probed) -> bool:
+    """Whether training draws random numbers: the workload says so (``stochastic = True``),
+    the model has active dropout, or the probe saw draws (functional dropout, ``nn.RReLU``,
+    noise in a loss, Python's or NumPy's generators). Without a probe (streamed data) only
+    the first two are known."""
+    dropout = nn.modules.dropout._DropoutNd
+    return (
+        workload.stochastic
+        or probed.draws
+        or probed.host_draws
+        or any(isinstance(m, dropout) and m.p > 0 for m in model.modules())
+    )
