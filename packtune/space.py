@@ -11,11 +11,12 @@ A study's ``space`` is JSON such as::
 ``space.lr.low``. The rules:
 
 - ``uniform`` and ``loguniform`` need finite numbers with ``low < high``
-  (``low == high`` is an empty range); ``loguniform`` needs ``low > 0``.
-- ``int`` needs integer bounds (``3.0`` is read as ``3``) with ``low <= high``;
+  (``low == high`` is an empty range) and a finite ``high - low``; ``loguniform`` needs
+  ``low > 0``.
+- ``int`` needs integer bounds (``3.0`` is read as ``3``) within ±2**53 with ``low <= high``;
   ``low == high`` is a single value and allowed. ``log: true`` needs ``low >= 1``.
 - ``choice`` needs a non-empty list of distinct JSON scalars (string, number,
-  boolean, null).
+  boolean, null), no two equal in Python (``1`` and ``1.0``, ``1`` and ``true``).
 - Unknown keys in a dimension are rejected, as are empty parameter names.
 
 Sampling is a pure function of ``(seed, index)``: the ``index``-th trial of a
@@ -51,6 +52,8 @@ Scalar = str | int | float | bool | None
 
 #: values one ``choice`` may list (a spec is stored with every study and shown by the API)
 MAX_CHOICES = 1_000
+#: the largest magnitude of an int dimension's bounds: every integer up to it is a float too
+MAX_INT = 2**53
 
 
 @dataclass(frozen=True)
@@ -151,11 +154,16 @@ def parse_dimension(spec: Any, field: str) -> Dimension:
         if not isinstance(log, bool):
             raise SpecError(f"{field}.log", "must be true or false")
         int_low, int_high = _integer(low, f"{field}.low"), _integer(high, f"{field}.high")
+        for end, value in (("low", int_low), ("high", int_high)):
+            if abs(value) > MAX_INT:
+                raise SpecError(f"{field}.{end}", f"must be within ±2**53, got {_short(value)}")
         if log and int_low < 1:
             raise SpecError(f"{field}.low", "must be at least 1 for a log-scaled int")
         return Int(int_low, int_high, log)
     if low == high:
         raise SpecError(f"{field}.high", f"empty range: low and high are both {low}")
+    if not math.isfinite(high - low):
+        raise SpecError(f"{field}.high", f"the range {low} to {high} is too wide to sample")
     if kind == "loguniform":
         if low <= 0:
             raise SpecError(f"{field}.low", "must be greater than 0 for loguniform")
@@ -169,9 +177,22 @@ def _number(spec: Mapping[str, Any], key: str, field: str) -> float:
     value = spec[key]
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise SpecError(f"{field}.{key}", f"must be a number, got {value!r}")
-    if not math.isfinite(value):
-        raise SpecError(f"{field}.{key}", f"must be finite, got {value!r}")
+    if not _finite(value):
+        raise SpecError(f"{field}.{key}", f"must be finite, got {_short(value)}")
     return value
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond any float
+        return False
+
+
+def _short(value: float) -> str:
+    """``value`` as written, or its first digits where it is long."""
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:8]}... ({len(text.lstrip('-'))} digits)"
 
 
 def _integer(value: float, field: str) -> int:
@@ -196,6 +217,13 @@ def _choice_values(values: Any, field: str) -> tuple[Scalar, ...]:
         encoded = json.dumps(value)
         if encoded in seen:
             raise SpecError(f"{field}.{position}", f"duplicate value {value!r}")
+        equal = [v for v in values[:position] if v == value]  # 1 and 1.0, 1 and true
+        if equal:
+            raise SpecError(
+                f"{field}.{position}",
+                f"{value!r} equals {equal[0]!r}, an earlier value: a sampler cannot tell "
+                "them apart",
+            )
         seen.add(encoded)
     return tuple(values)
 

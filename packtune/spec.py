@@ -14,6 +14,7 @@ no database, no torch (workloads are looked up by name only).
 
 from __future__ import annotations
 
+import math
 import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from packtune.hyperband import Rung, plan_brackets, s_max, total_trials
 from packtune.sampling import RANDOM_FRACTION, SamplerName
 from packtune.schedules import LIMITS as SCHEDULE_LIMITS
 from packtune.schedules import SCHEDULES
-from packtune.space import Choice, Dimension, parse_space
+from packtune.space import Choice, Dimension, Int, parse_space
 from packtune.workloads.base import OPTIMIZERS, PRECISIONS, RESERVED
 
 # A study bigger than this is almost certainly a unit mistake (steps for epochs).
@@ -294,6 +295,7 @@ class StudySpec(_Strict):
         check_search_space(self.workload, self.space)
         check_objective(self.workload, self.objective)
         check_size(self.hyperband, self.budget)
+        check_rung_steps(self.workload, self.space, self.hyperband)
         if self.scheduler == "hyperband":
             check_first_bracket(self.hyperband, self.budget)
         return self
@@ -385,9 +387,10 @@ def check_search_space(workload: str, raw: dict[str, Any]) -> None:
     """``raw`` is a search space of ``workload``: it parses, names parameters the workload
     takes, within its bounds, and gives the shared training parameters values they know."""
     check_space(workload, raw)
-    check_bounds(workload, raw)
     check_choices(workload, raw)
     check_training(workload, raw)
+    check_types(workload, raw)
+    check_bounds(workload, raw)
 
 
 def check_space(workload: str, raw: dict[str, Any]) -> None:
@@ -405,6 +408,49 @@ def check_space(workload: str, raw: dict[str, Any]) -> None:
                 f"space.{name}",
                 f"workload {workload!r} does not take this parameter; it takes {sorted(params)}",
             )
+
+
+#: the kinds of value a parameter takes, by its default's type, in words
+_KINDS: dict[type, str] = {
+    bool: "true or false", int: "whole numbers", float: "numbers", str: "text",
+}  # fmt: skip
+
+
+def _kind(default: Any) -> type | None:
+    """The kind of value a parameter of this default takes (None: not known)."""
+    return type(default) if type(default) in _KINDS else None
+
+
+def _of_kind(kind: type, value: Any) -> bool:
+    if kind is bool or kind is str:
+        return isinstance(value, kind)
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) if kind is int else isinstance(value, int | float)
+
+
+def check_types(workload: str, raw: dict[str, Any]) -> None:
+    """Every value the space gives a parameter is of the kind its default is (a whole number
+    for ``hidden: 64``, a number for ``lr: 0.05``, text, or true/false): a value of another
+    kind was accepted and failed every trial of it when built (``hidden: null``), or was
+    cut silently (``hidden: 32.5`` trained 32)."""
+    params = _workloads()[workload].params
+    for name, dimension in parse_space(raw).items():
+        kind = _kind(params.get(name))
+        if kind is None:
+            continue
+        words = _KINDS[kind]
+        if isinstance(dimension, Choice):
+            for i, value in enumerate(dimension.values):
+                if not _of_kind(kind, value):
+                    raise SpecError(
+                        f"space.{name}.values",
+                        f"value {value!r} (position {i}) is not what {workload} takes for "
+                        f"{name}: {words}",
+                    )
+        elif kind in (bool, str) or (kind is int and not isinstance(dimension, Int)):
+            hint = "; use type: int" if kind is int else "; use type: choice"
+            raise SpecError(f"space.{name}.type", f"{workload} takes {words} for {name}{hint}")
 
 
 def check_bounds(workload: str, raw: dict[str, Any]) -> None:
@@ -459,10 +505,21 @@ TRAINING_NAMES: dict[str, tuple[str, ...]] = {
 #: the shared numeric training parameters, and the (low, high) each may take
 TRAINING_LIMITS: dict[str, tuple[float, float]] = {
     **{name: (low, high) for name, low, high in SCHEDULE_LIMITS},
+    "lr": (0.0, float("inf")),
+    "momentum": (0.0, 1.0),
+    "weight_decay": (0.0, float("inf")),
+    "beta1": (0.0, 1.0),
+    "beta2": (0.0, 1.0),
+    "eps": (0.0, float("inf")),
     "clip_norm": (0.0, float("inf")),
     "alpha": (0.0, 1.0),
     "rho": (0.0, 1.0),
 }
+#: of those, the ends a value may not take: a learning rate or eps of 0, a beta of 1 (Adam's
+#: bias correction would divide by zero)
+TRAINING_OPEN_ENDS: dict[str, tuple[bool, bool]] = {
+    "lr": (True, False), "eps": (True, False), "beta1": (False, True), "beta2": (False, True),
+}  # fmt: skip
 
 
 def check_training(workload: str, raw: dict[str, Any]) -> None:
@@ -486,8 +543,15 @@ def check_training(workload: str, raw: dict[str, Any]) -> None:
             for value in ends:
                 if isinstance(value, bool) or not isinstance(value, int | float):
                     raise SpecError(f"space.{name}", f"{value!r} is not a number")
-                if not low <= value <= high:
-                    raise SpecError(f"space.{name}", f"{value!r} is outside {low:g} to {high:g}")
+                open_low, open_high = TRAINING_OPEN_ENDS.get(name, (False, False))
+                if (
+                    not low <= value <= high
+                    or (open_low and value == low)
+                    or (open_high and value == high)
+                ):
+                    shut = not open_high and math.isfinite(high)
+                    span = f"{'(' if open_low else '['}{low:g}, {high:g}{']' if shut else ')'}"
+                    raise SpecError(f"space.{name}", f"{value!r} is outside {span}")
 
 
 def declared_mode(raw: Any) -> Any:
@@ -522,6 +586,48 @@ def check_objective(workload: str, objective: Objective) -> None:
             f"{objective.metric} is better when {higher} ({workload!r} declares {better!r}); "
             f"mode {objective.mode!r} would rank the worst trial first",
         )
+
+
+def fewest_steps_per_epoch(workload: str, raw: dict[str, Any]) -> int | None:
+    """The fewest training steps an epoch of the workload has over the values the space
+    gives (each dimension's ends or values in turn, the rest at their defaults: a larger
+    ``batch_size``, a smaller ``n_train``); None where the workload cannot say without its
+    data (streamed batches, a size it must read)."""
+    info = _workloads()[workload]
+    if info.streams:
+        return None
+    configs: list[dict[str, Any]] = [{}]
+    for name, dimension in parse_space(raw).items():
+        ends = dimension.values if isinstance(dimension, Choice) else (
+            dimension.low, dimension.high,  # type: ignore[union-attr]
+        )  # fmt: skip
+        configs += [{name: value} for value in ends]
+    try:
+        return min(int(info.steps_per_epoch(config)) for config in configs)
+    except Exception:  # a size the workload reads from its data, or a value it refuses
+        return None
+
+
+def check_rung_steps(workload: str, raw: dict[str, Any], hb: HyperbandSettings) -> None:
+    """Every rung trains at least one step more than the rung before it (the first: at least
+    one), at the fewest steps an epoch of the space has. A rung of no step measured nothing:
+    its trials were never promoted, and the study completed with its brackets left short."""
+    steps = fewest_steps_per_epoch(workload, raw)
+    if steps is None:
+        return
+    for bracket in plan_brackets(hb.max_resource, hb.eta, hb.min_resource):
+        done = 0
+        for rung in bracket:
+            at = round(rung.resource * steps)
+            if at <= done:
+                raise SpecError(
+                    "hyperband.min_resource",
+                    f"a rung of {rung.resource:g} epochs is {at} training steps of {workload} "
+                    f"(at {steps} steps an epoch), no more than the rung before it: every rung "
+                    f"must train at least one step; raise min_resource to at least "
+                    f"{1 / steps:.3g} epochs (or lower eta)",
+                )
+            done = at
 
 
 def check_first_bracket(hb: HyperbandSettings, budget: Budget) -> None:

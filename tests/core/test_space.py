@@ -51,8 +51,33 @@ def test_int_accepts_integral_floats_and_a_single_value() -> None:
 
 
 def test_choice_allows_every_json_scalar() -> None:
-    space = parse_space({"c": {"type": "choice", "values": ["a", 1, 2.5, True, None]}})
-    assert space["c"] == Choice(("a", 1, 2.5, True, None))
+    space = parse_space({"c": {"type": "choice", "values": ["a", 2, 2.5, True, None]}})
+    assert space["c"] == Choice(("a", 2, 2.5, True, None))
+
+
+@pytest.mark.parametrize("values", [[1, 1.0], [1, True], [0, False]])
+def test_choice_values_equal_in_python_are_refused(values: list[object]) -> None:
+    """A sampler looks a value up by equality (Optuna's categorical: ``index``): ``true``
+    after ``1`` was drawn as ``1``, and never tried."""
+    with pytest.raises(SpecError, match="equals") as caught:
+        parse_space({"c": {"type": "choice", "values": values}})
+    assert caught.value.field == "space.c.values.1"
+
+
+@pytest.mark.parametrize(
+    ("dimension", "field"),
+    [
+        ({"type": "uniform", "low": -1e308, "high": 1e308}, "space.c.high"),
+        ({"type": "int", "low": 0, "high": 2**70}, "space.c.high"),
+        ({"type": "int", "low": 0, "high": 10**400}, "space.c.high"),  # was an OverflowError
+        ({"type": "uniform", "low": -(10**400), "high": 0}, "space.c.low"),
+    ],
+)
+def test_ranges_too_wide_to_sample_are_refused(dimension: dict[str, object], field: str) -> None:
+    """Such a range passed, and TPE raised on it at every tick: the study stalled, running."""
+    with pytest.raises(SpecError) as caught:
+        parse_space({"c": dimension})
+    assert caught.value.field == field
 
 
 @pytest.mark.parametrize(
