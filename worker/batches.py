@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from worker.rng import GLOBAL_RNG
+from worker.rng import GLOBAL_RNG, HostState, host_state, seed_host, set_host_state
 
 
 def tree_map(fn: Callable[[Tensor], Any], batch: Any) -> Any:
@@ -108,12 +108,64 @@ class Prefetcher:
         return batch
 
 
-def started(source: Iterable[Any]) -> Iterator[Any]:
+def started(source: Iterable[Any], seed: int | None = None) -> Iterator[Any]:
     """``iter(source)`` under the RNG lock: a loader's iterator may fork its worker
     processes here, which must not happen while another thread is inside
-    ``torch.manual_seed`` (see :mod:`worker.rng`)."""
+    ``torch.manual_seed`` (see :mod:`worker.rng`). With ``seed``: the source draws from
+    random streams of its own (:class:`OwnStreams`)."""
+    if seed is not None:
+        return OwnStreams(source, seed)
     with GLOBAL_RNG:
         return iter(source)
+
+
+class OwnStreams:
+    """The batches of ``source``, every draw it makes in this process from torch's CPU
+    generator and the host's (Python's ``random``, NumPy's) coming from streams of its own,
+    seeded from ``seed`` (an epoch's: :func:`packtune.workloads.base.epoch_seed`).
+
+    A ``DataLoader`` without worker processes reads its dataset here: an augmentation with
+    torch's global generator (as torchvision's random transforms draw), or a sampler or base
+    seed drawn without a ``generator``, then drew from wherever the trainer had left the
+    global generators, so its batches depended on the pack and on where a trial resumed.
+    Starting the iterator (its sampler's and workers' seeds) draws from them too; a loader
+    with worker processes reads elsewhere, so only its start is seeded."""
+
+    def __init__(self, source: Iterable[Any], seed: int) -> None:
+        in_process = getattr(source, "num_workers", 0) == 0
+        with GLOBAL_RNG:
+            outer = _streams()
+            torch.manual_seed(seed)
+            seed_host(seed)
+            try:
+                self.iterator = iter(source)
+            finally:
+                self.own = _streams() if in_process else None
+                _set_streams(outer)
+
+    def __iter__(self) -> OwnStreams:
+        return self
+
+    def __next__(self) -> Any:
+        if self.own is None:
+            return next(self.iterator)
+        with GLOBAL_RNG:
+            outer = _streams()
+            _set_streams(self.own)
+            try:
+                return next(self.iterator)
+            finally:
+                self.own = _streams()
+                _set_streams(outer)
+
+
+def _streams() -> tuple[Tensor, HostState]:
+    return torch.get_rng_state(), host_state()
+
+
+def _set_streams(streams: tuple[Tensor, HostState]) -> None:
+    torch.set_rng_state(streams[0])
+    set_host_state(streams[1])
 
 
 def on_device(source: Iterable[Any], device: torch.device) -> Iterator[Any]:
@@ -124,14 +176,20 @@ def on_device(source: Iterable[Any], device: torch.device) -> Iterator[Any]:
 
 
 def epoch_batches(
-    source: Iterable[Any], skip: int, count: int, device: torch.device, what: str
+    source: Iterable[Any],
+    skip: int,
+    count: int,
+    device: torch.device,
+    what: str,
+    seed: int | None = None,
 ) -> Iterator[Any]:
-    """Batches ``skip`` to ``skip + count`` of one epoch of ``source``, on ``device``.
+    """Batches ``skip`` to ``skip + count`` of one epoch of ``source``, on ``device``; its
+    draws from the epoch's own random streams where ``seed`` is given (:class:`OwnStreams`).
 
     Raises ``ValueError`` naming ``what`` when the epoch ends before them: a loader that
     yields fewer batches than the workload's ``steps_per_epoch``.
     """
-    it = started(source)
+    it = started(source, seed)
     for _ in itertools.islice(it, skip):  # a resumed trial: the batches it trained on
         pass
     wanted = itertools.islice(it, count)

@@ -22,7 +22,7 @@ import torch
 
 from packtune.space import parse_space, sample_config, trial_seed
 from packtune.workloads import get_workload
-from packtune.workloads.base import Workload
+from packtune.workloads.base import ConfigReads, Workload
 from worker.decoupled_group import decoupled_problem
 from worker.fused import FusedArray, train
 from worker.spill import spill_problem
@@ -132,7 +132,23 @@ def check(
             {k: v for k, v in c.items() if k not in ("data_seed", "max_epochs")} for c in configs
         ],  # fmt: skip
     )
-    data = None if workload.streams else workload.data(workload.resolve(configs[0]), device)
+    # the data of the first member, as an array shares it; a parameter it reads that the
+    # members differ in makes the service train them as arrays apart, and each alone here
+    # trains on its own data, as it would unpacked
+    reads: set[str] = set()
+    first = ConfigReads(workload.resolve(configs[0]), reads)
+    data = None if workload.streams else workload.data(first, device)
+    shared = workload.structural_params() | {"data_seed"}
+    varying = sorted(
+        key for key in reads - shared
+        if len({repr(workload.resolve(c).get(key)) for c in configs[:members]}) > 1
+    )  # fmt: skip
+    if varying:
+        report.warnings.append(
+            f"{name}.data() reads {', '.join(repr(k) for k in varying)}, which the members "
+            "differ in: they share the first member's batches in one array, so the service "
+            "trains such members as separate arrays; declare it structural to say so"
+        )
     torch.manual_seed(0)
     template = meta_template(workload.build_model(workload.resolve(configs[0])))
     report.spill_problem = spill_problem(workload, template)
@@ -149,7 +165,8 @@ def check(
             report.split = True
             report.warnings.append(fused.warning)
         for key, config in chosen:
-            alone = FusedArray(workload, [(key, config)], device=device, data=data)
+            own = None if varying else data
+            alone = FusedArray(workload, [(key, config)], device=device, data=own)
             train(alone, steps)
             mine, ref = _params(fused, key), _params(alone, key)
             for pname, tensor in ref.items():

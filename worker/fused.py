@@ -55,7 +55,7 @@ from packtune.schedules import SCHEDULE_PARAMS, Schedule, schedule_of
 from packtune.spec import TrainingSettings
 from packtune.spilling import Unspillable
 from packtune.tuning import CUDA_CHECK_EVERY
-from packtune.workloads.base import OPTIMIZER_PARAMS, Split, Workload
+from packtune.workloads.base import OPTIMIZER_PARAMS, Split, Workload, epoch_seed
 from worker import compiled
 from worker.batches import (
     batch_size,
@@ -78,7 +78,14 @@ from worker.fused_group import Group, Stack, losses_function, shapes
 from worker.fusion_guard import model_signature, partition, split_causes, workload_differences
 from worker.optim import OPTIMIZER_HYPER, build_optimizer
 from worker.probe import PROBE_EXAMPLES, is_stochastic, probe
-from worker.rng import HostState, host_state, seed_host, set_host_state
+from worker.rng import (
+    HostState,
+    decode_host,
+    encode_host,
+    host_state,
+    seed_host,
+    set_host_state,
+)
 from worker.spill import SpilledGroup, spill_problem
 from worker.ties import aliases, meta_template, with_aliases
 
@@ -344,7 +351,9 @@ class FusedArray:
             seed_host(int(config["seed"]))
             self.member_workloads[key] = copy.copy(workload)
             models.append(_build_model(self.member_workloads[key], config, state))
-            self.host_streams[key] = host_state()
+            # resumed: where the stream stood at the checkpoint (an array drawing from it saves it)
+            saved = state.get("host_rng") if state else None
+            self.host_streams[key] = decode_host(saved) if saved else host_state()
         set_host_state(host)
         drifted = workload_differences(list(self.member_workloads.values()))
         #: each member's tied tensors' other names (:mod:`worker.ties`), for its exported state
@@ -713,11 +722,12 @@ class FusedArray:
         name = f"{self.workload.name}.train_batches(epoch={epoch})"
         if not self.workload.per_member_batches:
             source = self.workload.train_batches(self.config, epoch)
-            yield from epoch_batches(source, skip, count, self.device, name)
+            seed = epoch_seed(self.config, epoch)
+            yield from epoch_batches(source, skip, count, self.device, name, seed)
             return
         streams = {
             key: epoch_batches(self.workload.train_batches(config, epoch), skip, count,
-                               self.device, name)
+                               self.device, name, epoch_seed(config, epoch, per_trial=True))
             for key, config in self.configs.items()
         }  # fmt: skip
         for _ in range(count):
@@ -810,7 +820,8 @@ class FusedArray:
 
     def _validation_batches(self) -> Iterator[Any]:
         if self.streaming:
-            yield from on_device(started(self.workload.val_batches(self.config)), self.device)
+            source = self.workload.val_batches(self.config)
+            yield from on_device(started(source, epoch_seed(self.config, -1)), self.device)
             return
         assert self.val_split is not None
         x, y, size = self.val_split.x, self.val_split.y, int(self.config["batch_size"])
@@ -848,6 +859,7 @@ class FusedArray:
             "buffers": with_aliases(buffers, self.ties[key]),
             "optimizer": group.optimizer.member_state(i),
             "rng": self.generators[key].get_state(),
+            **({"host_rng": encode_host(self.host_streams[key])} if self.host_random else {}),
             "steps_done": self.step,
             **self.epoch_loss(key),
         }

@@ -211,8 +211,11 @@ def bmm_forward(plan: list[tuple[str, nn.Module, str]], stacked: bool = False) -
                 continue
             if shared:
                 h, shared = h.expand(k, *h.shape), False
-            if kind == "linear":
-                h = _StackedLinear.apply(h, params[pre + "weight"], params.get(pre + "bias"))
+            if kind == "linear":  # over the last dimension, whatever comes between
+                lead = h.shape[1:-1]
+                flat = h.reshape(k, -1, h.shape[-1]) if len(lead) > 1 else h
+                h = _StackedLinear.apply(flat, params[pre + "weight"], params.get(pre + "bias"))
+                h = h.reshape(k, *lead, h.shape[-1]) if len(lead) > 1 else h
             elif kind == "batch_norm":
                 assert isinstance(module, _BatchNorm)
                 h = _stacked_batch_norm(h, module, params, buffers, pre)

@@ -211,8 +211,18 @@ class Group:
         return autocast(self.precision, self.device)
 
     def step(self, batch: Any, workload: Workload, number: int) -> None:
-        """Optimizer step ``number`` on ``batch``, recording the members' losses."""
+        """Optimizer step ``number`` on ``batch``, recording the members' losses. A loss of
+        one number per member in another shape (``[k, 1]``: a ``training_loss`` reduced to
+        ``[1]``) is taken as ``[k]`` before anything changes; any other shape raises then."""
         losses = self.batch_losses(batch, workload)
+        k = len(self.keys)
+        if losses.shape != (k,):
+            if losses.numel() != k:
+                raise ValueError(
+                    f"{workload.name}: a training loss must be one number per trial; got "
+                    f"shape {tuple(losses.shape)} for {k} trial{'s' if k > 1 else ''}"
+                )
+            losses = losses.reshape(k)
         losses.sum().backward()
         self.optimizer.step()
         self.optimizer.zero_grad()

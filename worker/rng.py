@@ -71,6 +71,27 @@ def set_host_state(state: HostState) -> None:
         numpy.random.set_state(state[1])
 
 
+def encode_host(state: HostState) -> dict[str, Any]:
+    """``state`` as plain numbers (a checkpoint is loaded with ``weights_only``)."""
+    version, internal, gauss = state[0]
+    out: dict[str, Any] = {"python": [version, list(internal), gauss]}
+    if state[1] is not None:
+        kind, keys, pos, has_gauss, cached = state[1]
+        out["numpy"] = [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
+    return out
+
+
+def decode_host(saved: dict[str, Any]) -> HostState:
+    """The state :func:`encode_host` wrote (NumPy's where both then and now have NumPy)."""
+    version, internal, gauss = saved["python"]
+    numpy = sys.modules.get("numpy")
+    np_state = None
+    if numpy is not None and "numpy" in saved:
+        kind, keys, pos, has_gauss, cached = saved["numpy"]
+        np_state = (kind, numpy.array(keys, dtype=numpy.uint32), pos, has_gauss, cached)
+    return (version, tuple(internal), gauss), np_state
+
+
 def seed_host(seed: int) -> None:
     """Seed the host's generators, as ``torch.manual_seed`` seeds torch's."""
     random.seed(seed)

@@ -113,10 +113,16 @@ def epoch_generator(config: Mapping[str, Any], epoch: int, *, per_trial: bool = 
     """
     import torch
 
+    return torch.Generator().manual_seed(epoch_seed(config, epoch, per_trial=per_trial))
+
+
+def epoch_seed(config: Mapping[str, Any], epoch: int, *, per_trial: bool = False) -> int:
+    """The seed of :func:`epoch_generator`; the worker also seeds the draws a loader makes
+    in the training process (a dataset augmenting with torch's global generator) from it."""
     seed = batch_order_seed(int(config.get("data_seed", 0)), epoch)
     if per_trial:
         seed = (seed * 6364136223846793005 + int(config.get("seed", 0))) % 2**63
-    return torch.Generator().manual_seed(seed)
+    return seed
 
 
 class ConfigReads(dict[str, Any]):

@@ -248,3 +248,21 @@ def test_the_check_fails_a_workload_whose_batches_follow_the_horizon(
     report = check(HorizonOrderMLP.name, members=2, steps=3, ks=(1,))
     assert not report.exact and not report.ok, report.max_difference
     assert check("digits-mlp", members=2, steps=3, ks=(1,)).ok
+
+
+def test_the_check_names_a_fusible_parameter_the_data_reads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The check trained each member "alone" on the first member's data, so a parameter
+    declared fusible but read by ``data()`` passed as exact (max difference 0.0; alone, the
+    members end 5-9% apart). Each alone member now trains on its own data, and the report
+    names the parameter, as the service trains such members apart."""
+    from packtune.workloads import registry
+    from tests.support.plugins.trap_workloads import DataScaledMLP
+    from worker.check import check
+
+    monkeypatch.setitem(registry(), DataScaledMLP.name, DataScaledMLP())
+    space = {"input_scale": {"type": "uniform", "low": 0.5, "high": 2.0}}
+    report = check(DataScaledMLP.name, space, members=2, steps=3, ks=(1,))
+    assert not report.exact and not report.ok, report.max_difference
+    assert any("reads 'input_scale'" in warning for warning in report.warnings)

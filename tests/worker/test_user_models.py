@@ -173,8 +173,11 @@ class _SmoothsTargets(TinyMLP):
         return {}
 
 
-def _trains_as_alone(workload: Any, members: list[Any], epochs: int = 2) -> FusedArray:
-    """Train ``members`` as one array and each alone; assert every member ends equal."""
+def _trains_as_alone(
+    workload: Any, members: list[Any], epochs: int = 2, tol: float = 0.0
+) -> FusedArray:
+    """Train ``members`` as one array and each alone; assert every member ends equal (to
+    the bit, or within ``tol`` where fused arithmetic rounds otherwise)."""
     packed = FusedArray(workload, members)
     reports = train(packed, epochs * packed.steps_per_epoch)
     for key, cfg in members:
@@ -182,8 +185,9 @@ def _trains_as_alone(workload: Any, members: list[Any], epochs: int = 2) -> Fuse
         alone_reports = train(alone, epochs * alone.steps_per_epoch)
         mine, ref = packed.member_state(key), alone.member_state(key)
         for name, tensor in ref["params"].items():
-            assert torch.equal(mine["params"][name], tensor), (key, name)
-        assert reports[-1].metrics[key] == alone_reports[-1].metrics[key], key
+            assert torch.allclose(mine["params"][name], tensor, rtol=tol, atol=tol), (key, name)
+        ours, theirs = reports[-1].metrics[key], alone_reports[-1].metrics[key]
+        assert ours == pytest.approx(theirs, rel=tol, abs=tol), key
     return packed
 
 
@@ -356,3 +360,132 @@ def test_a_value_build_model_keeps_on_the_workload_is_each_members_own() -> None
     assert any("set 'smoothing' on the workload object" in note for note in packed.notes)
     same = FusedArray(_KeepsOnSelf(), [(k, {**c, "lr": 0.1}) for k, c in member_configs("sgd", {})])
     assert same.mode == "bmm" and not same.notes  # equal values: fused as before
+
+
+class _Augmented:
+    """A dataset that augments with torch's global generator (as torchvision's random
+    transforms do), read by a loader without worker processes."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, augment: bool) -> None:
+        self.x, self.y, self.augment = x, y, augment
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        noise = 0.1 * torch.randn(self.x[i].shape, dtype=self.x.dtype) if self.augment else 0
+        return self.x[i] + noise, self.y[i]
+
+
+class _StreamsAugmented(TinyMLP):
+    sizes = (128, 32)
+
+    def train_batches(self, config: Any, epoch: int) -> Any:
+        from torch.utils.data import DataLoader
+
+        from packtune.workloads.base import epoch_generator
+
+        cfg = self.resolve(config)
+        train_split, _ = super().data(cfg)
+        return DataLoader(
+            _Augmented(train_split.x, train_split.y, True), batch_size=int(cfg["batch_size"]),
+            shuffle=True, drop_last=True, generator=epoch_generator(cfg, epoch),
+        )  # fmt: skip
+
+    def val_batches(self, config: Any) -> Any:
+        from torch.utils.data import DataLoader
+
+        _, val_split = super().data(self.resolve(config))
+        return DataLoader(_Augmented(val_split.x, val_split.y, False), batch_size=16)
+
+    def data(self, config: Any, device: Any = "cpu") -> Any:  # streamed: no in-memory data
+        raise NotImplementedError
+
+
+def test_a_loader_augmenting_in_the_training_process_draws_the_same_packed_or_resumed() -> None:
+    """The dataset drew from wherever the trainer had left torch's global generator (the
+    last member's build, the probes, earlier steps): 2-4% apart from alone, 1-2% from an
+    unbroken run after a resume mid-epoch, no warning. An epoch's loader now draws from
+    streams of its own, seeded from the epoch (as a loader's worker processes are)."""
+    workload = _StreamsAugmented()
+    assert workload.streams
+    members = member_configs("sgd", {"batch_size": 16})[:3]
+    packed = FusedArray(workload, members)
+    steps = 2 * packed.steps_per_epoch
+    train(packed, steps)
+    for key, cfg in members[:2]:
+        first = FusedArray(workload, [(key, cfg)])
+        train(first, packed.steps_per_epoch + 3)  # stopped in the middle of an epoch
+        resumed = FusedArray(workload, [(key, cfg)], states=[first.member_state(key)])
+        train(resumed, steps)
+        for name, tensor in resumed.member_state(key)["params"].items():
+            assert torch.equal(packed.member_state(key)["params"][name], tensor), (key, name)
+
+
+def test_a_members_host_random_stream_is_saved_with_it(tmp_path: Any) -> None:
+    """Python's and NumPy's streams of a member that draws from them were not part of its
+    checkpoint: a resumed member drew again from its seed (21% apart from an unbroken run).
+    They are saved now, through the restricted unpickler checkpoints are read with."""
+    from worker.checkpoints import load_checkpoint, save_checkpoint
+
+    for draw in ("python", "numpy"):
+        workload = _HostRandom(draw)
+        key, cfg = member_configs("sgd", {})[0]
+        whole = FusedArray(workload, [(key, cfg)])
+        train(whole, 2 * whole.steps_per_epoch)
+        first = FusedArray(workload, [(key, cfg)])
+        train(first, first.steps_per_epoch + 2)
+        path = save_checkpoint(tmp_path, 1, f"{draw}-{key}", first.member_state(key))
+        resumed = FusedArray(workload, [(key, cfg)], states=[load_checkpoint(path)])
+        train(resumed, 2 * resumed.steps_per_epoch)
+        assert torch.equal(resumed.member_state(key)["params"]["1.f.weight"],
+                           whole.member_state(key)["params"]["1.f.weight"]), draw  # fmt: skip
+
+
+class _MeanOverBatch(TinyMLP):
+    """Regression with its own step, reduced over the batch only: a loss of shape ``[1]``."""
+
+    def build_model(self, config: dict[str, Any]) -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).double()
+
+    def training_loss(self, model: Any, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return ((model(x) - y.double().unsqueeze(1)) ** 2).mean(0)
+
+    def validation_metrics(self, model: Any, batch: Any) -> dict[str, Any]:
+        x, y = batch
+        return {"val_loss": ((model(x) - y.double().unsqueeze(1)) ** 2).mean()}
+
+
+def test_a_loss_of_shape_one_trains_each_member_once_a_step() -> None:
+    """A ``[k, 1]`` loss failed when recorded, after the optimizer's step: the array split
+    per member and ran the step again, so every member took its first batch twice (7
+    optimizer steps in 6; 0.5-5.8x apart from alone) under a note saying nothing changed."""
+    packed = _trains_as_alone(_MeanOverBatch(), member_configs("sgd", {})[:3], tol=1e-12)
+    assert packed.mode == "vmap" and not packed.notes
+
+
+class _PerPosition(TinyMLP):
+    """An MLP applied at each of 2 positions of a ``[B, 2, 4]`` input, then flattened."""
+
+    def data(self, config: Any, device: Any = "cpu") -> Any:
+        from packtune.workloads.base import Split
+
+        splits = super().data(config, device)
+        return tuple(Split(s.x.reshape(-1, 2, 4), s.y) for s in splits)
+
+    def build_model(self, config: dict[str, Any]) -> nn.Module:
+        layers = (nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3), nn.Flatten(), nn.Linear(6, 3))
+        return nn.Sequential(*layers).double()
+
+
+def test_a_hand_fused_linear_takes_inputs_of_more_dimensions() -> None:
+    """A Sequential of Linears over ``[B, T, F]`` was taken for hand fusion, whose Linear
+    took ``[k, B, in]`` only: "batch1 must be a 3D tensor", packed and alone."""
+    workload = _PerPosition()
+    members = member_configs("sgd", {})[:3]
+    array = FusedArray(workload, members)
+    assert array.mode == "bmm"
+    reports = train(array, 2 * array.steps_per_epoch)
+    for key, cfg in members:
+        compare(array, reports, key, cfg, 1e-10)
