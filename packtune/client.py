@@ -15,6 +15,7 @@ pandas except for :meth:`Client.trials_dataframe`.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -303,7 +304,10 @@ class Client:
 
         Raises:
             ApiError: a bad value (422), an unknown study (404), or a finished one (409).
+            ValueError: a priority that is not a finite number (JSON has none to send).
         """
+        if priority is not None and not math.isfinite(priority):
+            raise ValueError(f"priority must be a finite number, not {priority!r}")
         body = {k: v for k, v in (("priority", priority), ("owner", owner)) if v is not None}
         return Study.of(self._call("PATCH", f"/api/studies/{_id(study)}", json=body).json())
 

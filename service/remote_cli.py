@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -48,6 +49,8 @@ def connected(url: str, token: str | None) -> Iterator[Client]:
             yield client
     except ApiError as exc:
         _fail(str(exc))
+    except httpx.InvalidURL as exc:
+        _fail(f"not a URL packtune can reach: {url!r} ({exc})")
     except httpx.HTTPError as exc:
         _fail(f"cannot reach {url}: {exc}")
     except TimeoutError as exc:
@@ -166,6 +169,8 @@ def register(app: typer.Typer) -> None:
         token: Token = None,
     ) -> None:
         """Change a pending or running study's priority or owner (used from the next tick)."""
+        if priority is not None and not math.isfinite(priority):
+            _fail(f"--priority must be a finite number, not {priority}")
         with connected(url, token) as client:
             study = client.update(study_id, priority=priority, owner=owner)
         typer.echo(f"{_line(study)} · priority {study.priority:g}"

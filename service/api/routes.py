@@ -98,7 +98,9 @@ def update_study(
     s.refresh(study, with_for_update=True)
     if study.status not in CANCELLABLE:
         raise Conflict(f"study {study_id} is {study.status.value}; it can no longer change")
-    fields = change.model_dump(exclude_unset=True, exclude_none=True)
+    fields = change.model_dump(exclude_unset=True)  # null: as a spec without it
+    if fields.get("priority", 1.0) is None:
+        fields["priority"] = 1.0
     if fields:
         store.update_spec(s, study, **fields)
         background.add_task(bus.study_changed, settings)

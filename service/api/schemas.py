@@ -113,12 +113,16 @@ class FleetPublic(BaseModel):
 
 
 class StudyPatch(BaseModel):
-    """What may change while a study runs: its place in the fleet (the next tick uses it)."""
+    """What may change while a study runs: its place in the fleet (the next tick uses it).
+    As strict as a spec: ``"2"`` or ``true`` is not a priority. ``null`` puts a field back
+    as a spec without it has it: priority 1, no owner."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    priority: Annotated[float, Field(gt=0, le=1_000, allow_inf_nan=False)] | None = None
-    owner: Label | None = None
+    priority: Annotated[float, Field(gt=0, le=1_000, allow_inf_nan=False)] | None = Field(
+        default=None, description="Its weight in the fair share of device time; null: 1."
+    )
+    owner: Label | None = Field(default=None, description="A user or team label; null: none.")
 
 
 class StudyPublic(BaseModel):

@@ -125,11 +125,18 @@ def test_a_running_study_changes_priority_and_owner(any_client: TestClient) -> N
     assert any_client.get(path).json()["spec"]["priority"] == 4  # what the scheduler reads
     for body, field in (({"priority": 0}, "priority"), ({"owner": ""}, "owner"),
                         ({"owner": "  "}, "owner"), ({"owner": "a\x00b"}, "owner"),
-                        ({"seed": 3}, "seed")):  # fmt: skip
+                        ({"seed": 3}, "seed"),
+                        # as strict as a spec: these were taken as 2.0 and 1.0
+                        ({"priority": "2"}, "priority"),
+                        ({"priority": True}, "priority")):  # fmt: skip
         bad = any_client.patch(path, json=body)
         assert bad.status_code == 422
         assert ["body", field] in [entry["loc"] for entry in bad.json()["detail"]], bad.json()
     assert any_client.get(path).json()["fleet"]["priority"] == 4.0
+    # null puts a field back as a spec without it has it (an owner could not be cleared)
+    reset = any_client.patch(path, json={"owner": None, "priority": None})
+    assert reset.status_code == 200, reset.text
+    assert reset.json()["fleet"]["owner"] is None and reset.json()["fleet"]["priority"] == 1.0
     assert any_client.patch("/api/studies/999999", json={"priority": 2}).status_code == 404
     any_client.post(f"{path}/cancel")
     conflict = any_client.patch(path, json={"owner": "team-b"})

@@ -452,12 +452,16 @@ def test_the_studies_list_opens_a_study(service: dict[str, Any], page: Any) -> N
     assert "momentum=" in text and "…" not in text
 
 
-def test_an_unknown_study_says_so(service: dict[str, Any], browser: Any) -> None:
+@pytest.mark.parametrize("study_id", [999999, 0, 2**31])
+def test_an_unknown_study_says_so(service: dict[str, Any], browser: Any, study_id: int) -> None:
+    """An id no study can have (0, beyond the database's integers: the API's 422) is not
+    found either; the page said "Loading" and "cannot reach the API" for ever."""
     context = browser.new_context()  # the page logs the API's 404: no error check here
     try:
         page = context.new_page()
-        page.goto(f"{service['url']}/#/studies/999999")
-        page.get_by_text("Study 999999 not found").wait_for()
+        page.goto(f"{service['url']}/#/studies/{study_id}")
+        page.get_by_text(f"Study {study_id} not found").wait_for(timeout=10_000)
+        assert "cannot reach" not in page.locator("#live").inner_text()
     finally:
         context.close()
 

@@ -167,7 +167,18 @@ def test_cli_refusals_are_one_line_and_exit_2(service: dict[str, Any], tmp_path:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert away.returncode == 2 and "cannot reach http://127.0.0.1:9" in away.stderr
-    assert "Traceback" not in missing.stderr + away.stderr
+    # a URL httpx cannot parse, a priority JSON cannot carry: tracebacks, or the service
+    # blamed ("unexpected answer ... is it packtune?") for a request never sent
+    malformed = subprocess.run(
+        [sys.executable, "-m", "service", "show", "1", "--url", "http://[::1"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert malformed.returncode == 2 and "not a URL" in malformed.stderr, malformed.stderr
+    for value in ("nan", "inf"):
+        odd = cli(service, "update", "1", "--priority", value)
+        assert odd.returncode == 2 and "--priority must be a finite number" in odd.stderr
+    for done in (missing, away, malformed, odd):
+        assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
 def test_the_cli_updates_cancels_and_deletes(service: dict[str, Any]) -> None:

@@ -80,7 +80,7 @@ export class StudyView {
     try {
       ch = await this.feed.refresh();
     } catch (err) {
-      if (err.status !== 404) throw err;
+      if (err.status !== 404 && err.status !== 422) throw err; // 422: an id no study can have
       this.root.replaceChildren(h("section", { class: "card" },
         h("h2", {}, `Study ${this.id} not found`), h("a", { href: "#/" }, "All studies")));
       return false;
