@@ -537,7 +537,7 @@ class FusedArray:
                     own_copy(group.template, i),
                     "serial",
                     group.stochastic,
-                ),  # fmt: skip
+                ),
             )  # fmt: skip
             for i, key in enumerate(group.keys)
         ]
@@ -802,16 +802,16 @@ class FusedArray:
             assert self.val_split is not None
             y = self.val_split.y
             results: dict[Hashable, dict[str, float]] = {}
-            copy = self.copies_batches  # each forward, loss and metric on its own
+            own = self.copies_batches  # each forward, loss and metric on a copy of its own
             for group in self.groups:
-                chunks = [group.outputs(x.clone() if copy else x)
+                chunks = [group.outputs(x.clone() if own else x)
                           for x, _ in self._validation_batches()]  # fmt: skip
                 out = torch.cat(chunks, dim=1)
                 workload = self.workload_of(group)
                 for i, key in enumerate(group.keys):
                     results[key] = {
-                        "val_loss": float(workload.loss(out[i], y.clone() if copy else y)),
-                        **workload.metrics(out[i], y.clone() if copy else y),
+                        "val_loss": float(workload.loss(out[i], y.clone() if own else y)),
+                        **workload.metrics(out[i], y.clone() if own else y),
                     }
             return results
         finally:
