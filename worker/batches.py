@@ -135,7 +135,7 @@ class OwnStreams:
         in_process = getattr(source, "num_workers", 0) == 0
         with GLOBAL_RNG:
             outer = _streams()
-            torch.manual_seed(seed)
+            torch.default_generator.manual_seed(seed)  # the CPU's only: a GPU's are not read
             seed_host(seed)
             try:
                 self.iterator = iter(source)
