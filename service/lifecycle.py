@@ -18,7 +18,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from packtune.asha import known_prefix, promotions
-from packtune.checkpoints import checkpoint_path
+from packtune.checkpoints import checkpoint_path, study_folder
 from packtune.errors import SpecError, StudyCannotRun, error_cause
 from packtune.hyperband import promote, rank
 from packtune.iterations import Slot, asha_slots, cutoff, first_rung, rungs_upto, slots
@@ -491,6 +491,11 @@ def prune_checkpoints(s: Session, study: Study) -> list[int]:
     for t in gone:
         with contextlib.suppress(OSError):  # shared storage unmounted here: kept, not fatal
             checkpoint_path(settings.checkpoint_dir, study.id, t.id).unlink()
+    # segment units' parts of a span a unit died before clearing (its trial's checkpoint
+    # has them): no unit reads them once the study has ended
+    with contextlib.suppress(OSError):
+        for part in study_folder(settings.checkpoint_dir, study.id).glob("trial-*.segment*.pt"):
+            part.unlink(missing_ok=True)
     store.forget_checkpoints(s, [t.id for t in gone])
     return [t.id for t in gone]
 

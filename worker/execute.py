@@ -148,7 +148,7 @@ def mark_done(
     job: ArrayJob,
     done: Mapping[int, str | Staged],
     resource: float | None = None,
-) -> None:
+) -> set[int]:
     """Trials whose unit is finished (or, with ``resource``, that stopped there on the way,
     their pack giving its device up): resource, checkpoint, and ``paused`` for the scheduler
     at their rung, or ``pending`` when they are not at it yet. Only trials still running
@@ -160,11 +160,13 @@ def mark_done(
     away. A job whose pack was trained again elsewhere (its worker stalled past the
     heartbeat timeout, then went on) so never overwrites the newer checkpoint; a commit
     that fails after the move leaves the checkpoint ahead of its row, which the next
-    attempt takes as trained (:func:`member_checkpoint`)."""
+    attempt takes as trained (:func:`member_checkpoint`). Returns the trials moved."""
     targets = {m.trial_id: m.rung_resource for m in job.members}
     reached = job.to_resource if resource is None else resource
+    moved_ids: set[int] = set()
 
     def write(s: Session) -> None:
+        moved_ids.clear()  # a retried transaction moves them again
         for trial_id, saved in done.items():
             at_rung = reached >= targets[trial_id] or math.isclose(
                 reached, targets[trial_id], rel_tol=1e-9
@@ -175,8 +177,10 @@ def mark_done(
                 only_from=(TrialStatus.running,), only_at=job.from_resource,
                 resource_done=reached, checkpoint_path=path,
             )  # fmt: skip
-            if moved and isinstance(saved, Staged):
-                saved.commit()
+            if moved:
+                moved_ids.add(trial_id)
+                if isinstance(saved, Staged):
+                    saved.commit()
 
     try:
         retrying(write)
@@ -184,6 +188,7 @@ def mark_done(
         for saved in done.values():
             if isinstance(saved, Staged):
                 saved.discard()  # those not put in place (a committed one has no file left)
+    return moved_ids
 
 
 @functools.cache
@@ -319,6 +324,55 @@ def _data_parts(
     return varying, list(groups.values())
 
 
+def _read_data(
+    workload: Workload, first: Mapping[str, Any], device: torch.device
+) -> tuple[Any, set[str]]:
+    """The workload's in-memory data for ``first`` (None: it streams), and the keys of the
+    config its data path reads (``data``, ``steps_per_epoch``, ``batch_indices``)."""
+    try:
+        seen = ConfigReads(first)
+        data = None if workload.streams else workload.data(seen, device)
+        if not workload.streams:
+            workload.steps_per_epoch(seen)
+            next(iter(workload.batch_indices(seen, 0)), None)
+    except NOT_A_TRIAL_FAULT:
+        raise
+    except Exception as exc:
+        raise TrialError(exc) from exc
+    return data, seen.reads
+
+
+def _apart_by_data(
+    job: ArrayJob,
+    workload: Workload,
+    todo: list[MemberJob],
+    configs: Mapping[int, Mapping[str, Any]],
+    reads: set[str],
+    device: torch.device,
+    kind: str,
+    checkpoint_dir: Path,
+    stop: threading.Event | None,
+    give_up: threading.Event | None,
+    spill_share: int,
+) -> list[ArrayRun] | None:
+    """``todo`` trained as arrays apart, with a note, where its members differ in a
+    parameter the data path read (``reads``); None where they share batches."""
+    varying, parts = _data_parts(workload, todo, configs, reads)
+    if len(parts) < 2:
+        return None
+    note = (
+        f"{workload.name}'s data path reads {', '.join(varying)}, which differ between "
+        f"trials {', '.join(str(m.trial_id) for m in todo)}: they cannot share batches, "
+        f"so they trained as {len(parts)} arrays (declare {', '.join(varying)} structural, "
+        "not fusible)"
+    )
+    log.warning("pack %s: %s", job.pack_id, note)
+    runs = _run_apart(job, parts, device, kind, checkpoint_dir, stop, give_up, spill_share)
+    for run in runs:
+        run["notes"] = [note, *run.get("notes", [])]
+    return runs
+
+
 def _run_apart(
     job: ArrayJob,
     parts: list[list[MemberJob]],
@@ -363,10 +417,6 @@ def run_array(
     as it was (its training dropped: the job releases its members, which resume from their
     checkpoints).
     """
-    if job.segment >= 0:
-        from worker.segment_units import run_segment_array  # it builds on this module
-
-        return run_segment_array(job, device, kind, checkpoint_dir, stop)
     workload = get_workload(job.workload)
     parts = _structural_parts(workload, job)
     if len(parts) > 1:
@@ -379,6 +429,17 @@ def run_array(
         return _run_apart(job, parts, device, kind, checkpoint_dir, stop, give_up, spill_share)
     configs = {m.trial_id: job.config(m) for m in job.members}
     first = workload.resolve(next(iter(configs.values())))
+    if job.segment >= 0:
+        from worker.segment_units import run_segment_array  # it builds on this module
+
+        # its members share the first one's batches as an array's do: apart where they differ
+        # in a parameter the data path reads
+        _, reads = _read_data(workload, first, device)
+        apart = _apart_by_data(job, workload, list(job.members), configs, reads, device, kind,
+                               checkpoint_dir, stop, give_up, spill_share)  # fmt: skip
+        if apart is not None:
+            return apart
+        return run_segment_array(job, device, kind, checkpoint_dir, stop)
     spe = workload.steps_per_epoch(first)
     from_step, to_step = span_steps(job, spe)
     todo, states, done = [], [], {}
@@ -393,30 +454,11 @@ def run_array(
         mark_done(job, done)
     if not todo or (give_up is not None and give_up.is_set()):
         return []
-    try:
-        # what the data path reads of a config: the members share the first one's batches
-        seen = ConfigReads(first)
-        data = None if workload.streams else workload.data(seen, device)
-        if not workload.streams:
-            workload.steps_per_epoch(seen)
-            next(iter(workload.batch_indices(seen, 0)), None)
-    except NOT_A_TRIAL_FAULT:
-        raise
-    except Exception as exc:
-        raise TrialError(exc) from exc
-    varying, parts = _data_parts(workload, todo, configs, seen.reads)
-    if len(parts) > 1:
-        note = (
-            f"{workload.name}'s data path reads {', '.join(varying)}, which differ between "
-            f"trials {', '.join(str(m.trial_id) for m in todo)}: they cannot share batches, "
-            f"so they trained as {len(parts)} arrays (declare {', '.join(varying)} structural, "
-            "not fusible)"
-        )
-        log.warning("pack %s: %s", job.pack_id, note)
-        runs = _run_apart(job, parts, device, kind, checkpoint_dir, stop, give_up, spill_share)
-        for run in runs:
-            run["notes"] = [note, *run.get("notes", [])]
-        return runs
+    data, reads = _read_data(workload, first, device)
+    apart = _apart_by_data(job, workload, todo, configs, reads, device, kind, checkpoint_dir,
+                           stop, give_up, spill_share)  # fmt: skip
+    if apart is not None:
+        return apart
     try:
         ensure_profile(job, first, device, kind, data)
         budget = spill_budget(job, kind, device, len(todo), spill_share)

@@ -537,7 +537,9 @@ def _split_pack(
     if pack.status == PackStatus.split:
         return  # an earlier try went through, but the connection broke before it heard so
     units = store.unfinished_members(s, pack, (TrialStatus.running,))
-    store.move_trials(s, sorted({u.trial_id for u in units}), TrialStatus.queued)
+    ids = sorted({u.trial_id for u in units})
+    held = store.trained_elsewhere(s, pack, ids)  # a trial's other segment unit, running
+    store.move_trials(s, [t for t in ids if t not in held], TrialStatus.queued)
     workloads = {array.fusion_key: array.workload for array in arrays}
     for key in {u.fusion_key for u in units}:
         workload = workloads.get(key) or key.split("|", 1)[0]  # a key starts with its workload

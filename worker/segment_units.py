@@ -255,8 +255,10 @@ def finish_spans(
             store.record_measurements(s, batch, metric=name)
 
     retrying(write)
-    mark_done(job, paths)
-    for m, _ in ready:  # the trial's checkpoint has them now
+    moved = mark_done(job, paths)
+    for m, _ in ready:  # the trial's checkpoint has them now, and its row says so
+        if m.trial_id not in moved:
+            continue  # not moved (queued again meanwhile): the next unit finishes it from them
         for j in range(segments):
             segment_path(checkpoint_dir, m.study_id, m.trial_id, j, to_step).unlink(missing_ok=True)
     return sorted(paths)

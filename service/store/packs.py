@@ -341,12 +341,28 @@ def requeue_packs_of(s: Session, worker_name: str, reason: str) -> list[int]:
 def requeue_pack(s: Session, pack: Pack, *, error: str, fault: bool, backoff: float) -> bool:
     """A running pack's attempt is over without finishing: the pack waits for a retry
     (:func:`retry_pack`) and its members still at the unit's start, running, are queued
-    again. False when the pack had moved on (then its members are left alone)."""
+    again, but for those another running pack trains too (a trial's other segment unit,
+    whose end moves the trial only from running). False when the pack had moved on (then
+    its members are left alone)."""
     members = [m.trial_id for m in unfinished_members(s, pack, (TrialStatus.running,))]
     if not retry_pack(s, pack, error=error, fault=fault, backoff=backoff):
         return False
-    move_trials(s, members, TrialStatus.queued)
+    held = trained_elsewhere(s, pack, members)
+    move_trials(s, [t for t in members if t not in held], TrialStatus.queued)
     return True
+
+
+def trained_elsewhere(s: Session, pack: Pack, trial_ids: Sequence[int]) -> set[int]:
+    """Those of ``trial_ids`` that a running pack other than ``pack`` holds a unit of."""
+    if not trial_ids:
+        return set()
+    stmt = (
+        select(PackMember.trial_id)
+        .join(Pack, Pack.id == PackMember.pack_id)
+        .where(id_in(s, PackMember.trial_id, trial_ids), Pack.id != pack.id,
+               Pack.status == PackStatus.running)
+    )  # fmt: skip
+    return set(s.scalars(stmt))
 
 
 def finished_before(pack: Pack, trials: Mapping[int, Trial]) -> bool:
