@@ -337,7 +337,11 @@ def check(
         from worker.jobs import pick_device
 
         device = str(pick_device())
-        report = run_check(workload, space, members=members, steps=steps, device=device).as_json()
+        try:
+            found = run_check(workload, space, members=members, steps=steps, device=device)
+        except Exception as exc:  # the workload's own code raised: one line, as --url says it
+            fail(f"the check could not run: {type(exc).__name__}: {exc}")
+        report = found.as_json()
     _print_check(report, members, steps)
     if not report["ok"]:
         raise typer.Exit(1)

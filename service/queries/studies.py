@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 from sqlalchemy import distinct, func, select
@@ -10,6 +11,7 @@ from sqlalchemy.orm import Session
 from packtune.fleet import StudyLoad, covered_seconds, entitled_shares
 from packtune.hyperband import total_trials, total_units
 from packtune.iterations import asha_ladder
+from packtune.rungs import rung_resource
 from packtune.spec import StoredSpec
 from service import store
 from service.models import (
@@ -64,6 +66,8 @@ def _summaries(s: Session, studies: list[Study], with_spec: bool = True) -> list
     for study_id, status, n, rungs in s.execute(stmt):
         counts[study_id][TrialStatus(status).value] = n
         done[study_id] += int(rungs) + (n if status in UNIT_FINISHED else 0)
+    for study_id, extra in _cancelled_units(s, studies).items():
+        done[study_id] += extra
     running: dict[int, int] = defaultdict(int)
     packs_stmt = (  # through the members: a pack may train trials of several studies
         select(Trial.study_id, func.count(distinct(Pack.id)))
@@ -121,6 +125,27 @@ def _summaries(s: Session, studies: list[Study], with_spec: bool = True) -> list
                 "best_trial": _brief(best_row) if best_row else None,
             }
         )
+    return out
+
+
+def _cancelled_units(s: Session, studies: list[Study]) -> dict[int, int]:
+    """Units cancelled trials had finished at their own rung (paused there when their study
+    was cancelled): their status says nothing of it; their trained resource does."""
+    ids = [study.id for study in studies if study.status == StudyStatus.cancelled]
+    if not ids:
+        return {}
+    specs = {study.id: StoredSpec.of(study.spec) for study in studies}
+    stmt = (
+        select(Trial.study_id, Trial.bracket, Trial.rung, Trial.resource_done, func.count())
+        .where(Trial.study_id.in_(ids), Trial.status == TrialStatus.cancelled,
+               Trial.resource_done > 0)
+        .group_by(Trial.study_id, Trial.bracket, Trial.rung, Trial.resource_done)
+    )  # fmt: skip
+    out: dict[int, int] = defaultdict(int)
+    for study_id, bracket, rung, trained, n in s.execute(stmt):
+        at = rung_resource(specs[study_id], bracket, rung)
+        if trained >= at or math.isclose(trained, at, rel_tol=1e-9):
+            out[study_id] += n
     return out
 
 

@@ -349,6 +349,20 @@ def test_run_names_each_distinct_error_and_the_root_cause(
     assert "Traceback" not in result.stdout + result.stderr
 
 
+def test_check_of_a_workload_that_raises_is_one_line(
+    failing_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A local check of a workload whose build_model raises (an odd width) printed the
+    whole traceback; the check through a service said it in one line, as this now does."""
+    spec = write(tmp_path / "odd.yaml", failing_spec([7]))
+    result = packtune("check", "odd-fails", "--spec", str(spec), "--steps", "2",
+                      env=failing_env, cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: the check could not run: ") and "even width, got 7" in line
+    assert "Traceback" not in result.stdout + result.stderr
+
+
 def test_submit_watch_names_the_errors_of_a_study_that_completes_anyway(
     failing_env: dict[str, str], tmp_path: Path
 ) -> None:

@@ -702,3 +702,28 @@ def test_a_worker_dead_for_a_day_is_forgotten(db: None) -> None:
     with session_scope(get_sessionmaker()) as s:
         names = set(s.scalars(select(Worker.name)))
     assert "host-101" not in names and "host-202" in names
+
+
+def test_a_cancelled_studys_progress_keeps_the_units_it_trained(db: None) -> None:
+    """Trials paused at rung 0 when their study is cancelled had finished a unit each; the
+    summary counted units by status, and a cancelled trial's said nothing, so the study read
+    0 of N done (9/69 in the cancel's answer, 0/69 just after)."""
+    from service.queries import study_summary
+
+    study_id = new_study({**SPEC, "sampler": "random"})
+    sched = scheduler(SyncDispatcher())
+    for _ in range(20):  # until the first rung's trials are trained, none promoted yet
+        sched.tick()
+        with session_scope(get_sessionmaker()) as s:
+            statuses = [t.status for t in store.trials_of(s, study_id)]
+            if statuses.count(TrialStatus.paused) >= 3:
+                break
+    with session_scope(get_sessionmaker()) as s:
+        before = study_summary(s, study_id)["progress"]["done"]
+        assert before >= 3
+        store.move_study(s, store.get_study(s, study_id), StudyStatus.cancelled)
+    sched.tick()  # cancels the trials
+    with session_scope(get_sessionmaker()) as s:
+        assert {t.status for t in store.trials_of(s, study_id)} <= {
+            TrialStatus.cancelled, TrialStatus.completed, TrialStatus.stopped}  # fmt: skip
+        assert study_summary(s, study_id)["progress"]["done"] == before
