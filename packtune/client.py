@@ -59,15 +59,18 @@ class Trial:
     metrics: dict[str, Any]
     error: str | None
     raw: dict[str, Any] = field(repr=False, compare=False)
+    #: the Hyperband iteration it was sampled in (a study with a budget runs several)
+    iteration: int = 0
 
     def flat(self) -> dict[str, Any]:
-        """One flat row: id, status, bracket, rung, ``resource`` (how far it trained, as the
-        API's and the JSON export's ``resource``), ``measured_resource`` (where its metrics
-        are from), then ``config.<name>`` and ``metric.<name>`` (a dataframe's or a CSV
-        file's)."""
+        """One flat row: id, status, iteration, bracket, rung, ``resource`` (how far it
+        trained, as the API's and the JSON export's ``resource``), ``measured_resource``
+        (where its metrics are from), ``error`` (why it failed or diverged), then
+        ``config.<name>`` and ``metric.<name>`` (a dataframe's or a CSV file's)."""
         return {
-            "id": self.id, "status": self.status, "bracket": self.bracket, "rung": self.rung,
-            "resource": self.resource, "measured_resource": self.measured_resource,
+            "id": self.id, "status": self.status, "iteration": self.iteration,
+            "bracket": self.bracket, "rung": self.rung, "resource": self.resource,
+            "measured_resource": self.measured_resource, "error": self.error,
             **{f"config.{k}": v for k, v in sorted(self.config.items())},
             **{f"metric.{k}": v for k, v in sorted(self.metrics.items())},
         }  # fmt: skip
@@ -79,7 +82,7 @@ class Trial:
             bracket=int(row.get("bracket", 0)), rung=int(row.get("rung", 0)),
             resource=float(row.get("resource", 0.0)),
             measured_resource=row.get("measured_resource"), metrics=dict(row["metrics"]),
-            error=row.get("error"), raw=dict(row),
+            error=row.get("error"), raw=dict(row), iteration=int(row.get("iteration", 0)),
         )  # fmt: skip
 
 

@@ -81,10 +81,16 @@ def test_a_flat_row_says_how_far_a_trial_trained_and_where_it_was_measured() -> 
     it trained); before, the flat row's ``resource`` was where it was last measured (a
     trial 2 epochs in, measured at 1, showed 1 in the CSV and 2 in the JSON)."""
     row = {"id": 4, "status": "running", "config": {"lr": 0.1}, "bracket": 1, "rung": 0,
-           "resource": 2.0, "measured_resource": 1.0, "metrics": {"val_loss": 0.5}}  # fmt: skip
+           "resource": 2.0, "measured_resource": 1.0, "metrics": {"val_loss": 0.5},
+           "iteration": 2, "error": None}  # fmt: skip
     flat = Trial.of(row).flat()
     assert (flat["resource"], flat["measured_resource"]) == (2.0, 1.0)
     assert flat["config.lr"] == 0.1 and flat["metric.val_loss"] == 0.5
+    # which iteration (a budget runs several: bracket and rung repeat) and why it failed:
+    # the JSON had both, the CSV and the dataframe neither
+    assert (flat["iteration"], flat["error"]) == (2, None)
+    failed = Trial.of({**row, "status": "failed", "error": "ValueError: odd width"}).flat()
+    assert failed["error"] == "ValueError: odd width"
 
 
 def test_trials_come_as_a_dataframe(service: dict[str, Any]) -> None:
