@@ -212,7 +212,7 @@ def stack_of(workload: Workload, template: nn.Module, mode: str, stochastic: boo
 
 
 def _forwards(
-    workloads: Sequence[Workload],
+    workload: Workload,
     template: nn.Module,
     part: list[int],
     mode: StackMode,
@@ -226,13 +226,11 @@ def _forwards(
     rounding of vmap's batched convolution differs from one model's by ~1e-3, and training
     grows that (digits-cnn: 13% apart after two epochs at lr 0.08), so the result would
     depend on the pack. The hand-fused ``bmm`` path rounds like one model's in bf16 too.
-    ``workloads``: each member's copy of the workload (a stack's steps run its first's);
     ``apart``: the members train one per stack (their steps change the batch in place, or
-    their workloads differ).
+    build_model kept values on the workload that differ between them).
     Stacks of one member each have a template of their own: Python state a forward keeps on
     its module (a step counter) is then each member's, as unpacked.
     """
-    workload = workloads[part[0]]
     plan = None if workload.custom_step else bmm_plan(template, convs=mode == "bmm")
     if mode == "auto":
         if stochastic or apart:
@@ -244,7 +242,7 @@ def _forwards(
     if mode == "bmm" and plan is None:
         raise ValueError(f"{workload.name}'s model is not a hand-fusable Sequential")
     if mode == "serial":
-        return [([i], stack_of(workloads[i], own_copy(template, n), mode, stochastic))
+        return [([i], stack_of(workload, own_copy(template, n), mode, stochastic))
                 for n, i in enumerate(part)]  # fmt: skip
     return [(list(part), stack_of(workload, template, mode, stochastic))]
 
@@ -344,18 +342,24 @@ class FusedArray:
         models: list[nn.Module] = []
         #: each member's own host random stream (used by an array that draws from it)
         self.host_streams: dict[Hashable, HostState] = {}
-        #: each member's own copy of the workload object, which its build_model may have set
-        #: values on that its loss reads (:func:`worker.fusion_guard.workload_differences`)
-        self.member_workloads: dict[Hashable, Workload] = {}
+        #: the workload object's attributes after each member's build_model, which may keep
+        #: values on it that its loss reads (:func:`worker.fusion_guard.workload_differences`)
+        built: dict[Hashable, dict[str, Any]] = {}
         for key, config, state in zip(keys, configs, states, strict=True):
             seed_host(int(config["seed"]))
-            self.member_workloads[key] = copy.copy(workload)
-            models.append(_build_model(self.member_workloads[key], config, state))
+            models.append(_build_model(workload, config, state))
+            built[key] = dict(vars(workload))
             # resumed: where the stream stood at the checkpoint (an array drawing from it saves it)
             saved = state.get("host_rng") if state else None
             self.host_streams[key] = decode_host(saved) if saved else host_state()
         set_host_state(host)
-        drifted = workload_differences(list(self.member_workloads.values()))
+        drifted = workload_differences(list(built.values()))
+        #: each member's values of the attributes its build_model set differently per trial,
+        #: put back on the workload before its stack's steps and evaluation (one per stack)
+        self.member_values = {
+            key: {name: values[name] for name in drifted if name in values}
+            for key, values in built.items()
+        }
         #: each member's tied tensors' other names (:mod:`worker.ties`), for its exported state
         self.ties = {key: aliases(model) for key, model in zip(keys, models, strict=True)}
         signatures = [model_signature(m) for m in models]
@@ -374,7 +378,7 @@ class FusedArray:
             self.notes.append(
                 f"{workload.name}: build_model set {', '.join(repr(a) for a in drifted)} on the "
                 "workload object, differently per trial; its members train one at a time, "
-                "each with its own copy of the workload, as unpacked. Keep per-trial values "
+                "each with its own values put back, as unpacked. Keep per-trial values "
                 "in the model (a buffer) for them to be fused"
             )
         self.streaming = workload.streams
@@ -395,7 +399,7 @@ class FusedArray:
         for part in parts:
             template = meta_template(models[part[0]])
             probed = probe(
-                self.member_workloads[keys[part[0]]], models[part[0]], signatures[part[0]], probes
+                self._with_values(keys[part[0]]), models[part[0]], signatures[part[0]], probes
             )
             if probed.reassigned:
                 names = ", ".join(repr(n) for n in probed.reassigned)
@@ -428,8 +432,7 @@ class FusedArray:
                 )
             only = (None if self.decoupled is None or segment is None
                     else segment_names(template, self.decoupled.segments, segment))  # fmt: skip
-            own = [self.member_workloads[key] for key in keys]
-            for idx, stack in _forwards(own, template, part, mode, stochastic, self.precision,
+            for idx, stack in _forwards(workload, template, part, mode, stochastic, self.precision,
                                         apart=probed.mutates or bool(drifted)):  # fmt: skip
                 params, buffers = _stack([models[i] for i in idx], home, only)
                 self.groups.append(self._group(
@@ -498,7 +501,7 @@ class FusedArray:
         """Give ``group`` its compiled step (:mod:`worker.compiled`) where one applies."""
         if type(group) is not Group or group.stochastic:
             return  # spilled and decoupled stacks, and random draws, stay eager
-        workload, device, precision = self.workload_of(group), self.device, self.precision
+        workload, device, precision = self.workload, self.device, self.precision
         key = (workload.name, model_signature(group.template), group.mode,
                workload.per_member_batches, precision, device.type, device.index)  # fmt: skip
 
@@ -533,7 +536,7 @@ class FusedArray:
                 {n: b[i : i + 1].clone() for n, b in group.buffers.items()},
                 [group.optimizer.member_state(i)],
                 stack_of(
-                    self.member_workloads[key],
+                    self.workload,
                     own_copy(group.template, i),
                     "serial",
                     group.stochastic,
@@ -590,9 +593,15 @@ class FusedArray:
         return [key for group in self.groups for key in group.keys]
 
     def workload_of(self, group: Group) -> Workload:
-        """The workload whose loss ``group`` trains and is measured with: its first member's
-        copy (the members of a stack have equal ones)."""
-        return self.member_workloads[group.keys[0]]
+        """The workload ``group`` trains and is measured with: with its (first) member's own
+        values of what build_model set per trial put back on it (members of a stack have
+        equal ones)."""
+        return self._with_values(group.keys[0])
+
+    def _with_values(self, key: Hashable) -> Workload:
+        for name, value in self.member_values.get(key, {}).items():
+            setattr(self.workload, name, value)
+        return self.workload
 
     def _locate(self, key: Hashable) -> tuple[Group, int]:
         for group in self.groups:
@@ -617,14 +626,17 @@ class FusedArray:
         steps (and at each :func:`train` report) on a GPU. Until then it trains on
         alone in its slice: members share no arithmetic, so the others are unchanged.
         """
-        for group, own in self.group_batches(batch):
-            versions = [t._version for t in tensors(own)]
+        pairs = self.group_batches(batch)
+        for group, own in pairs:
+            leaves = tensors(own)
+            versions = [t._version for t in leaves]
+            shared = {id(t) for t in self._shares(len(pairs), group, own)}
             if self.host_random:
                 self._host_step(group, own)
             else:
                 self._step_group(group, own)
-            shared = not self.copies_batches and len(self.keys) > 1
-            if shared and [t._version for t in tensors(own)] != versions:
+            changed = (t for t, v in zip(leaves, versions, strict=True) if t._version != v)
+            if any(id(t) in shared for t in changed):
                 raise RuntimeError(
                     f"{self.workload.name}: a training step changed its input batch in place "
                     "(an in-place op on a forward's input, or targets changed in a loss), "
@@ -634,6 +646,19 @@ class FusedArray:
         self.step += 1
         if self.step % self.check_every == 0:
             self.check_divergence()
+
+    def _shares(self, groups: int, group: Group, batch: Any) -> list[Tensor]:
+        """The tensors of ``group``'s training ``batch`` that another member reads after it
+        (a change in place would reach that member): all of a batch other stacks take too;
+        of a stack's own, the targets its members' losses each read (a vmap forward's change
+        of its input is made once, for all). None where each stack steps on a copy, or its
+        members' batches are their own."""
+        if self.copies_batches or self.workload.per_member_batches:
+            return []
+        if groups > 1:
+            return tensors(batch)
+        plain = not self.workload.custom_step and isinstance(batch, tuple) and len(batch) == 2
+        return tensors(batch[1]) if plain and len(group.keys) > 1 else []
 
     def _host_step(self, group: Group, batch: Any) -> None:
         """A step of ``group`` drawing from its (first) member's own host random stream."""

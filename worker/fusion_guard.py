@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import sys
 import types
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
@@ -209,19 +210,20 @@ def split_causes(configs: Sequence[Mapping[str, Any]], parts: Sequence[Sequence[
     return others or [key for key in varying if key in _PER_MEMBER_KEYS]
 
 
-def workload_differences(workloads: Sequence[Any]) -> list[str]:
-    """The attributes that members' copies of one workload object hold with different
-    values after each built its member's model (``build_model`` keeping a per-trial value,
-    e.g. ``self.label_smoothing = cfg["label_smoothing"]``, that the loss then reads): a
-    stack's members share one workload's loss. Values are compared as the objects are (a
-    tensor by its values); what cannot be compared counts as different."""
-    first, *rest = workloads
-    names = sorted({name for w in workloads for name in vars(w)})
+def workload_differences(states: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The attributes of a workload object (``states``: its ``vars()`` after each member's
+    ``build_model``) whose values differ between members: ``build_model`` keeping a
+    per-trial value (``self.label_smoothing = cfg["label_smoothing"]``) that the loss then
+    reads, while a stack's members share one workload's loss. Values are compared by what
+    they hold (tensors and arrays by value, containers item by item, a module by its
+    signature and tensors); what cannot be compared counts as different."""
+    first, *rest = states
+    names = sorted({name for state in states for name in state})
     return [
         name
         for name in names
         if any(
-            not _same(vars(first).get(name, _MISSING), vars(w).get(name, _MISSING)) for w in rest
+            not _same(first.get(name, _MISSING), state.get(name, _MISSING), 0) for state in rest
         )  # fmt: skip
     ]
 
@@ -229,17 +231,28 @@ def workload_differences(workloads: Sequence[Any]) -> list[str]:
 _MISSING = object()
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: Any, b: Any, depth: int) -> bool:
     if a is b:
         return True
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device)
-            and bool(torch.equal(a, b))
+    if depth > GUARD_MAX_DEPTH or type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device) and bool(
+            torch.equal(a, b)
         )
+    if isinstance(a, float):
+        return a == b or (a != a and b != b)  # nan: the same value
+    if isinstance(a, nn.Module):
+        ta, tb = a.state_dict(), b.state_dict()
+        return model_signature(a) == model_signature(b) and _same(ta, tb, depth + 1)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k], depth + 1) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same(x, y, depth + 1) for x, y in zip(a, b, strict=True))
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(a, numpy.ndarray):
+        return a.shape == b.shape and a.dtype == b.dtype and bool(numpy.array_equal(a, b))
     try:
-        return type(a) is type(b) and bool(a == b)
+        return bool(a == b)
     except Exception:  # an ambiguous or failing comparison: unsure, so different
         return False

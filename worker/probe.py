@@ -90,11 +90,12 @@ def _run_probe(
         except Exception as exc:
             error = exc
             continue
-        now = dict(trial.named_buffers())
+        now, caches = dict(trial.named_buffers()), _caches(trial)
         return Probed(
             draws=drew.torch, host_draws=drew.host,
             mutates=(x._version, y._version) != versions,
-            reassigned=tuple(n for n, b in buffers.items() if now.get(n) is not b),
+            reassigned=tuple(n for n, b in buffers.items()
+                             if now.get(n) is not b and n not in caches),
         )  # fmt: skip
     note = (
         f"{workload.name}: could not tell whether training draws random numbers (a training "
@@ -103,6 +104,16 @@ def _run_probe(
     )
     log.warning("%s", note)
     return Probed(draws=True, note=note)
+
+
+def _caches(model: nn.Module) -> set[str]:
+    """Names of non-persistent buffers: a cache the forward may rebuild (a causal mask, a
+    rotary table grown with the input), not state a checkpoint keeps."""
+    return {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, module in model.named_modules()
+        for name in module._non_persistent_buffers_set
+    }
 
 
 def is_stochastic(workload: Workload, model: nn.Module, probed: Probed) -> bool:

@@ -50,7 +50,7 @@ def draws_random(run: Callable[[], object], device: torch.device | None = None) 
             before = _states(devices)
             run()
             drew = not all(torch.equal(a, b) for a, b in zip(before, _states(devices), strict=True))
-        return Draws(torch=drew, host=not _same_host(host, host_state()))
+        return Draws(torch=drew, host=not same_host(host, host_state()))
     finally:
         set_host_state(host)
 
@@ -100,7 +100,8 @@ def seed_host(seed: int) -> None:
         numpy.random.seed(seed % 2**32)
 
 
-def _same_host(a: HostState, b: HostState) -> bool:
+def same_host(a: HostState, b: HostState) -> bool:
+    """Whether two host states are the same (NumPy's compared by value)."""
     if a[0] != b[0]:
         return False
     if a[1] is None or b[1] is None:

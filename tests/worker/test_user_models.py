@@ -236,15 +236,19 @@ class _Wrapped(nn.Module):
 
 def test_a_batch_changed_in_place_that_the_probe_missed_stops_the_array() -> None:
     """Where the probe could not see it (here: only larger batches are changed), a step that
-    changes the shared batch raises, naming the cause, instead of training the next member
-    on what it left."""
+    changes a batch the next stack trains on (dropout: one member per stack) raises, naming
+    the cause, instead of training the next member on what it left."""
     workload = _ScalesLargeBatches()
-    members = member_configs("sgd", {})[:2]
+    members = member_configs("sgd", {"dropout": 0.1})[:2]
     array = FusedArray(workload, members)
     with pytest.raises(RuntimeError, match="changed its input batch in place"):
         train(array, array.steps_per_epoch)
     alone = FusedArray(workload, members[:1])  # nothing is shared: it trains
     train(alone, alone.steps_per_epoch)
+    # one vmap stack: its forward's change of its input is made once, for all members alike
+    fused = FusedArray(workload, member_configs("sgd", {})[:2])
+    assert fused.mode == "vmap"
+    train(fused, fused.steps_per_epoch)
 
 
 class _Ramp(nn.Module):
@@ -486,6 +490,67 @@ def test_a_hand_fused_linear_takes_inputs_of_more_dimensions() -> None:
     members = member_configs("sgd", {})[:3]
     array = FusedArray(workload, members)
     assert array.mode == "bmm"
+    reports = train(array, 2 * array.steps_per_epoch)
+    for key, cfg in members:
+        compare(array, reports, key, cfg, 1e-10)
+
+
+class _KeepsEqualValues(TinyMLP):
+    """build_model keeps values equal for every trial: a criterion, an array, a dict of
+    tensors; data() keeps one that loss reads."""
+
+    def data(self, config: Any, device: Any = "cpu") -> Any:
+        self.classes = 3
+        return super().data(config, device)
+
+    def build_model(self, config: dict[str, Any]) -> nn.Module:
+        import numpy
+
+        self.criterion = nn.CrossEntropyLoss()
+        self.weights = numpy.ones(3)
+        self.stats = {"mean": torch.zeros(8), "std": torch.ones(8)}
+        return super().build_model(config)
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        assert outputs.shape[-1] == self.classes
+        return self.criterion(outputs, targets)
+
+
+def test_values_equal_for_every_trial_on_the_workload_keep_the_members_fused() -> None:
+    """Only values that differ between trials split an array: a criterion module, an array
+    or a dict of tensors made anew by each build_model compared as different objects (every
+    member then trained alone), and values set by data() were missing from per-member
+    copies of the workload (AttributeError)."""
+    array = FusedArray(_KeepsEqualValues(), member_configs("sgd", {})[:3])
+    assert array.mode == "bmm" and len(array.groups) == 1 and not array.notes
+    train(array, array.steps_per_epoch)
+
+
+class _GrowingCache(nn.Module):
+    """A table rebuilt when the input outgrows it (a rotary or mask cache): a non-persistent
+    buffer replaced in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.ones(1, 8, dtype=torch.float64), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.table.shape[0] < x.shape[0]:
+            table = torch.ones(x.shape[0], 8, dtype=torch.float64)
+            self.register_buffer("table", table, persistent=False)
+        return x * self.table[: x.shape[0]]
+
+
+class _Cached(TinyMLP):
+    def build_model(self, config: dict[str, Any]) -> nn.Module:
+        return nn.Sequential(_GrowingCache(), nn.Linear(8, 3)).double()
+
+
+def test_a_cache_buffer_rebuilt_in_forward_is_not_refused() -> None:
+    """A non-persistent buffer is not state: rebuilding it in forward is allowed (it was
+    refused with the persistent ones)."""
+    members = member_configs("sgd", {})[:2]
+    array = FusedArray(_Cached(), members)
     reports = train(array, 2 * array.steps_per_epoch)
     for key, cfg in members:
         compare(array, reports, key, cfg, 1e-10)
