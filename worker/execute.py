@@ -346,17 +346,12 @@ def _apart_by_data(
     job: ArrayJob,
     workload: Workload,
     todo: list[MemberJob],
-    configs: Mapping[int, Mapping[str, Any]],
     reads: set[str],
-    device: torch.device,
-    kind: str,
-    checkpoint_dir: Path,
-    stop: threading.Event | None,
-    give_up: threading.Event | None,
-    spill_share: int,
+    apart: Callable[[list[list[MemberJob]]], list[ArrayRun]],
 ) -> list[ArrayRun] | None:
-    """``todo`` trained as arrays apart, with a note, where its members differ in a
-    parameter the data path read (``reads``); None where they share batches."""
+    """``todo`` trained as arrays apart (``apart``), with a note, where its members differ
+    in a parameter the data path read (``reads``); None where they share batches."""
+    configs = {m.trial_id: job.config(m) for m in todo}
     varying, parts = _data_parts(workload, todo, configs, reads)
     if len(parts) < 2:
         return None
@@ -367,7 +362,7 @@ def _apart_by_data(
         "not fusible)"
     )
     log.warning("pack %s: %s", job.pack_id, note)
-    runs = _run_apart(job, parts, device, kind, checkpoint_dir, stop, give_up, spill_share)
+    runs = apart(parts)
     for run in runs:
         run["notes"] = [note, *run.get("notes", [])]
     return runs
@@ -418,6 +413,10 @@ def run_array(
     checkpoints).
     """
     workload = get_workload(job.workload)
+
+    def apart(parts: list[list[MemberJob]]) -> list[ArrayRun]:
+        return _run_apart(job, parts, device, kind, checkpoint_dir, stop, give_up, spill_share)
+
     parts = _structural_parts(workload, job)
     if len(parts) > 1:
         log.warning(
@@ -426,7 +425,7 @@ def run_array(
             job.pack_id, [m.trial_id for m in job.members], job.fusion_key, job.workload,
             len(parts),
         )  # fmt: skip
-        return _run_apart(job, parts, device, kind, checkpoint_dir, stop, give_up, spill_share)
+        return apart(parts)
     configs = {m.trial_id: job.config(m) for m in job.members}
     first = workload.resolve(next(iter(configs.values())))
     if job.segment >= 0:
@@ -435,10 +434,9 @@ def run_array(
         # its members share the first one's batches as an array's do: apart where they differ
         # in a parameter the data path reads
         _, reads = _read_data(workload, first, device)
-        apart = _apart_by_data(job, workload, list(job.members), configs, reads, device, kind,
-                               checkpoint_dir, stop, give_up, spill_share)  # fmt: skip
-        if apart is not None:
-            return apart
+        runs = _apart_by_data(job, workload, list(job.members), reads, apart)
+        if runs is not None:
+            return runs
         return run_segment_array(job, device, kind, checkpoint_dir, stop)
     spe = workload.steps_per_epoch(first)
     from_step, to_step = span_steps(job, spe)
@@ -455,10 +453,9 @@ def run_array(
     if not todo or (give_up is not None and give_up.is_set()):
         return []
     data, reads = _read_data(workload, first, device)
-    apart = _apart_by_data(job, workload, todo, configs, reads, device, kind, checkpoint_dir,
-                           stop, give_up, spill_share)  # fmt: skip
-    if apart is not None:
-        return apart
+    runs = _apart_by_data(job, workload, todo, reads, apart)
+    if runs is not None:
+        return runs
     try:
         ensure_profile(job, first, device, kind, data)
         budget = spill_budget(job, kind, device, len(todo), spill_share)
