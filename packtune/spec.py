@@ -522,6 +522,13 @@ TRAINING_OPEN_ENDS: dict[str, tuple[bool, bool]] = {
 }  # fmt: skip
 
 
+def _ends(dimension: Dimension) -> tuple[Any, ...]:
+    """The values a dimension's extremes are: a choice's every value, a range's two ends."""
+    if isinstance(dimension, Choice):
+        return dimension.values
+    return (dimension.low, dimension.high)
+
+
 def check_training(workload: str, raw: dict[str, Any]) -> None:
     """The space gives the shared training parameters (optimizer, schedule, clipping) only
     values the fused optimizer knows, where the workload takes them."""
@@ -537,10 +544,7 @@ def check_training(workload: str, raw: dict[str, Any]) -> None:
                     raise SpecError(f"space.{name}", f"{value!r} is not one of {', '.join(known)}")
         elif name in TRAINING_LIMITS:
             low, high = TRAINING_LIMITS[name]
-            ends = dimension.values if isinstance(dimension, Choice) else (
-                dimension.low, dimension.high,  # type: ignore[union-attr]
-            )  # fmt: skip
-            for value in ends:
+            for value in _ends(dimension):
                 if isinstance(value, bool) or not isinstance(value, int | float):
                     raise SpecError(f"space.{name}", f"{value!r} is not a number")
                 open_low, open_high = TRAINING_OPEN_ENDS.get(name, (False, False))
@@ -598,10 +602,7 @@ def fewest_steps_per_epoch(workload: str, raw: dict[str, Any]) -> int | None:
         return None
     configs: list[dict[str, Any]] = [{}]
     for name, dimension in parse_space(raw).items():
-        ends = dimension.values if isinstance(dimension, Choice) else (
-            dimension.low, dimension.high,  # type: ignore[union-attr]
-        )  # fmt: skip
-        configs += [{name: value} for value in ends]
+        configs += [{name: value} for value in _ends(dimension)]
     try:
         return min(int(info.steps_per_epoch(config)) for config in configs)
     except Exception:  # a size the workload reads from its data, or a value it refuses

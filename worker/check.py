@@ -22,7 +22,7 @@ import torch
 
 from packtune.space import parse_space, sample_config, trial_seed
 from packtune.workloads import get_workload
-from packtune.workloads.base import ConfigReads, Workload
+from packtune.workloads.base import ConfigReads, Workload, varying_reads
 from worker.decoupled_group import decoupled_problem
 from worker.fused import FusedArray, train
 from worker.spill import spill_problem
@@ -138,11 +138,7 @@ def check(
     reads: set[str] = set()
     first = ConfigReads(workload.resolve(configs[0]), reads)
     data = None if workload.streams else workload.data(first, device)
-    shared = workload.structural_params() | {"data_seed"}
-    varying = sorted(
-        key for key in reads - shared
-        if len({repr(workload.resolve(c).get(key)) for c in configs[:members]}) > 1
-    )  # fmt: skip
+    varying = varying_reads(workload, [workload.resolve(c) for c in configs[:members]], reads)
     if varying:
         report.warnings.append(
             f"{name}.data() reads {', '.join(repr(k) for k in varying)}, which the members "

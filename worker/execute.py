@@ -35,7 +35,7 @@ from packtune.spec import TrainingSettings
 from packtune.spilling import Unspillable
 from packtune.tuning import DROP_BELOW_S, HEADROOM, LARGER_PROBE_SIZES, RECORD_EVERY_S
 from packtune.workloads import get_workload
-from packtune.workloads.base import ConfigReads, Workload
+from packtune.workloads.base import ConfigReads, Workload, varying_reads
 from service import store
 from service.db import retrying
 from service.models import TrialStatus
@@ -311,12 +311,8 @@ def _data_parts(
     """The parameters the data path read (``reads``) whose values differ between ``todo``'s
     members (structural ones and ``data_seed`` are equal in an array already), and the
     members grouped by their values: one group where none differ."""
-    shared = workload.structural_params() | {"data_seed"}
     resolved = {m.trial_id: workload.resolve(configs[m.trial_id]) for m in todo}
-    varying = sorted(
-        key for key in reads - shared
-        if len({repr(resolved[m.trial_id].get(key)) for m in todo}) > 1
-    )  # fmt: skip
+    varying = varying_reads(workload, list(resolved.values()), reads)
     groups: dict[tuple[str, ...], list[MemberJob]] = {}
     for m in todo:
         values = tuple(repr(resolved[m.trial_id].get(key)) for key in varying)
@@ -433,11 +429,11 @@ def run_array(
 
         # its members share the first one's batches as an array's do: apart where they differ
         # in a parameter the data path reads
-        _, reads = _read_data(workload, first, device)
+        data, reads = _read_data(workload, first, device)
         runs = _apart_by_data(job, workload, list(job.members), reads, apart)
         if runs is not None:
             return runs
-        return run_segment_array(job, device, kind, checkpoint_dir, stop)
+        return run_segment_array(job, device, kind, checkpoint_dir, stop, data)
     spe = workload.steps_per_epoch(first)
     from_step, to_step = span_steps(job, spe)
     todo, states, done = [], [], {}

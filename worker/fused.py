@@ -628,15 +628,13 @@ class FusedArray:
         """
         pairs = self.group_batches(batch)
         for group, own in pairs:
-            leaves = tensors(own)
-            versions = [t._version for t in leaves]
-            shared = {id(t) for t in self._shares(len(pairs), group, own)}
+            shared = self._shares(len(pairs), group, own)
+            versions = [t._version for t in shared]
             if self.host_random:
                 self._host_step(group, own)
             else:
                 self._step_group(group, own)
-            changed = (t for t, v in zip(leaves, versions, strict=True) if t._version != v)
-            if any(id(t) in shared for t in changed):
+            if [t._version for t in shared] != versions:
                 raise RuntimeError(
                     f"{self.workload.name}: a training step changed its input batch in place "
                     "(an in-place op on a forward's input, or targets changed in a loss), "
@@ -667,8 +665,7 @@ class FusedArray:
         try:
             self._step_group(group, batch)
         finally:
-            if key in self.host_streams:
-                self.host_streams[key] = host_state()
+            self.host_streams[key] = host_state()
             set_host_state(outer)
 
     def group_batches(self, batch: Any) -> list[tuple[Group, Any]]:

@@ -31,7 +31,7 @@ _PROBED: dict[Hashable, Probed] = {}
 
 @dataclass(frozen=True)
 class Probed:
-    """What a training forward and loss of a copy of a member's model did (:func:`_probe`).
+    """What a training forward and loss of a copy of a member's model did (:func:`probe`).
 
     ``draws``: it drew from torch's generators; ``host_draws``: from Python's ``random`` or
     NumPy's; ``mutates``: it changed its input batch in place (``x.div_(255)`` in a forward,

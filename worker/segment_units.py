@@ -77,16 +77,18 @@ def run_segment_array(
     kind: str,
     checkpoint_dir: Path,
     stop: Any = None,
+    loaded: Any = None,
 ) -> list[ArrayRun]:
     """Train segment ``job.segment`` of ``job``'s trials over the span, then finish the
-    trials whose every segment has ended it (see the module)."""
+    trials whose every segment has ended it (see the module). ``loaded``: the workload's
+    data, where the caller has loaded it already."""
     workload = get_workload(job.workload)
     segment = job.segment
     configs = {m.trial_id: job.config(m) for m in job.members}
     first = workload.resolve(next(iter(configs.values())))
     from_step, to_step = span_steps(job, workload.steps_per_epoch(first))
     # the workload's data, loaded once for training and evaluation, and only if either runs
-    data = functools.cache(lambda: workload.data(first, device))
+    data = functools.cache(lambda: loaded if loaded is not None else workload.data(first, device))
     todo: list[MemberJob] = []
     states: list[dict[str, Any] | None] = []
     ended: list[MemberJob] = []

@@ -151,6 +151,17 @@ class ConfigReads(dict[str, Any]):
         return super().__contains__(key)
 
 
+def varying_reads(
+    workload: Workload, resolved: Sequence[Mapping[str, Any]], reads: set[str]
+) -> list[str]:
+    """The keys of ``reads`` (what the data path read of a config: :class:`ConfigReads`)
+    whose values differ between an array's members' ``resolved`` configs: the members share
+    the first one's batches, so such members cannot share an array. Structural parameters
+    and ``data_seed`` are equal in an array already."""
+    shared = workload.structural_params() | {"data_seed"}
+    return sorted(key for key in reads - shared if len({repr(c.get(key)) for c in resolved}) > 1)
+
+
 @dataclass(frozen=True)
 class Split:
     """Inputs and targets of one split, already on the target device (what

@@ -134,7 +134,7 @@ def _cancelled_units(s: Session, studies: list[Study]) -> dict[int, int]:
     ids = [study.id for study in studies if study.status == StudyStatus.cancelled]
     if not ids:
         return {}
-    specs = {study.id: StoredSpec.of(study.spec) for study in studies}
+    specs = {study.id: StoredSpec.of(study.spec) for study in studies if study.id in ids}
     stmt = (
         select(Trial.study_id, Trial.bracket, Trial.rung, Trial.resource_done, func.count())
         .where(Trial.study_id.in_(ids), Trial.status == TrialStatus.cancelled,
