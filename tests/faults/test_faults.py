@@ -48,7 +48,7 @@ from tests.support.processes import (
 
 pytestmark = pytest.mark.slow
 
-# 17 trials; synthetic-mlp at width 256 makes a 6-epoch unit last about a second on one
+# 17 trials; synthetic-mlp at width 128 makes a 6-epoch unit last about half a second on one
 # core, long enough to be caught half way.
 SPEC: dict[str, Any] = {
     "name": "faults",
@@ -57,7 +57,7 @@ SPEC: dict[str, Any] = {
     "space": {
         "lr": {"type": "loguniform", "low": 0.01, "high": 0.3},
         "momentum": {"type": "uniform", "low": 0.0, "high": 0.9},
-        "hidden": {"type": "choice", "values": [256]},
+        "hidden": {"type": "choice", "values": [128]},
     },
     "hyperband": {"max_resource": 9, "min_resource": 1, "eta": 3},
     # small packs, so that several are queued and running at once (the faults need them)
