@@ -452,6 +452,42 @@ def test_the_studies_list_opens_a_study(service: dict[str, Any], page: Any) -> N
     assert "momentum=" in text and "…" not in text
 
 
+def test_the_studies_list_pages_through_every_study(service: dict[str, Any], page: Any) -> None:
+    """A fleet's older studies are reachable from the list: it showed the newest 200 and
+    said how many more there were, with no way to them. ``#/?limit=1`` pages of one study."""
+    for name in ("page-a", "page-b"):
+        fill_finished_study(service["db"], {**BIG_SPEC, "name": name,
+                                            "hyperband": {"max_resource": 3, "min_resource": 1, "eta": 3}})  # fmt: skip
+    listed = httpx.get(f"{service['url']}/api/studies?limit=500", timeout=10).json()
+    names = [study["name"] for study in listed["data"]]  # newest first
+    assert names[:2] == ["page-b", "page-a"] and len(names) == listed["count"] >= 3
+    page.goto(f"{service['url']}/#/?limit=1")
+    seen = []
+    for n in range(len(names)):
+        pager = page.get_by_test_id("pager")
+        pager.filter(has_text=f"studies {n + 1}–{n + 1} of {len(names)}").wait_for()
+        rows = page.locator("[data-panel=studies] tbody tr")
+        assert rows.count() == 1
+        seen.append(rows.first.locator("td").nth(1).inner_text())
+        assert (page.get_by_test_id("newer").count() == 1) == (n > 0)
+        if n + 1 < len(names):
+            page.get_by_test_id("older").click()
+    assert seen == names
+    assert page.get_by_test_id("older").count() == 0
+    page.get_by_test_id("newer").click()
+    page.get_by_test_id("pager").filter(has_text=f"studies {len(names) - 1}–").wait_for()
+    # past the end (a bookmark kept while studies were deleted): says so, links to the start
+    page.goto(f"{service['url']}/#/?offset={len(names) + 5}&limit=2")
+    page.get_by_test_id("pager").filter(has_text=f"no studies past the {len(names)}").wait_for()
+    page.get_by_test_id("first page").click()
+    page.get_by_test_id("pager").filter(has_text=f"studies 1–2 of {len(names)}").wait_for()
+    assert page.url.endswith("#/?limit=2")
+    # the first page of 200: every study, no pager
+    page.goto(f"{service['url']}/#/")
+    page.locator("[data-panel=studies] tr", has_text="page-a").wait_for()
+    assert page.get_by_test_id("pager").count() == 0
+
+
 @pytest.mark.parametrize("study_id", [999999, 0, 2**31])
 def test_an_unknown_study_says_so(service: dict[str, Any], browser: Any, study_id: int) -> None:
     """An id no study can have (0, beyond the database's integers: the API's 422) is not

@@ -1,6 +1,7 @@
-// Entry point: routes `#/` (studies) and `#/studies/{id}` (one study), and polls.
+// Entry point: routes `#/` (studies; `#/?offset=200&limit=100` pages through them) and
+// `#/studies/{id}` (one study), and polls.
 
-import { StudiesView } from "./studies.js";
+import { MAX_PAGE, PAGE, StudiesView } from "./studies.js";
 import { StudyView } from "./study.js";
 
 const POLL_MS = 1500;
@@ -10,7 +11,22 @@ let generation = 0;
 
 function route() {
   const match = location.hash.match(/^#\/studies\/(\d+)/);
-  return match ? { kind: "study", id: Number(match[1]) } : { kind: "studies" };
+  if (match) return { kind: "study", id: Number(match[1]) };
+  const query = new URLSearchParams(location.hash.split("?")[1] ?? "");
+  return { kind: "studies", page: pageOf(query) };
+}
+
+const MAX_OFFSET = 2 ** 31 - 1; // the API's largest offset
+
+/** The studies list's page from `#/?offset=..&limit=..`; anything else: the first page. */
+function pageOf(query) {
+  const number = (name, fallback, most) => {
+    const value = Number(query.get(name));
+    return query.has(name) && Number.isSafeInteger(value) && value >= 0
+      ? Math.min(value, most) : fallback;
+  };
+  return { offset: number("offset", 0, MAX_OFFSET),
+           limit: Math.max(1, number("limit", PAGE, MAX_PAGE)) };
 }
 
 function setLive(state, text) {
@@ -39,7 +55,7 @@ function mount() {
   clearTimeout(timer);
   const view = document.getElementById("view");
   const where = route();
-  current = where.kind === "study" ? new StudyView(view, where.id) : new StudiesView(view);
+  current = where.kind === "study" ? new StudyView(view, where.id) : new StudiesView(view, where.page);
   document.getElementById("crumbs").replaceChildren(...current.crumbs());
   poll(generation);
 }

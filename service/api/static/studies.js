@@ -41,9 +41,22 @@ function bestValue(study) {
   return `${fmtNum(best.metrics?.[study.objective.metric])} (trial ${best.id})`;
 }
 
+export const PAGE = 200; // studies a page shows unless `#/?limit=` says otherwise
+export const MAX_PAGE = 500; // the API's largest page
+
+/** `#/` with this page of the list in its query (the first page: plain `#/`). */
+function pageHash(offset, limit) {
+  const query = new URLSearchParams();
+  if (offset > 0) query.set("offset", offset);
+  if (limit !== PAGE) query.set("limit", limit);
+  const text = query.toString();
+  return text ? `#/?${text}` : "#/";
+}
+
 export class StudiesView {
-  constructor(root) {
+  constructor(root, page = { offset: 0, limit: PAGE }) {
     this.root = root;
+    this.page = page;
     this.key = "";
     root.replaceChildren(
       h("section", { class: "card", "data-panel": "studies" },
@@ -57,7 +70,8 @@ export class StudiesView {
   }
 
   async refresh() {
-    const body = await getJSON("api/studies?limit=200");
+    const { offset, limit } = this.page;
+    const body = await getJSON(`api/studies?limit=${limit}&offset=${offset}`);
     const key = JSON.stringify(body);
     if (key !== this.key) {
       this.key = key;
@@ -67,7 +81,11 @@ export class StudiesView {
   }
 
   render(body) {
-    if (body.count === 0) {
+    if (body.count === 0 || body.data.length === 0) {
+      if (body.count > 0) { // past the last page (a link kept while studies were deleted)
+        this.body.replaceChildren(this.pager(body));
+        return;
+      }
       this.body.replaceChildren(
         h("p", { class: "muted" }, "No studies yet. Submit one: ",
           h("code", {}, "packtune submit examples/digits-mlp.yaml --url " + location.origin))
@@ -97,10 +115,24 @@ export class StudiesView {
       h("table", { class: "table" },
         h("thead", {}, h("tr", {}, head.map((c) => h("th", {}, c)))),
         h("tbody", {}, rows)),
-      // replaceChildren writes a null as the text "null": leave the note out instead
-      ...(body.count > body.data.length
-        ? [h("p", { class: "muted" }, `newest ${body.data.length} of ${body.count}`)]
-        : [])
+      // replaceChildren writes a null as the text "null": leave the pager out instead
+      ...(body.count > body.data.length ? [this.pager(body)] : [])
     );
+  }
+
+  /** "studies 201–400 of 1234 (newest first)", with links to the newer and older pages. */
+  pager(body) {
+    const { offset, limit } = this.page;
+    const shown = body.data.length
+      ? `studies ${offset + 1}–${offset + body.data.length} of ${body.count} (newest first)`
+      : `no studies past the ${body.count} there are`;
+    const link = (text, at) => h("a", { href: pageHash(at, limit), "data-testid": text }, text);
+    const links = [];
+    if (offset > 0) {
+      const newer = body.data.length ? Math.max(0, offset - limit) : 0;
+      links.push(" · ", link(body.data.length ? "newer" : "first page", newer));
+    }
+    if (offset + body.data.length < body.count) links.push(" · ", link("older", offset + limit));
+    return h("p", { class: "muted", "data-testid": "pager" }, shown, ...links);
   }
 }
