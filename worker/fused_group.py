@@ -136,16 +136,18 @@ def member_losses(
     out: Tensor, y: Tensor, workload: Workload, stacked: bool, on_host: bool
 ) -> Tensor:
     """The members' ``[k]`` losses from their outputs ``out`` (``[k, B, ...]``, float32): the
-    workload's batched form where it has one; ``stacked``: each member's targets are its own
-    (``y[i]``)."""
+    workload's batched form where it has one, for one member too (a member's loss must not
+    depend on how many share its array: ``F.cross_entropy``'s mean and the batched form's
+    per-example mean round apart in the last bits); ``stacked``: each member's targets are
+    its own (``y[i]``)."""
     k, loss = out.shape[0], workload.loss
     if stacked:
         return torch.stack([loss(o, t) for o, t in zip(out.unbind(0), y.unbind(0), strict=True)])
-    if k == 1:
-        return loss(out[0], y).unsqueeze(0)
     batched = workload.stacked_loss(out, y)
     if batched is not None:
         return batched
+    if k == 1:
+        return loss(out[0], y).unsqueeze(0)
     if k <= LOOP_LOSS_MAX and on_host:
         # unbind: one autograd node whose backward stacks the k gradients, where
         # k selections would each scatter into a zero [k, B, ...] tensor to be summed

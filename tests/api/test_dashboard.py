@@ -455,9 +455,9 @@ def test_the_studies_list_opens_a_study(service: dict[str, Any], page: Any) -> N
 def test_the_studies_list_pages_through_every_study(service: dict[str, Any], page: Any) -> None:
     """A fleet's older studies are reachable from the list: it showed the newest 200 and
     said how many more there were, with no way to them. ``#/?limit=1`` pages of one study."""
+    small = {"max_resource": 3, "min_resource": 1, "eta": 3}
     for name in ("page-a", "page-b"):
-        fill_finished_study(service["db"], {**BIG_SPEC, "name": name,
-                                            "hyperband": {"max_resource": 3, "min_resource": 1, "eta": 3}})  # fmt: skip
+        fill_finished_study(service["db"], {**BIG_SPEC, "name": name, "hyperband": small})
     listed = httpx.get(f"{service['url']}/api/studies?limit=500", timeout=10).json()
     names = [study["name"] for study in listed["data"]]  # newest first
     assert names[:2] == ["page-b", "page-a"] and len(names) == listed["count"] >= 3

@@ -284,6 +284,23 @@ def test_built_in_stacked_losses_match_their_per_member_losses(name, extra):
         assert torch.allclose(grad, ref, rtol=tol, atol=tol), dtype
 
 
+@pytest.mark.parametrize("name", ["digits-mlp", "synthetic-mlp"])
+def test_a_members_train_loss_does_not_depend_on_its_arrays_size(name: str) -> None:
+    """A member alone took ``F.cross_entropy``'s mean, in an array the batched loss's
+    per-example mean: its recorded train_loss differed in the last bits (116 of 200 batches)
+    with the array it was packed into. Now the same to the bit, alone or beside others."""
+    from packtune.workloads import get_workload
+
+    workload = get_workload(name)
+    members = [(f"m{i}", {"seed": i, "data_seed": 1, "lr": 0.02 * (i + 1)}) for i in range(3)]
+    alone = FusedArray(workload, members[:1])
+    together = FusedArray(workload, members)
+    assert together.mode == alone.mode == "bmm"
+    steps = alone.steps_per_epoch // 2
+    for a, b in zip(train(alone, steps), train(together, steps), strict=True):
+        assert a.metrics["m0"]["train_loss"] == b.metrics["m0"]["train_loss"], a.step
+
+
 def test_convolutions_are_hand_fused_only_when_asked_and_only_plain_ones() -> None:
     from torch import nn
 
