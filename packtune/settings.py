@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, ValidationError
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "PACKTUNE_"
@@ -31,6 +32,15 @@ def default_torch_threads(share: int = 1) -> int:
 
 class SettingsError(ValueError):
     """A setting from the environment has a bad value."""
+
+
+#: ``dialect[+driver]://...``, as SQLAlchemy parses a database URL
+DATABASE_URL = re.compile(r"^[A-Za-z][A-Za-z0-9_]*(\+[A-Za-z0-9_]+)?://")
+#: the schemes redis-py's ``Redis.from_url`` takes
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+#: the longest interval or timeout a setting may give, in seconds (a week): larger ones
+#: overflow the date arithmetic of leases and heartbeats (``inf``: every tick failed)
+LONGEST_SECONDS = 7 * 24 * 3600.0
 
 
 class Settings(BaseSettings):
@@ -71,17 +81,31 @@ class Settings(BaseSettings):
     retry_backoff: float = Field(
         default=2.0,
         ge=0,
+        le=LONGEST_SECONDS,
+        allow_inf_nan=False,
         description="Seconds before a failed pack's first retry, doubled each attempt (up to "
         "60 s) with jitter; 0 retries at once.",
     )
     scheduler_interval: float = Field(
-        default=0.5, gt=0, description="Seconds between scheduler ticks."
+        default=0.5,
+        gt=0,
+        le=LONGEST_SECONDS,
+        allow_inf_nan=False,
+        description="Seconds between scheduler ticks.",
     )
     heartbeat_interval: float = Field(
-        default=5.0, gt=0, description="Seconds between worker heartbeats."
+        default=5.0,
+        gt=0,
+        le=LONGEST_SECONDS,
+        allow_inf_nan=False,
+        description="Seconds between worker heartbeats.",
     )
     heartbeat_timeout: float = Field(
-        default=30.0, gt=0, description="A worker silent this long is dead; its packs re-queue."
+        default=30.0,
+        gt=0,
+        le=LONGEST_SECONDS,
+        allow_inf_nan=False,
+        description="A worker silent this long is dead; its packs re-queue.",
     )
     cpu_memory_budget: int = Field(
         default=4 * 2**30, gt=0, description="Bytes a CPU device may give one pack."
@@ -179,6 +203,8 @@ class Settings(BaseSettings):
     fair_share_quantum: float | None = Field(
         default=None,
         gt=0,
+        le=LONGEST_SECONDS,
+        allow_inf_nan=False,
         description=(
             "Device-seconds (per unit of priority) within which studies count as equally "
             "served: they share packs, and longest-remaining-first decides between their "
@@ -209,24 +235,46 @@ class Settings(BaseSettings):
     body_timeout: float = Field(
         default=10.0,
         gt=0,
+        le=LONGEST_SECONDS,
+        allow_inf_nan=False,
         description="Seconds the API waits for each part of a request's body before it "
         "answers 408 (slow clients); headers are the reverse proxy's to bound.",
     )
     read_cache_seconds: float = Field(
         default=1.0,
         ge=0,
+        le=LONGEST_SECONDS,
+        allow_inf_nan=False,
         description="Seconds the API may serve a study GET from its micro-cache; 0 turns it off.",
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         default="INFO", description="Log level."
     )
 
+    @field_validator("database_url")
+    @classmethod
+    def _a_database_url(cls, url: str) -> str:
+        if not DATABASE_URL.match(url):
+            raise ValueError(
+                "not a database URL (dialect[+driver]://..., e.g. sqlite:///packtune.db or "
+                "postgresql://user@host/db)"
+            )
+        return url
+
+    @field_validator("redis_url")
+    @classmethod
+    def _a_redis_url(cls, url: str | None) -> str | None:
+        if url is not None and not url.startswith(REDIS_SCHEMES):
+            raise ValueError(f"not a Redis URL (it starts with one of {', '.join(REDIS_SCHEMES)})")
+        return url
+
 
 def _one_line(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors():
         field = str(err["loc"][0]) if err["loc"] else "?"
-        parts.append(f"{ENV_PREFIX}{field.upper()}: {err['msg']}")
+        message = str(err["msg"]).removeprefix("Value error, ")  # pydantic's, for validators
+        parts.append(f"{ENV_PREFIX}{field.upper()}: {message}")
     return "; ".join(parts)
 
 

@@ -229,13 +229,15 @@ def serve(
     import uvicorn
 
     from service import bus
-    from service.db import upgrade
+    from service.db import make_engine, upgrade
     from service.scheduler_process import SchedulerProcess
 
     settings = get_settings()
     _setup_logging()
     if settings.database_url.startswith("sqlite"):
         upgrade(settings.database_url)  # embedded: nothing else would create the file
+    else:
+        make_engine(settings.database_url).dispose()  # a URL it cannot use: one line, now
     # uvicorn shuts down on SIGTERM, then puts this handler back and raises SIGTERM again:
     # exit through the ``finally`` below instead of dying at once
     signal.signal(signal.SIGTERM, _exit_on_signal)

@@ -36,13 +36,19 @@ from typing import Any, TypeVar
 
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import (
+    ArgumentError,
+    InterfaceError,
+    NoSuchModuleError,
+    OperationalError,
+    SQLAlchemyError,
+)
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
 from packtune.errors import StoreUnavailable
-from packtune.settings import get_settings
+from packtune.settings import ENV_PREFIX, SettingsError, get_settings
 from packtune.tuning import RETRY_SECONDS, SQLITE_BUSY_TIMEOUT_S
 
 T = TypeVar("T")
@@ -105,7 +111,16 @@ def _configure_sqlite(engine: Engine) -> None:
 
 
 def make_engine(url: str | URL) -> Engine:
-    """An engine configured for ``url``'s backend (see the module docstring)."""
+    """An engine configured for ``url``'s backend (see the module docstring); a URL that
+    cannot be used (unparsable, an unknown dialect, its driver not installed) raises
+    :class:`SettingsError` naming ``PACKTUNE_DATABASE_URL``."""
+    try:
+        return _make_engine(url)
+    except (ArgumentError, NoSuchModuleError, ImportError) as exc:
+        raise SettingsError(f"{ENV_PREFIX}DATABASE_URL: cannot use it: {exc}") from exc
+
+
+def _make_engine(url: str | URL) -> Engine:
     parsed = normalise_url(url)
     if parsed.get_backend_name() == "sqlite":
         kwargs: dict[str, Any] = {

@@ -65,10 +65,13 @@ def run_scheduler(
     from service.scheduler import Scheduler
 
     settings = get_settings()
-    engine = make_engine(settings.database_url)
-    scheduler = Scheduler(
-        settings, session_factory(engine), dispatcher or make_dispatcher(settings)
-    )
+    dispatcher = dispatcher or make_dispatcher(settings)
+    try:
+        engine = make_engine(settings.database_url)
+    except BaseException:
+        dispatcher.close()  # a runner already started would hold its parent's exit up
+        raise
+    scheduler = Scheduler(settings, session_factory(engine), dispatcher)
     loading = preload_sampler()
     try:
         scheduler.dispatcher.start()  # embedded: the runner starts; RQ: hear workers finish

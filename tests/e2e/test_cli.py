@@ -15,7 +15,7 @@ import yaml
 
 from tests.support.plugins import HERE as PLUGIN_MODULES
 from tests.support.plugins import install_plugin
-from tests.support.processes import packtune_env, serving
+from tests.support.processes import free_port, packtune_env, serving
 
 SMALL = {
     "name": "cli-small",
@@ -27,14 +27,16 @@ SMALL = {
 }
 
 
-def packtune(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+def packtune(
+    *args: str, env: dict[str, str], cwd: Path, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "service", *args],
         env=env,
         cwd=cwd,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
     )
 
 
@@ -95,6 +97,38 @@ def test_a_bad_setting_stops_start_up_naming_the_variable(
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]
     assert "PACKTUNE_JOB_TIMEOUT" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("command", "variable", "value"),
+    [
+        ("db upgrade", "PACKTUNE_DATABASE_URL", "garbage"),
+        ("db upgrade", "PACKTUNE_DATABASE_URL", "mysql://u@h/db"),  # no driver installed
+        ("serve", "PACKTUNE_DATABASE_URL", "garbage"),
+        ("serve", "PACKTUNE_DATABASE_URL", "mysql://u@h/db"),
+        ("run", "PACKTUNE_DATABASE_URL", "garbage"),
+        ("scheduler", "PACKTUNE_DATABASE_URL", "mysql://u@h/db"),
+        ("scheduler", "PACKTUNE_REDIS_URL", "garbage"),
+        ("worker", "PACKTUNE_REDIS_URL", "localhost:6379"),
+        ("scheduler", "PACKTUNE_HEARTBEAT_TIMEOUT", "inf"),
+        ("scheduler", "PACKTUNE_SCHEDULER_INTERVAL", "1e300"),
+        ("worker", "PACKTUNE_HEARTBEAT_INTERVAL", "inf"),
+    ],
+)
+def test_a_setting_no_process_can_use_stops_start_up_in_one_line(
+    env: dict[str, str], tmp_path: Path, command: str, variable: str, value: str
+) -> None:
+    """Each was a traceback (serve: from the API and its scheduler child, then 30 s of
+    waiting for the child; the scheduler with an infinite timeout: one a tick, for ever)."""
+    spec = write(tmp_path / "small.yaml", SMALL)
+    args = [*command.split(), *([str(spec)] if command == "run" else [])]
+    if command == "serve":
+        args += ["--port", str(free_port())]
+    result = packtune(*args, env={**env, variable: value}, cwd=tmp_path, timeout=60)
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    lines = result.stderr.strip().splitlines()  # after an INFO line or two of logging
+    assert lines[-1].startswith(f"error: {variable}: "), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and " ERROR " not in result.stderr, result.stderr
 
 
 def test_db_upgrade_creates_a_fresh_sqlite_file(env: dict[str, str], tmp_path: Path) -> None:
