@@ -298,6 +298,8 @@ class StudySpec(_Strict):
         check_rung_steps(self.workload, self.space, self.hyperband)
         if self.scheduler == "hyperband":
             check_first_bracket(self.hyperband, self.budget)
+        else:
+            check_asha_ladder(self.hyperband, self.budget)
         return self
 
     def dimensions(self) -> dict[str, Dimension]:
@@ -643,6 +645,22 @@ def check_first_bracket(hb: HyperbandSettings, budget: Budget) -> None:
             f"{budget.max_trials} is fewer than the {first} trials of the first bracket, which "
             f"starts only when all of them fit: nothing would run; raise it to {first} or more, "
             "or use scheduler: asha",
+        )
+
+
+def check_asha_ladder(hb: HyperbandSettings, budget: Budget) -> None:
+    """Reject a ``max_trials`` too small for ASHA to promote any trial to ``max_resource``:
+    it promotes ``floor(m / eta)`` of the ``m`` results at each rung, so the top of a ladder
+    of ``s_max`` promotions needs ``eta**s_max`` trials; with fewer the study fails."""
+    if budget.max_trials is None:
+        return
+    need = hb.eta ** s_max(hb.max_resource, hb.eta, hb.min_resource)
+    if budget.max_trials < need:
+        raise SpecError(
+            "budget.max_trials",
+            f"{budget.max_trials} is fewer than the {need} trials ASHA needs to promote one to "
+            f"max_resource (floor(m / eta) of m at each rung): no trial would reach it; raise "
+            f"it to {need} or more",
         )
 
 

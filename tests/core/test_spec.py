@@ -185,10 +185,11 @@ def test_each_rule_names_its_field(path: str, value: Any, field: str, words: str
     assert str(error) == f"{field}: {error.message}"
 
 
-def test_a_max_trials_below_the_first_bracket_is_rejected() -> None:
+def test_a_max_trials_too_small_to_reach_max_resource_is_rejected() -> None:
     """Hyperband starts a bracket only when all of its trials fit: with R=27, eta=3 the
     first bracket has 27, so max_trials 20 sampled nothing and the study failed. ASHA cuts
-    its last batch to what is left, so it takes any max_trials."""
+    its last batch to what is left, but promotes floor(m / eta) of m at each rung: its 20
+    trials ran, none reached max_resource (6, then 2, then 0), and the study failed too."""
     hyperband = {"max_resource": 27, "min_resource": 1, "eta": 3}
     spec = {**with_("hyperband", hyperband), "budget": {"max_trials": 20}}
     error = rejected(spec)
@@ -196,7 +197,12 @@ def test_a_max_trials_below_the_first_bracket_is_rejected() -> None:
         error.field == "budget.max_trials" and "the 27 trials of the first bracket" in error.message
     )
     assert validate_spec({**spec, "budget": {"max_trials": 27}}).budget.max_trials == 27
-    assert validate_spec({**spec, "scheduler": "asha"}).budget.max_trials == 20
+    asha = {**spec, "scheduler": "asha"}
+    error = rejected(asha)
+    assert error.field == "budget.max_trials" and "the 27 trials ASHA needs" in error.message
+    assert validate_spec({**asha, "budget": {"max_trials": 28}}).budget.max_trials == 28
+    small = {**asha, "hyperband": {"max_resource": 3, "eta": 3}, "budget": {"max_trials": 2}}
+    assert "the 3 trials ASHA needs" in rejected(small).message
 
 
 def test_a_spec_that_is_not_a_mapping_is_rejected() -> None:
