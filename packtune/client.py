@@ -129,15 +129,29 @@ class Study:
 
 
 def _detail(resp: httpx.Response) -> str:
+    """What an error answer says, on one line: the API's ``detail``; another server's page
+    (a proxy's error, a URL that is not packtune's) is named, not printed line by line."""
     try:
-        detail = resp.json().get("detail")
+        body = resp.json()
     except ValueError:
-        return resp.text[:200] or resp.reason_phrase
-    if isinstance(detail, list):
-        return "; ".join(
-            f"{'.'.join(str(p) for p in d.get('loc', [])[1:])}: {d.get('msg')}" for d in detail
+        text = " ".join(resp.text.split())
+        if text.startswith("<") or "html" in resp.headers.get("content-type", ""):
+            return (
+                f"{resp.reason_phrase or 'error'} (an HTML page, not packtune's answer: is "
+                f"{resp.url.copy_with(path='/', query=None)} a packtune service?)"
+            )
+        return text[:200] or resp.reason_phrase
+    detail = body.get("detail") if isinstance(body, dict) else body
+    if detail is None:
+        return resp.reason_phrase
+    if isinstance(detail, list):  # FastAPI's 422: where, and what is wrong there
+        detail = "; ".join(
+            f"{'.'.join(str(p) for p in d.get('loc', [])[1:])}: {d.get('msg')}"
+            if isinstance(d, dict)
+            else str(d)
+            for d in detail
         )
-    return str(detail)
+    return " ".join(str(detail).split())
 
 
 def _id(study: int | Study) -> int:

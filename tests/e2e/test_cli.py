@@ -184,6 +184,56 @@ def test_submit_to_nothing_is_a_one_line_error(env: dict[str, str], tmp_path: Pa
     assert result.stderr.startswith("error: cannot reach") and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("content_type", "body"),
+    [
+        (
+            "text/html",
+            "<!DOCTYPE html>\n<html>\n<body>\n<h1>404 Not Found</h1>\n</body>\n</html>\n",
+        ),
+        ("application/json", '["not", "a\\nmapping"]'),
+        ("application/json", '{"error": "no detail"}'),
+    ],
+)
+def test_an_error_page_of_another_server_is_one_line(
+    env: dict[str, str], tmp_path: Path, content_type: str, body: str
+) -> None:
+    """A proxy's error page (or a URL that is not packtune's) was printed line by line as
+    raw HTML; a JSON answer that was not a mapping was a traceback, one without a
+    ``detail`` said "None"."""
+    import http.server
+    import threading
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            data = body.encode()
+            self.send_response(404)  # not a 502: the client retries those for a minute
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        for command in (["show", "2"], ["studies"]):
+            result = packtune(*command, "--url", url, env=env, cwd=tmp_path)
+            assert result.returncode == 2, result.stderr
+            lines = result.stderr.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("error: 404"), result.stderr
+            assert "Traceback" not in result.stderr and "<" not in lines[0], lines
+            assert "None" not in lines[0], lines  # an answer without a detail: its status
+    finally:
+        server.shutdown()
+        server.server_close()
+    if content_type == "text/html":
+        assert f"is {url}/ a packtune service?" in lines[0]
+
+
 def test_submit_watch_follows_a_study_to_the_end(env: dict[str, str], tmp_path: Path) -> None:
     spec = write(tmp_path / "small.yaml", SMALL)
     with serving(env, tmp_path / "serve.log") as url:
