@@ -21,7 +21,7 @@ import typer
 import yaml
 
 from packtune.errors import DeviceUnavailable, PacktuneError, SpecError
-from packtune.settings import SettingsError, get_settings
+from packtune.settings import Settings, SettingsError, get_settings
 from service import remote_cli
 
 app = typer.Typer(
@@ -107,6 +107,16 @@ def load_spec_file(path: Path) -> dict[str, Any]:
         fail(f"{path}: {exc.field}: {exc.message}")
 
 
+def _trains_here(settings: Settings) -> None:
+    """Stop now, in one line, if this process's runner could not save checkpoints (its packs
+    would fail after training, each a dozen times), as ``packtune worker`` does."""
+    from worker.main import checkpoint_folder_problem
+
+    problem = checkpoint_folder_problem(settings.checkpoint_dir)
+    if problem is not None:
+        raise SettingsError(problem)
+
+
 @app.command()
 def run(
     spec: Annotated[Path, typer.Argument(help="Study spec (YAML or JSON).")],
@@ -117,6 +127,7 @@ def run(
 
     body = load_spec_file(spec)
     settings = get_settings()
+    _trains_here(settings)
     _setup_logging()
     logging.getLogger().setLevel(logging.WARNING)
     # the runner's start (spawn, torch, the workload's data: ~1.5 s on a CPU) is the first
@@ -233,6 +244,8 @@ def serve(
     from service.scheduler_process import SchedulerProcess
 
     settings = get_settings()
+    if not no_scheduler and settings.redis_url is None:
+        _trains_here(settings)  # the embedded runner under its scheduler trains the packs
     _setup_logging()
     if settings.database_url.startswith("sqlite"):
         upgrade(settings.database_url)  # embedded: nothing else would create the file

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 from rq import SimpleWorker
@@ -28,6 +29,20 @@ from packtune.settings import WORKER_NAME_ENV, get_settings
 from service.bus import announce
 
 log = logging.getLogger(__name__)
+
+
+def checkpoint_folder_problem(folder: Path) -> str | None:
+    """Why packs could not save checkpoints in ``folder`` (created if missing), on one line;
+    None when they can. Every process that trains checks it before its first pack: a pack
+    that cannot save fails only after its training, and is retried, a dozen times."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".packtune-write-check-{os.getpid()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as exc:
+        return f"checkpoint folder {folder} is not writable: {exc.strerror or exc}"
+    return None
 
 
 def preflight() -> str | None:
@@ -41,13 +56,9 @@ def preflight() -> str | None:
 
     settings = get_settings()
     folder = settings.checkpoint_dir
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".packtune-write-check-{os.getpid()}"
-        probe.write_bytes(b"ok")
-        probe.unlink()
-    except OSError as exc:
-        return f"checkpoint folder {folder} is not writable: {exc.strerror or exc}"
+    problem = checkpoint_folder_problem(folder)
+    if problem is not None:
+        return problem
     try:
         ping()
     except DATABASE_ERRORS as exc:

@@ -258,6 +258,26 @@ def test_a_worker_that_cannot_save_checkpoints_refuses_to_start(
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_run_and_serve_that_cannot_save_checkpoints_refuse_to_start(
+    env: dict[str, str], tmp_path: Path, command: str
+) -> None:
+    """As a worker does: they trained each pack, failed it at its first checkpoint and
+    retried it a dozen times, a traceback each, the study still running after 10 minutes."""
+    blocker = tmp_path / "ckpt"
+    blocker.write_text("not a folder")
+    env = {**env, "PACKTUNE_CHECKPOINT_DIR": str(blocker / "inside")}
+    args = [str(write(tmp_path / "small.yaml", SMALL))] if command == "run" else []
+    if command == "serve":
+        args = ["--port", str(free_port())]
+    result = packtune(command, *args, env=env, cwd=tmp_path, timeout=60)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [
+        f"error: checkpoint folder {blocker / 'inside'} is not writable: Not a directory"
+    ]
+    assert not (tmp_path / "packtune.db").exists()  # nothing begun
+
+
 def test_a_worker_that_cannot_reach_its_database_refuses_to_start(
     env: dict[str, str], tmp_path: Path
 ) -> None:
