@@ -38,9 +38,10 @@ class SettingsError(ValueError):
 DATABASE_URL = re.compile(r"^[A-Za-z][A-Za-z0-9_]*(\+[A-Za-z0-9_]+)?://")
 #: the schemes redis-py's ``Redis.from_url`` takes
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
-#: the longest interval or timeout a setting may give, in seconds (a week): larger ones
-#: overflow the date arithmetic of leases and heartbeats (``inf``: every tick failed)
-LONGEST_SECONDS = 7 * 24 * 3600.0
+#: the longest interval or timeout a setting may give, in seconds (about 30 years: "never"
+#: in practice): much larger ones overflow the date arithmetic of leases and heartbeats
+#: (``inf``: every tick failed)
+LONGEST_SECONDS = 1e9
 
 
 class Settings(BaseSettings):
