@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from packtune.hyperband import Rung, total_trials
+from packtune.hyperband import Rung, total_trials, total_units
 from packtune.tuning import WAIT_RUNGS
 
 
@@ -117,3 +117,32 @@ def asha_ladder(brackets: Sequence[Sequence[Rung]], eta: int, n: int) -> list[Ru
     """The rungs ``n`` trials climb under ASHA: bracket ``s_max``'s resources, with the
     ``floor(n / eta**i)`` trials that synchronous halving would keep (ASHA may keep more)."""
     return [Rung(n // eta**i, rung.resource) for i, rung in enumerate(brackets[0])]
+
+
+def planned_units(
+    brackets: Sequence[Sequence[Rung]],
+    eta: int,
+    asha: bool,
+    iterations: int,
+    max_trials: int | None = None,
+) -> int:
+    """The units of work (a trial trained to a rung) in ``iterations`` iterations of the
+    plan ``brackets``, as :func:`slots` (Hyperband) or :func:`asha_slots` start them within
+    ``max_trials``; ASHA's per batch as synchronous halving would keep (it may keep more).
+    Counted per whole iteration, then the last one's brackets: no walk over every slot."""
+    per = total_trials(brackets)
+
+    def batch(n: int) -> int:
+        return sum(rung.n for rung in asha_ladder(brackets, eta, n))
+
+    whole = iterations if max_trials is None else min(iterations, max_trials // per)
+    total = whole * (batch(per) if asha else total_units(brackets))
+    left = 0 if max_trials is None or whole >= iterations else max_trials - whole * per
+    if asha and left > 0:
+        return total + batch(left)
+    for rungs in brackets if left > 0 else ():
+        if rungs[0].n > left:  # a bracket starts only when all of its trials fit
+            break
+        total += sum(rung.n for rung in rungs)
+        left -= rungs[0].n
+    return total

@@ -9,8 +9,7 @@ from sqlalchemy import distinct, func, select
 from sqlalchemy.orm import Session
 
 from packtune.fleet import StudyLoad, covered_seconds, entitled_shares
-from packtune.hyperband import total_trials, total_units
-from packtune.iterations import asha_ladder
+from packtune.iterations import planned_units
 from packtune.rungs import rung_resource
 from packtune.spec import StoredSpec
 from service import store
@@ -92,17 +91,16 @@ def _summaries(s: Session, studies: list[Study], with_spec: bool = True) -> list
         metric, mode = spec.objective.metric, spec.objective.mode
         started = iterations.get(study.id, 0)
         budget = spec.budget
-        # every iteration a count allows; with only time, trials or a target: those started
-        planned = budget.max_iterations if budget.max_iterations is not None else 1
-        if budget.max_iterations is None and budget.iterations() > 1:
+        # every iteration a count allows (up to max_trials); with only time or a target:
+        # those started
+        planned = budget.iterations()
+        if budget.max_iterations is None and budget.max_trials is None and planned > 1:
             planned = max(1, started)
-        units = total_units(spec.brackets)
-        if spec.scheduler == "asha":  # at least what synchronous halving would keep
-            n = total_trials(spec.brackets)
-            ladder = asha_ladder(spec.brackets, int(spec.hyperband.eta), n)
-            units = sum(rung.n for rung in ladder)
-        total = units * planned
-        finished = total if study.status == StudyStatus.completed else min(done[study.id], total)
+        total = planned_units(spec.brackets, int(spec.hyperband.eta), spec.scheduler == "asha",
+                              planned, budget.max_trials)  # fmt: skip
+        finished = min(done[study.id], total)
+        if study.status == StudyStatus.completed:  # the bar is full, at the units trained
+            finished = total = done[study.id]
         best_row = best.get(study.best_trial_id) if study.best_trial_id is not None else None
         out.append(
             {
@@ -130,8 +128,9 @@ def _summaries(s: Session, studies: list[Study], with_spec: bool = True) -> list
 
 def _cancelled_units(s: Session, studies: list[Study]) -> dict[int, int]:
     """Units cancelled trials had finished at their own rung (paused there when their study
-    was cancelled): their status says nothing of it; their trained resource does."""
-    ids = [study.id for study in studies if study.status == StudyStatus.cancelled]
+    was cancelled, or stopped by its budget): their status says nothing of it; their trained
+    resource does."""
+    ids = [study.id for study in studies if study.status in store.FINISHED_STUDY]
     if not ids:
         return {}
     specs = {study.id: StoredSpec.of(study.spec) for study in studies if study.id in ids}

@@ -54,3 +54,29 @@ def test_an_early_trial_is_promoted_before_the_rung_is_full() -> None:
 def test_the_known_prefix_stops_at_the_first_result_still_to_come() -> None:
     rows = [(1, 0.3, True), (2, None, True), (3, None, False), (4, 0.1, True)]
     assert known_prefix(rows) == [(1, 0.3), (2, None)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    max_resource=st.sampled_from([1, 3, 9, 27, 81]),
+    eta=st.integers(2, 4),
+    asha=st.booleans(),
+    iterations=st.integers(1, 6),
+    max_trials=st.none() | st.integers(1, 600),
+)
+def test_planned_units_are_those_of_the_brackets_the_budget_starts(
+    max_resource: int, eta: int, asha: bool, iterations: int, max_trials: int | None
+) -> None:
+    """The progress bar's total: every bracket (or ASHA batch) that ``max_trials`` lets start,
+    counted by whole iterations then the last one's brackets, as walking every slot would."""
+    from packtune.hyperband import plan_brackets
+    from packtune.iterations import asha_ladder, asha_slots, planned_units, slots
+
+    brackets = plan_brackets(max_resource, eta, 1)
+    if asha:
+        walked = sum(sum(r.n for r in asha_ladder(brackets, eta, slot.n))
+                     for slot in asha_slots(brackets, iterations, max_trials))  # fmt: skip
+    else:
+        units = {len(brackets) - 1 - j: sum(r.n for r in rungs) for j, rungs in enumerate(brackets)}
+        walked = sum(units[slot.s] for slot in slots(brackets, iterations, max_trials))
+    assert planned_units(brackets, eta, asha, iterations, max_trials) == walked

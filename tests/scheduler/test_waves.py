@@ -201,11 +201,40 @@ def test_random_sampling_starts_an_iterations_brackets_together(factory: Factory
     assert firsts[-1] == 34
 
 
+def trained_units(factory: Factory, study_id: int) -> int:
+    """Units of work the study's trials trained: each rung of its bracket a trial reached."""
+    with session_scope(factory) as s:
+        spec = StoredSpec.of(store.get_study(s, study_id).spec)
+        trials = store.trials_of(s, study_id)
+        return sum(
+            sum(rung_resource(spec, t.bracket, i) <= t.resource_done + 1e-9
+                for i in range(len(spec.brackets[len(spec.brackets) - 1 - t.bracket])))
+            for t in trials
+        )  # fmt: skip
+
+
+def progress(factory: Factory, study_id: int) -> dict[str, int]:
+    from service.queries import study_summary
+
+    with session_scope(factory) as s:
+        return dict(study_summary(s, study_id)["progress"])
+
+
 def test_max_trials_stops_before_a_bracket_that_does_not_fit(factory: Factory) -> None:
     spec = {**SPEC, "budget": {"max_trials": 30}}  # 17, then 9 of iteration 1 (26); 5 more: 31
-    got = configs(factory, run_study(factory, spec))
+    seen: list[dict[str, int]] = []
+    study_id = run_study(factory, spec, on_tick=lambda _: seen.append(progress(factory, 1)))
+    got = configs(factory, study_id)
     assert len(got) == 26
     assert {got[i][:2] for i in range(17, 26)} == {(1, 2)}
+    # the bar's total is the units of the brackets that start: 22 + 13, not two whole
+    # iterations' 44 (it stood at 35 of 44, then jumped to full)
+    assert {p["total"] for p in seen} == {35}
+    assert (
+        progress(factory, study_id)
+        == {"done": 35, "total": 35}
+        == {"done": trained_units(factory, study_id), "total": 35}
+    )
 
 
 def test_a_target_reached_ends_the_study_with_its_best_trial(factory: Factory) -> None:
@@ -214,6 +243,9 @@ def test_a_target_reached_ends_the_study_with_its_best_trial(factory: Factory) -
     study_id = run_study(factory, spec)
     study = study_row(factory, study_id)
     assert (study.status, study.stop_reason) == (StudyStatus.completed, "target")
+    # the units trained, not the plan's (which the study stopped short of)
+    done = trained_units(factory, study_id)
+    assert progress(factory, study_id) == {"done": done, "total": done}
     with session_scope(factory) as s:
         best = store.get_trial(s, study.best_trial_id or 0)
         assert loss(best.config, 9) <= 0.6
@@ -234,13 +266,23 @@ def test_max_seconds_ends_the_study(factory: Factory) -> None:
                 assert study.started_at is not None
                 study.started_at -= timedelta(hours=1)
 
-    study_id = run_study(factory, spec, on_tick=an_hour_later)
+    seen: list[int] = []
+
+    def tick(n: int) -> None:
+        an_hour_later(n)
+        seen.append(progress(factory, 1)["done"])
+
+    study_id = run_study(factory, spec, on_tick=tick)
     study = study_row(factory, study_id)
     assert study.stop_reason == "max_seconds"
     assert study.status in (StudyStatus.completed, StudyStatus.failed)
     with session_scope(factory) as s:
         counts = store.count_trials_by_status(s, study_id)
     assert counts[TrialStatus.cancelled] > 0
+    # the units its trials trained, those stopped by the budget (cancelled) too: the bar
+    # went backwards at the stop (17 -> 12 in a real run)
+    final = progress(factory, study_id)
+    assert final["done"] == trained_units(factory, study_id) >= max(seen)
 
 
 # -- ASHA ---------------------------------------------------------------------------------
