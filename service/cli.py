@@ -276,9 +276,13 @@ def _exit_on_signal(signum: int, _: object) -> NoReturn:
 @app.command()
 def scheduler() -> None:
     """Run the scheduler loop (one per deployment; a second one waits on the lease)."""
+    from service.db import schema_problem
     from service.runtime import run_scheduler
     from service.scheduler_process import stop_on_signals
 
+    problem = schema_problem(get_settings().database_url)
+    if problem is not None:
+        fail(problem)
     _setup_logging()
     stop = threading.Event()
     stop_on_signals(stop)  # SIGTERM and Ctrl-C: finish the tick, release the lease

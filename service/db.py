@@ -286,15 +286,57 @@ class _MigrationsOnly(logging.Filter):
 _QUIET = _MigrationsOnly()
 
 
-def upgrade(url: str | URL | None = None) -> None:
-    """Bring the database at ``url`` (default: the settings' URL) to the newest schema."""
-    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)  # before import
+def _quiet_alembic() -> None:
+    """Alembic says the migrations it runs, nothing else of its own at INFO (call before
+    importing it)."""
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     migration_log = logging.getLogger("alembic.runtime.migration")
     if _QUIET not in migration_log.filters:
         migration_log.addFilter(_QUIET)
+
+
+def upgrade(url: str | URL | None = None) -> None:
+    """Bring the database at ``url`` (default: the settings' URL) to the newest schema."""
+    _quiet_alembic()
     from alembic import command
 
     try:
         command.upgrade(alembic_config(url), "head")
     except (OperationalError, InterfaceError) as exc:
         raise StoreUnavailable(f"database unavailable: {exc.orig or exc}") from exc
+
+
+def schema_problem(url: str | URL | None = None) -> str | None:
+    """Why the database at ``url`` (default: the settings') is not at this packtune's
+    schema, on one line naming the fix; None when it is. A scheduler or worker started on a
+    database never migrated said ``no such table`` every half second, for ever."""
+    _quiet_alembic()
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    config = alembic_config(url)
+    script = ScriptDirectory.from_config(config)
+    engine = make_engine(config.attributes["url"])
+    try:
+        with engine.connect() as conn:
+            current = MigrationContext.configure(conn).get_current_revision()
+    except (OperationalError, InterfaceError) as exc:
+        raise StoreUnavailable(f"database unavailable: {exc.orig or exc}") from exc
+    finally:
+        engine.dispose()
+    head = script.get_current_head()
+    if current == head:
+        return None
+    where = config.attributes["url"].render_as_string(hide_password=True)
+    if current is None:
+        return f"the database {where} has no packtune tables: run `packtune db upgrade` first"
+    known = {rev.revision for rev in script.walk_revisions()}
+    if current not in known:
+        return (
+            f"the database {where} is at schema {current}, written by a newer packtune "
+            f"(this one knows up to {head}): upgrade packtune"
+        )
+    return (
+        f"the database {where} is at schema {current}, this packtune needs {head}: "
+        "run `packtune db upgrade`"
+    )

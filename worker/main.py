@@ -52,7 +52,7 @@ def preflight() -> str | None:
     leaves a ``.packtune-host-<name>`` marker in it; another host's marker must show here).
     None when all hold; else one line saying what is wrong."""
     from service import store
-    from service.db import DATABASE_ERRORS, ping, retrying
+    from service.db import DATABASE_ERRORS, ping, retrying, schema_problem
 
     settings = get_settings()
     folder = settings.checkpoint_dir
@@ -64,6 +64,9 @@ def preflight() -> str | None:
     except DATABASE_ERRORS as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return f"cannot reach the database (PACKTUNE_DATABASE_URL): {first}"
+    schema = schema_problem(settings.database_url)
+    if schema is not None:
+        return schema
     host = socket.gethostname()
     (folder / f".packtune-host-{host}").write_text(host)
     live = retrying(lambda s: store.live_workers(s, settings.heartbeat_timeout))

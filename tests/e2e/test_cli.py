@@ -278,6 +278,30 @@ def test_run_and_serve_that_cannot_save_checkpoints_refuse_to_start(
     assert not (tmp_path / "packtune.db").exists()  # nothing begun
 
 
+@pytest.mark.parametrize("command", ["scheduler", "worker"])
+@pytest.mark.parametrize("revision", [None, "0011"])
+def test_a_scheduler_or_worker_on_a_database_not_migrated_says_so(
+    env: dict[str, str], tmp_path: Path, command: str, revision: str | None
+) -> None:
+    """They logged "no such table" every half second, for ever, and said nothing of
+    ``packtune db upgrade``; a schema behind this packtune's failed later, on a column."""
+    from alembic import command as alembic
+
+    from service.db import alembic_config
+
+    url = env["PACKTUNE_DATABASE_URL"]
+    if revision is not None:
+        alembic.upgrade(alembic_config(url), revision)
+    env = {**env, "PACKTUNE_REDIS_URL": "redis://127.0.0.1:6379/15"}
+    args = ["--burst"] if command == "worker" else []
+    result = packtune(command, *args, env=env, cwd=tmp_path, timeout=60)
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    wanted = "has no packtune tables" if revision is None else f"is at schema {revision}"
+    assert wanted in last and "run `packtune db upgrade`" in last, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
 def test_a_worker_that_cannot_reach_its_database_refuses_to_start(
     env: dict[str, str], tmp_path: Path
 ) -> None:
