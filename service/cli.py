@@ -110,7 +110,7 @@ def load_spec_file(path: Path) -> dict[str, Any]:
 def _trains_here(settings: Settings) -> None:
     """Stop now, in one line, if this process's runner could not save checkpoints (its packs
     would fail after training, each a dozen times), as ``packtune worker`` does."""
-    from worker.main import checkpoint_folder_problem
+    from worker.embedded import checkpoint_folder_problem
 
     problem = checkpoint_folder_problem(settings.checkpoint_dir)
     if problem is not None:

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
 from typing import Any
 
 from packtune.dispatcher import JobState
@@ -129,6 +130,20 @@ def runner_threads(runners: int, settings: Settings) -> int | None:
     if runners == 1 or settings.torch_threads is not None:
         return None
     return default_torch_threads(share=runners)
+
+
+def checkpoint_folder_problem(folder: Path) -> str | None:
+    """Why packs could not save checkpoints in ``folder`` (created if missing), on one line;
+    None when they can. Every process that trains checks it before its first pack: a pack
+    that cannot save fails only after its training, and is retried, a dozen times."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".packtune-write-check-{os.getpid()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as exc:
+        return f"checkpoint folder {folder} is not writable: {exc.strerror or exc}"
+    return None
 
 
 class EmbeddedDispatcher:

@@ -19,7 +19,6 @@ import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 from rq import SimpleWorker
@@ -27,22 +26,9 @@ from rq import SimpleWorker
 from packtune.errors import DeviceUnavailable
 from packtune.settings import WORKER_NAME_ENV, get_settings
 from service.bus import announce
+from worker.embedded import checkpoint_folder_problem
 
 log = logging.getLogger(__name__)
-
-
-def checkpoint_folder_problem(folder: Path) -> str | None:
-    """Why packs could not save checkpoints in ``folder`` (created if missing), on one line;
-    None when they can. Every process that trains checks it before its first pack: a pack
-    that cannot save fails only after its training, and is retried, a dozen times."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".packtune-write-check-{os.getpid()}"
-        probe.write_bytes(b"ok")
-        probe.unlink()
-    except OSError as exc:
-        return f"checkpoint folder {folder} is not writable: {exc.strerror or exc}"
-    return None
 
 
 def preflight() -> str | None:
@@ -56,7 +42,7 @@ def preflight() -> str | None:
 
     settings = get_settings()
     folder = settings.checkpoint_dir
-    problem = checkpoint_folder_problem(folder)
+    problem = checkpoint_folder_problem(folder)  # what an embedded runner checks too
     if problem is not None:
         return problem
     try:
