@@ -199,6 +199,11 @@ def _rollback_quietly(session: Session) -> None:
 DATABASE_ERRORS: tuple[type[BaseException], ...] = (SQLAlchemyError, StoreUnavailable, PoolTimeout)
 
 
+def unavailable(exc: OperationalError | InterfaceError) -> StoreUnavailable:
+    """The error a lost or unusable connection becomes, with the driver's own words."""
+    return StoreUnavailable(f"database unavailable: {exc.orig or exc}")
+
+
 @contextmanager
 def session_scope(factory: sessionmaker[Session] | None = None) -> Iterator[Session]:
     """A session that commits when the block ends and rolls back if it raises.
@@ -213,7 +218,7 @@ def session_scope(factory: sessionmaker[Session] | None = None) -> Iterator[Sess
         session.commit()
     except (OperationalError, InterfaceError) as exc:
         _rollback_quietly(session)
-        raise StoreUnavailable(f"database unavailable: {exc.orig or exc}") from exc
+        raise unavailable(exc) from exc
     except PoolTimeout as exc:
         _rollback_quietly(session)
         raise StoreUnavailable(f"database busy: no connection free: {exc}") from exc
@@ -303,7 +308,7 @@ def upgrade(url: str | URL | None = None) -> None:
     try:
         command.upgrade(alembic_config(url), "head")
     except (OperationalError, InterfaceError) as exc:
-        raise StoreUnavailable(f"database unavailable: {exc.orig or exc}") from exc
+        raise unavailable(exc) from exc
 
 
 def schema_problem(url: str | URL | None = None) -> str | None:
@@ -321,7 +326,7 @@ def schema_problem(url: str | URL | None = None) -> str | None:
         with engine.connect() as conn:
             current = MigrationContext.configure(conn).get_current_revision()
     except (OperationalError, InterfaceError) as exc:
-        raise StoreUnavailable(f"database unavailable: {exc.orig or exc}") from exc
+        raise unavailable(exc) from exc
     finally:
         engine.dispose()
     head = script.get_current_head()

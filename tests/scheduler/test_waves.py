@@ -213,17 +213,20 @@ def trained_units(factory: Factory, study_id: int) -> int:
         )  # fmt: skip
 
 
-def progress(factory: Factory, study_id: int) -> dict[str, int]:
+def progress(factory: Factory, study_id: int | None = None) -> dict[str, int]:
+    """The study's progress in its summary (default: the database's only study)."""
     from service.queries import study_summary
 
     with session_scope(factory) as s:
+        if study_id is None:
+            study_id = s.scalars(select(Study.id)).one()
         return dict(study_summary(s, study_id)["progress"])
 
 
 def test_max_trials_stops_before_a_bracket_that_does_not_fit(factory: Factory) -> None:
     spec = {**SPEC, "budget": {"max_trials": 30}}  # 17, then 9 of iteration 1 (26); 5 more: 31
     seen: list[dict[str, int]] = []
-    study_id = run_study(factory, spec, on_tick=lambda _: seen.append(progress(factory, 1)))
+    study_id = run_study(factory, spec, on_tick=lambda _: seen.append(progress(factory)))
     got = configs(factory, study_id)
     assert len(got) == 26
     assert {got[i][:2] for i in range(17, 26)} == {(1, 2)}
@@ -270,7 +273,7 @@ def test_max_seconds_ends_the_study(factory: Factory) -> None:
 
     def tick(n: int) -> None:
         an_hour_later(n)
-        seen.append(progress(factory, 1)["done"])
+        seen.append(progress(factory)["done"])
 
     study_id = run_study(factory, spec, on_tick=tick)
     study = study_row(factory, study_id)
