@@ -168,6 +168,54 @@ def _stacked_conv(h: Tensor, conv: nn.Conv2d, params: dict[str, Tensor], pre: st
     return _members_of(out, k)
 
 
+#: per (operands' shapes, strides, dtype, device): whether a batch of one member's matrix
+#: product rounds as it does in a batch of several. A CPU BLAS may route a batch of one
+#: to another kernel (MKL on an AMD EPYC: ``[1, 10, B] @ [1, B, 128]``, a last layer's
+#: weight gradient, rounded apart from the same product in a batch of 2 or more), and a
+#: trial alone would then train apart from the same trial packed.
+_ONE_ROUNDS_ALIKE: dict[tuple[Any, ...], bool] = {}
+
+
+def _product(a: Tensor, b: Tensor, bias: Tensor | None) -> Tensor:
+    return torch.bmm(a, b) if bias is None else torch.baddbmm(bias, a, b)
+
+
+def _pair(t: Tensor) -> Tensor:
+    return t.expand(2, *t.shape[1:])
+
+
+def stacked_product(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``bmm(a, b)`` (``baddbmm(bias, a, b)``) over stacks, a stack of one member computed as
+    the same member in a stack of several: on its own where the two round alike (tried
+    once per shapes and strides, on random values from a generator of its own), else as
+    a stack of two (the member twice; its first kept)."""
+    if a.shape[0] != 1 or torch.compiler.is_compiling():
+        return _product(a, b, bias)
+    key = (a.shape, a.stride(), b.shape, b.stride(),
+           None if bias is None else (bias.shape, bias.stride()), a.dtype, a.device)  # fmt: skip
+    alike = _ONE_ROUNDS_ALIKE.get(key)
+    if alike is None:
+        alike = _ONE_ROUNDS_ALIKE[key] = _rounds_alike(a, b, bias)
+    if alike:
+        return _product(a, b, bias)
+    return _product(_pair(a), _pair(b), None if bias is None else _pair(bias))[:1]
+
+
+def _rounds_alike(a: Tensor, b: Tensor, bias: Tensor | None) -> bool:
+    generator = torch.Generator(a.device).manual_seed(0)  # torch's own streams untouched
+
+    def like(t: Tensor) -> Tensor:
+        out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        return out.normal_(generator=generator)
+
+    with torch.no_grad():
+        ra, rb = like(a), like(b)
+        rbias = None if bias is None else like(bias)
+        one = _product(ra, rb, rbias)
+        two = _product(_pair(ra), _pair(rb), None if rbias is None else _pair(rbias))[:1]
+        return bool(torch.equal(one, two))
+
+
 class _StackedLinear(torch.autograd.Function):
     """``h @ w.mT + b`` over stacks (``h [k, B, in]``, ``w [k, out, in]``, ``b [k, out]``).
 
@@ -182,7 +230,7 @@ class _StackedLinear(torch.autograd.Function):
     def forward(ctx: Any, h: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
         ctx.save_for_backward(h, w)
         ctx.has_bias = b is not None
-        return torch.bmm(h, w.mT) if b is None else torch.baddbmm(b.unsqueeze(1), h, w.mT)
+        return stacked_product(h, w.mT, None if b is None else b.unsqueeze(1))
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
@@ -192,8 +240,8 @@ class _StackedLinear(torch.autograd.Function):
         # not: compute in g's precision, as autograd's own backward of an autocast matmul
         # does; autograd casts each gradient back to its input's dtype.
         h, w = h.to(g.dtype), w.to(g.dtype)
-        grad_h = torch.bmm(g, w) if ctx.needs_input_grad[0] else None
-        grad_w = torch.bmm(g.mT, h) if ctx.needs_input_grad[1] else None
+        grad_h = stacked_product(g, w) if ctx.needs_input_grad[0] else None
+        grad_w = stacked_product(g.mT, h) if ctx.needs_input_grad[1] else None
         grad_b = g.sum(1) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_h, grad_w, grad_b
 
