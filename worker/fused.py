@@ -309,6 +309,9 @@ class FusedArray:
     ) -> None:
         if not members:
             raise ValueError("an array needs at least one member")
+        # the array's own workload object: what build_model keeps on it (a value its loss
+        # reads) is then this array's, not another array's trained beside it in a thread
+        workload = copy.copy(workload)
         states = list(states) if states is not None else [None] * len(members)
         keys = [key for key, _ in members]
         if len(set(keys)) != len(keys) or len(states) != len(keys):

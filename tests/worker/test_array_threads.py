@@ -17,14 +17,16 @@ from typing import Any
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 from packtune.settings import get_settings
 from packtune.space import fusion_key
-from packtune.workloads import get_workload
+from packtune.workloads import get_workload, registry
 from service import store
 from service.db import dispose_engines, get_sessionmaker, session_scope, upgrade
 from service.models import PackStatus, TrialStatus
 from worker import execute, jobs
+from worker.workloads.digits import DigitsMLP
 
 SPEC: dict[str, Any] = {
     "name": "threads",
@@ -292,3 +294,59 @@ def test_a_pack_at_once_is_read_at_one_size_only_where_its_arrays_are_about_that
     assert attempt([8, 8, 4], [(10.0, 11.0), (10.0, 11.5), (11.0, 12.0)]) == {8: 1000.0}
     # a remainder's array counts too: 8 + 8 + 1 -> 1700 trial-steps over 1 s, averaged in
     assert attempt([8, 8, 1], [(20.0, 21.0), (20.0, 21.0), (20.0, 20.1)]) == {8: 1350.0}
+
+
+class SmoothedMLP(DigitsMLP):
+    """Label smoothing, a structural parameter its build_model keeps on the workload object
+    for its loss to read."""
+
+    name = "smoothed-mlp"
+    params = {**DigitsMLP.params, "smoothing": 0.0}
+    structural = DigitsMLP.structural | {"smoothing"}
+
+    def build_model(self, config: Any) -> torch.nn.Module:
+        self.smoothing = float(self.resolve(config)["smoothing"])
+        return super().build_model(config)
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(outputs, targets, label_smoothing=self.smoothing)
+
+    def stacked_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> None:
+        return None
+
+
+def test_arrays_at_once_each_keep_what_build_model_set_on_the_workload(
+    embedded_db: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Two arrays (smoothing 0.0 and 0.6) trained at once shared one workload object: the
+    second's build_model set its smoothing while the first trained, which then trained
+    with it (found by an audit). Each array now has its own copy of the workload."""
+    embedded_db.setitem(registry(), SmoothedMLP.name, SmoothedMLP())
+    workload = get_workload(SmoothedMLP.name)
+    configs = [{"smoothing": s, "lr": lr} for s in (0.0, 0.6) for lr in (0.05, 0.2)]
+    results = {}
+    for threads in (1, 2):
+        fresh_database(embedded_db, tmp_path / f"threads{threads}", threads)
+        with session_scope(get_sessionmaker()) as s:
+            spec = {**SPEC, "workload": workload.name}
+            study = store.create_study(s, name="s", workload=workload.name, spec=spec, seed=5)
+            store.add_trials(s, study.id, [
+                {"sample_index": i, "bracket": 1, "rung": 0, "config": cfg,
+                 "fusion_key": fusion_key(workload.name, workload.resolve(cfg),
+                                          workload.structural_params())}
+                for i, cfg in enumerate(configs)
+            ])  # fmt: skip
+            trials = store.trials_of(s, study.id)
+            for t in trials:
+                t.status = TrialStatus.queued
+            for key in {t.fusion_key for t in trials}:
+                store.set_memory_model(s, workload.name, key, "cpu", 2**20, 2**20)
+            pack = store.create_pack(
+                s, study_id=study.id, members=[(t.id, t.fusion_key, 0.0, 2.0) for t in trials]
+            )
+            pack.status = PackStatus.queued
+            pack_id, ids = pack.id, [t.id for t in trials]
+        assert jobs.run_pack(pack_id) == "completed"
+        results[threads] = outcome(ids)
+    assert all(done == 2.0 for _, done, _, _ in results[1].values())
+    assert results[2] == results[1]
