@@ -21,6 +21,12 @@ state (:class:`worker.fused.FusedArray` restores what the failed step changed); 
 first failure is retried with fixed shapes (symbolic sizes fail where the model's code
 needs concrete ones, as vmap's convolution rule does), and only a second one goes eager.
 
+A forward that changes Python attributes of its modules (a step counter) would change them
+on that one shared copy, for every array of the key: the first compiled step at each batch
+shape compares them before and after (:func:`worker.module_state.python_state`), and a key
+whose step changed one trains eagerly from then on, each stack on its own template, with a
+note (the attributes the step changed are carried over to the stack's template).
+
 Not compiled: stacks that draw random numbers (their draws would no longer match an
 unpacked run's), spilled and decoupled stacks, the optimizer's update and evaluation.
 """
@@ -51,6 +57,8 @@ _LOCK = threading.Lock()
 #: held while a step runs code for the first time: torch compiles one function at a time
 COMPILING = threading.RLock()
 _STEPS: dict[Hashable, Losses] = {}
+#: each compiled key's own template (the module its compiled step runs)
+_TEMPLATES: dict[Hashable, torch.nn.Module] = {}
 #: keys whose compilation failed once: they compile with fixed shapes (per shape)
 _STATIC: set[Hashable] = set()
 #: keys whose compilation failed in this process (they train eagerly from then on)
@@ -63,11 +71,16 @@ def compile_mode(device: torch.device, setting: str | None) -> str:
 
 
 def compiled_step(
-    key: Hashable, make: Callable[[], Losses], device: torch.device, mode: str | None = None
+    key: Hashable,
+    make: Callable[[torch.nn.Module], Losses],
+    template: torch.nn.Module,
+    device: torch.device,
+    mode: str | None = None,
 ) -> Losses | None:
-    """The compiled losses of ``key`` (made from ``make()`` on first use), or None where its
-    compilation failed before in this process. Shapes: torch's automatic dynamic shapes, or
-    fixed ones for a key whose symbolic recompilation failed."""
+    """The compiled losses of ``key`` (on first use, ``make`` of its own copy of
+    ``template``), or None where its compilation failed before in this process. Shapes:
+    torch's automatic dynamic shapes, or fixed ones for a key whose symbolic recompilation
+    failed."""
     with _LOCK:
         if key in _FAILED:
             return None
@@ -76,8 +89,9 @@ def compiled_step(
             torch._dynamo.config.recompile_limit = max(
                 torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT
             )
+            own = _TEMPLATES[key] = own_template(template)
             step = torch.compile(
-                own_code(make(), key), mode=compile_mode(device, mode), backend=BACKEND,
+                own_code(make(own), key), mode=compile_mode(device, mode), backend=BACKEND,
                 dynamic=False if key in _STATIC else None,
             )  # fmt: skip
             _STEPS[key] = step
@@ -107,6 +121,7 @@ def drop(key: Hashable, error: BaseException) -> str:
     reason = f"{type(root).__name__}: {str(root).splitlines()[0] if str(root) else ''}"
     with _LOCK:
         _STEPS.pop(key, None)
+        _TEMPLATES.pop(key, None)
         if key not in _STATIC:
             _STATIC.add(key)
             note = f"the compiled step failed ({reason}); it compiles again with fixed shapes"
@@ -115,6 +130,26 @@ def drop(key: Hashable, error: BaseException) -> str:
             first = key not in _FAILED
             _FAILED[key] = reason
             note = f"the compiled step failed with fixed shapes ({reason}); it trains eagerly"
+    if first:
+        log.warning("%s (said once per process)", note)
+    return note
+
+
+def template_of(key: Hashable) -> torch.nn.Module | None:
+    """The module ``key``'s compiled step runs (None once the key is dropped)."""
+    with _LOCK:
+        return _TEMPLATES.get(key) if key in _STEPS else None
+
+
+def refuse(key: Hashable, reason: str) -> str:
+    """Train ``key`` eagerly from here on in this process, for ``reason``; the note to tell
+    (logged once per key)."""
+    with _LOCK:
+        _STEPS.pop(key, None)
+        _TEMPLATES.pop(key, None)
+        first = key not in _FAILED
+        _FAILED[key] = reason
+    note = f"{reason}; it trains eagerly"
     if first:
         log.warning("%s (said once per process)", note)
     return note
@@ -130,5 +165,6 @@ def reset() -> None:
     torch._dynamo.reset()
     with _LOCK:
         _STEPS.clear()
+        _TEMPLATES.clear()
         _STATIC.clear()
         _FAILED.clear()

@@ -76,6 +76,7 @@ from worker.fused_forward import (
 )
 from worker.fused_group import Group, Stack, losses_function, shapes
 from worker.fusion_guard import model_signature, partition, split_causes, workload_differences
+from worker.module_state import changed_state, copy_state, python_state
 from worker.optim import OPTIMIZER_HYPER, build_optimizer
 from worker.probe import PROBE_EXAMPLES, is_stochastic, probe
 from worker.rng import (
@@ -508,14 +509,30 @@ class FusedArray:
         key = (workload.name, model_signature(group.template), group.mode,
                workload.per_member_batches, precision, device.type, device.index)  # fmt: skip
 
-        def make() -> Any:
-            own = compiled.own_template(group.template)
+        def make(own: nn.Module) -> Any:
             stack = stack_of(workload, own, group.mode, group.stochastic)
             return losses_function(stack, workload, precision, device)
 
-        group.compiled = compiled.compiled_step(key, make, device, self.compile_mode)
+        group.compiled = compiled.compiled_step(
+            key, make, group.template, device, self.compile_mode
+        )
         if group.compiled is not None:
             self.step_keys[id(group)] = key
+
+    def _uncompile_stateful(self, group: Group, own: nn.Module, changed: list[str]) -> None:
+        """``group``'s compiled step changed Python attributes of its (shared) template: the
+        step stands (it is the eager one's), the changes go to the group's own template, and
+        the key trains eagerly from here on."""
+        copy_state(own, group.template, changed)
+        names = ", ".join(repr(n) for n in changed[:3]) + (", ..." if len(changed) > 3 else "")
+        note = compiled.refuse(
+            self.step_keys.pop(id(group)),
+            f"a training step changed Python attributes of its modules ({names}), which a "
+            "compiled step would share between every array of the model in this process",
+        )
+        self.notes.append(f"{self.workload.name}: {note}")
+        group.compiled = None
+        group.compiled_shapes.clear()
 
     def _split_per_member(self, group: Group, error: BaseException) -> list[Group]:
         """``group``'s members as one stack each (its vmap step failed): the same tensors,
@@ -707,11 +724,15 @@ class FusedArray:
             if group.stochastic:
                 self._reseed(group)
             if group.compiled is not None:
+                own = compiled.template_of(self.step_keys[id(group)])
+                before = python_state(own) if own is not None else {}
                 with compiled.COMPILING:
                     group.step(batch, self.workload_of(group), self.step + 1)
                 group.compiled_shapes.add(shapes(batch))
                 self.compile_seconds += time.perf_counter() - began
                 self.compile_steps += 1
+                if own is not None and (changed := changed_state(before, python_state(own))):
+                    self._uncompile_stateful(group, own, changed)
             else:
                 group.step(batch, self.workload_of(group), self.step + 1)
         except (torch.cuda.OutOfMemoryError, Unspillable):
