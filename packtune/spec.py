@@ -533,31 +533,49 @@ def _ends(dimension: Dimension) -> tuple[Any, ...]:
 
 def check_training(workload: str, raw: dict[str, Any]) -> None:
     """The space gives the shared training parameters (optimizer, schedule, clipping) only
-    values the fused optimizer knows, where the workload takes them."""
+    values the fused optimizer knows, where the workload takes them; so do the workload's
+    own defaults of those the space leaves out (``precision: "fp16"`` would train in fp32)."""
     params = _workloads()[workload].params
-    for name, dimension in parse_space(raw).items():
-        if name not in params:
-            continue
-        if name in TRAINING_NAMES:
-            known = TRAINING_NAMES[name]
-            values = dimension.values if isinstance(dimension, Choice) else (None,)
-            for value in values:
-                if value not in known:
-                    raise SpecError(f"space.{name}", f"{value!r} is not one of {', '.join(known)}")
-        elif name in TRAINING_LIMITS:
-            low, high = TRAINING_LIMITS[name]
-            for value in _ends(dimension):
-                if isinstance(value, bool) or not isinstance(value, int | float):
-                    raise SpecError(f"space.{name}", f"{value!r} is not a number")
-                open_low, open_high = TRAINING_OPEN_ENDS.get(name, (False, False))
-                if (
-                    not low <= value <= high
-                    or (open_low and value == low)
-                    or (open_high and value == high)
-                ):
-                    shut = not open_high and math.isfinite(high)
-                    span = f"{'(' if open_low else '['}{low:g}, {high:g}{']' if shut else ')'}"
-                    raise SpecError(f"space.{name}", f"{value!r} is outside {span}")
+    space = parse_space(raw)
+    for name, dimension in space.items():
+        if name in params:
+            problem = _training_problem(name, dimension)
+            if problem is not None:
+                raise SpecError(f"space.{name}", problem)
+    for name, value in params.items():
+        if name not in space and name in TRAINING_NAMES | TRAINING_LIMITS:
+            problem = _training_problem(name, Choice(values=(value,)))
+            if problem is not None:
+                raise SpecError(
+                    "workload", f"{workload!r} declares {name}={value!r} by default: {problem}"
+                )
+
+
+def _training_problem(name: str, dimension: Dimension) -> str | None:
+    """What is wrong with ``dimension``'s values of the shared training parameter ``name``
+    (None: nothing, or not one of them)."""
+    if name in TRAINING_NAMES:
+        known = TRAINING_NAMES[name]
+        if not isinstance(dimension, Choice):
+            return f"a range; give a choice of {', '.join(known)}"
+        for value in dimension.values:
+            if value not in known:
+                return f"{value!r} is not one of {', '.join(known)}"
+    elif name in TRAINING_LIMITS:
+        low, high = TRAINING_LIMITS[name]
+        for value in _ends(dimension):
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                return f"{value!r} is not a number"
+            open_low, open_high = TRAINING_OPEN_ENDS.get(name, (False, False))
+            if (
+                not low <= value <= high
+                or (open_low and value == low)
+                or (open_high and value == high)
+            ):
+                shut = not open_high and math.isfinite(high)
+                span = f"{'(' if open_low else '['}{low:g}, {high:g}{']' if shut else ')'}"
+                return f"{value!r} is outside {span}"
+    return None
 
 
 def declared_mode(raw: Any) -> Any:

@@ -55,7 +55,7 @@ from packtune.schedules import SCHEDULE_PARAMS, Schedule, schedule_of
 from packtune.spec import TrainingSettings
 from packtune.spilling import Unspillable
 from packtune.tuning import CUDA_CHECK_EVERY
-from packtune.workloads.base import OPTIMIZER_PARAMS, Split, Workload, epoch_seed
+from packtune.workloads.base import OPTIMIZER_PARAMS, PRECISIONS, Split, Workload, epoch_seed
 from worker import compiled
 from worker.batches import (
     batch_size,
@@ -376,6 +376,11 @@ class FusedArray:
             for key, config, state in zip(keys, configs, states, strict=True)
         }
         self.precision = str(self.config.get("precision", "fp32"))
+        if self.precision not in PRECISIONS:  # fp32 would train without a word
+            raise ValueError(
+                f"{workload.name}: precision {self.precision!r} is not one of "
+                f"{', '.join(PRECISIONS)}"
+            )
         #: what the array did that its caller should know (a vmap stack split per member)
         self.notes: list[str] = []
         if drifted:

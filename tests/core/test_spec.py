@@ -287,7 +287,7 @@ def test_values_a_workload_cannot_build_are_rejected_by_its_bounds(
         ({"schedule": {"type": "choice", "values": ["cosine", "poly"]}}, "space.schedule",
          "'poly' is not one of constant, step, cosine"),
         ({"schedule": {"type": "uniform", "low": 0, "high": 1}}, "space.schedule",
-         "None is not one of"),
+         "a range; give a choice of constant, step, cosine"),
         ({"gamma": {"type": "uniform", "low": 0.1, "high": 2.0}}, "space.gamma",
          "2.0 is outside [0, 1]"),
         ({"clip_norm": {"type": "choice", "values": [1.0, -1.0]}}, "space.clip_norm",
@@ -301,6 +301,34 @@ def test_training_parameters_take_only_what_the_fused_optimizer_knows(
 ) -> None:
     error = rejected({**GOOD, "space": space})
     assert error.field == field and message in error.message, error
+
+
+@pytest.mark.parametrize(
+    ("default", "message"),
+    [
+        ({"precision": "fp16"}, "precision='fp16' by default: 'fp16' is not one of fp32, bf16"),
+        ({"optimizer": "lion"}, "declares optimizer='lion' by default: 'lion' is not one of"),
+        ({"momentum": 1.5}, "declares momentum=1.5 by default: 1.5 is outside [0, 1]"),
+    ],
+)  # fmt: skip
+def test_a_workloads_own_training_defaults_must_be_known_too(
+    monkeypatch: pytest.MonkeyPatch, default: dict[str, Any], message: str
+) -> None:
+    """A workload declaring ``precision: "fp16"`` (or a typo of ``bf16``) was accepted and
+    trained in float32 without a word (found by an audit): only the space's values were
+    checked. Its own defaults are now, naming the workload."""
+    from packtune.workloads import get_workload, registry
+
+    workload = copy.copy(get_workload("digits-mlp"))
+    workload.params = {**workload.params, **default}
+    monkeypatch.setitem(registry(), "digits-mlp", workload)
+    error = rejected({**GOOD, "space": {}})
+    assert error.field == "workload" and message in error.message, error
+    # a space that searches the parameter decides it: the default is then not used
+    name, value = next(iter(default.items()))
+    if name == "precision":
+        space = {"precision": {"type": "choice", "values": ["fp32"]}}
+        assert validate_spec({**GOOD, "space": space}).space == space
 
 
 def test_a_schedule_and_the_new_optimizers_are_searchable() -> None:
