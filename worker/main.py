@@ -194,6 +194,7 @@ def run_worker(gpu: int | None = None, name: str | None = None, burst: bool = Fa
     beat.start()
     log.info("worker %s listening on %s", name, settings.queue_name)
     delay, outage = 1.0, False
+    rq_worker: PackWorker | None = None
     try:
         while True:
             try:
@@ -212,6 +213,7 @@ def run_worker(gpu: int | None = None, name: str | None = None, burst: bool = Fa
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 # RQ gives up on a Redis error outside its dequeue wait (e.g. in its own
                 # heartbeat); a restarting Redis must not end the worker. One line per outage.
+                stop_listening(rq_worker)
                 if not outage:
                     log.warning("lost Redis (%s); trying again until it is back", exc)
                 outage = True
@@ -220,6 +222,16 @@ def run_worker(gpu: int | None = None, name: str | None = None, burst: bool = Fa
     finally:
         beat.stop.set()
         beat.changed.set()
+
+
+def stop_listening(rq_worker: Any) -> None:
+    """Stop the thread an RQ worker that gave up listens on its command channel with: it
+    would retry for ever, an error line every 2 s while Redis is down, and then keep a
+    connection subscribed to a channel nobody sends to (one more per outage)."""
+    thread = getattr(rq_worker, "pubsub_thread", None)
+    if thread is not None:
+        thread.stop()  # its loop ends at its next turn and closes its connection
+        rq_worker.pubsub_thread = None
 
 
 def run_all_gpus(burst: bool = False) -> int:

@@ -279,9 +279,13 @@ def test_redis_restarted(
         redis_server.start()
         assert wait_study(engine, study_id, STUDY_TIMEOUT, cluster) == "completed"
         alive = {name: proc.poll() is None for name, proc in cluster.procs.items()}
+        # one listener per worker: the RQ worker an outage ended stopped listening too
+        # (each outage left one more thread, connection and subscription behind)
+        listening = redis_server.subscribed()
     finally:
         engine.dispose()
     print(f"packs when Redis was restarted: {at_restart}")
+    assert len(listening) == 2, listening
     got = outcome(database, study_id)
     print(f"largest difference: {assert_same_outcome(got, reference):.3g}")
     assert all(alive.values()), alive

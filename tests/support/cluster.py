@@ -92,6 +92,16 @@ class RedisServer:
             self.proc.wait(10)
         self.proc = None
 
+    def subscribed(self) -> list[str]:
+        """The RQ worker channels (``rq:pubsub:<name>``) someone listens on."""
+        import redis
+
+        client = redis.Redis(port=self.port)
+        try:
+            return sorted(c.decode() for c in client.pubsub_channels("rq:pubsub:*"))
+        finally:
+            client.close()
+
     def job_ids(self) -> list[str]:
         """Every RQ job Redis knows of (RQ keeps a hash ``rq:job:<id>`` per job)."""
         import redis
