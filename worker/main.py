@@ -171,7 +171,10 @@ def run_worker(gpu: int | None = None, name: str | None = None, burst: bool = Fa
 
     settings = get_settings()
     if gpu is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)  # before torch is imported
+        # before torch is imported; GPU N as NVML (and the heartbeat, and nvidia-smi) number
+        # it: CUDA's own default order puts the fastest first
+        os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     # Import torch here, before the heartbeat thread starts: the thread reads torch.cuda, and
     # while the first job imports torch it would find the module half initialised and fail
     # for seconds (longer than a short heartbeat timeout).
@@ -234,21 +237,91 @@ def stop_listening(rq_worker: Any) -> None:
         rq_worker.pubsub_thread = None
 
 
+def gpus_to_run(readings: list[dict[str, Any]], visible: str | None) -> list[int]:
+    """The NVML indices of the GPUs ``--all-gpus`` starts a worker on: every one NVML reads,
+    or where ``CUDA_VISIBLE_DEVICES`` (``visible``) is set, those it names (indices as
+    nvidia-smi numbers them, or UUID prefixes), up to the first it cannot place, as CUDA
+    reads it; a GPU named twice once."""
+    indices = [int(r["index"]) for r in readings]
+    if visible is None:
+        return indices
+    chosen: list[int] = []
+    for entry in (e.strip() for e in visible.split(",")):
+        if entry.isdigit():
+            found = [int(entry)] if int(entry) in indices else []
+        else:
+            found = [
+                int(r["index"]) for r in readings if entry and str(r["uuid"]).startswith(entry)
+            ]
+        if len(found) != 1:
+            break
+        if found[0] not in chosen:
+            chosen.append(found[0])
+    return chosen
+
+
+#: seconds before a GPU's worker that exited is started again: doubled while it keeps
+#: exiting within :data:`SETTLED_SECONDS`, up to the last
+RESTART_DELAYS = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+SETTLED_SECONDS = 60.0
+
+
 def run_all_gpus(burst: bool = False) -> int:
-    """One ``packtune worker --gpu N`` process per visible GPU (one CPU worker if none);
-    returns the first non-zero exit code."""
+    """One ``packtune worker --gpu N`` process per visible GPU (one CPU worker if none).
+
+    A worker that exits while this one runs (killed for memory, a CUDA fault) is started
+    again under its name, which takes back what it held, after a delay that grows while
+    it keeps exiting: its GPU would otherwise idle for as long as the container is up.
+    With ``burst``, workers end when the queue is empty and are not started again.
+    Returns the first non-zero exit code once every worker has ended."""
     from worker.gpu import gpu_readings
 
-    indices = [int(r["index"]) for r in gpu_readings()]
+    gpus = gpus_to_run(gpu_readings(), os.environ.get("CUDA_VISIBLE_DEVICES"))
     base = [sys.executable, "-m", "service", "worker"] + (["--burst"] if burst else [])
-    commands = [base + ["--gpu", str(i)] for i in indices] or [base]
-    procs = [subprocess.Popen(cmd) for cmd in commands]
+    commands: dict[int | None, list[str]] = (
+        {gpu: base + ["--gpu", str(gpu)] for gpu in gpus}
+        if gpus
+        else {None: base + ["--name", f"{socket.gethostname()}-cpu"]}  # the same when restarted
+    )
+    procs = {slot: subprocess.Popen(cmd) for slot, cmd in commands.items()}
+    started = {slot: time.monotonic() for slot in procs}
+    failures = dict.fromkeys(procs, 0)
+    stopping = threading.Event()
+    asked: list[int] = []  # the signal forwarded: a worker it ended did as asked
 
     def forward(signum: int, _frame: object) -> None:
-        for p in procs:
-            p.send_signal(signum)
+        asked.append(signum)
+        stopping.set()
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signum)
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    codes = [p.wait() for p in procs]
+    codes: list[int] = []
+    pending: dict[int | None, float] = {}  # slot -> when to start it again
+    while procs or pending:
+        now = time.monotonic()
+        for slot, proc in list(procs.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            del procs[slot]
+            if stopping.is_set() or burst:
+                codes.append(0 if -code in asked else code)  # its last exit: what this returns
+                continue
+            failures[slot] = 1 if now - started[slot] > SETTLED_SECONDS else failures[slot] + 1
+            delay = RESTART_DELAYS[min(failures[slot], len(RESTART_DELAYS)) - 1]
+            where = "the CPU" if slot is None else f"GPU {slot}"
+            log.warning("the worker on %s exited (code %s); starting it again in %.0f s",
+                        where, code, delay)  # fmt: skip
+            pending[slot] = now + delay
+        for slot, due in list(pending.items()):
+            if stopping.is_set():
+                del pending[slot]
+            elif now >= due:
+                del pending[slot]
+                procs[slot] = subprocess.Popen(commands[slot])
+                started[slot] = time.monotonic()
+        stopping.wait(0.2)
     return next((c for c in codes if c), 0)
