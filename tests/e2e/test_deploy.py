@@ -292,6 +292,18 @@ def ports(svc: dict[str, Any]) -> list[tuple[str, str, str]]:
     return out
 
 
+def test_every_packtune_setting_in_env_reaches_the_packtune_containers() -> None:
+    """docs/deploy.md has every host share the .env values of every PACKTUNE_* setting, but
+    compose reads .env only to fill in ``${...}``: a setting the compose file did not name
+    (PACKTUNE_COMPILE_STEP, PACKTUNE_TF32, ...) never reached a container, without a word
+    (found by an audit). Each packtune service now loads .env (optional: the variables may
+    come from the shell)."""
+    for f in COMPOSE_FILES:
+        for name, svc in project_services(compose(f)).items():
+            files = svc.get("env_file")
+            assert files == [{"path": ".env", "required": False}], (f, name, files)
+
+
 def test_healthchecks() -> None:
     services = compose(MAIN)["services"]
     assert "pg_isready" in str(services["postgres"]["healthcheck"]["test"])
