@@ -269,3 +269,26 @@ def test_a_loader_forks_its_workers_only_when_no_thread_is_inside_manual_seed() 
     finally:
         other.join()
     assert [int(y[0]) for _, y in got] == [0, 5, 10, 15]
+
+
+def test_the_digits_files_go_to_the_users_cache_where_the_data_folder_is_read_only(
+    clean_env: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Compose mounts the data folder read-only at /data and sets PACKTUNE_DATA_DIR=/data:
+    writing the files there failed every digits-files trial (found by an audit). A data
+    folder that cannot be written to (here: a file in its place) now falls back to
+    ``~/.cache/packtune``, with a warning."""
+    from packtune.settings import get_settings
+    from worker.workloads.digits_files import FOLDER, files_root
+
+    blocked = tmp_path / "data"
+    blocked.write_text("a file where the folder would be: nothing can be written under it")
+    clean_env.setenv("PACKTUNE_DATA_DIR", str(blocked))
+    clean_env.setenv("HOME", str(tmp_path / "home"))
+    get_settings.cache_clear()
+    with caplog.at_level("WARNING"):
+        root = files_root()
+    assert root == tmp_path / "home" / ".cache" / "packtune" / FOLDER
+    assert len(list((root / "train").glob("*.npy"))) > 1000
+    assert "cannot write the digits files under" in caplog.text
+    assert files_root() == root  # found there from now on

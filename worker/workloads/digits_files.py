@@ -12,6 +12,7 @@ seed (the same shifts whichever process of the loader reads it).
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -27,18 +28,33 @@ from worker.workloads.parts import positive_int
 if TYPE_CHECKING:
     import torch
 
+log = logging.getLogger(__name__)
+
 FOLDER = "digits-files-v1"
 
 
 def files_root() -> Path:
     """The folder of the digits as files, written on first use (atomically: a half-written
-    folder is never seen, and workers starting at once each write their own and keep one)."""
+    folder is never seen, and workers starting at once each write their own and keep one):
+    under the settings' ``data_dir``, or where that cannot be written (a data volume
+    mounted read-only, as compose mounts ``/data``) ``~/.cache/packtune``, with a warning."""
+    cache = Path.home() / ".cache" / "packtune"
+    bases = [Path(d) for d in (get_settings().data_dir,) if d] + [cache]
+    for base in bases:
+        if (base / FOLDER).is_dir():
+            return base / FOLDER
+    for base in bases[:-1]:
+        try:
+            return _write_files(base / FOLDER)
+        except OSError as exc:
+            log.warning("cannot write the digits files under %s (%s); writing them under %s",
+                        base, exc, cache)  # fmt: skip
+    return _write_files(cache / FOLDER)
+
+
+def _write_files(root: Path) -> Path:
     import numpy as np
 
-    base = get_settings().data_dir or Path.home() / ".cache" / "packtune"
-    root = Path(base) / FOLDER
-    if root.is_dir():
-        return root
     root.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{FOLDER}-", dir=root.parent))
     x_train, y_train, x_val, y_val = _digits_arrays()
