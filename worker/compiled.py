@@ -38,11 +38,13 @@ import hashlib
 import logging
 import threading
 import types
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
 
 import torch
 
 from worker.fused_forward import Losses
+from worker.fusion_guard import workload_differences
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,8 @@ _LOCK = threading.Lock()
 #: held while a step runs code for the first time: torch compiles one function at a time
 COMPILING = threading.RLock()
 _STEPS: dict[Hashable, Losses] = {}
+#: per step key, the workload values (``vars()``) each of its variants was made with
+_VARIANTS: dict[Hashable, list[dict[str, Any]]] = {}
 #: each compiled key's own template (the module its compiled step runs)
 _TEMPLATES: dict[Hashable, torch.nn.Module] = {}
 #: keys whose compilation failed once: they compile with fixed shapes (per shape)
@@ -135,6 +139,20 @@ def drop(key: Hashable, error: BaseException) -> str:
     return note
 
 
+def variant_key(key: Hashable, values: Mapping[str, Any]) -> Hashable:
+    """``key`` and the variant of it made for a workload object holding ``values`` (its
+    ``vars()``, compared by value): a compiled step reads the workload it was made with,
+    and build_model may keep values on it that the loss reads (a label smoothing), so each
+    set of such values compiles a step of its own."""
+    with _LOCK:
+        made = _VARIANTS.setdefault(key, [])
+        for i, seen in enumerate(made):
+            if not workload_differences([seen, values]):
+                return (key, i)
+        made.append(dict(values))
+        return (key, len(made) - 1)
+
+
 def template_of(key: Hashable) -> torch.nn.Module | None:
     """The module ``key``'s compiled step runs (None once the key is dropped)."""
     with _LOCK:
@@ -166,5 +184,6 @@ def reset() -> None:
     with _LOCK:
         _STEPS.clear()
         _TEMPLATES.clear()
+        _VARIANTS.clear()
         _STATIC.clear()
         _FAILED.clear()

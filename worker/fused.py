@@ -510,9 +510,15 @@ class FusedArray:
         """Give ``group`` its compiled step (:mod:`worker.compiled`) where one applies."""
         if type(group) is not Group or group.stochastic:
             return  # spilled and decoupled stacks, and random draws, stay eager
-        workload, device, precision = self.workload, self.device, self.precision
-        key = (workload.name, model_signature(group.template), group.mode,
-               workload.per_member_batches, precision, device.type, device.index)  # fmt: skip
+        device, precision = self.device, self.precision
+        # this stack's values put back, frozen in a copy of the workload for its compiled
+        # step, which later arrays whose workload holds the same values reuse
+        workload = copy.copy(self.workload_of(group))
+        key = compiled.variant_key(
+            (workload.name, model_signature(group.template), group.mode,
+             workload.per_member_batches, precision, device.type, device.index),
+            vars(workload),
+        )  # fmt: skip
 
         def make(own: nn.Module) -> Any:
             stack = stack_of(workload, own, group.mode, group.stochastic)
@@ -538,6 +544,17 @@ class FusedArray:
         self.notes.append(f"{self.workload.name}: {note}")
         group.compiled = None
         group.compiled_shapes.clear()
+
+    def _recompile(self, group: Group) -> None:
+        """``group``'s compiled step anew (its key was dropped or went eager in another
+        array): the key's current one, or eager."""
+        self.step_keys.pop(id(group), None)
+        group.compiled = None
+        group.compiled_shapes.clear()
+        self._compile(group)
+        note = f"{self.workload.name}: its compiled step went eager in another array"
+        if group.compiled is None and note not in self.notes:
+            self.notes.append(note)
 
     def _split_per_member(self, group: Group, error: BaseException) -> list[Group]:
         """``group``'s members as one stack each (its vmap step failed): the same tensors,
@@ -712,6 +729,8 @@ class FusedArray:
         return [(group, stack_batches([batch[key] for key in group.keys])) for group in self.groups]
 
     def _step_group(self, group: Group, batch: Any) -> None:
+        if group.compiled is not None and compiled.template_of(self.step_keys[id(group)]) is None:
+            self._recompile(group)  # its key was dropped, or went eager, in another array
         if group.settled(batch):
             if group.stochastic:
                 self._reseed(group)
@@ -729,14 +748,20 @@ class FusedArray:
             if group.stochastic:
                 self._reseed(group)
             if group.compiled is not None:
-                own = compiled.template_of(self.step_keys[id(group)])
-                before = python_state(own) if own is not None else {}
-                with compiled.COMPILING:
-                    group.step(batch, self.workload_of(group), self.step + 1)
+                with compiled.COMPILING:  # one array's first step at a time: its check too
+                    own = compiled.template_of(self.step_keys[id(group)])
+                    if own is not None:
+                        before = python_state(own)
+                        group.step(batch, self.workload_of(group), self.step + 1)
+                        changed = changed_state(before, python_state(own))
+                if own is None:  # dropped, or gone eager, while this array waited
+                    self._recompile(group)
+                    self._step_group(group, batch)
+                    return
                 group.compiled_shapes.add(shapes(batch))
                 self.compile_seconds += time.perf_counter() - began
                 self.compile_steps += 1
-                if own is not None and (changed := changed_state(before, python_state(own))):
+                if changed:
                     self._uncompile_stateful(group, own, changed)
             else:
                 group.step(batch, self.workload_of(group), self.step + 1)

@@ -168,7 +168,8 @@ def _stacked_conv(h: Tensor, conv: nn.Conv2d, params: dict[str, Tensor], pre: st
     return _members_of(out, k)
 
 
-#: per (operands' shapes, strides, dtype, device): whether a batch of one member's matrix
+#: per (operands' shapes, strides, dtypes, device, autocast, torch's thread count: MKL's
+#: choice of kernel depends on it): whether a batch of one member's matrix
 #: product rounds as it does in a batch of several. A CPU BLAS may route a batch of one
 #: to another kernel (MKL on an AMD EPYC: ``[1, 10, B] @ [1, B, 128]``, a last layer's
 #: weight gradient, rounded apart from the same product in a batch of 2 or more), and a
@@ -187,12 +188,15 @@ def _pair(t: Tensor) -> Tensor:
 def stacked_product(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
     """``bmm(a, b)`` (``baddbmm(bias, a, b)``) over stacks, a stack of one member computed as
     the same member in a stack of several: on its own where the two round alike (tried
-    once per shapes and strides, on random values from a generator of its own), else as
-    a stack of two (the member twice; its first kept)."""
+    once per shapes, strides, autocast and thread count, on random values from a
+    generator of its own), else as a stack of two (the member twice; its first kept)."""
     if a.shape[0] != 1 or torch.compiler.is_compiling():
         return _product(a, b, bias)
+    device = a.device.type
+    autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
     key = (a.shape, a.stride(), b.shape, b.stride(),
-           None if bias is None else (bias.shape, bias.stride()), a.dtype, a.device)  # fmt: skip
+           None if bias is None else (bias.shape, bias.stride()), a.dtype, b.dtype, a.device,
+           autocast, torch.get_num_threads())  # fmt: skip
     alike = _ONE_ROUNDS_ALIKE.get(key)
     if alike is None:
         alike = _ONE_ROUNDS_ALIKE[key] = _rounds_alike(a, b, bias)
@@ -204,9 +208,12 @@ def stacked_product(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
 def _rounds_alike(a: Tensor, b: Tensor, bias: Tensor | None) -> bool:
     generator = torch.Generator(a.device).manual_seed(0)  # torch's own streams untouched
 
-    def like(t: Tensor) -> Tensor:
-        out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-        return out.normal_(generator=generator)
+    def like(t: Tensor) -> Tensor:  # t's strides, an expanded (overlapping) t's included
+        span = 1 + sum(
+            (size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True)
+        )
+        flat = torch.empty(span, dtype=t.dtype, device=t.device).normal_(generator=generator)
+        return flat.as_strided(t.shape, t.stride())
 
     with torch.no_grad():
         ra, rb = like(a), like(b)

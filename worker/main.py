@@ -276,7 +276,11 @@ def run_all_gpus(burst: bool = False) -> int:
     Returns the first non-zero exit code once every worker has ended."""
     from worker.gpu import gpu_readings
 
-    gpus = gpus_to_run(gpu_readings(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    readings, visible = gpu_readings(), os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = gpus_to_run(readings, visible)
+    if readings and not gpus:
+        log.warning("CUDA_VISIBLE_DEVICES=%r names no GPU NVML reads (MIG instances?): one "
+                    "worker, on what it shows CUDA", visible)  # fmt: skip
     base = [sys.executable, "-m", "service", "worker"] + (["--burst"] if burst else [])
     commands: dict[int | None, list[str]] = (
         {gpu: base + ["--gpu", str(gpu)] for gpu in gpus}
@@ -323,5 +327,7 @@ def run_all_gpus(burst: bool = False) -> int:
                 del pending[slot]
                 procs[slot] = subprocess.Popen(commands[slot])
                 started[slot] = time.monotonic()
+                if stopping.is_set():  # the signal came while it was being started
+                    procs[slot].send_signal(asked[-1])
         stopping.wait(0.2)
     return next((c for c in codes if c), 0)

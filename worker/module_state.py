@@ -1,32 +1,32 @@
-"""Python attributes of a model's modules (a step counter a forward keeps on ``self``): read,
-compared and carried over, apart from torch's own module bookkeeping, tensors and
-submodules."""
+"""Python attributes of a model's own modules (a step counter a forward keeps on ``self``):
+read, compared and carried over. torch's own modules (``nn.Linear``, ``nn.LSTM``) are left
+out: what they keep (an LSTM's flat weights) is torch's bookkeeping, rebuilt as it needs.
+Plain values (numbers, strings, containers of them) are compared by value, anything else by
+identity: an attribute set to another object is seen, one changed in place is not."""
 
 from __future__ import annotations
 
 import copy
 from typing import Any
 
-from torch import Tensor, nn
+from torch import nn
 
-#: what every ``nn.Module`` keeps in its ``__dict__`` (parameters, buffers, hooks, ``training``)
-_TORCH_OWN = frozenset(vars(nn.Module()))
-_UNCOPIED = object()
+_PLAIN = (int, float, complex, str, bytes, bool, type(None))
+_MISSING = object()
 
 
 def python_state(model: nn.Module) -> dict[str, Any]:
-    """``module.attribute`` -> a copy of its value, for every module's own Python attributes
-    (a value that cannot be copied is kept as itself: compared by identity)."""
+    """``module.attribute`` -> its value (a copy of a plain one), for every attribute of the
+    model's modules whose classes are not torch's own (tensors and submodules aside)."""
     state: dict[str, Any] = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
+        if type(module).__module__.split(".")[0] == "torch":
+            continue
         for name, value in vars(module).items():
-            if name in _TORCH_OWN or isinstance(value, (Tensor, nn.Module)):
+            if name in _TORCH_OWN or isinstance(value, nn.Module):
                 continue
-            try:
-                kept = copy.deepcopy(value)
-            except Exception:  # noqa: BLE001 - a lock, a handle: compared as itself
-                kept = value
-            state[f"{prefix}.{name}" if prefix else name] = kept
+            full = f"{prefix}.{name}" if prefix else name
+            state[full] = copy.deepcopy(value) if _plain(value) else value
     return state
 
 
@@ -35,33 +35,42 @@ def changed_state(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     return sorted(
         name
         for name in before.keys() | after.keys()
-        if not _same(before.get(name, _UNCOPIED), after.get(name, _UNCOPIED))
+        if not _same(before.get(name, _MISSING), after.get(name, _MISSING))
     )
 
 
 def copy_state(source: nn.Module, target: nn.Module, names: list[str]) -> None:
     """Set ``names`` (``module.attribute``) on ``target`` to their values on ``source``,
-    both of one structure."""
+    both of one structure (a plain value copied, anything else shared)."""
     for full in names:
         prefix, _, name = full.rpartition(".")
         src, dst = source.get_submodule(prefix), target.get_submodule(prefix)
         if hasattr(src, name):
             value = getattr(src, name)
-            try:
-                value = copy.deepcopy(value)
-            except Exception:  # noqa: BLE001 - not copyable: the value itself
-                pass
-            setattr(dst, name, value)
+            setattr(dst, name, copy.deepcopy(value) if _plain(value) else value)
         elif hasattr(dst, name):
             delattr(dst, name)
+
+
+#: what every ``nn.Module`` keeps in its ``__dict__`` (parameters, buffers, hooks, ``training``)
+_TORCH_OWN = frozenset(vars(nn.Module()))
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    if isinstance(value, _PLAIN):
+        return True
+    if depth >= 3:
+        return False
+    if isinstance(value, list | tuple | set | frozenset):
+        return all(_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(_plain(k, depth + 1) and _plain(v, depth + 1) for k, v in value.items())
+    return False
 
 
 def _same(a: Any, b: Any) -> bool:
     if a is b:
         return True
-    if type(a) is not type(b):
-        return False
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - an ambiguous comparison: say changed
-        return False
+    if not (_plain(a) and _plain(b)) or type(a) is not type(b):
+        return False  # another object in its place
+    return bool(a == b) or (a != a and b != b)  # nan: the same value

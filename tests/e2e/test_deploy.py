@@ -265,7 +265,7 @@ def test_urls_point_at_the_services() -> None:
         assert "@postgres:5432/" in env["PACKTUNE_DATABASE_URL"], name
         assert "@redis:6379/" in env["PACKTUNE_REDIS_URL"], name
     assert "PACKTUNE_REDIS_URL" in main["api"], "without Redis the API would run packs itself"
-    assert {n for n, env in main.items() if "PACKTUNE_API_TOKEN" in env} == {"api"}
+    assert {n for n, env in main.items() if env.get("PACKTUNE_API_TOKEN")} == {"api"}
     # Remote workers reach the same database, Redis and queue through MAIN_HOST.
     host = filled_env()["MAIN_HOST"]
     remote = env_of(compose(WORKER)["services"]["worker"])
@@ -302,6 +302,9 @@ def test_every_packtune_setting_in_env_reaches_the_packtune_containers() -> None
         for name, svc in project_services(compose(f)).items():
             files = svc.get("env_file")
             assert files == [{"path": ".env", "required": False}], (f, name, files)
+            # but .env's API token stays with the api service, its only holder
+            token = env_of(svc).get("PACKTUNE_API_TOKEN")
+            assert token == (filled_env()["PACKTUNE_API_TOKEN"] if name == "api" else ""), name
 
 
 def test_healthchecks() -> None:

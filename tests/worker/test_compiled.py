@@ -342,3 +342,80 @@ def test_a_forward_keeping_python_state_trains_eagerly_as_unpacked(traced_only):
     # a later array of the key in this process: eager at once, from its own counter
     later = run(workload, members[:1], compile_step=True)
     assert_same_training(run(workload, members[:1]), later)
+
+
+def test_two_arrays_built_before_the_check_both_train_eagerly_as_unpacked(traced_only):
+    """Two arrays of the key built (as a pack's arrays in threads are) before either
+    stepped: the first one's step refused the key, and the second, already holding the
+    compiled step, trained on with the shared template (found by a review)."""
+    workload, members = _RampMLP(), mlp_members()[:2]
+    for _, config in members:
+        config.pop("batch_norm")
+    first = FusedArray(workload, members[:1], compile_step=True)
+    second = FusedArray(workload, members[1:], compile_step=True)
+    got = [(a, train(a, EPOCHS * a.steps_per_epoch)) for a in (first, second)]
+    for (array, reports), one in zip(got, (members[:1], members[1:]), strict=True):
+        assert all(group.compiled is None for group in array.groups)
+        assert_same_training(run(workload, one), (array, reports))
+
+
+class _Smoothed(TinyMLP):
+    """A structural label smoothing its build_model keeps on the workload for its loss."""
+
+    name = "smoothed-tiny"
+    params = {**TinyMLP.params, "smoothing": 0.0}
+    structural = TinyMLP.structural | {"smoothing"}
+
+    def build_model(self, config: Any) -> torch.nn.Module:
+        self.smoothing = float(self.resolve(config)["smoothing"])
+        return super().build_model(config)
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(outputs, targets, label_smoothing=self.smoothing)
+
+    def stacked_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> None:
+        return None
+
+
+def test_a_later_array_whose_workload_holds_other_values_gets_a_compiled_step_of_its_own(
+    traced_only,
+):
+    """Each array has its own copy of the workload; the compiled step read the copy of the
+    array that made it, so a later array of the key trained with the first one's label
+    smoothing (found by a review). Each set of such values now has a step of its own."""
+    workload = _Smoothed()
+    plain = [(f"s{i}", {"seed": i, "data_seed": 1, "lr": 0.1}) for i in range(2)]
+    smoothed = [(key, {**config, "smoothing": 0.6}) for key, config in plain]
+    run(workload, plain, compile_step=True)
+    got = run(workload, smoothed, compile_step=True)
+    assert all(group.compiled is not None for group in got[0].groups)
+    assert_same_training(run(workload, smoothed), got)
+    again = run(workload, plain, compile_step=True)  # the first values' step, reused
+    assert_same_training(run(workload, plain), again)
+
+
+def test_the_python_state_check_sees_changes_and_nothing_else() -> None:
+    """Values were deep-copied and compared with ``==``: an object without ``__eq__``, a
+    NumPy array and an LSTM's list of flat weights read as changed with nothing run, and
+    sent such models eager with a wrong note (found by a review)."""
+    import numpy
+
+    from worker.module_state import changed_state, python_state
+
+    class Config:
+        scale = 2.0
+
+    class Mine(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lstm = torch.nn.LSTM(4, 4)
+            self.cfg, self.table, self.calls = Config(), numpy.arange(3.0), 0
+            self.history: list[float] = []
+
+    model = Mine()
+    before = python_state(model)
+    assert changed_state(before, python_state(model)) == []
+    model.calls += 1
+    model.history.append(0.5)  # a plain list changed in place: seen
+    model.cfg = Config()  # another object in its place: seen
+    assert changed_state(before, python_state(model)) == ["calls", "cfg", "history"]

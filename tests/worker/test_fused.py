@@ -548,3 +548,26 @@ class _FixedBatchMLP(TinyMLP):
 def test_a_model_that_needs_its_batch_size_is_probed_with_a_whole_batch() -> None:
     array = FusedArray(_FixedBatchMLP(), member_configs("sgd", {})[:2])
     assert not array.stochastic and array.mode == "vmap" and array.notes == []
+
+
+def test_a_stack_of_one_multiplies_expanded_and_transposed_operands_as_a_stack_of_three() -> None:
+    """The check of whether a stack of one rounds as a stack of several made its random
+    operands with the real ones' strides and raised on an expanded gradient (a loss that
+    sums the outputs: strides (0, 0, 0)); and its answer, cached per shapes, did not depend
+    on torch's thread count, which on MKL decides it (found by a review)."""
+    from worker.fused_forward import stacked_product
+
+    generator = torch.Generator().manual_seed(3)
+    g = torch.randn(3, 64, 10, generator=generator)
+    h = torch.randn(3, 64, 128, generator=generator)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 1, 2):
+            torch.set_num_threads(n)
+            full = torch.bmm(g.mT, h)[:1]
+            assert torch.equal(stacked_product(g[:1].mT, h[:1]), full), n
+            ones = torch.ones(1, 1, 1).expand(1, 64, 10)
+            assert torch.equal(stacked_product(ones.mT, h[:1]),
+                               torch.bmm(ones.expand(3, 64, 10).mT, h)[:1])  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
