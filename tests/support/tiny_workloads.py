@@ -128,3 +128,17 @@ class TinyCNN(_Tiny):
             layers.append(nn.BatchNorm2d(c))
         layers += [nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(c * 9, CLASSES)]
         return nn.Sequential(*layers).to(_dtype(cfg))
+
+
+class Ramp(nn.Module):
+    """A warm-up over ``steps`` training forwards, kept as a Python counter on the module
+    (state a checkpoint does not hold, which packing must not share between trials)."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        self.steps, self.calls = steps, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+        return x * min(1.0, self.calls / self.steps)

@@ -15,7 +15,7 @@ import torch
 from packtune.settings import Settings
 from packtune.workloads.base import Workload
 from tests.support.states import assert_member_states_close
-from tests.support.tiny_workloads import TinyCNN, TinyMLP
+from tests.support.tiny_workloads import Ramp, TinyCNN, TinyMLP
 from worker import compiled
 from worker.fused import FusedArray, Report, train
 from worker.workloads.parts import stacked_cross_entropy
@@ -304,25 +304,12 @@ def test_a_worker_sets_tf32_as_its_setting_says(clean_env, setting):
         get_settings.cache_clear()
 
 
-class _Ramp(torch.nn.Module):
-    """A warm-up kept as a Python counter on the module, advanced by each training forward."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training:
-            self.calls += 1
-        return x * min(1.0, self.calls / 4)
-
-
 class _RampMLP(TinyMLP):
     name = "ramp-mlp"
 
     def build_model(self, config: Any) -> torch.nn.Module:
         return torch.nn.Sequential(
-            torch.nn.Linear(8, 16), torch.nn.ReLU(), _Ramp(), torch.nn.Linear(16, 3)
+            torch.nn.Linear(8, 16), torch.nn.ReLU(), Ramp(4), torch.nn.Linear(16, 3)
         ).double()
 
 

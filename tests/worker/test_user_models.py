@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.support.tiny_workloads import TinyMLP
+from tests.support.tiny_workloads import Ramp, TinyMLP
 from tests.worker.test_fused import compare, member_configs
 from worker.fused import FusedArray, train
 from worker.spill import chain_of
@@ -251,23 +251,10 @@ def test_a_batch_changed_in_place_that_the_probe_missed_stops_the_array() -> Non
     train(fused, fused.steps_per_epoch)
 
 
-class _Ramp(nn.Module):
-    """A warm-up kept as a Python counter on the module."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training:
-            self.calls += 1
-        return x * min(1.0, self.calls / 20)
-
-
 class _Counter(TinyMLP):
     def build_model(self, config: dict[str, Any]) -> nn.Module:
         return nn.Sequential(
-            nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1), _Ramp(), nn.Linear(16, 3)
+            nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1), Ramp(20), nn.Linear(16, 3)
         ).double()
 
 
