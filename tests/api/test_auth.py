@@ -16,11 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from service.api import deps
-from tests.support.processes import packtune_env, serving
+from tests.support.processes import http, packtune_env, serving
 
 TOKEN = "s3cret-t0ken-for-tests"
 SPEC: dict[str, Any] = {
@@ -57,7 +56,7 @@ def live(tmp_path_factory: pytest.TempPathFactory, bait: Path) -> Iterator[str]:
 
 
 def count(live: str) -> int:
-    return int(httpx.get(f"{live}/api/studies", timeout=10).json()["count"])
+    return int(http.get(f"{live}/api/studies", timeout=10).json()["count"])
 
 
 BAD_CREDENTIALS = {
@@ -77,13 +76,13 @@ def test_writes_without_the_token_are_401(live: str, how: str) -> None:
     params = {"token": TOKEN} if how == "as a query parameter" else None
     before = count(live)
     headers = BAD_CREDENTIALS[how]
-    created = httpx.post(
+    created = http.post(
         f"{live}/api/studies", json=SPEC, headers=headers, params=params, timeout=30
     )
     assert created.status_code == 401, created.text
     assert created.headers["www-authenticate"] == "Bearer"
     assert created.json()["detail"] == "missing or wrong bearer token"
-    cancel = httpx.post(f"{live}/api/studies/1/cancel", headers=headers, timeout=30)
+    cancel = http.post(f"{live}/api/studies/1/cancel", headers=headers, timeout=30)
     assert cancel.status_code == 401  # refused before the study is even looked up
     assert count(live) == before
 
@@ -93,10 +92,10 @@ def test_a_body_is_not_judged_before_the_token(live: str) -> None:
     the token any write is a 401, whatever its body; with it, the body is judged."""
     bodies = [b"{not json", b'{"name": 1}', b"x" * 100]
     for body in bodies:
-        refused = httpx.post(f"{live}/api/studies", content=body, timeout=30,
+        refused = http.post(f"{live}/api/studies", content=body, timeout=30,
                              headers={"Content-Type": "application/json"})  # fmt: skip
         assert refused.status_code == 401, (body, refused.text)
-    judged = httpx.post(
+    judged = http.post(
         f"{live}/api/studies", content=b"{not json", timeout=30,
         headers={"Content-Type": "application/json", "Authorization": f"bearer {TOKEN}"},
     )  # fmt: skip
@@ -105,7 +104,7 @@ def test_a_body_is_not_judged_before_the_token(live: str) -> None:
 
 def test_the_token_opens_writes_and_reads_stay_open(live: str) -> None:
     auth = {"Authorization": f"Bearer {TOKEN}"}
-    created = httpx.post(f"{live}/api/studies", json=SPEC, headers=auth, timeout=30)
+    created = http.post(f"{live}/api/studies", json=SPEC, headers=auth, timeout=30)
     assert created.status_code == 201, created.text
     study_id = created.json()["id"]
     for path in (
@@ -114,8 +113,8 @@ def test_the_token_opens_writes_and_reads_stay_open(live: str) -> None:
         f"/api/studies/{study_id}/curves", f"/api/studies/{study_id}/leaderboard",
         "/api/workers", "/api/workloads", "/healthz", "/metrics", "/openapi.json",
     ):  # fmt: skip
-        assert httpx.get(f"{live}{path}", timeout=30).status_code == 200, path
-    cancelled = httpx.post(f"{live}/api/studies/{study_id}/cancel", headers=auth, timeout=30)
+        assert http.get(f"{live}{path}", timeout=30).status_code == 200, path
+    cancelled = http.post(f"{live}/api/studies/{study_id}/cancel", headers=auth, timeout=30)
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
 
 
@@ -149,7 +148,7 @@ def test_a_workload_given_as_code_is_refused_and_never_imported(
 ) -> None:
     auth = {"Authorization": f"Bearer {TOKEN}"}
     before = count(live)
-    response = httpx.post(
+    response = http.post(
         f"{live}/api/studies", json={**SPEC, "workload": workload}, headers=auth, timeout=30
     )
     assert response.status_code == 422, response.text

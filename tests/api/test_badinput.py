@@ -21,7 +21,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from fastapi import FastAPI
 
@@ -32,7 +31,7 @@ from service.api.app import create_app
 from service.db import make_engine, session_factory, session_scope, upgrade
 from service.models import PackStatus, TrialStatus
 from tests.support.cluster import create_database, drop_database
-from tests.support.processes import packtune_env, serving
+from tests.support.processes import http, packtune_env, serving
 
 SPEC: dict[str, Any] = {
     "name": "bad-input",
@@ -213,12 +212,12 @@ def test_raw_bodies_are_4xx(
 ) -> None:
     if content == "chunks":
         content = _chunks(TEN_MB)  # no Content-Length: the server must count
-    response = httpx.post(
+    response = http.post(
         f"{live}/api/studies", content=content, headers={"content-type": content_type}, timeout=60
     )
     assert response.status_code == status, response.text
     assert response.json()["detail"]
-    assert httpx.get(f"{live}/healthz", timeout=10).status_code == 200
+    assert http.get(f"{live}/healthz", timeout=10).status_code == 200
 
 
 SPECS: list[tuple[str, dict[str, Any], list[Any]]] = [
@@ -243,10 +242,10 @@ SPECS: list[tuple[str, dict[str, Any], list[Any]]] = [
 def test_bad_specs_are_422_naming_the_field(
     live: str, what: str, body: dict[str, Any], loc: list[Any]
 ) -> None:
-    response = httpx.post(f"{live}/api/studies", json=body, timeout=30)
+    response = http.post(f"{live}/api/studies", json=body, timeout=30)
     assert response.status_code == 422, response.text
     assert loc in [entry["loc"] for entry in response.json()["detail"]], response.text
-    assert httpx.get(f"{live}/healthz", timeout=10).status_code == 200
+    assert http.get(f"{live}/healthz", timeout=10).status_code == 200
 
 
 PATHS = [
@@ -268,7 +267,7 @@ PATHS = [
 
 @pytest.mark.parametrize(("path", "status"), PATHS)
 def test_bad_ids_and_queries_are_4xx(live: str, path: str, status: int) -> None:
-    response = httpx.get(f"{live}{path}", timeout=30)
+    response = http.get(f"{live}{path}", timeout=30)
     assert response.status_code == status, response.text
     assert response.json()["detail"]
 
@@ -285,17 +284,17 @@ def test_a_bad_content_length_is_400_and_garbage_does_not_hurt(live: str) -> Non
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.sendall(b"\x00\xff garbage that is not HTTP\r\n\r\n")
         sock.recv(4096)  # the server answers or closes; either way it lives on
-    assert httpx.get(f"{live}/healthz", timeout=10).status_code == 200
+    assert http.get(f"{live}/healthz", timeout=10).status_code == 200
 
 
 def test_still_serving_after_all_that(live: str, tmp_path: Path) -> None:
-    created = httpx.post(f"{live}/api/studies", json=valid(name="after"), timeout=30)
+    created = http.post(f"{live}/api/studies", json=valid(name="after"), timeout=30)
     assert created.status_code == 201, created.text
     study_id = created.json()["id"]
-    assert httpx.get(f"{live}/api/studies/{study_id}", timeout=10).json()["name"] == "after"
-    listing = httpx.get(f"{live}/api/studies", timeout=10).json()
+    assert http.get(f"{live}/api/studies/{study_id}", timeout=10).json()["name"] == "after"
+    listing = http.get(f"{live}/api/studies", timeout=10).json()
     assert listing["count"] >= 2
-    assert httpx.get(f"{live}/healthz", timeout=10).json() == {"status": "ok"}
+    assert http.get(f"{live}/healthz", timeout=10).json() == {"status": "ok"}
 
 
 def test_a_body_that_does_not_come_is_408_not_a_held_connection(tmp_path: Path) -> None:
@@ -316,4 +315,4 @@ def test_a_body_that_does_not_come_is_408_not_a_held_connection(tmp_path: Path) 
             waited = time.monotonic() - started
         assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
         assert 0.5 < waited < 5, waited
-        assert httpx.get(f"{live}/healthz", timeout=10).status_code == 200
+        assert http.get(f"{live}/healthz", timeout=10).status_code == 200

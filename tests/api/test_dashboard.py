@@ -19,7 +19,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -30,7 +29,7 @@ from service.api.app import create_app
 from service.api.dashboard import STATIC
 from service.db import dispose_engines, make_engine, session_factory, session_scope, upgrade
 from service.models import PackStatus, StudyStatus, TrialStatus, utcnow
-from tests.support.processes import packtune_env, serving, wait_finished
+from tests.support.processes import http, packtune_env, serving, wait_finished
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -289,7 +288,7 @@ def shot(page: Any, name: str) -> None:
 
 def test_a_running_study_is_shown_live(service: dict[str, Any], page: Any) -> None:
     url = service["url"]
-    study_id = httpx.post(f"{url}/api/studies", json=LIVE_SPEC, timeout=30).json()["id"]
+    study_id = http.post(f"{url}/api/studies", json=LIVE_SPEC, timeout=30).json()["id"]
     page.goto(f"{url}/#/studies/{study_id}")
     states: list[dict[str, Any]] = []
     running_shot = False
@@ -320,7 +319,7 @@ def test_a_running_study_is_shown_live(service: dict[str, Any], page: Any) -> No
         assert final[key] > seen[key], (key, seen, final)
     assert any(s["promoted"] < final["promoted"] for s in live)
     # finally they match the API
-    packs = httpx.get(f"{url}/api/studies/{study_id}/packs?limit=500", timeout=10).json()
+    packs = http.get(f"{url}/api/studies/{study_id}/packs?limit=500", timeout=10).json()
     assert final["packs"] == packs["count"]
     assert final["cells"] == summary["progress"]["total"] == 69  # R=27, eta=3
     assert final["curves"] == final["params"] == 49
@@ -331,7 +330,7 @@ def test_a_running_study_is_shown_live(service: dict[str, Any], page: Any) -> No
     assert "waited" in final["fleet"] and "priority 1" in final["fleet"], final["fleet"]
     assert summary["fleet"]["device_seconds"] > 0 and summary["fleet"]["share"] is None
     # the measured array-size curve of its fusion key, and the size planned from it
-    profiles = httpx.get(f"{url}/api/studies/{study_id}/profiles", timeout=10).json()["data"]
+    profiles = http.get(f"{url}/api/studies/{study_id}/profiles", timeout=10).json()["data"]
     assert profiles and len(final["profiles"]) == len(profiles), (final["profiles"], profiles)
     for shown, row in zip(final["profiles"], profiles, strict=True):
         assert (shown["key"], shown["device"]) == (row["fusion_key"], row["device_kind"])
@@ -369,7 +368,7 @@ def test_a_running_study_is_shown_live(service: dict[str, Any], page: Any) -> No
         if size.inner_text().startswith(expected) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    api = httpx.get(f"{url}/api/studies/{study_id}/profiles", timeout=10).json()["data"]
+    api = http.get(f"{url}/api/studies/{study_id}/profiles", timeout=10).json()["data"]
     assert size.inner_text().startswith(expected), (size.inner_text(), api)
     profile = page.locator(at_once)
     assert profile.locator("circle.chosen-point[data-series=at-once][data-k='1']").count() == 1
@@ -388,7 +387,7 @@ def test_hover_links_a_pack_to_its_trials(service: dict[str, Any], page: Any) ->
       const r = widest.getBoundingClientRect();
       return [+widest.parentNode.dataset.pack, r.x + r.width / 2, r.y + r.height / 2];
     }""")
-    members = httpx.get(f"{url}/api/studies/{study_id}/packs?limit=500", timeout=10).json()["data"]
+    members = http.get(f"{url}/api/studies/{study_id}/packs?limit=500", timeout=10).json()["data"]
     ids = {m["trial_id"] for p in members if p["id"] == pack_id for m in p["members"]}
     page.mouse.move(x, y)
     tip = page.locator("#tooltip")
@@ -458,7 +457,7 @@ def test_the_studies_list_pages_through_every_study(service: dict[str, Any], pag
     small = {"max_resource": 3, "min_resource": 1, "eta": 3}
     for name in ("page-a", "page-b"):
         fill_finished_study(service["db"], {**BIG_SPEC, "name": name, "hyperband": small})
-    listed = httpx.get(f"{service['url']}/api/studies?limit=500", timeout=10).json()
+    listed = http.get(f"{service['url']}/api/studies?limit=500", timeout=10).json()
     names = [study["name"] for study in listed["data"]]  # newest first
     assert names[:2] == ["page-b", "page-a"] and len(names) == listed["count"] >= 3
     page.goto(f"{service['url']}/#/?limit=1")
@@ -508,7 +507,7 @@ def test_the_api_docs_render_without_the_internet(
 ) -> None:
     """Swagger UI and ReDoc load their scripts from the service itself (this machine reaches
     no CDN): the pages render the API's operations."""
-    html = httpx.get(f"{service['url']}{path}", timeout=10).text
+    html = http.get(f"{service['url']}{path}", timeout=10).text
     assert "cdn." not in html and "https://" not in html.split("<body")[-1]
     context = browser.new_context()
     try:

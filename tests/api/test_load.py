@@ -8,7 +8,6 @@ import os
 import tempfile
 from collections.abc import Iterator
 
-import httpx
 import pytest
 from sqlalchemy import create_engine, text
 
@@ -16,6 +15,7 @@ from bench._study import start_serve
 from bench.load import SMALL_STUDY, run_load, seed_big_study, stop
 from packtune.errors import StoreUnavailable
 from service.db import session_factory, session_scope, upgrade
+from tests.support.processes import http
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +32,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, tuple[
     env.update(PACKTUNE_DATABASE_URL=url, PACKTUNE_CHECKPOINT_DIR=str(tmp / "ckpt"))
     proc, base = start_serve(env, tmp / "serve.log", timeout=60)
     try:
-        small = httpx.post(f"{base}/api/studies", json=SMALL_STUDY, timeout=30).json()["id"]
+        small = http.post(f"{base}/api/studies", json=SMALL_STUDY, timeout=30).json()["id"]
         yield base, (big, small, trials)
     finally:
         stop(proc)

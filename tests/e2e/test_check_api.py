@@ -22,19 +22,19 @@ import pytest
 
 from tests.support.plugins import HERE as PLUGIN_MODULES
 from tests.support.plugins import install_plugin
-from tests.support.processes import packtune_env, serving, start, stop
+from tests.support.processes import http, packtune_env, serving, start, stop
 
 pytestmark = pytest.mark.slow
 
 
 def ask(url: str, workload: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(f"{url}/api/workloads/{workload}/check", json=body, timeout=30)
+    return http.post(f"{url}/api/workloads/{workload}/check", json=body, timeout=30)
 
 
 def wait_check(url: str, location: str, timeout: float = 180) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
-        found = dict(httpx.get(f"{url}{location}", timeout=10).json())
+        found = dict(http.get(f"{url}{location}", timeout=10).json())
         if found["status"] not in ("queued", "running"):
             return found
         assert time.monotonic() < deadline, found
@@ -154,7 +154,7 @@ def test_bad_checks_are_refused_naming_what_is_wrong(
     assert resp.status_code == code, resp.text
     if loc is not None:
         assert loc in [entry["loc"] for entry in resp.json()["detail"]], resp.text
-    assert httpx.get(f"{url}/api/workloads/checks/999999", timeout=10).status_code == 404
+    assert http.get(f"{url}/api/workloads/checks/999999", timeout=10).status_code == 404
 
 
 def test_a_check_runs_on_an_rq_worker(fresh_postgres: str, redis_url: str, tmp_path: Path) -> None:

@@ -8,14 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 import sqlalchemy as sa
 import yaml
 
 from tests.support.plugins import HERE as PLUGIN_MODULES
 from tests.support.plugins import install_plugin
-from tests.support.processes import free_port, packtune_env, serving
+from tests.support.processes import free_port, http, packtune_env, serving
 
 SMALL = {
     "name": "cli-small",
@@ -498,7 +497,7 @@ def test_submit_watch_names_the_errors_of_a_study_that_completes_anyway(
     with serving(failing_env, tmp_path / "serve.log") as url:
         result = packtune("submit", str(spec), "--url", url, "--watch", env=failing_env,
                           cwd=tmp_path)  # fmt: skip
-        packs = httpx.get(f"{url}/api/studies/1/packs?limit=100", timeout=10).json()["data"]
+        packs = http.get(f"{url}/api/studies/1/packs?limit=100", timeout=10).json()["data"]
     assert result.returncode == 0, result.stderr
     out = " ".join(result.stdout.split())
     assert "completed" in out

@@ -13,12 +13,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.support.processes import (
     check_hyperband,
     final_metrics,
+    http,
     packtune_env,
     serving,
     start,
@@ -45,11 +45,11 @@ SPEC: dict[str, Any] = {
 
 def run_study(url: str, spec: dict[str, Any], log: Path) -> dict[str, Any]:
     """Submit ``spec``, wait for the end, and collect what the API says of it."""
-    resp = httpx.post(f"{url}/api/studies", json=spec, timeout=30)
+    resp = http.post(f"{url}/api/studies", json=spec, timeout=30)
     assert resp.status_code == 201, resp.text
     study_id = resp.json()["id"]
     summary = wait_finished(url, study_id, timeout=240, log=log)
-    get = lambda path: httpx.get(f"{url}/api/studies/{study_id}/{path}", timeout=30).json()  # noqa: E731
+    get = lambda path: http.get(f"{url}/api/studies/{study_id}/{path}", timeout=30).json()  # noqa: E731
     trials = get("trials")["data"]
     return {
         "summary": summary,
@@ -146,7 +146,7 @@ def test_two_embedded_runners_share_the_study_with_the_same_results(
     log = tmp_path / "serve.log"
     with serving(env, log) as url:
         result = run_study(url, SPEC, log)
-        workers = httpx.get(f"{url}/api/workers").json()["data"]
+        workers = http.get(f"{url}/api/workers").json()["data"]
     check_result(SPEC, result)
     names = {w["name"] for w in workers}
     assert len(names) == 2 and all(n.startswith(("embedded@", "embedded-2@")) for n in names)
@@ -179,7 +179,7 @@ def test_postgres_redis_scheduler_and_two_workers(
     try:
         with serving(env, tmp_path / "api.log", "--no-scheduler") as url:
             result = run_study(url, SPEC, log)
-            workers = httpx.get(f"{url}/api/workers").json()["data"]
+            workers = http.get(f"{url}/api/workers").json()["data"]
     finally:
         for proc in procs:
             stop(proc)

@@ -11,12 +11,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import torch
 
 from packtune.workloads import get_workload
-from tests.support.processes import packtune_env, serving, wait_finished
+from tests.support.processes import http, packtune_env, serving, wait_finished
 
 pytestmark = pytest.mark.slow
 
@@ -40,22 +39,22 @@ def study(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         scheduler_interval=0.2, keep_checkpoints=KEEP, read_cache_seconds=0,
     )  # fmt: skip
     with serving(env, tmp / "serve.log") as url:
-        resp = httpx.post(f"{url}/api/studies", json=SPEC, timeout=30)
+        resp = http.post(f"{url}/api/studies", json=SPEC, timeout=30)
         assert resp.status_code == 201, resp.text
         study_id = resp.json()["id"]
         summary = wait_finished(url, study_id, timeout=300, log=tmp / "serve.log")
-        trials = httpx.get(f"{url}/api/studies/{study_id}/trials", timeout=30).json()["data"]
+        trials = http.get(f"{url}/api/studies/{study_id}/trials", timeout=30).json()["data"]
         yield {"url": url, "id": study_id, "summary": summary, "trials": trials,
                "folder": tmp / "ckpt" / f"study-{study_id}"}  # fmt: skip
 
 
 def test_the_status_filter_keeps_only_studies_in_it(study: dict[str, Any]) -> None:
     url = study["url"]
-    done = httpx.get(f"{url}/api/studies", params={"status": "completed"}).json()
+    done = http.get(f"{url}/api/studies", params={"status": "completed"}).json()
     assert [s["id"] for s in done["data"]] == [study["id"]] and done["count"] == 1
-    running = httpx.get(f"{url}/api/studies", params={"status": ["running", "pending"]}).json()
+    running = http.get(f"{url}/api/studies", params={"status": ["running", "pending"]}).json()
     assert running == {"data": [], "count": 0}
-    bad = httpx.get(f"{url}/api/studies", params={"status": "finished"})
+    bad = http.get(f"{url}/api/studies", params={"status": "finished"})
     assert bad.status_code == 422
     assert ["query", "status", 0] in [e["loc"] for e in bad.json()["detail"]]
 
@@ -77,7 +76,7 @@ def test_only_the_best_stopped_trials_keep_their_checkpoints(study: dict[str, An
 def test_the_best_model_downloads_and_scores_what_the_study_says(study: dict[str, Any]) -> None:
     url, study_id = study["url"], study["id"]
     best = study["summary"]["best_trial"]
-    resp = httpx.get(f"{url}/api/studies/{study_id}/trials/{best['id']}/checkpoint", timeout=30)
+    resp = http.get(f"{url}/api/studies/{study_id}/trials/{best['id']}/checkpoint", timeout=30)
     assert resp.status_code == 200
     assert resp.headers["content-type"] == "application/octet-stream"
     state = torch.load(io.BytesIO(resp.content), weights_only=True)
@@ -94,10 +93,10 @@ def test_a_pruned_or_foreign_checkpoint_is_a_404_that_says_why(study: dict[str, 
     url, study_id = study["url"], study["id"]
     files = {int(p.stem.split("-")[1]) for p in study["folder"].glob("trial-*.pt")}
     pruned = next(t["id"] for t in study["trials"] if t["id"] not in files)
-    resp = httpx.get(f"{url}/api/studies/{study_id}/trials/{pruned}/checkpoint")
+    resp = http.get(f"{url}/api/studies/{study_id}/trials/{pruned}/checkpoint")
     assert resp.status_code == 404
     assert "PACKTUNE_KEEP_CHECKPOINTS" in resp.json()["detail"]
-    other = httpx.get(f"{url}/api/studies/{study_id + 1}/trials/{pruned}/checkpoint")
+    other = http.get(f"{url}/api/studies/{study_id + 1}/trials/{pruned}/checkpoint")
     assert other.status_code == 404
 
 
@@ -105,12 +104,12 @@ def test_a_study_is_deleted_with_its_checkpoints_but_not_while_it_runs(
     study: dict[str, Any],
 ) -> None:
     url = study["url"]
-    running = httpx.post(f"{url}/api/studies", json={**SPEC, "name": "busy"}).json()["id"]
-    resp = httpx.delete(f"{url}/api/studies/{running}")
+    running = http.post(f"{url}/api/studies", json={**SPEC, "name": "busy"}).json()["id"]
+    resp = http.delete(f"{url}/api/studies/{running}")
     assert resp.status_code == 409 and "cancel it before deleting" in resp.json()["detail"]
-    assert httpx.post(f"{url}/api/studies/{running}/cancel").status_code == 200
+    assert http.post(f"{url}/api/studies/{running}/cancel").status_code == 200
     deadline = time.monotonic() + 60
-    while (resp := httpx.delete(f"{url}/api/studies/{running}")).status_code == 409:
+    while (resp := http.delete(f"{url}/api/studies/{running}")).status_code == 409:
         assert "still has packs training" in resp.json()["detail"]
         assert time.monotonic() < deadline
         time.sleep(0.3)
@@ -118,10 +117,10 @@ def test_a_study_is_deleted_with_its_checkpoints_but_not_while_it_runs(
 
     folder: Path = study["folder"]
     assert folder.is_dir()
-    assert httpx.delete(f"{url}/api/studies/{study['id']}").status_code == 204
-    assert httpx.get(f"{url}/api/studies/{study['id']}").status_code == 404
+    assert http.delete(f"{url}/api/studies/{study['id']}").status_code == 204
+    assert http.get(f"{url}/api/studies/{study['id']}").status_code == 404
     deadline = time.monotonic() + 10
     while folder.exists():  # removed after the response, in the background
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    assert httpx.delete(f"{url}/api/studies/{study['id']}").status_code == 404
+    assert http.delete(f"{url}/api/studies/{study['id']}").status_code == 404

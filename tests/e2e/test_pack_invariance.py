@@ -23,7 +23,6 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.support.plugins import HERE as PLUGIN_MODULES
@@ -32,6 +31,7 @@ from tests.support.plugins.stream_workloads import write_image_folder
 from tests.support.processes import (
     check_hyperband,
     final_metrics,
+    http,
     packtune_env,
     serving,
     wait_finished,
@@ -196,7 +196,7 @@ def results(
         for workload in SPACES:
             for packed in (True, False):
                 url = urls[server_of(workload, packed)]
-                resp = httpx.post(f"{url}/api/studies", json=spec(workload, packed), timeout=30)
+                resp = http.post(f"{url}/api/studies", json=spec(workload, packed), timeout=30)
                 assert resp.status_code == 201, resp.text
                 ids[workload, packed] = resp.json()["id"]
         out = {}
@@ -204,7 +204,7 @@ def results(
             server = server_of(workload, packed)
             base = f"{urls[server]}/api/studies/{study_id}"
             summary = wait_finished(urls[server], study_id, timeout=600, log=logs[server])
-            get = lambda p, b=base: httpx.get(f"{b}/{p}", timeout=30).json()  # noqa: E731
+            get = lambda p, b=base: http.get(f"{b}/{p}", timeout=30).json()  # noqa: E731
             out[workload, packed] = {
                 "summary": summary,
                 "trials": get("trials?limit=500")["data"],

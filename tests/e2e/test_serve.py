@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.support.cluster import wait_for
-from tests.support.processes import children, free_port, gone, packtune_env, start, stop
+from tests.support.processes import children, free_port, gone, http, packtune_env, start, stop
 
 pytestmark = [
     pytest.mark.slow,
@@ -46,7 +46,7 @@ def lease_holders(db: Path) -> list[str]:
 
 def _answers(url: str) -> bool:
     try:
-        return httpx.get(url, timeout=5).status_code == 200
+        return http.get(url, timeout=5).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -73,9 +73,9 @@ def serve(tmp_path: Path, scheduler_interval: float) -> tuple[subprocess.Popen[b
 def test_serve_stops_its_scheduler_process_however_it_ends(tmp_path: Path, how: str) -> None:
     proc, api, db = serve(tmp_path, scheduler_interval=0.2)
     try:
-        assert httpx.post(f"{api}/api/studies", json=SPEC, timeout=30).status_code == 201
+        assert http.post(f"{api}/api/studies", json=SPEC, timeout=30).status_code == 201
         wait_for(
-            lambda: httpx.get(f"{api}/api/studies/1", timeout=10).json()["packs_running"],
+            lambda: http.get(f"{api}/api/studies/1", timeout=10).json()["packs_running"],
             60, "a pack running",
         )  # fmt: skip
         (holder,) = lease_holders(db)
@@ -114,9 +114,9 @@ def test_a_study_posted_to_serve_starts_without_waiting_for_a_tick(tmp_path: Pat
         wait_for(lambda: lease_holders(db), 60, "the scheduler's first tick")
         time.sleep(1.0)  # its first tick is over: the next one is ~29 s away
         posted = time.monotonic()
-        assert httpx.post(f"{api}/api/studies", json=SPEC, timeout=30).status_code == 201
+        assert http.post(f"{api}/api/studies", json=SPEC, timeout=30).status_code == 201
         wait_for(
-            lambda: httpx.get(f"{api}/api/studies/1", timeout=10).json()["status"] != "pending",
+            lambda: http.get(f"{api}/api/studies/1", timeout=10).json()["status"] != "pending",
             15, "the study to start",
         )  # fmt: skip
         assert time.monotonic() - posted < 15

@@ -39,6 +39,7 @@ from tests.support.cluster import (
 from tests.support.plugins import install_plugin, plugin_module, registered
 from tests.support.processes import (
     free_port,
+    http,
     packtune_env,
     serving,
     start,
@@ -338,7 +339,7 @@ def test_postgres_restarted(
         start_all(services)
         services.start("api", "serve", "--no-scheduler", "--port", str(port))
         wait_for(lambda: _answers(f"{api}/healthz") == 200, 60, "the API")
-        created = httpx.post(f"{api}/api/studies", json=SPEC, timeout=30)
+        created = http.post(f"{api}/api/studies", json=SPEC, timeout=30)
         assert created.status_code == 201, created.text
         study_id = created.json()["id"]
         pack_id, _ = wait_for(
@@ -348,10 +349,10 @@ def test_postgres_restarted(
         private_postgres.stop()
         down = time.monotonic()
         for path in ("/healthz", f"/api/studies/{study_id}", f"/api/studies/{study_id}/trials"):
-            response = httpx.get(f"{api}{path}", timeout=30)
+            response = http.get(f"{api}{path}", timeout=30)
             assert response.status_code == 503, (path, response.text)
             assert response.json()["detail"], path
-        posted = httpx.post(f"{api}/api/studies", json=SPEC, timeout=30)
+        posted = http.post(f"{api}/api/studies", json=SPEC, timeout=30)
         assert posted.status_code == 503 and posted.json()["detail"]
         time.sleep(max(0.0, COMMON["heartbeat_timeout"] + 1.5 - (time.monotonic() - down)))
         outage = time.monotonic() - down
@@ -359,7 +360,7 @@ def test_postgres_restarted(
         assert _answers(f"{api}/healthz") == 200
         wait_for(
             lambda: (
-                httpx.get(f"{api}/api/studies/{study_id}", timeout=30).json()["status"]
+                http.get(f"{api}/api/studies/{study_id}", timeout=30).json()["status"]
                 in ("completed", "failed")
             ),
             STUDY_TIMEOUT,
@@ -369,7 +370,7 @@ def test_postgres_restarted(
         alive = {name: proc.poll() is None for name, proc in services.procs.items()}
         # the heartbeat threads outlived the outage: both workers beat since it ended
         time.sleep(2 * COMMON["heartbeat_interval"])
-        workers = httpx.get(f"{api}/api/workers", timeout=30).json()["data"]
+        workers = http.get(f"{api}/api/workers", timeout=30).json()["data"]
     finally:
         services.stop_all()
         engine.dispose()
@@ -385,7 +386,7 @@ def test_postgres_restarted(
 
 def _answers(url: str) -> int:
     try:
-        return httpx.get(url, timeout=5).status_code
+        return http.get(url, timeout=5).status_code
     except httpx.HTTPError:
         return 0
 
@@ -687,18 +688,18 @@ def test_cancel_stops_a_running_pack_at_the_next_step(tmp_path: Path) -> None:
     )  # fmt: skip
     log = tmp_path / "serve.log"
     with serving(env, log) as url:
-        assert httpx.post(f"{url}/api/studies", json=LONG_UNIT_SPEC, timeout=30).status_code == 201
+        assert http.post(f"{url}/api/studies", json=LONG_UNIT_SPEC, timeout=30).status_code == 201
 
         def measured() -> int:
-            curves = httpx.get(f"{url}/api/studies/1/curves", timeout=10).json()["data"]
+            curves = http.get(f"{url}/api/studies/1/curves", timeout=10).json()["data"]
             return sum(len(c["points"]) for c in curves)
 
         wait_for(lambda: measured() >= 1, 120, "the first epoch to be measured")
         cancelled_at = time.monotonic()
-        assert httpx.post(f"{url}/api/studies/1/cancel", timeout=30).status_code == 200
+        assert http.post(f"{url}/api/studies/1/cancel", timeout=30).status_code == 200
 
         def pack_ended() -> str | None:
-            packs = httpx.get(f"{url}/api/studies/1/packs", timeout=10).json()["data"]
+            packs = http.get(f"{url}/api/studies/1/packs", timeout=10).json()["data"]
             return packs[0]["status"] if packs[0]["status"] != "running" else None
 
         assert wait_for(pack_ended, 60, "the running pack to end") == "cancelled"
@@ -752,14 +753,14 @@ def test_a_failed_study_runs_again_once_the_cause_is_fixed(
     }  # fmt: skip
     log = tmp_path / "serve.log"
     with serving(env, log) as url, registered(monkeypatch, root, ("flaky_packtune_plugin",)):
-        assert httpx.post(f"{url}/api/studies", json=spec, timeout=30).status_code == 201
+        assert http.post(f"{url}/api/studies", json=spec, timeout=30).status_code == 201
         failed = wait_finished(url, 1, timeout=120, log=log)
         assert failed["status"] == "failed", failed
         cause.unlink()  # fixed
-        retried = httpx.post(f"{url}/api/studies/1/retry", timeout=30)
+        retried = http.post(f"{url}/api/studies/1/retry", timeout=30)
         assert retried.status_code == 200, retried.text
         done = wait_finished(url, 1, timeout=120, log=log)
-        trials = httpx.get(f"{url}/api/studies/1/trials", timeout=30).json()["data"]
+        trials = http.get(f"{url}/api/studies/1/trials", timeout=30).json()["data"]
     assert done["status"] == "completed", done
     assert done["best_trial"] is not None
     assert {t["status"] for t in trials} <= {"completed", "stopped"}
