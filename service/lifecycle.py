@@ -417,10 +417,12 @@ def advance_asha(s: Session, study: Study, spec: StoredSpec) -> Advance:
         promoted = [t.id for t in waiting if t.id in chosen]
         if promoted:
             value_of = {tid: v for tid, v, _ in results}
-            store.record_promotions(
-                s, study.id, s_max, rung, [(tid, value_of[tid]) for tid in promoted],
-                iteration=0,
-            )  # fmt: skip
+            # one ladder for every iteration's trials; each promotion names its trial's own
+            records = [
+                store.Promotion(t.id, value_of[t.id], t.iteration, s_max, rung)
+                for t in waiting if t.id in chosen
+            ]  # fmt: skip
+            store.record_promotions_of(s, study.id, records)
             store.move_trials(s, promoted, TrialStatus.pending, rung=rung + 1)
             out.promoted += len(promoted)
     if out.promoted == 0 and not _more_to_come(s, study, spec, briefs):

@@ -315,6 +315,10 @@ def test_asha_promotes_as_results_come_and_ends_deterministically(factory: Facto
             select(Trial.sample_index, Trial.rung, Trial.status).where(Trial.study_id == packed)
         ).all()
         promoted = [(p.rung, p.trial_id) for p in store.promotions_of(s, packed)]
+        # one ladder for both iterations' trials; each promotion names its trial's iteration
+        own = dict(s.execute(select(Trial.id, Trial.iteration)).all())
+        said = [(p.iteration, own[p.trial_id]) for p in store.promotions_of(s, packed)]
+    assert {i for i, _ in said} == {0, 1} and all(a == b for a, b in said), said
     assert any(early), "no promotion happened while rung 0 was still training"
     reached = [sum(r >= i for _, r, _ in rows) for i in range(3)]
     assert reached[0] == 34 and reached[1] >= 34 // 3 and reached[2] >= 34 // 9 >= 1
