@@ -61,13 +61,32 @@ class PackCancelled(Exception):
     """The pack's study was cancelled while it trained: it stopped at a step boundary."""
 
 
+class ObjectiveNotReported(Exception):
+    """A measurement of a trial lacks its study's objective metric: the workload does not
+    declare its metrics (``reports``), so the study could name one it never reports."""
+
+
 class TrialError(Exception):
     """The workload or the training code raised for this array."""
 
     def __init__(self, exc: BaseException) -> None:
         # a BuildError's message already starts with the cause's type
         self.text = str(exc) if isinstance(exc, BuildError) else f"{type(exc).__name__}: {exc}"
+        #: the cause is every member's (a metric the workload never reports): running the
+        #: members one by one to find a culprit would only raise it again for each
+        self.every_member = isinstance(exc, ObjectiveNotReported)
         super().__init__(self.text)
+
+
+def check_objective_reported(workload: str, metric: str, metrics: Mapping[str, Any]) -> None:
+    """Raise :class:`ObjectiveNotReported` when ``metrics`` (a trial's measurement) lack
+    ``metric``: without it every trial would rank last, silently, and no best be found."""
+    if metric not in metrics:
+        raise ObjectiveNotReported(
+            f"workload {workload!r} did not report the study's objective metric {metric!r} "
+            f"(it reported {sorted(metrics)}): name one of those in objective.metric, or "
+            "make the workload report it"
+        )
 
 
 @dataclass(frozen=True)
@@ -513,6 +532,8 @@ def run_array(
         written_at = time.perf_counter()
 
     def record(report: Report) -> None:
+        for key, metrics in report.metrics.items():
+            check_objective_reported(job.workload, metric[_id(key)], metrics)
         unwritten.append(report)
         if report.diverged or time.perf_counter() - written_at >= RECORD_EVERY_S:
             flush()

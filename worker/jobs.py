@@ -399,8 +399,9 @@ def _run_isolating(
     try:
         return run_array(array, device, kind, ckpt_dir, shared, stop, give_up, spill_share)
     except TrialError as exc:
-        if len(array.members) == 1:
-            _fail_trial(array.members[0].trial_id, exc.text)
+        if len(array.members) == 1 or exc.every_member:
+            for trial_id in ids:
+                _fail_trial(trial_id, exc.text)
             return [{"trials": ids, "stacks": [], "notes": [], "failed": ids}]
         log.warning("array of %d raised (%s); isolating members", len(array.members), exc.text)
         stacks: list[Any] = []

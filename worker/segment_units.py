@@ -47,9 +47,11 @@ from worker.execute import (
     ArrayJob,
     ArrayRun,
     MemberJob,
+    ObjectiveNotReported,
     PackCancelled,
     TrialError,
     _id,
+    check_objective_reported,
     ensure_profile,
     mark_done,
     member_checkpoint,
@@ -250,6 +252,10 @@ def finish_spans(
     for m, state in ready:
         metrics = {"train_loss": float(state.get("train_loss", math.nan)),
                    **evaluated[m.trial_id]}  # fmt: skip
+        try:
+            check_objective_reported(job.workload, m.metric, metrics)
+        except ObjectiveNotReported as exc:
+            raise TrialError(exc) from exc
         rows.setdefault(m.metric, []).append((m.trial_id, job.to_resource, metrics))
 
     def write(s: Any) -> None:

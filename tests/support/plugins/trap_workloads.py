@@ -11,6 +11,8 @@
 - ``horizon-order-mlp`` orders its batches by the study's horizon (``max_epochs``) too,
   against the contract (the order may follow ``data_seed`` and the epoch only): trials of
   studies of different ``max_resource`` may share an array, so ``packtune check`` must fail it.
+- ``undeclared-mlp`` does not declare the metrics it reports (``reports = None``): a study
+  may name any objective for it, and one it never reports fails its trials saying so.
 - ``data-scaled-mlp`` declares ``input_scale`` fusible but scales the data with it: members
   with different scales must not share batches (the worker trains them as arrays apart).
 
@@ -52,6 +54,14 @@ class HiddenActMLP(_DigitsPlugin):
         return nn.Sequential(
             nn.Linear(64, int(cfg["hidden"])), act, nn.Linear(int(cfg["hidden"]), N_CLASSES)
         )
+
+
+class UndeclaredMLP(HiddenActMLP):
+    """``hidden-act-mlp`` without a declaration of its metrics."""
+
+    name = "undeclared-mlp"
+    structural = frozenset({"hidden", "act", "batch_size", "optimizer", "nesterov"})
+    reports = None
 
 
 class MisdeclaredMLP(_DigitsPlugin):
