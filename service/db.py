@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -85,6 +86,23 @@ def normalise_url(url: str | URL) -> URL:
 
 def _is_memory_sqlite(url: URL) -> bool:
     return url.database in (None, "", ":memory:") or "mode=memory" in str(url)
+
+
+def missing_file_problem(url: str | URL) -> str | None:
+    """Why ``url`` cannot be used by a process that does not create its database: it names
+    a SQLite file that does not exist (connecting would create it, empty; a typo in the URL
+    then looked like a database never migrated). None otherwise (other databases, in-memory
+    ones, URI filenames, a file that exists)."""
+    url = make_url(url)
+    if url.get_backend_name() != "sqlite" or _is_memory_sqlite(url):
+        return None
+    database = str(url.database)
+    if database.startswith("file:") or os.path.exists(database):
+        return None
+    return (
+        f"the database file {database} does not exist (PACKTUNE_DATABASE_URL): run "
+        "`packtune db upgrade` first to create it, or name the file `packtune serve` uses"
+    )
 
 
 def _configure_sqlite(engine: Engine) -> None:
@@ -320,6 +338,9 @@ def schema_problem(url: str | URL | None = None) -> str | None:
     from alembic.script import ScriptDirectory
 
     config = alembic_config(url)
+    missing = missing_file_problem(config.attributes["url"])
+    if missing is not None:
+        return missing
     script = ScriptDirectory.from_config(config)
     engine = make_engine(config.attributes["url"])
     try:

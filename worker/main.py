@@ -38,12 +38,12 @@ def preflight() -> str | None:
     leaves a ``.packtune-host-<name>`` marker in it; another host's marker must show here).
     None when all hold; else one line saying what is wrong."""
     from service import store
-    from service.db import DATABASE_ERRORS, ping, retrying, schema_problem
+    from service.db import DATABASE_ERRORS, missing_file_problem, ping, retrying, schema_problem
 
     settings = get_settings()
     folder = settings.checkpoint_dir
-    problem = checkpoint_folder_problem(folder)  # what an embedded runner checks too
-    if problem is not None:
+    problem = checkpoint_folder_problem(folder) or missing_file_problem(settings.database_url)
+    if problem is not None:  # the folder: what an embedded runner checks too
         return problem
     try:
         ping()

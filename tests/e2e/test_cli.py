@@ -283,7 +283,8 @@ def test_a_scheduler_or_worker_on_a_database_not_migrated_says_so(
     env: dict[str, str], tmp_path: Path, command: str, revision: str | None
 ) -> None:
     """They logged "no such table" every half second, for ever, and said nothing of
-    ``packtune db upgrade``; a schema behind this packtune's failed later, on a column."""
+    ``packtune db upgrade``; a schema behind this packtune's failed later, on a column. A
+    SQLite file that does not exist (a typo in the URL) is named, not created empty."""
     from alembic import command as alembic
 
     from service.db import alembic_config
@@ -296,9 +297,11 @@ def test_a_scheduler_or_worker_on_a_database_not_migrated_says_so(
     result = packtune(command, *args, env=env, cwd=tmp_path, timeout=60)
     assert result.returncode == 2, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
-    wanted = "has no packtune tables" if revision is None else f"is at schema {revision}"
+    file = tmp_path / "packtune.db"
+    wanted = f"file {file} does not exist" if revision is None else f"is at schema {revision}"
     assert wanted in last and "run `packtune db upgrade`" in last, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+    assert file.exists() == (revision is not None)  # not created by the look
 
 
 def test_a_worker_that_cannot_reach_its_database_refuses_to_start(
