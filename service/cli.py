@@ -90,6 +90,16 @@ def load_spec_file(path: Path) -> dict[str, Any]:
     """Read and validate a YAML/JSON spec; one-line error and exit 2 when it is wrong."""
     from packtune.spec import validate_spec
 
+    raw = read_spec_file(path)
+    try:
+        return validate_spec(raw).model_dump(mode="json")
+    except SpecError as exc:
+        fail(f"{path}: {exc.field}: {exc.message}")
+
+
+def read_spec_file(path: Path) -> Any:
+    """A YAML/JSON spec as written, not validated (a service validates what it is sent,
+    against its own workloads); one-line error and exit 2 when it cannot be read."""
     try:
         text = path.read_text(encoding="utf-8")
         raw = json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=_SpecLoader)
@@ -101,10 +111,7 @@ def load_spec_file(path: Path) -> dict[str, Any]:
         fail(f"{path}: cannot read: {exc}")
     except yaml.YAMLError as exc:
         fail(f"{path}: not valid YAML: {str(exc).splitlines()[0]}")
-    try:
-        return validate_spec(raw).model_dump(mode="json")
-    except SpecError as exc:
-        fail(f"{path}: {exc.field}: {exc.message}")
+    return raw
 
 
 def _trains_here(settings: Settings) -> None:

@@ -82,9 +82,17 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Submit a study to a running service."""
         from packtune.progress import error_lines, leaderboard_table, output_console
-        from service.cli import load_spec_file
+        from service.cli import read_spec_file
 
-        body = load_spec_file(spec)
+        # validated by the service, against the workloads installed there: a plugin may be
+        # installed on the GPU box only (and loading this machine's plugins imports torch)
+        body = read_spec_file(spec)
+        if not isinstance(body, dict):
+            _fail(f"{spec}: a study spec is a mapping (name, workload, space, ...)")
+        try:
+            json.dumps(body)
+        except (TypeError, ValueError) as exc:  # e.g. YAML read an unquoted 2026-01-01 as a date
+            _fail(f"{spec}: {exc}; quote the value")
         with connected(url, token) as client:
             study = client.create_study(body)
             console = output_console()

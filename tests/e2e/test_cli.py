@@ -515,13 +515,22 @@ def test_submit_watch_names_the_errors_of_a_study_that_completes_anyway(
 
 
 def test_submit_watch_of_a_study_that_failed_exits_1(
-    failing_env: dict[str, str], tmp_path: Path
+    env: dict[str, str], failing_env: dict[str, str], tmp_path: Path
 ) -> None:
-    """As ``packtune run``: a script sees a study that did not complete (it exited 0)."""
+    """As ``packtune run``: a script sees a study that did not complete (it exited 0).
+
+    Submitted from a machine without the plugin (``env``): the service validates a spec
+    against its own workloads (submit refused 'unknown workload' where the plugin was
+    installed on the service's host only); its refusal is one line naming the field."""
     spec = write(tmp_path / "odd.yaml", {**failing_spec([7, 9]), "name": "odd [/] watch"})
+    bad = write(tmp_path / "bad.yaml", {**failing_spec([8]), "space": {"depth": {
+        "type": "choice", "values": [2]}}})  # fmt: skip
     with serving(failing_env, tmp_path / "serve.log") as url:
-        result = packtune("submit", str(spec), "--url", url, "--watch", env=failing_env,
-                          cwd=tmp_path)  # fmt: skip
+        refused = packtune("submit", str(bad), "--url", url, env=env, cwd=tmp_path)
+        result = packtune("submit", str(spec), "--url", url, "--watch", env=env, cwd=tmp_path)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    (line,) = refused.stderr.strip().splitlines()
+    assert line.startswith("error: 422: ") and "space.depth" in line, line
     assert result.returncode == 1, result.stdout + result.stderr
     out = " ".join(result.stdout.split())
     assert "study 1 failed: no trial reached max_resource" in out and "odd [/] watch" in out
