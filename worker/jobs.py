@@ -28,6 +28,7 @@ import dataclasses
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -118,12 +119,24 @@ def device_kind(device: torch.device) -> str:
 
 def _load(pack_id: int, worker: str, device: torch.device) -> list[ArrayJob] | None:
     """Claim the pack and read what its arrays need; None when there is nothing to do."""
-    return retrying(lambda s: _claim(s, pack_id, worker, device))
+    job_id = current_job_id()
+    return retrying(lambda s: _claim(s, pack_id, worker, device, job_id))
 
 
-def _claim(s: Session, pack_id: int, worker: str, device: torch.device) -> list[ArrayJob] | None:
+def current_job_id() -> str | None:
+    """The id of the RQ job running this code (None outside one: the embedded runner's
+    jobs die with their scheduler, so none of them outlives a dispatch)."""
+    rq = sys.modules.get("rq")  # imported by an RQ worker; not imported for this
+    job = rq.get_current_job() if rq is not None else None
+    return None if job is None else str(job.id)
+
+
+def _claim(
+    s: Session, pack_id: int, worker: str, device: torch.device, job_id: str | None = None
+) -> list[ArrayJob] | None:
     # named as the planner names it, or its running pack would not count on that device
-    pack = store.claim_pack(s, pack_id, worker_name=worker, device=device_label(worker, device))
+    label = device_label(worker, device)
+    pack = store.claim_pack(s, pack_id, worker_name=worker, device=label, job_id=job_id)
     if pack is None:
         return None
     # members still queued, or running from an earlier run of this job, at the unit's start;

@@ -121,14 +121,21 @@ def queue_pack(s: Session, pack_id: int, *, job_id: str | None = None) -> bool:
     return move_pack(s, pack_id, PackStatus.queued, job_id=job_id, enqueued_at=utcnow())
 
 
-def claim_pack(s: Session, pack_id: int, *, worker_name: str, device: str) -> Pack | None:
-    """Atomically take a ``queued`` (or ``pending``) pack to ``running`` for this worker.
+def claim_pack(
+    s: Session, pack_id: int, *, worker_name: str, device: str, job_id: str | None = None
+) -> Pack | None:
+    """Atomically take a ``queued`` (or ``pending``) pack to ``running`` for this worker;
+    ``job_id``: only for the job the pack was last dispatched as.
 
     Attempts are counted when the scheduler dispatches, not here. Returns None when the
-    pack is not claimable: another worker has it, or it finished or was cancelled.
+    pack is not claimable: another worker has it, it finished or was cancelled, or it was
+    dispatched again since ``job_id`` (a stale job of an earlier attempt: run, it would
+    train the pack while the current attempt's job found it running and ended, and the
+    scheduler, seeing that job end with the pack unfinished, dispatched it once more).
     """
     claimed = move_pack(
         s, pack_id, PackStatus.running, only_from=CLAIMABLE_PACK,
+        where=Pack.job_id == job_id if job_id is not None else None,
         worker_name=worker_name, device=device, started_at=utcnow(),
     )  # fmt: skip
     return s.get(Pack, pack_id, populate_existing=True) if claimed else None

@@ -147,16 +147,19 @@ def move_pack(
     to: PackStatus,
     *,
     only_from: Collection[PackStatus] | None = None,
+    where: ColumnElement[bool] | None = None,
     **values: Any,
 ) -> bool:
-    """Move one pack ``to`` if it may go there; a final status also stamps ``finished_at``.
-    A loaded :class:`Pack` is read again after the move. Returns whether it moved."""
+    """Move one pack ``to`` if it may go there (and ``where`` holds of it); a final status
+    also stamps ``finished_at``. A loaded :class:`Pack` is read again after the move.
+    Returns whether it moved."""
     pack_id = pack if isinstance(pack, int) else pack.id
     if to in FINISHED_PACK:
         values.setdefault("finished_at", utcnow())
+    guard = [Pack.id == pack_id, Pack.status.in_(_guard(PACK_FROM, to, only_from))]
     stmt = (
         update(Pack)
-        .where(Pack.id == pack_id, Pack.status.in_(_guard(PACK_FROM, to, only_from)))
+        .where(*guard, *([where] if where is not None else []))
         .values(status=to, **values)
         .returning(Pack.id)
     )

@@ -116,6 +116,48 @@ def test_running_a_finished_pack_again_changes_nothing(db: pytest.MonkeyPatch) -
     assert snapshot(ids) == before
 
 
+def test_a_stale_job_of_an_earlier_attempt_does_not_claim_the_pack(
+    db: pytest.MonkeyPatch, redis_url: str
+) -> None:
+    """A real RQ worker runs the job of a pack's attempt 1 after the pack was dispatched
+    again as attempt 2 (an operator's ``rq requeue`` of failed jobs; a job the scheduler
+    had given up as lost): it must not train the pack. It claimed it, the attempt's own job
+    found the pack running and ended, and the scheduler, seeing that job end with the pack
+    unfinished, dispatched it a third time while the stale job still trained it."""
+    import uuid
+
+    from redis import Redis
+    from rq import Queue
+    from sqlalchemy import update
+
+    from packtune.dispatcher import JOB_FUNC, job_id_for
+    from service.models import Pack
+    from worker.main import PackWorker
+
+    pack_id, ids = make_pack([0.05, 0.1])
+    with session_scope(get_sessionmaker()) as s:
+        s.execute(update(Pack).where(Pack.id == pack_id)
+                  .values(attempts=2, job_id=job_id_for(pack_id, 2)))  # fmt: skip
+    redis = Redis.from_url(redis_url)
+    queue = Queue(f"test-stale-{uuid.uuid4().hex[:8]}", connection=redis)
+    try:
+        stale = queue.enqueue_call(JOB_FUNC, args=(pack_id,), job_id=job_id_for(pack_id, 1))
+        PackWorker([queue], connection=redis).work(burst=True, with_scheduler=False)
+        assert stale.get_status(refresh=True) == "finished"
+        assert stale.return_value() == "skipped"
+        with session_scope(get_sessionmaker()) as s:
+            pack = store.get_pack(s, pack_id)
+            assert (pack.status, pack.worker_name) == (PackStatus.queued, None)
+        assert all(t[0] == TrialStatus.queued for t in snapshot(ids).values())
+        # the attempt's own job trains it
+        current = queue.enqueue_call(JOB_FUNC, args=(pack_id,), job_id=job_id_for(pack_id, 2))
+        PackWorker([queue], connection=redis).work(burst=True, with_scheduler=False)
+        assert current.return_value() == "completed"
+    finally:
+        queue.delete(delete_jobs=True)
+        redis.close()
+
+
 def test_a_pack_whose_units_an_earlier_attempt_finished_is_completed_not_cancelled(
     db: pytest.MonkeyPatch,
 ) -> None:
