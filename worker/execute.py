@@ -62,8 +62,14 @@ class PackCancelled(Exception):
 
 
 class ObjectiveNotReported(Exception):
-    """A measurement of a trial lacks its study's objective metric: the workload does not
-    declare its metrics (``reports``), so the study could name one it never reports."""
+    """Measurements of trials lack their study's objective metric: the workload does not
+    declare its metrics (``reports``), so the study could name one it never reports.
+    ``trials``: the trials whose measurement lacks it (an array may hold trials of several
+    studies, of other objectives)."""
+
+    def __init__(self, message: str, trials: frozenset[int]) -> None:
+        self.trials = trials
+        super().__init__(message)
 
 
 class TrialError(Exception):
@@ -72,20 +78,28 @@ class TrialError(Exception):
     def __init__(self, exc: BaseException) -> None:
         # a BuildError's message already starts with the cause's type
         self.text = str(exc) if isinstance(exc, BuildError) else f"{type(exc).__name__}: {exc}"
-        #: the cause is every member's (a metric the workload never reports): running the
-        #: members one by one to find a culprit would only raise it again for each
-        self.every_member = isinstance(exc, ObjectiveNotReported)
+        #: the trials the cause is known to be theirs (a metric their workload never
+        #: reports): where that is every member of the array, running them one by one to
+        #: find a culprit would only raise it again for each
+        self.culprits = exc.trials if isinstance(exc, ObjectiveNotReported) else frozenset()
         super().__init__(self.text)
 
 
-def check_objective_reported(workload: str, metric: str, metrics: Mapping[str, Any]) -> None:
-    """Raise :class:`ObjectiveNotReported` when ``metrics`` (a trial's measurement) lack
-    ``metric``: without it every trial would rank last, silently, and no best be found."""
-    if metric not in metrics:
+def check_objective_reported(
+    workload: str, measured: Mapping[int, tuple[str, Mapping[str, Any]]]
+) -> None:
+    """Raise :class:`ObjectiveNotReported` when a measurement of ``measured`` (trial id ->
+    its study's objective metric, its metrics) lacks that metric: without it the trial would
+    rank last, silently, and its study end without a best trial."""
+    lacking = {tid: (name, metrics) for tid, (name, metrics) in measured.items()
+               if name not in metrics}  # fmt: skip
+    if lacking:
+        name, metrics = next(iter(lacking.values()))
         raise ObjectiveNotReported(
-            f"workload {workload!r} did not report the study's objective metric {metric!r} "
+            f"workload {workload!r} did not report the study's objective metric {name!r} "
             f"(it reported {sorted(metrics)}): name one of those in objective.metric, or "
-            "make the workload report it"
+            "make the workload report it",
+            frozenset(lacking),
         )
 
 
@@ -532,8 +546,8 @@ def run_array(
         written_at = time.perf_counter()
 
     def record(report: Report) -> None:
-        for key, metrics in report.metrics.items():
-            check_objective_reported(job.workload, metric[_id(key)], metrics)
+        measured = {_id(key): (metric[_id(key)], m) for key, m in report.metrics.items()}
+        check_objective_reported(job.workload, measured)
         unwritten.append(report)
         if report.diverged or time.perf_counter() - written_at >= RECORD_EVERY_S:
             flush()

@@ -412,7 +412,7 @@ def _run_isolating(
     try:
         return run_array(array, device, kind, ckpt_dir, shared, stop, give_up, spill_share)
     except TrialError as exc:
-        if len(array.members) == 1 or exc.every_member:
+        if len(array.members) == 1 or exc.culprits >= set(ids):
             for trial_id in ids:
                 _fail_trial(trial_id, exc.text)
             return [{"trials": ids, "stacks": [], "notes": [], "failed": ids}]

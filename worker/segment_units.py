@@ -249,14 +249,16 @@ def finish_spans(
     except Exception as exc:
         raise TrialError(exc) from exc
     rows: dict[str, list[tuple[int, float, dict[str, float]]]] = {}
+    measured: dict[int, tuple[str, dict[str, float]]] = {}
     for m, state in ready:
         metrics = {"train_loss": float(state.get("train_loss", math.nan)),
                    **evaluated[m.trial_id]}  # fmt: skip
-        try:
-            check_objective_reported(job.workload, m.metric, metrics)
-        except ObjectiveNotReported as exc:
-            raise TrialError(exc) from exc
+        measured[m.trial_id] = (m.metric, metrics)
         rows.setdefault(m.metric, []).append((m.trial_id, job.to_resource, metrics))
+    try:
+        check_objective_reported(job.workload, measured)
+    except ObjectiveNotReported as exc:
+        raise TrialError(exc) from exc
 
     def write(s: Any) -> None:
         for name, batch in rows.items():

@@ -158,6 +158,49 @@ def test_a_stale_job_of_an_earlier_attempt_does_not_claim_the_pack(
         redis.close()
 
 
+def test_only_the_trials_whose_objective_is_never_reported_fail(
+    db: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """One array may hold trials of several studies of one workload (packs across studies).
+    Of a workload that does not declare its metrics, a trial of a study naming ``val_f1``
+    (never reported) fails saying so; its array-mate of a study naming ``val_loss`` trains
+    and is measured as alone."""
+    from tests.support.plugins import HERE, install_plugin, registered
+
+    root = install_plugin(tmp_path / "dist", "trap_workloads",
+                          {"undeclared": "trap_workloads:UndeclaredMLP"})  # fmt: skip
+    db.syspath_prepend(str(HERE))
+    with registered(db, root, ("trap_workloads",)):
+        workload = get_workload("undeclared-mlp")
+        config = {"lr": 0.05}
+        key = fusion_key("undeclared-mlp", workload.resolve(config), workload.structural_params())
+        trials = {}
+        with session_scope(get_sessionmaker()) as s:
+            for metric in ("val_loss", "val_f1"):
+                spec = {**SPEC, "name": metric, "workload": "undeclared-mlp",
+                        "objective": {"metric": metric, "mode": "min"}}  # fmt: skip
+                study = store.create_study(s, name=metric, workload="undeclared-mlp",
+                                           spec=spec, seed=3)  # fmt: skip
+                row = {"sample_index": 0, "bracket": 1, "rung": 0, "config": config,
+                       "fusion_key": key}  # fmt: skip
+                store.add_trials(s, study.id, [row])
+                (trial,) = store.trials_of(s, study.id)
+                trial.status = TrialStatus.queued
+                trials[metric] = trial.id
+            members = [(i, key, 0.0, 1.0) for i in trials.values()]
+            pack = store.create_pack(s, study_id=study.id, members=members)
+            pack.status = PackStatus.queued
+            pack_id = pack.id
+        assert run_pack(pack_id) == "completed"
+    got = snapshot(list(trials.values()))
+    status, _, _, error, _ = got[trials["val_f1"]]
+    assert status == TrialStatus.failed
+    assert "did not report the study's objective metric 'val_f1'" in error
+    status, done, _, error, points = got[trials["val_loss"]]
+    assert (status, done, error) == (TrialStatus.paused, 1.0, None)
+    assert [r for r, m in points if math.isfinite(m["val_loss"])] == [1.0]
+
+
 def test_a_pack_whose_units_an_earlier_attempt_finished_is_completed_not_cancelled(
     db: pytest.MonkeyPatch,
 ) -> None:
