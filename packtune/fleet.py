@@ -48,6 +48,8 @@ from packtune.hyperband import Rung
 Order = Literal["fair", "id"]
 #: a study's fair-share band: its owner's, then its own (lower is served first)
 Band = tuple[int, int]
+#: the band of an infinite level (served after every finite one)
+LAST_BAND = 2**62
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,14 @@ def band(load: StudyLoad, quantum: float) -> Band:
     first."""
     if quantum <= 0:
         raise ValueError(f"quantum must be > 0, got {quantum}")
-    return math.floor(load.owner_level / quantum), math.floor(load.level / quantum)
+    return _floor(load.owner_level / quantum), _floor(load.level / quantum)
+
+
+def _floor(x: float) -> int:
+    """``floor(x)``; an infinite level (a priority too small for a float, stored before
+    priorities had a lower bound) is the last band, not an OverflowError that stopped
+    planning for every study."""
+    return math.floor(x) if math.isfinite(x) else LAST_BAND
 
 
 def study_order(loads: Iterable[StudyLoad], quantum: float, order: Order = "fair") -> list[int]:

@@ -81,6 +81,10 @@ Label = Annotated[
     AfterValidator(_printable),
 ]
 Resource = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+#: a study's weight in the fair share: within a millionfold of each other (a priority of
+#: 1e-320 was taken, and its study's fair-share level, device-seconds / priority, became
+#: infinite)
+Priority = Annotated[float, Field(ge=0.001, le=1_000, allow_inf_nan=False)]
 
 
 class _Strict(BaseModel):
@@ -273,7 +277,7 @@ class StudySpec(_Strict):
     training: TrainingSettings = TrainingSettings()
     seed: Annotated[int, Field(ge=0, le=2**63 - 1)] = 0
     #: its share of device time against other running studies (weighted fair share)
-    priority: Annotated[float, Field(gt=0, le=1_000, allow_inf_nan=False)] = 1.0
+    priority: Priority = 1.0
     #: who it is for (a user or team label, shown in the API and the dashboard)
     owner: Label | None = None
 

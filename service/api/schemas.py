@@ -12,7 +12,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from packtune.spec import Label
+from packtune.spec import Label, Priority
 from service.models import PackStatus, StudyStatus, TrialStatus, WorkerStatus
 
 T = TypeVar("T")
@@ -119,7 +119,7 @@ class StudyPatch(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    priority: Annotated[float, Field(gt=0, le=1_000, allow_inf_nan=False)] | None = Field(
+    priority: Priority | None = Field(
         default=None, description="Its weight in the fair share of device time; null: 1."
     )
     owner: Label | None = Field(default=None, description="A user or team label; null: none.")

@@ -124,6 +124,9 @@ def test_a_running_study_changes_priority_and_owner(any_client: TestClient) -> N
     assert changed.json()["fleet"] == {**created["fleet"], "priority": 4.0}
     assert any_client.get(path).json()["spec"]["priority"] == 4  # what the scheduler reads
     for body, field in (({"priority": 0}, "priority"), ({"owner": ""}, "owner"),
+                        # its level (device-seconds / priority) became infinite: planning
+                        # failed every tick for every study
+                        ({"priority": 1e-320}, "priority"), ({"priority": 1e-4}, "priority"),
                         ({"owner": "  "}, "owner"), ({"owner": "a\x00b"}, "owner"),
                         ({"seed": 3}, "seed"),
                         # as strict as a spec: these were taken as 2.0 and 1.0
@@ -199,6 +202,7 @@ def test_cancel_of_an_unknown_study_is_404(client: TestClient) -> None:
         (spec(workload="nope"), ["body", "workload"]),
         (spec(objective={"metric": "val_f1", "mode": "max"}), ["body", "objective", "metric"]),
         (spec(colour="red"), ["body", "colour"]),
+        (spec(priority=1e-320), ["body", "priority"]),
         ({k: v for k, v in SPEC.items() if k != "workload"}, ["body", "workload"]),
     ],
 )

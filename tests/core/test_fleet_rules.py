@@ -53,6 +53,17 @@ def test_study_order_serves_the_least_served_study_per_unit_of_priority() -> Non
         band(loads[0], 0.0)
 
 
+def test_an_infinite_level_is_the_last_band_not_an_error() -> None:
+    """A priority too small for a float (1e-320, taken before priorities had a lower bound
+    and still in a database) made its study's level infinite: ``band`` raised
+    OverflowError, and planning failed every tick for every running study."""
+    loads = [StudyLoad(1, priority=1e-320, used_seconds=1.0), StudyLoad(2, 1.0, 50.0)]
+    assert math.isinf(loads[0].level)
+    assert band(loads[0], 1.0) > band(loads[1], 1.0)
+    assert study_order(loads, quantum=1.0) == [2, 1]
+    assert study_order(with_owners([*loads, StudyLoad(3, 1.0, 0.0, owner="a")]), 1.0) == [3, 2, 1]
+
+
 def test_unit_key_takes_the_fair_band_then_the_longest_remaining_work() -> None:
     keys = {
         "short, band 0": unit_key("fair", 0, 2, 3.0, 10),
