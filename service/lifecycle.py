@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from packtune.asha import known_prefix, promotions
+from packtune.asha import known_prefix, promotion_order
 from packtune.checkpoints import checkpoint_path, study_folder
 from packtune.errors import SpecError, StudyCannotRun, error_cause
 from packtune.hyperband import promote, rank
@@ -381,7 +381,9 @@ def advance_brackets(s: Session, study: Study) -> Advance:
 
 def advance_asha(s: Session, study: Study, spec: StoredSpec) -> Advance:
     """ASHA's decisions (:func:`packtune.asha.promotions`): every rung's known prefix of
-    results, in sample-index order, promotes its best ``floor(m / eta)`` as they come;
+    results, rung 0's in sample-index order and a higher rung's in the order its trials
+    were promoted (:func:`packtune.asha.promotion_order`), promotes its best
+    ``floor(m / eta)`` as they come;
     the top rung's trials complete. Once nothing trains and nothing more will be sampled,
     the trials still waiting at a lower rung are stopped."""
     eta, metric, mode = int(spec.hyperband.eta), spec.objective.metric, spec.objective.mode
@@ -392,10 +394,12 @@ def advance_asha(s: Session, study: Study, spec: StoredSpec) -> Advance:
     paused_top = [t.id for t in briefs if t.status == TrialStatus.paused and t.rung >= top]
     store.move_trials(s, paused_top, TrialStatus.completed)
     out.completed += len(paused_top)
-    for rung in range(top):
-        reached = [t for t in briefs if t.rung >= rung and t.status != TrialStatus.cancelled]
-        if not any(t.rung == rung and t.status == TrialStatus.paused for t in reached):
-            continue  # nobody waits here for a decision
+    by_id = {t.id: t for t in briefs}
+    # rung 0's trials in sample-index order; rung k + 1's in the order they were promoted
+    # out of rung k (packtune.asha.promotion_order), which a later promotion only extends
+    reached = [t for t in briefs if t.status != TrialStatus.cancelled]
+    waits = [t.rung for t in briefs if t.status == TrialStatus.paused and t.rung < top]
+    for rung in range(max(waits, default=-1) + 1):  # the rungs above decide nothing now
         resource = rung_resource(spec, s_max, rung)
         above = [t.id for t in reached if t.rung > rung]
         values = store.values_at(s, study.id, above, resource, metric) if above else {}
@@ -412,7 +416,8 @@ def advance_asha(s: Session, study: Study, spec: StoredSpec) -> Advance:
                 results.append((t.id, None, True))
             else:  # still training toward this rung: the decisions after it wait
                 results.append((t.id, None, False))
-        chosen = promotions(known_prefix(results), eta, mode)
+        ranked = promotion_order(known_prefix(results), eta, mode)
+        chosen = set(ranked)
         waiting = [t for t in reached if t.rung == rung and t.status == TrialStatus.paused]
         promoted = [t.id for t in waiting if t.id in chosen]
         if promoted:
@@ -425,6 +430,13 @@ def advance_asha(s: Session, study: Study, spec: StoredSpec) -> Advance:
             store.record_promotions_of(s, study.id, records)
             store.move_trials(s, promoted, TrialStatus.pending, rung=rung + 1)
             out.promoted += len(promoted)
+            for tid in promoted:  # as the next rung reads them: on their way to it
+                by_id[tid] = by_id[tid]._replace(status=TrialStatus.pending, rung=rung + 1)
+        # a trial above this rung that the order misses (promoted under an older reading,
+        # in sample-index order) comes after it
+        reached = [by_id[i] for i in ranked if by_id[i].status != TrialStatus.cancelled] + [
+            t for t in reached if t.rung > rung and t.id not in chosen
+        ]
     if out.promoted == 0 and not _more_to_come(s, study, spec, briefs):
         rest = [t.id for t in briefs if t.status == TrialStatus.paused and t.rung < top]
         store.move_trials(s, rest, TrialStatus.stopped)

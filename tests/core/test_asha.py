@@ -7,7 +7,7 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packtune.asha import known_prefix, promotions
+from packtune.asha import known_prefix, promotion_order, promotions
 from packtune.hyperband import promote
 
 values = st.one_of(st.none(), st.floats(-1e6, 1e6), st.just(math.nan), st.just(math.inf))
@@ -34,6 +34,22 @@ def test_promotions_are_the_union_of_every_prefix_s_top(raw: list[float | None],
     # decisions only grow as results arrive
     for m in range(len(results)):
         assert promotions(results[:m], eta, "min") <= got
+
+
+@given(raw=st.lists(values, max_size=60), eta=st.integers(2, 5), cut=st.integers(0, 60))
+@settings(max_examples=200, deadline=None)
+def test_the_promotion_order_only_grows_as_more_of_a_rung_is_known(
+    raw: list[float | None], eta: int, cut: int
+) -> None:
+    """The next rung reads its results in this order: a longer known prefix of this rung
+    appends to it, never puts a trial before one already there; each trial once, as the
+    promotions' set."""
+    results = list(enumerate(raw))
+    full = promotion_order(results, eta, "min")
+    assert full[: len(promotion_order(results[:cut], eta, "min"))] == promotion_order(
+        results[:cut], eta, "min"
+    )
+    assert len(full) == len(set(full)) and set(full) == promotions(results, eta, "min")
 
 
 @given(raw=st.lists(st.floats(-1e3, 1e3), max_size=40), eta=st.integers(2, 4))

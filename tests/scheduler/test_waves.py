@@ -60,17 +60,42 @@ def factory(request: pytest.FixtureRequest) -> Iterator[Factory]:
     engine.dispose()
 
 
-def train_queued(s: Session, limit: int | None = None) -> int:
+def train_queued(
+    s: Session,
+    limit: int | None = None,
+    slow: Any = None,
+    value: Any = None,
+    profiled: bool = False,
+) -> int:
     """What workers would do with up to ``limit`` queued packs: measure each member at its
-    unit's end, pause it at its rung (pending again short of it); complete the pack."""
+    unit's end, pause it at its rung (pending again short of it); complete the pack. A pack
+    holding a trial that ``slow(trial)`` says is slow is left queued (its worker is slow).
+    ``value(trial, resource)``: the objective, instead of :func:`loss` of the config.
+    ``profiled``: each fusion key's memory and throughput recorded first, as a worker's probe
+    would (without, the planner plans the two shortest units of an unmeasured key a tick)."""
     packs = list(s.scalars(select(Pack).where(Pack.status == PackStatus.queued).order_by(Pack.id)))
+    if profiled:
+        queued = [p.id for p in packs]
+        keys = s.scalars(select(PackMember.fusion_key).where(PackMember.pack_id.in_(queued)))
+        for key in set(keys):
+            if store.get_profile(s, "digits-mlp", key, "cpu") is None:
+                store.set_memory_model(s, "digits-mlp", key, "cpu", 1000, 1000)
+                for k in (1, 2, 4, 8, 16, 32):
+                    store.record_throughput(s, "digits-mlp", key, "cpu", k, 100.0 * k)
+    if slow is not None:
+        packs = [
+            pack for pack in packs
+            if not any(slow(s.get(Trial, m.trial_id))
+                       for m in s.scalars(select(PackMember).where(PackMember.pack_id == pack.id)))
+        ]  # fmt: skip
     for pack in packs[:limit]:
         for member in s.scalars(select(PackMember).where(PackMember.pack_id == pack.id)):
             trial = s.get(Trial, member.trial_id)
             assert trial is not None
             spec = StoredSpec.of(trial.study.spec)
             r = member.to_resource
-            store.record_measurement(s, trial.id, r, {"val_loss": loss(trial.config, r)})
+            got = loss(trial.config, r) if value is None else value(trial, r)
+            store.record_measurement(s, trial.id, r, {"val_loss": got})
             at_rung = r >= rung_resource(spec, trial.bracket, trial.rung) - 1e-9
             status = TrialStatus.paused if at_rung else TrialStatus.pending
             s.execute(update(Trial).where(Trial.id == trial.id)
@@ -91,14 +116,20 @@ def run_study(
     packs_per_tick: int | None = None,
     restart_at: int | None = None,
     on_tick: Any = None,
+    slow: Any = None,
+    value: Any = None,
+    workers: int = 1,
 ) -> int:
-    """Create and drive a study to its end; returns its id."""
+    """Create and drive a study to its end; returns its id. ``slow(tick, trial)``: the
+    trial's packs wait at this tick (their worker is slow); ``value``: as train_queued's.
+    More than one worker: the keys are profiled, so that every ready unit is planned."""
     spec = validate_spec(spec).model_dump(mode="json")  # as the API stores it
     with session_scope(factory) as s:
         study_id = store.create_study(
             s, name=spec["name"], workload=spec["workload"], spec=spec, seed=spec["seed"]
         ).id
-        store.heartbeat(s, name="w", host="h", device_kind="cpu", gpus=[])
+        for w in range(workers):
+            store.heartbeat(s, name=f"w{w or ''}", host="h", device_kind="cpu", gpus=[])
     scheduler = new_scheduler(factory)
     try:
         for tick in range(2000):
@@ -109,7 +140,8 @@ def run_study(
             if on_tick is not None:
                 on_tick(tick)
             with session_scope(factory) as s:
-                train_queued(s, packs_per_tick)
+                late = None if slow is None else lambda trial, tick=tick: slow(tick, trial)
+                train_queued(s, packs_per_tick, late, value, profiled=workers > 1)
             if study_id in report.finished_studies:
                 return study_id
     finally:
@@ -289,6 +321,40 @@ def test_max_seconds_ends_the_study(factory: Factory) -> None:
 
 
 # -- ASHA ---------------------------------------------------------------------------------
+
+
+def test_asha_promotions_do_not_depend_on_which_worker_is_slow(factory: Factory) -> None:
+    """Rung 1 read in sample-index order: a trial promoted into it late (a slow worker held
+    back the rung-0 results before its promotion) came before results already decided on,
+    and the same spec and seed promoted other trials to the top rung. Read in the order
+    of promotion, every timing promotes the same trials."""
+    spec = {**SPEC, "scheduler": "asha", "sampler": "random", "packing": {"enabled": False}}
+    # by sample index: rung 0 promotes 2, 5, 8, 3, 12 in that order (the best of the first
+    # 3, 6, 9, 12, 15); at rung 1, 3 is the best, then 8; at 9 epochs, 8 beats 3
+    rung0 = [50, 51, 10, 14, 52, 11, 53, 54, 12, 55, 56, 57, 13, 58, 59, 60, 61]
+    rung1 = {3: 1.0, 12: 6.0, 8: 3.0, 2: 4.0, 5: 5.0}
+
+    def value(trial: Trial, resource: float) -> float:
+        if resource <= 1:
+            return float(rung0[trial.sample_index])
+        if resource <= 3:
+            return rung1.get(trial.sample_index, 100.0)
+        return 0.5 if trial.sample_index == 8 else float(trial.sample_index)
+
+    runs = []
+    for held in (range(0), range(3, 9), range(9, 17)):
+
+        def slow(tick: int, trial: Trial, held: range = held) -> bool:
+            return tick < 8 and trial.rung == 0 and trial.sample_index in held
+
+        study_id = run_study(factory, spec, slow=slow, value=value, workers=20)
+        with session_scope(factory) as s:
+            index = dict(s.execute(select(Trial.id, Trial.sample_index)).all())
+            promoted = sorted((p.rung, index[p.trial_id]) for p in store.promotions_of(s, study_id))
+        runs.append((promoted, study_row(factory, study_id).best_trial_id and index[
+            study_row(factory, study_id).best_trial_id]))  # fmt: skip
+    assert runs[0][0] and any(r >= 1 for r, _ in runs[0][0]), runs[0]
+    assert runs[1] == runs[0] and runs[2] == runs[0], runs
 
 
 def test_asha_promotes_as_results_come_and_ends_deterministically(factory: Factory) -> None:
