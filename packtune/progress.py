@@ -40,7 +40,7 @@ def _best(summary: dict[str, Any], metric: str) -> str:
         return "best: -"
     value = (best.get("metrics") or {}).get(metric)
     shown = f"{value:.4g}" if isinstance(value, int | float) else "?"
-    return f"best: trial {best['id']} {metric}={shown}"
+    return f"best: trial {best['id']} {escape(metric)}={shown}"
 
 
 def budget_text(summary: dict[str, Any]) -> str:
@@ -116,7 +116,7 @@ def leaderboard_table(rows: list[dict[str, Any]], metric: str, limit: int = 10) 
     table.add_column("trial", justify="right")
     table.add_column("bracket", justify="right")
     table.add_column("resource", justify="right")
-    table.add_column(metric, justify="right")
+    table.add_column(escape(metric), justify="right")  # a plugin's may hold brackets
     table.add_column("config")
     for i, row in enumerate(rows[:limit], 1):
         value = (row.get("metrics") or {}).get(metric)

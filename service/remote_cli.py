@@ -132,10 +132,10 @@ def register(app: typer.Typer) -> None:
         for study in rows:
             done, total = study.progress
             value = (study.best_metrics or {}).get(study.metric)
-            best = f"{study.metric}={value:.4g}" if isinstance(value, int | float) else "-"
+            shown = f"{study.metric}={value:.4g}" if isinstance(value, int | float) else "-"
             share = f"{study.share:.0%}" if study.share is not None else "-"
             table.add_row(str(study.id), escape(study.name), escape(study.workload),
-                          study.status, f"{done}/{total}", best, share,
+                          study.status, f"{done}/{total}", escape(shown), share,
                           escape(study.owner or "-"))  # fmt: skip
         console = output_console()
         console.print(table)

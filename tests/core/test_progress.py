@@ -7,7 +7,7 @@ from typing import Any
 
 from rich.console import Console
 
-from packtune.progress import watch
+from packtune.progress import leaderboard_table, watch
 
 
 def _summary(status: str, done: int) -> dict[str, Any]:
@@ -37,3 +37,21 @@ def test_watch_returns_the_finished_summary_without_waiting() -> None:
         lambda: _summary("completed", 3), console=Console(file=io.StringIO()), sleep=waits.append
     )
     assert waits == [] and summary["status"] == "completed"
+
+
+def test_a_metric_named_with_brackets_is_printed_as_it_is() -> None:
+    """A workload that does not declare its metrics may report any name: ``acc[/top1]``
+    crashed ``packtune run``, ``show`` and ``submit --watch`` (rich read it as a closing
+    tag), and ``acc[top1]`` printed as ``acc``."""
+    for metric in ("acc[/top1]", "acc[top1]"):
+        best = {"id": 4, "metrics": {metric: 0.5}}
+        summary = {**_summary("completed", 3), "objective": {"metric": metric},
+                   "best_trial": best}  # fmt: skip
+        out = io.StringIO()
+        console = Console(file=out, width=200)
+        watch(lambda s=summary: s, console=console, sleep=lambda _: None)
+        row = {"id": 4, "bracket": 0, "resource": 3, "metrics": {metric: 0.5}, "config": {}}
+        console.print(leaderboard_table([row], metric))
+        text = out.getvalue()
+        assert f"best: trial 4 {metric}=0.5" in text, text
+        assert metric in text.split("leaderboard")[1], text
