@@ -252,6 +252,15 @@ class Settings(BaseSettings):
         default="INFO", description="Log level."
     )
 
+    @field_validator("api_token", "disk_full_while", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        """``PACKTUNE_API_TOKEN=`` (as compose writes a variable it leaves out) is no token,
+        not a token that is empty (writes needed ``Bearer`` and nothing, which the client
+        never sends); ``PACKTUNE_DISK_FULL_WHILE=`` is no file, not ``.`` (which always
+        exists: every checkpoint failed as on a full disk)."""
+        return None if isinstance(value, str) and not value.strip() else value
+
     @field_validator("database_url")
     @classmethod
     def _a_database_url(cls, url: str) -> str:

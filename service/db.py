@@ -77,8 +77,12 @@ def json_dumps(value: Any) -> str:
 
 
 def normalise_url(url: str | URL) -> URL:
-    """Parse ``url``, giving bare PostgreSQL URLs the psycopg 3 driver."""
-    parsed = make_url(url)
+    """Parse ``url``, giving bare PostgreSQL URLs the psycopg 3 driver; one that does not
+    parse (``host:notaport``) raises :class:`SettingsError` naming the setting."""
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError) as exc:
+        raise SettingsError(f"{ENV_PREFIX}DATABASE_URL: cannot use it: {exc}") from exc
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")
     return parsed
@@ -93,7 +97,7 @@ def missing_file_problem(url: str | URL) -> str | None:
     a SQLite file that does not exist (connecting would create it, empty; a typo in the URL
     then looked like a database never migrated). None otherwise (other databases, in-memory
     ones, URI filenames, a file that exists)."""
-    url = make_url(url)
+    url = normalise_url(url)
     if url.get_backend_name() != "sqlite" or _is_memory_sqlite(url):
         return None
     database = str(url.database)

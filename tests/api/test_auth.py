@@ -167,3 +167,16 @@ def test_the_registry_never_imports_a_name(bait: Path, monkeypatch: pytest.Monke
         with pytest.raises(KeyError, match="unknown workload"):
             get_workload(workload)
     assert not (bait / "IMPORTED").exists()
+
+
+def test_an_empty_token_is_no_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PACKTUNE_API_TOKEN=`` (compose writes it so for the services that do not check it)
+    was a token of its own: writes needed ``Bearer`` and nothing, which the client never
+    sends, so every write from the CLI was a 401; unset, the API is open, as documented."""
+    from packtune.settings import load_settings
+
+    monkeypatch.setenv("PACKTUNE_API_TOKEN", "")
+    assert load_settings().api_token is None
+    monkeypatch.setenv("PACKTUNE_API_TOKEN", TOKEN)
+    token = load_settings().api_token
+    assert token is not None and token.get_secret_value() == TOKEN

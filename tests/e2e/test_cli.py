@@ -107,6 +107,9 @@ def test_a_bad_setting_stops_start_up_naming_the_variable(
         ("serve", "PACKTUNE_DATABASE_URL", "mysql://u@h/db"),
         ("run", "PACKTUNE_DATABASE_URL", "garbage"),
         ("scheduler", "PACKTUNE_DATABASE_URL", "mysql://u@h/db"),
+        # a port that is not a number: make_url's ValueError was a traceback
+        ("db upgrade", "PACKTUNE_DATABASE_URL", "postgresql://u@127.0.0.1:notaport/db"),
+        ("scheduler", "PACKTUNE_DATABASE_URL", "postgresql://u@127.0.0.1:notaport/db"),
         ("scheduler", "PACKTUNE_REDIS_URL", "garbage"),
         ("worker", "PACKTUNE_REDIS_URL", "localhost:6379"),
         ("scheduler", "PACKTUNE_HEARTBEAT_TIMEOUT", "inf"),
@@ -147,6 +150,10 @@ def test_db_upgrade_on_postgres(fresh_postgres: str, tmp_path: Path) -> None:
 
 def test_run_trains_a_study_and_prints_the_leaderboard(env: dict[str, str], tmp_path: Path) -> None:
     spec = write(tmp_path / "small.yaml", SMALL)
+    # settings left empty, as compose writes the ones it leaves out, are unset: an empty
+    # PACKTUNE_DISK_FULL_WHILE was the path '.', which always exists, and every checkpoint
+    # failed as on a full disk (the run never ended)
+    env = {**env, "PACKTUNE_DISK_FULL_WHILE": "", "PACKTUNE_API_TOKEN": ""}
     result = packtune("run", str(spec), "--top", "3", env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     # nothing left behind for multiprocessing's tracker to complain of after the fast exit
