@@ -11,6 +11,7 @@ import csv
 import io
 import json
 import math
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -210,7 +211,7 @@ def register(app: typer.Typer) -> None:
             trials = client.trials(study_id)
         text = _as_json(trials) if format_ == "json" else _as_csv(trials)
         if out is None:
-            sys.stdout.write(text)
+            _to_stdout(text)
         else:
             _write(out, text.encode())
             typer.echo(f"{len(trials)} trials of study {study_id} written to {out}")
@@ -235,6 +236,20 @@ def register(app: typer.Typer) -> None:
             data = client.checkpoint(study, study.best_trial_id)  # type: ignore[arg-type]
         _write(out, data)
         typer.echo(f"trial {study.best_trial_id} of study {study_id} written to {out}")
+
+
+def _to_stdout(text: str) -> None:
+    """``text`` to standard output; one that cannot be written (a full disk) is one line
+    and exit 2, as ``--out``'s, and a reader that has gone (``| head``) ends it quietly."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except OSError as exc:
+        # what is still buffered would fail again at exit, as a traceback of its own
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if isinstance(exc, BrokenPipeError):
+            raise typer.Exit(0) from None
+        _fail(f"cannot write to standard output: {exc.strerror or exc}")
 
 
 def _write(out: Path, data: bytes) -> None:
