@@ -9,7 +9,7 @@ from sqlalchemy import String, func, select, type_coerce
 from sqlalchemy.orm import Session, selectinload
 
 from packtune.hyperband import total_trials
-from packtune.iterations import asha_ladder
+from packtune.iterations import asha_ladder, asha_slots
 from packtune.packing import planned_array_size, segment_key
 from packtune.spec import StoredSpec
 from packtune.tuning import UPDATE_CHUNK
@@ -44,9 +44,10 @@ def brackets(s: Session, study_id: int) -> list[Row]:
     spec = StoredSpec.of(study.spec)
     plan = spec.brackets
     shown = list(enumerate(plan))  # (index j, rungs): bracket s = len(plan) - 1 - j
-    if spec.scheduler == "asha":  # one ladder, bracket s_max's, of a whole iteration's trials
-        n = total_trials(plan)
-        shown = [(0, asha_ladder(plan, int(spec.hyperband.eta), n))]
+    asha = spec.scheduler == "asha"  # one ladder, bracket s_max's, of an iteration's trials
+    # each ASHA batch's own size: the last one may be cut short by max_trials
+    batch = {slot.iteration: slot.n for slot in asha_slots(
+        plan, spec.budget.iterations(), spec.budget.max_trials)} if asha else {}  # fmt: skip
     members: dict[tuple[int, int, int], list[Row]] = defaultdict(list)
     stmt = (
         select(
@@ -67,6 +68,9 @@ def brackets(s: Session, study_id: int) -> list[Row]:
         )
     out = []
     for iteration in sorted(started):
+        if asha:
+            n = batch.get(iteration, total_trials(plan))
+            shown = [(0, asha_ladder(plan, int(spec.hyperband.eta), n))]
         for index, rungs in shown:
             bracket_s = len(plan) - 1 - index
             if iteration and not any(members[(iteration, bracket_s, i)] for i in range(len(rungs))):

@@ -398,3 +398,19 @@ def test_asha_promotes_as_results_come_and_ends_deterministically(factory: Facto
         index = dict(s.execute(select(Trial.id, Trial.sample_index)).all())
         again = [(p.rung, p.trial_id) for p in store.promotions_of(s, slow)]
     assert sorted((r, index[t]) for r, t in again) == sorted((r, index[t]) for r, t in promoted)
+
+
+def test_the_brackets_view_shows_an_asha_batch_cut_by_max_trials_at_its_size(
+    factory: Factory,
+) -> None:
+    """max_trials 20 of ASHA batches of 17: the second batch holds 3 trials; the view
+    planned it as a whole batch (17, 5, 1)."""
+    from service.queries import brackets
+
+    spec = {**SPEC, "scheduler": "asha", "sampler": "random", "budget": {"max_trials": 20}}
+    study_id = run_study(factory, spec)
+    with session_scope(factory) as s:
+        shown = brackets(s, study_id)
+    sizes = [(b["iteration"], [r["n"] for r in b["rungs"]]) for b in shown]
+    assert sizes == [(0, [17, 5, 1]), (1, [3, 1, 0])], sizes
+    assert [len(b["rungs"][0]["trials"]) for b in shown] == [17, 3]
