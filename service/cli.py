@@ -217,9 +217,12 @@ def run(
     if summary.get("error"):
         console.print(f"[red]study {study_id} failed: {remote_cli.escape(summary['error'])}[/]")
     progress = summary["progress"]
+    units = f"{progress['total']} units of work"  # a completed study's: those trained
+    if summary["status"] != "completed":  # the units planned: say how many were trained
+        units = f"{progress['done']} of {units}"
     console.print(
         f"study {study_id} {summary['status']} in {time.monotonic() - started:.1f} s: "
-        f"{progress['total']} units of work in {n_packs} packs"
+        f"{units} in {n_packs} packs"
     )
     global _run_finished
     _run_finished = True
