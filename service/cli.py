@@ -465,6 +465,27 @@ def main() -> None:
     except PacktuneError as exc:
         typer.echo(f"error: {exc}", err=True)
         sys.exit(1)
+    except OSError as exc:
+        if not _stdout_broken():
+            raise
+        # what is still buffered would fail again at exit, as a traceback of its own
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if isinstance(exc, BrokenPipeError):  # `| head`: the reader has gone
+            sys.exit(0)
+        typer.echo(f"error: cannot write to standard output: {exc.strerror or exc}", err=True)
+        sys.exit(2)
+
+
+def _stdout_broken() -> bool:
+    """Whether standard output cannot be written (a full disk, a closed pipe): a table
+    printed to ``/dev/full`` was a traceback. Probed with a line end, the least a healthy
+    output can take (a failed write may have left nothing buffered to flush again)."""
+    try:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    except OSError:
+        return True
+    return False
 
 
 if __name__ == "__main__":

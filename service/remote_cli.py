@@ -11,7 +11,6 @@ import csv
 import io
 import json
 import math
-import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -239,17 +238,11 @@ def register(app: typer.Typer) -> None:
 
 
 def _to_stdout(text: str) -> None:
-    """``text`` to standard output; one that cannot be written (a full disk) is one line
-    and exit 2, as ``--out``'s, and a reader that has gone (``| head``) ends it quietly."""
-    try:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    except OSError as exc:
-        # what is still buffered would fail again at exit, as a traceback of its own
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        if isinstance(exc, BrokenPipeError):
-            raise typer.Exit(0) from None
-        _fail(f"cannot write to standard output: {exc.strerror or exc}")
+    """``text`` to standard output, flushed now: one that cannot take it (a full disk) is
+    then one line and exit 2 (:func:`service.cli.main`), as ``--out``'s, not a traceback at
+    the interpreter's exit."""
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 def _write(out: Path, data: bytes) -> None:

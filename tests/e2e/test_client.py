@@ -244,16 +244,17 @@ def test_a_file_that_cannot_be_written_is_one_line(service: dict[str, Any], tmp_
         done = cli(service, *args)
         assert done.returncode == 2, (args, done.stdout, done.stderr)
         assert done.stderr.startswith("error: cannot write") and "Traceback" not in done.stderr
-    # export to standard output on a full disk: it was a traceback (OSError: ENOSPC)
-    with open("/dev/full", "w") as full:
-        done = subprocess.run(
-            [sys.executable, "-m", "service", "export", str(study.id), "--url", service["url"]],
-            env=service["env"], stdout=full, stderr=subprocess.PIPE, text=True, timeout=300,
-        )  # fmt: skip
-    assert done.returncode == 2, done.stderr
-    assert done.stderr.strip().splitlines() == [
-        "error: cannot write to standard output: No space left on device"
-    ], done.stderr
+    # to standard output on a full disk: each was a traceback (OSError: ENOSPC)
+    for args in (("export", str(study.id)), ("studies",), ("show", str(study.id))):
+        with open("/dev/full", "w") as full:
+            done = subprocess.run(
+                [sys.executable, "-m", "service", *args, "--url", service["url"]],
+                env=service["env"], stdout=full, stderr=subprocess.PIPE, text=True, timeout=300,
+            )  # fmt: skip
+        assert done.returncode == 2, (args, done.stderr)
+        assert done.stderr.strip().splitlines() == [
+            "error: cannot write to standard output: No space left on device"
+        ], (args, done.stderr)
 
 
 class _NotPacktune(BaseHTTPRequestHandler):
