@@ -419,14 +419,13 @@ def advance_asha(s: Session, study: Study, spec: StoredSpec) -> Advance:
         ranked = promotion_order(known_prefix(results), eta, mode)
         chosen = set(ranked)
         waiting = [t for t in reached if t.rung == rung and t.status == TrialStatus.paused]
-        promoted = [t.id for t in waiting if t.id in chosen]
+        moving = [t for t in waiting if t.id in chosen]
+        promoted = [t.id for t in moving]
         if promoted:
             value_of = {tid: v for tid, v, _ in results}
             # one ladder for every iteration's trials; each promotion names its trial's own
-            records = [
-                store.Promotion(t.id, value_of[t.id], t.iteration, s_max, rung)
-                for t in waiting if t.id in chosen
-            ]  # fmt: skip
+            records = [store.Promotion(t.id, value_of[t.id], t.iteration, s_max, rung)
+                       for t in moving]  # fmt: skip
             store.record_promotions_of(s, study.id, records)
             store.move_trials(s, promoted, TrialStatus.pending, rung=rung + 1)
             out.promoted += len(promoted)

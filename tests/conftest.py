@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 import uuid
 from collections.abc import Iterator
@@ -111,5 +110,6 @@ def _heap_frozen_between_modules() -> None:
     are torn down by then); what the module makes stays collectable. A worker and a
     runner do the same once, at their start (``_settle_heap``, ``settle_heap``).
     """
-    gc.collect()
-    gc.freeze()
+    from service.runtime import settle_heap
+
+    settle_heap()

@@ -413,8 +413,7 @@ def _run_isolating(
         return run_array(array, device, kind, ckpt_dir, shared, stop, give_up, spill_share)
     except TrialError as exc:
         if len(array.members) == 1 or exc.culprits >= set(ids):
-            for trial_id in ids:
-                _fail_trial(trial_id, exc.text)
+            _fail_trials(ids, exc.text)
             return [{"trials": ids, "stacks": [], "notes": [], "failed": ids}]
         log.warning("array of %d raised (%s); isolating members", len(array.members), exc.text)
         stacks: list[Any] = []
@@ -433,7 +432,7 @@ def _run_isolating(
                 ):
                     stacks += run["stacks"]
             except TrialError as solo:
-                _fail_trial(member.trial_id, solo.text)
+                _fail_trials([member.trial_id], solo.text)
                 failed.append(member.trial_id)
         cause = error_cause(exc.text)
         note = f"the fused array raised ({cause}); its members then ran one at a time"
@@ -517,9 +516,9 @@ class PackWatch:
         self._thread.join(timeout=5)
 
 
-def _fail_trial(trial_id: int, error: str) -> None:
+def _fail_trials(trial_ids: list[int], error: str) -> None:
     def write(s: Session) -> None:
-        store.move_trials(s, [trial_id], TrialStatus.failed, error=error)
+        store.move_trials(s, trial_ids, TrialStatus.failed, error=error)
 
     retrying(write)
 
