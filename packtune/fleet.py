@@ -173,10 +173,14 @@ def entitled_shares(loads: Iterable[StudyLoad]) -> dict[int, float]:
     }
 
 
-def split_seconds(seconds: float, work: Mapping[int, float]) -> dict[int, float]:
+def split_seconds(
+    seconds: float, work: Mapping[int, float], departed: float = 0.0
+) -> dict[int, float]:
     """A pack's ``seconds`` split between its studies in proportion to their ``work`` (the
-    trial-resource each trained in it); all to nobody when no work is known."""
-    total = sum(work.values())
+    trial-resource each trained in it); all to nobody when no work is known. ``departed``:
+    the work of members whose study was deleted, whose share goes to nobody (not to the
+    studies left in the pack)."""
+    total = sum(work.values()) + max(0.0, departed)
     if total <= 0:
         return {}
     return {study: seconds * (w / total) for study, w in work.items()}

@@ -164,8 +164,12 @@ def _fleet(s: Session, studies: list[Study]) -> dict[int, Row]:
         spec = StoredSpec.of(study.spec)
         start = study.started_at or now
         end = study.finished_at or now
+        # its packs' spans within its own run: a pack it shared trains on for the others
+        # after it was cancelled, and that time is neither its work nor its wait
         busy = covered_seconds(
-            ((a - start).total_seconds(), (b - start).total_seconds()) for a, b in spans[study.id]
+            ((max(a, start) - start).total_seconds(), (min(b, end) - start).total_seconds())
+            for a, b in spans[study.id]
+            if a < end and b > start
         )
         out[study.id] = {
             "priority": spec.priority,

@@ -222,21 +222,24 @@ def device_seconds(s: Session, study_ids: Iterable[int], now: datetime) -> dict[
     )
     stmt = (
         select(
-            Pack.id, Pack.started_at, Pack.finished_at, Pack.spent_seconds, Trial.study_id,
-            func.sum(PackMember.to_resource - PackMember.from_resource),
+            Pack.id, Pack.started_at, Pack.finished_at, Pack.spent_seconds, Pack.departed_work,
+            Trial.study_id, func.sum(PackMember.to_resource - PackMember.from_resource),
         )
         .join(PackMember, PackMember.pack_id == Pack.id)
         .join(Trial, Trial.id == PackMember.trial_id)
         .where(or_(Pack.started_at.is_not(None), Pack.spent_seconds > 0), Pack.id.in_(theirs))
-        .group_by(Pack.id, Pack.started_at, Pack.finished_at, Pack.spent_seconds, Trial.study_id)
+        .group_by(Pack.id, Pack.started_at, Pack.finished_at, Pack.spent_seconds,
+                  Pack.departed_work, Trial.study_id)
     )  # fmt: skip
-    packs: dict[int, tuple[float, dict[int, float]]] = {}
-    for pack_id, started, finished, spent, study_id, work in s.execute(stmt):
+    packs: dict[int, tuple[float, float, dict[int, float]]] = {}
+    for pack_id, started, finished, spent, departed, study_id, work in s.execute(stmt):
         took = max(0.0, ((finished or now) - started).total_seconds()) if started else 0.0
         took += float(spent or 0.0)
-        packs.setdefault(pack_id, (took, {}))[1][study_id] = float(work or 0.0)
-    for took, by_study in packs.values():
-        for study_id, share in split_seconds(took, by_study).items():
+        packs.setdefault(pack_id, (took, float(departed or 0.0), {}))[2][study_id] = float(
+            work or 0.0
+        )
+    for took, departed, by_study in packs.values():
+        for study_id, share in split_seconds(took, by_study, departed).items():
             if study_id in used:
                 used[study_id] += share
     return used
@@ -258,7 +261,14 @@ def study_shares(s: Session, pack_ids: Iterable[int]) -> dict[int, dict[int, flo
     work: dict[int, dict[int, float]] = {}
     for pack_id, study_id, amount in s.execute(stmt):
         work.setdefault(pack_id, {})[study_id] = float(amount or 0.0)
-    return {pack_id: split_seconds(1.0, by_study) for pack_id, by_study in work.items()}
+    stmt_departed = select(Pack.id, Pack.departed_work).where(
+        Pack.id.in_(ids), Pack.departed_work > 0
+    )
+    departed = {pack_id: float(w) for pack_id, w in s.execute(stmt_departed).all()}
+    return {
+        pack_id: split_seconds(1.0, by_study, departed.get(pack_id, 0.0))
+        for pack_id, by_study in work.items()
+    }
 
 
 def unfinished_members(

@@ -71,6 +71,25 @@ def delete_study(s: Session, study_id: int) -> None:
     )
     for pack_id, other in s.execute(shared).all():
         s.execute(update(Pack).where(Pack.id == pack_id).values(study_id=other))
+    # its members' share of the packs it shared stays its own, charged to nobody: the
+    # studies left in them did not use that device time (their fair-share levels)
+    others = (
+        select(PackMember.pack_id)
+        .join(Trial, Trial.id == PackMember.trial_id)
+        .where(Trial.study_id != study_id)
+    )
+    work = (
+        select(PackMember.pack_id, func.sum(PackMember.to_resource - PackMember.from_resource))
+        .join(Trial, Trial.id == PackMember.trial_id)
+        .where(Trial.study_id == study_id, PackMember.pack_id.in_(others))
+        .group_by(PackMember.pack_id)
+    )
+    for pack_id, amount in s.execute(work).all():
+        s.execute(
+            update(Pack)
+            .where(Pack.id == pack_id)
+            .values(departed_work=Pack.departed_work + float(amount or 0.0))
+        )
     s.execute(delete(Study).where(Study.id == study_id))
 
 

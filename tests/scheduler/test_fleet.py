@@ -586,3 +586,86 @@ def test_an_owner_with_several_studies_is_served_as_one(
         assert loads[ids["a1"]].owner_seconds == pytest.approx(2.0)  # a2's second counts
     else:
         assert loads[ids["a1"]].owner_seconds is None
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def either_db(request: pytest.FixtureRequest, db: None, embedded_db: pytest.MonkeyPatch) -> str:
+    """The suite's in-process setup (``db``) on a SQLite file or on a PostgreSQL database
+    of its own."""
+    if request.param == "postgresql":
+        from service.db import dispose_engines, upgrade
+
+        url = request.getfixturevalue("fresh_postgres")
+        embedded_db.setenv("PACKTUNE_DATABASE_URL", url)
+        get_settings.cache_clear()
+        dispose_engines()
+        upgrade(url)
+    return str(request.param)
+
+
+def two_studies_sharing_packs() -> tuple[int, int]:
+    """Two studies of the same seed run together to the end: they share packs."""
+    spec = {**SPEC, "sampler": "random", "seed": 5}
+    a, b = new_study({**spec, "name": "a"}), new_study({**spec, "name": "b"})
+    sched = scheduler(SyncDispatcher())
+    for study_id in (a, b):
+        assert run_to_end(sched, study_id) == StudyStatus.completed
+    of = {t: i for i in (a, b) for t in trial_ids(i)}
+    assert any({of[m.trial_id] for m in p.members} == {a, b} for p in all_packs())
+    return a, b
+
+
+def test_deleting_a_study_leaves_the_device_time_of_those_it_shared_packs_with(
+    either_db: str,
+) -> None:
+    """Deleting a study takes its trials and their pack members with it; the packs it shared
+    stay, and their time was split over the members left, so its share of them went to the
+    other studies: their device-seconds (a running study's fair-share level) grew by time
+    they never used (found by an audit: 6.5 s of a deleted study's moved onto two others).
+    Its share now goes to nobody."""
+    a, b = two_studies_sharing_packs()
+    ids = [p.id for p in all_packs()]
+    with session_scope(get_sessionmaker()) as s:
+        before = store.device_seconds(s, [a, b], utcnow())
+        shares = store.study_shares(s, ids)
+    with session_scope(get_sessionmaker()) as s:
+        store.delete_study(s, b)
+    with session_scope(get_sessionmaker()) as s:
+        after = store.device_seconds(s, [a], utcnow())
+        shares_after = store.study_shares(s, ids)
+        summary = queries.study_summary(s, a)
+    assert before[b] > 0
+    assert after[a] == pytest.approx(before[a], rel=1e-9)
+    shared = [i for i in ids if set(shares[i]) == {a, b}]
+    assert shared and all(shares_after[i] == pytest.approx({a: shares[i][a]}) for i in shared)
+    assert summary["fleet"]["device_seconds"] == round(before[a], 3)
+
+
+def test_a_cancelled_study_waited_for_what_it_waited_for_not_less(either_db: str) -> None:
+    """A study's waiting time is its run less the time its packs ran, counted within its run
+    only: a pack it shared trains on for the other studies after it is cancelled. Before,
+    that later time was subtracted too (an audit saw 0.63 s reported against 1.47 s waited;
+    down to 0 when the pack trained long enough)."""
+    a, _ = two_studies_sharing_packs()
+    with session_scope(get_sessionmaker()) as s:
+        spans = store.busy_intervals(s, [a], utcnow())[a]
+    last_start = spans[-1][0]
+    (last,) = [p for p in packs(a) if p.started_at == last_start]
+    # cancelled 1 s into its last pack, which then trains on for 60 s for the other study
+    end = last_start + timedelta(seconds=1)
+    with session_scope(get_sessionmaker()) as s:
+        study = store.get_study(s, a)
+        start, study.finished_at = study.started_at, end
+        assert start is not None
+        pack = s.get(Pack, last.id)
+        assert pack is not None
+        pack.finished_at = last_start + timedelta(seconds=61)
+    busy = (
+        sum((min(b, end) - max(a_, start)).total_seconds() for a_, b in spans[:-1] if a_ < end)
+        + 1.0
+    )  # the spans are disjoint: one pack at a time
+    with session_scope(get_sessionmaker()) as s:
+        waited = queries.study_summary(s, a)["fleet"]["waiting_seconds"]
+    expected = (end - start).total_seconds() - busy
+    assert expected > 0.01
+    assert waited == pytest.approx(expected, abs=2e-3)
