@@ -74,7 +74,7 @@ from worker.fused_forward import (
     single_forward,
     vmap_forward,
 )
-from worker.fused_group import Group, Stack, losses_function, shapes
+from worker.fused_group import Group, Stack, losses_function, metric_values, shapes
 from worker.fusion_guard import model_signature, partition, split_causes, workload_differences
 from worker.module_state import changed_state, copy_state, python_state
 from worker.optim import OPTIMIZER_HYPER, build_optimizer
@@ -887,7 +887,9 @@ class FusedArray:
                 for i, key in enumerate(group.keys):
                     results[key] = {
                         "val_loss": float(workload.loss(out[i], y.clone() if own else y)),
-                        **workload.metrics(out[i], y.clone() if own else y),
+                        **metric_values(
+                            workload, "metrics", workload.metrics(out[i], y.clone() if own else y)
+                        ),
                     }
             return results
         finally:

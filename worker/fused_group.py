@@ -14,7 +14,7 @@ can queue the next steps while the device works.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, cast
@@ -113,6 +113,34 @@ class Stack:
     stacked: bool = False
     train_forward: Forward | None = None
     losses: Losses | None = None
+
+
+def metric_values(workload: Workload, method: str, values: Any) -> dict[str, float]:
+    """What a workload's ``metrics()`` (or ``validation_metrics()``) returned, as numbers: a
+    Python number, a one-element tensor or a NumPy scalar each becomes a float; anything
+    else is an error naming the method and the metric (a trial's fault: its trials fail at
+    their first measurement, rather than every write of them failing in the database)."""
+    if not isinstance(values, Mapping):
+        raise TypeError(
+            f"{workload.name}.{method}() returned {type(values).__name__}; it must return a "
+            "dict of metric name -> number"
+        )
+    out: dict[str, float] = {}
+    for name, value in values.items():
+        if not isinstance(name, str):
+            raise TypeError(
+                f"{workload.name}.{method}() returned a metric named {name!r} "
+                f"({type(name).__name__}); metric names are strings"
+            )
+        try:
+            out[name] = float(value)
+        except (TypeError, ValueError, RuntimeError):
+            shape = f" of shape {tuple(value.shape)}" if isinstance(value, Tensor) else ""
+            raise TypeError(
+                f"{workload.name}.{method}() returned {name}={type(value).__name__}{shape}; "
+                "a metric must be a number (a float, or a tensor of one element)"
+            ) from None
+    return out
 
 
 def full(t: Tensor) -> Tensor:
@@ -263,18 +291,21 @@ class Group:
             x, y = batch
             per_member = []
             for o in self.outputs(x).unbind(0):
-                values: dict[str, Any] = {"val_loss": workload.loss(o, y), **workload.metrics(o, y)}
-                per_member.append({key: float(v) * size for key, v in values.items()})
+                values = {"val_loss": float(workload.loss(o, y)),
+                          **metric_values(workload, "metrics", workload.metrics(o, y))}  # fmt: skip
+                per_member.append({key: v * size for key, v in values.items()})
             return per_member
         per_member = []
         with self.autocast():
             for i in range(len(self.keys)):  # evaluation: one member at a time, any code
                 params = {n: p[i] for n, p in self.params.items()}
                 buffers = {n: b[i] for n, b in self.buffers.items()}
-                values = workload.validation_metrics(
-                    model_function(self.template, params, buffers), batch
-                )
-                per_member.append({key: float(v) * size for key, v in values.items()})
+                values = metric_values(
+                    workload, "validation_metrics",
+                    workload.validation_metrics(model_function(self.template, params, buffers),
+                                                batch),
+                )  # fmt: skip
+                per_member.append({key: v * size for key, v in values.items()})
         return per_member
 
     def keep(self, index: list[int]) -> None:

@@ -455,7 +455,11 @@ def test_version_prints_the_installed_version(env: dict[str, str], tmp_path: Pat
 @pytest.fixture
 def failing_env(env: dict[str, str], tmp_path: Path) -> dict[str, str]:
     """``env`` with a plugin whose trials of an odd ``width`` raise in ``build_model``."""
-    root = install_plugin(tmp_path / "plugin", "failing", {"odd": "failing_workloads:OddFails"})
+    root = install_plugin(tmp_path / "plugin", "failing", {
+        "odd": "failing_workloads:OddFails",
+        "tensor": "failing_workloads:TensorMetrics",
+        "shaped": "failing_workloads:ShapedMetrics",
+    })  # fmt: skip
     path = [str(root), str(PLUGIN_MODULES), os.environ.get("PYTHONPATH", "")]
     return {**env, "PYTHONPATH": os.pathsep.join(filter(None, path))}
 
@@ -487,6 +491,32 @@ def test_run_names_each_distinct_error_and_the_root_cause(
     # that were planned, of a study that ended short of them)
     assert re.search(r"study 1 failed in [\d.]+ s: 5 of 6 units of work in", out), out
     assert "5/6 units" in out
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_metrics_returned_as_tensors_are_numbers_or_one_line_naming_the_metric(
+    failing_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A workload's metrics() returning a tensor (as `(pred == y).float().mean()` does) went
+    to the database as it was: every write of its measurements failed (not JSON), each
+    counted as the database's fault, and its packs were retried for many minutes with a
+    traceback each time. A one-element tensor is a number now; anything else fails the
+    trials at their first measurement, in one line naming the method and the metric."""
+    spec = {**failing_spec([8]), "space": {"lr": {"type": "loguniform", "low": 0.01,
+                                                  "high": 0.1}}}  # fmt: skip
+    ok = write(tmp_path / "tensor.yaml", {**spec, "name": "tensor", "workload": "tensor-metrics"})
+    result = packtune("run", str(ok), env=failing_env, cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "study 1 completed" in " ".join(result.stdout.split())
+    bad = write(tmp_path / "shaped.yaml", {**spec, "name": "shaped", "workload": "shaped-metrics"})
+    result = packtune("run", str(bad), env=failing_env, cwd=tmp_path, timeout=120)
+    out = " ".join(result.stdout.split())
+    assert result.returncode == 1, out + result.stderr
+    assert re.search(
+        r"trials? failed: TypeError: shaped-metrics.metrics\(\) returned accuracy=Tensor of "
+        r"shape \(2,\); a metric must be a number",
+        out,
+    ), out
     assert "Traceback" not in result.stdout + result.stderr
 
 

@@ -1,5 +1,6 @@
 """A plugin whose trials fail for some configs, as a user's buggy workload would: an odd
-``hidden`` raises in ``build_model``."""
+``hidden`` raises in ``build_model``; and two whose ``metrics()`` return tensors, one of a
+single element (a number: it is taken as one) and one of two (not a number)."""
 
 from __future__ import annotations
 
@@ -21,3 +22,21 @@ class OddFails(HiddenActMLP):
         if width % 2:
             raise ValueError(f"this layer needs an even width, got {width}")
         return super().build_model(config)
+
+
+class TensorMetrics(HiddenActMLP):
+    """Its accuracy as a 0-d tensor, as ``(pred == y).float().mean()`` gives it."""
+
+    name = "tensor-metrics"
+
+    def metrics(self, outputs: Any, targets: Any) -> dict[str, Any]:
+        return {"accuracy": (outputs.argmax(-1) == targets).float().mean()}
+
+
+class ShapedMetrics(HiddenActMLP):
+    """Its per-class counts of two classes as one metric: not a number."""
+
+    name = "shaped-metrics"
+
+    def metrics(self, outputs: Any, targets: Any) -> dict[str, Any]:
+        return {"accuracy": (outputs.argmax(-1)[:2] == targets[:2]).float()}
