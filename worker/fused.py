@@ -76,7 +76,14 @@ from worker.fused_forward import (
 )
 from worker.fused_group import Group, Stack, losses_function, metric_values, shapes
 from worker.fusion_guard import model_signature, partition, split_causes, workload_differences
-from worker.module_state import changed_state, copy_state, python_state
+from worker.module_state import (
+    changed_state,
+    checkpointable,
+    copy_state,
+    object_state,
+    python_state,
+    set_python_state,
+)
 from worker.optim import OPTIMIZER_HYPER, build_optimizer
 from worker.probe import PROBE_EXAMPLES, is_stochastic, probe
 from worker.rng import (
@@ -151,6 +158,28 @@ def _build_model(
         # by every name of a tied tensor, as the model's own state_dict has it
         model.load_state_dict(with_aliases({**state["params"], **state["buffers"]}, aliases(model)))
     return model.train()
+
+
+class _Missing:
+    """An attribute a workload object does not have (kept as a value: copies are itself)."""
+
+    def __deepcopy__(self, memo: Any) -> _Missing:
+        return self
+
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+MISSING = _Missing()
+
+
+def _put(obj: Any, name: str, value: Any) -> None:
+    """Set ``obj.name`` to ``value``; :data:`MISSING` removes the attribute (its class's
+    value shows again)."""
+    if value is MISSING:
+        vars(obj).pop(name, None)
+    else:
+        setattr(obj, name, value)
 
 
 def _member_generator(
@@ -344,14 +373,32 @@ class FusedArray:
         # random, NumPy's) alike, and the host's left to its own stream from there
         host = host_state()
         models: list[nn.Module] = []
+        #: the workload object's attributes its training changes (a counter its loss keeps),
+        #: and the model's modules' (a step counter a forward keeps): each member's own,
+        #: carried in its checkpoints (:meth:`member_state`), so that a trial resumed at
+        #: any step goes on as an unbroken one, however its training was cut
+        self.workload_state: set[str] = set()
+        self.model_state: set[str] = set()
+        self._active: Hashable | None = None  # whose values the workload object holds
+        base = object_state(workload)  # before any member's build_model or resumed values
+        restored: set[str] = set()
         #: each member's own host random stream (used by an array that draws from it)
         self.host_streams: dict[Hashable, HostState] = {}
         #: the workload object's attributes after each member's build_model, which may keep
         #: values on it that its loss reads (:func:`worker.fusion_guard.workload_differences`)
         built: dict[Hashable, dict[str, Any]] = {}
         for key, config, state in zip(keys, configs, states, strict=True):
+            for name in restored:  # another member's resumed values are not this one's
+                _put(workload, name, copy.deepcopy(base.get(name, MISSING)))
             seed_host(int(config["seed"]))
-            models.append(_build_model(workload, config, state))
+            model = _build_model(workload, config, state)
+            saved_python = state.get("python") if state else None
+            if saved_python:
+                set_python_state(model, saved_python.get("model", {}))
+                for name, value in saved_python.get("workload", {}).items():
+                    setattr(workload, name, copy.deepcopy(value))
+                    restored.add(name)
+            models.append(model)
             built[key] = dict(vars(workload))
             # resumed: where the stream stood at the checkpoint (an array drawing from it saves it)
             saved = state.get("host_rng") if state else None
@@ -419,6 +466,20 @@ class FusedArray:
                 )
             stochastic = is_stochastic(workload, models[part[0]], probed)
             self.host_random |= probed.host_draws
+            self.model_state.update(probed.model_state)
+            if probed.workload_state:
+                self.workload_state.update(probed.workload_state)
+                for i in part:  # from its own build_model's (or checkpoint's) values
+                    values = self.member_values.setdefault(keys[i], {})
+                    for name in probed.workload_state:
+                        values.setdefault(name, copy.deepcopy(built[keys[i]].get(name, MISSING)))
+                names = ", ".join(repr(n) for n in sorted(probed.workload_state))
+                self.notes.append(
+                    f"{workload.name}: a training step changes {names} on the workload object "
+                    "(one object per array); its members train one at a time, each with its "
+                    "own values, as unpacked. Keep such state in the model (a buffer) for "
+                    "them to be fused"
+                )
             if probed.note is not None:
                 self.notes.append(probed.note)
             if probed.mutates and not self.copies_batches:
@@ -441,8 +502,9 @@ class FusedArray:
                 )
             only = (None if self.decoupled is None or segment is None
                     else segment_names(template, self.decoupled.segments, segment))  # fmt: skip
+            apart = probed.mutates or bool(drifted) or bool(probed.workload_state)
             for idx, stack in _forwards(workload, template, part, mode, stochastic, self.precision,
-                                        apart=probed.mutates or bool(drifted)):  # fmt: skip
+                                        apart=apart):  # fmt: skip
                 params, buffers = _stack([models[i] for i in idx], home, only)
                 self.groups.append(self._group(
                     [keys[i] for i in idx], params, buffers,
@@ -508,8 +570,10 @@ class FusedArray:
 
     def _compile(self, group: Group) -> None:
         """Give ``group`` its compiled step (:mod:`worker.compiled`) where one applies."""
-        if type(group) is not Group or group.stochastic:
-            return  # spilled and decoupled stacks, and random draws, stay eager
+        if type(group) is not Group or group.stochastic or self.workload_state:
+            # spilled and decoupled stacks, random draws, and steps that change the workload
+            # object (its compiled step would hold one frozen copy of it) stay eager
+            return
         device, precision = self.device, self.precision
         # this stack's values put back, frozen in a copy of the workload for its compiled
         # step, which later arrays whose workload holds the same values reuse
@@ -641,9 +705,42 @@ class FusedArray:
         return self._with_values(group.keys[0])
 
     def _with_values(self, key: Hashable) -> Workload:
+        active = self._active
+        if active == key and self.workload_state:
+            return self.workload  # it holds this member's values, as its training left them
+        if self.workload_state and active is not None:
+            self.member_values[active].update(self._trained_values())  # what it made of them
         for name, value in self.member_values.get(key, {}).items():
-            setattr(self.workload, name, value)
+            _put(self.workload, name, value)
+        self._active = key
         return self.workload
+
+    def _trained_values(self) -> dict[str, Any]:
+        """The workload object's values now of the attributes training changes (copies)."""
+        held = vars(self.workload)
+        return {
+            name: copy.deepcopy(held[name]) if name in held else MISSING
+            for name in self.workload_state
+        }
+
+    def python_values(self, key: Hashable) -> dict[str, dict[str, Any]]:
+        """``key``'s values of the Python state training changes (:attr:`workload_state`,
+        :attr:`model_state`) that a checkpoint can hold; empty when training changes none."""
+        out: dict[str, dict[str, Any]] = {}
+        if self.workload_state:
+            now = self._trained_values() if key == self._active else self.member_values[key]
+            out["workload"] = {
+                n: v for n, v in now.items() if v is not MISSING and checkpointable(v)
+            }
+        if self.model_state:
+            group, _ = self._locate(key)
+            state = python_state(group.template)
+            out["model"] = {
+                n: copy.deepcopy(state[n])
+                for n in sorted(self.model_state)
+                if n in state and checkpointable(state[n])
+            }
+        return out
 
     def _locate(self, key: Hashable) -> tuple[Group, int]:
         for group in self.groups:
@@ -938,6 +1035,7 @@ class FusedArray:
             "optimizer": group.optimizer.member_state(i),
             "rng": self.generators[key].get_state(),
             **({"host_rng": encode_host(self.host_streams[key])} if self.host_random else {}),
+            **({"python": python} if (python := self.python_values(key)) else {}),
             "steps_done": self.step,
             **self.epoch_loss(key),
         }

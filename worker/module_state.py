@@ -52,6 +52,35 @@ def copy_state(source: nn.Module, target: nn.Module, names: list[str]) -> None:
             delattr(dst, name)
 
 
+def object_state(obj: Any) -> dict[str, Any]:
+    """``obj``'s own attributes (a workload object's): a copy of each plain value, anything
+    else itself (compared by identity)."""
+    return {
+        name: copy.deepcopy(value) if _plain(value) else value for name, value in vars(obj).items()
+    }
+
+
+def set_python_state(model: nn.Module, values: dict[str, Any]) -> None:
+    """Set ``module.attribute`` of ``model`` to each of ``values`` (a copy)."""
+    for full, value in values.items():
+        prefix, _, name = full.rpartition(".")
+        setattr(model.get_submodule(prefix), name, copy.deepcopy(value))
+
+
+def checkpointable(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` can go into a checkpoint (``torch.load(weights_only=True)`` reads it
+    back): numbers, strings, None, and lists, tuples and string-keyed dicts of them."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return True
+    if depth >= 3:
+        return False
+    if isinstance(value, list | tuple):
+        return all(checkpointable(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and checkpointable(v, depth + 1) for k, v in value.items())
+    return False
+
+
 #: what every ``nn.Module`` keeps in its ``__dict__`` (parameters, buffers, hooks, ``training``)
 _TORCH_OWN = frozenset(vars(nn.Module()))
 

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from packtune.workloads.base import Workload
+from worker.module_state import changed_state, object_state, python_state
 from worker.rng import draws_random
 
 log = logging.getLogger(__name__)
@@ -36,12 +37,17 @@ class Probed:
     ``draws``: it drew from torch's generators; ``host_draws``: from Python's ``random`` or
     NumPy's; ``mutates``: it changed its input batch in place (``x.div_(255)`` in a forward,
     targets smoothed in place in a loss); ``reassigned``: buffers it replaced by assignment
-    (``self.mean = ...``); ``note``: why it could not tell (every probe raised)."""
+    (``self.mean = ...``); ``workload_state``: attributes of the workload object it changed
+    (a counter a loss keeps on ``self``); ``model_state``: Python attributes of the model's
+    modules it changed (a step counter a forward keeps); ``note``: why it could not tell
+    (every probe raised)."""
 
     draws: bool = False
     host_draws: bool = False
     mutates: bool = False
     reassigned: tuple[str, ...] = ()
+    workload_state: tuple[str, ...] = ()
+    model_state: tuple[str, ...] = ()
     note: str | None = None
 
 
@@ -85,17 +91,27 @@ def _run_probe(
                 else:
                     workload.loss(trial(x), y)
 
+        own, held = python_state(trial), object_state(workload)
         try:
             drew = draws_random(run, device)
         except Exception as exc:
             error = exc
             continue
+        finally:  # the probe's own changes to the workload object are undone
+            changed = changed_state(held, object_state(workload))
+            for name in changed:
+                if name in held:
+                    setattr(workload, name, held[name])
+                else:
+                    delattr(workload, name)
         now, caches = dict(trial.named_buffers()), _caches(trial)
         return Probed(
             draws=drew.torch, host_draws=drew.host,
             mutates=(x._version, y._version) != versions,
             reassigned=tuple(n for n, b in buffers.items()
                              if now.get(n) is not b and n not in caches),
+            workload_state=tuple(changed),
+            model_state=tuple(changed_state(own, python_state(trial))),
         )  # fmt: skip
     note = (
         f"{workload.name}: could not tell whether training draws random numbers (a training "

@@ -1,17 +1,18 @@
 """A study's results never depend on how its trials were packed (real ``packtune serve``).
 
 For every built-in workload, for a study of schedules, clipping and other optimizers, for
-a bf16 (autocast) study, for three plugin workloads that set fusion traps
+a bf16 (autocast) study, for five plugin workloads that set fusion traps
 (``tests/support/plugins/trap_workloads.py``: a parameter missing from ``structural``, one
 declared fusible but built as a Python value, one declared fusible and carried as a
-buffer), and for four plugins beyond in-memory tensors
-(``tests/support/plugins/stream_workloads.py``: a DataLoader over image files the test
-writes, batches augmented per trial, a custom step on dict batches with two outputs, a
-step vmap cannot batch), the same study runs packed and unpacked (``max_pack_size: 1``);
-every trial matches its unpacked twin (same sample index) at every measured resource to
-float rounding, and both studies pick the same best trial. Two ``packtune serve`` run at
-once, each with half the packed studies and the unpacked twins of the other half, so that
-no study shares a process, database or data folder with its twin.
+buffer, a step counter on the model's module, one on the workload object), and for four
+plugins beyond in-memory tensors (``tests/support/plugins/stream_workloads.py``: a
+DataLoader over image files the test writes, batches augmented per trial, a custom step on
+dict batches with two outputs, a step vmap cannot batch), the same study runs packed and
+unpacked (``max_pack_size: 1``); every trial matches its unpacked twin (same sample index)
+at every measured resource to float rounding, and both studies pick the same best trial.
+Two ``packtune serve`` run at once, each with half the packed studies and the unpacked
+twins of the other half, so that no study shares a process, database or data folder with
+its twin.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ SPACES: dict[str, dict[str, Any]] = {
     "hidden-act-mlp": {"lr": TRAP_LR, "act": ACT},
     "misdeclared-mlp": {"lr": TRAP_LR, "act": ACT},
     "scaled-mlp": {"lr": TRAP_LR, "scale": {"type": "uniform", "low": 0.25, "high": 2.0}},
+    # Python state a step changes: a counter on the model's module, one on the workload object
+    "counting-mlp": {"lr": TRAP_LR},
+    "annealed-loss-mlp": {"lr": TRAP_LR},
     # a training contract beyond plain SGD: schedules, warm-up, clipping, other optimizers;
     # trials resume mid-schedule at every rung, beside trials at other steps
     "schedules": {
@@ -119,7 +123,7 @@ FULL_HYPERBAND = ("digits-mlp", "schedules", "bf16")
 #: below, set for 9, leave a wide margin for other machines' kernels.
 REL = {
     "digits-cnn": 1e-3, "resnet-cifar": 1e-3, "misdeclared-mlp": 1e-3, "scaled-mlp": 1e-3,
-    "multi-task": 1e-3,
+    "multi-task": 1e-3, "counting-mlp": 1e-3,
 }  # fmt: skip
 #: the folder of images the streaming plugins read (written once per test module)
 IMAGES: dict[str, str] = {}
@@ -152,6 +156,8 @@ def plugin_path(tmp_path_factory: pytest.TempPathFactory) -> str:
         "hidden": "trap_workloads:HiddenActMLP",
         "misdeclared": "trap_workloads:MisdeclaredMLP",
         "scaled": "trap_workloads:ScaledMLP",
+        "counting": "trap_workloads:CountingMLP",
+        "annealed": "trap_workloads:AnnealedLossMLP",
         "folder": "stream_workloads:FolderImages",
         "augmented": "stream_workloads:AugmentedImages",
         "multitask": "stream_workloads:MultiTask",

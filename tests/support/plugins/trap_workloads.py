@@ -15,6 +15,9 @@
   may name any objective for it, and one it never reports fails its trials saying so.
 - ``data-scaled-mlp`` declares ``input_scale`` fusible but scales the data with it: members
   with different scales must not share batches (the worker trains them as arrays apart).
+- ``counting-mlp`` keeps a step counter on its module, ``annealed-loss-mlp`` one on the
+  workload object (its loss's): Python state that must be each member's own and go on
+  from where it stood when a trial resumes, however its training was cut.
 
 All train on the digits (64 features, 10 classes) with a one-hidden-layer MLP.
 """
@@ -149,3 +152,59 @@ class DataScaledMLP(_DigitsPlugin):
 
         hidden = int(self.resolve(config)["hidden"])
         return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, N_CLASSES))
+
+
+class _Counting:
+    """A model whose forward keeps a Python step counter and scales its input by it, as a
+    user's warm-up might (module-level, so that every member's model is of one class)."""
+
+    @staticmethod
+    def build(hidden: int) -> Any:
+        import torch
+        from torch import nn
+
+        class Counting(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.fc1, self.fc2 = nn.Linear(64, hidden), nn.Linear(hidden, N_CLASSES)
+                self.steps = 0  # Python state: not a buffer, not in a state_dict
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                if self.training:
+                    self.steps += 1
+                    x = x * (1.0 + 4.0 / (1.0 + self.steps))
+                return self.fc2(torch.relu(self.fc1(x)))
+
+        return Counting()
+
+
+class CountingMLP(_DigitsPlugin):
+    """MLP whose forward keeps a step counter on its module (Python state): a trial cut at
+    rungs packed and trained through them unpacked ends the same only if a resumed trial
+    goes on counting from where it stopped."""
+
+    name = "counting-mlp"
+
+    def build_model(self, config: Mapping[str, Any]) -> Any:
+        return _Counting.build(int(self.resolve(config)["hidden"]))
+
+
+class AnnealedLossMLP(HiddenActMLP):
+    """MLP whose loss anneals label smoothing by a count of its calls kept on the workload
+    object: members fused in one array would share the count (k calls a step)."""
+
+    name = "annealed-loss-mlp"
+
+    def build_model(self, config: Mapping[str, Any]) -> Any:
+        self.calls = 0
+        return super().build_model(config)
+
+    def loss(self, outputs: Any, targets: Any) -> Any:
+        from torch.nn import functional as F
+
+        self.calls += 1
+        smoothing = 0.3 * max(0.0, 1.0 - self.calls / 60)
+        return F.cross_entropy(outputs, targets, label_smoothing=smoothing)
+
+    def stacked_loss(self, outputs: Any, targets: Any) -> Any:
+        return None  # as the Workload base class: its loss is called for each member
