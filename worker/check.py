@@ -22,7 +22,7 @@ import torch
 
 from packtune.space import parse_space, sample_config, trial_seed
 from packtune.workloads import get_workload
-from packtune.workloads.base import ConfigReads, Workload, varying_reads
+from packtune.workloads.base import ConfigReads, Workload, data_splits, varying_reads
 from worker.decoupled_group import decoupled_problem
 from worker.fused import FusedArray, train
 from worker.spill import spill_problem
@@ -137,7 +137,7 @@ def check(
     # trains on its own data, as it would unpacked
     reads: set[str] = set()
     first = ConfigReads(workload.resolve(configs[0]), reads)
-    data = None if workload.streams else workload.data(first, device)
+    data = None if workload.streams else data_splits(name, workload.data(first, device))
     varying = varying_reads(workload, [workload.resolve(c) for c in configs[:members]], reads)
     if varying:
         report.warnings.append(

@@ -35,7 +35,7 @@ from packtune.spec import TrainingSettings
 from packtune.spilling import Unspillable
 from packtune.tuning import DROP_BELOW_S, HEADROOM, LARGER_PROBE_SIZES, RECORD_EVERY_S
 from packtune.workloads import get_workload
-from packtune.workloads.base import ConfigReads, Workload, varying_reads
+from packtune.workloads.base import ConfigReads, Workload, data_splits, varying_reads
 from service import store
 from service.db import retrying
 from service.models import TrialStatus
@@ -360,7 +360,7 @@ def _read_data(
     config its data path reads (``data``, ``steps_per_epoch``, ``batch_indices``)."""
     try:
         seen = ConfigReads(first)
-        data = None if workload.streams else workload.data(seen, device)
+        data = None if workload.streams else data_splits(workload.name, workload.data(seen, device))
         if not workload.streams:
             workload.steps_per_epoch(seen)
             next(iter(workload.batch_indices(seen, 0)), None)
@@ -467,7 +467,12 @@ def run_array(
         if runs is not None:
             return runs
         return run_segment_array(job, device, kind, checkpoint_dir, stop, data)
-    spe = workload.steps_per_epoch(first)
+    try:  # the workload's own code (a train_size of the wrong kind): the trials' fault
+        spe = workload.steps_per_epoch(first)
+    except NOT_A_TRIAL_FAULT:
+        raise
+    except Exception as exc:
+        raise TrialError(exc) from exc
     from_step, to_step = span_steps(job, spe)
     todo, states, done = [], [], {}
     for m in job.members:

@@ -55,7 +55,14 @@ from packtune.schedules import SCHEDULE_PARAMS, Schedule, schedule_of
 from packtune.spec import TrainingSettings
 from packtune.spilling import Unspillable
 from packtune.tuning import CUDA_CHECK_EVERY
-from packtune.workloads.base import OPTIMIZER_PARAMS, PRECISIONS, Split, Workload, epoch_seed
+from packtune.workloads.base import (
+    OPTIMIZER_PARAMS,
+    PRECISIONS,
+    Split,
+    Workload,
+    data_splits,
+    epoch_seed,
+)
 from worker import compiled
 from worker.batches import (
     batch_size,
@@ -154,6 +161,11 @@ def _build_model(
             f"{type(exc).__name__}: {exc} [{DETAILS}{workload.name}.build_model could not "
             f"build the model of {_suspects(config)}]"
         ) from exc
+    if not isinstance(model, nn.Module):
+        raise BuildError(
+            f"{workload.name}.build_model() returned a {type(model).__name__}; it must return "
+            "a torch.nn.Module (layers in a list: wrap them in nn.Sequential)"
+        )
     if state is not None:
         # by every name of a tied tensor, as the model's own state_dict has it
         model.load_state_dict(with_aliases({**state["params"], **state["buffers"]}, aliases(model)))
@@ -441,7 +453,9 @@ class FusedArray:
         self.train_split: Split | None = None
         self.val_split: Split | None = None
         if not self.streaming:
-            self.train_split, self.val_split = data or workload.data(self.config, self.device)
+            self.train_split, self.val_split = data or data_splits(
+                workload.name, workload.data(self.config, self.device)
+            )
         #: the model draws from the host's generators: each member's step from its own stream
         self.host_random = False
         #: training changes its batch in place: each stack steps on (and evaluates) a copy

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from packtune.spec import TrainingSettings
-from packtune.workloads.base import Split, Workload
+from packtune.workloads.base import Split, Workload, data_splits
 from worker.batches import tensors
 from worker.fused import FusedArray, StackMode
 
@@ -136,7 +136,7 @@ def probe(
     cfg = workload.resolve(config)
     seed = int(cfg.get("seed", 0))
     if data is None and not workload.streams:
-        data = workload.data(cfg, device)
+        data = data_splits(workload.name, workload.data(cfg, device))
     peaks: dict[int, int] = {}
     throughput: dict[int, float] = {}
     for k in sorted(set(ks)):

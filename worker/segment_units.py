@@ -37,6 +37,7 @@ import torch
 
 from packtune.checkpoints import checkpoint_path
 from packtune.workloads import get_workload
+from packtune.workloads.base import data_splits
 from service import store
 from service.db import retrying
 from service.models import TrialStatus
@@ -88,9 +89,21 @@ def run_segment_array(
     segment = job.segment
     configs = {m.trial_id: job.config(m) for m in job.members}
     first = workload.resolve(next(iter(configs.values())))
-    from_step, to_step = span_steps(job, workload.steps_per_epoch(first))
+    try:  # the workload's own code: the trials' fault
+        spe = workload.steps_per_epoch(first)
+    except NOT_A_TRIAL_FAULT:
+        raise
+    except Exception as exc:
+        raise TrialError(exc) from exc
+    from_step, to_step = span_steps(job, spe)
     # the workload's data, loaded once for training and evaluation, and only if either runs
-    data = functools.cache(lambda: loaded if loaded is not None else workload.data(first, device))
+    data = functools.cache(
+        lambda: (
+            loaded
+            if loaded is not None
+            else data_splits(workload.name, workload.data(first, device))
+        )
+    )
     todo: list[MemberJob] = []
     states: list[dict[str, Any] | None] = []
     ended: list[MemberJob] = []

@@ -44,6 +44,7 @@ see the same batches) before calling the workload.
 from __future__ import annotations
 
 import abc
+import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -180,6 +181,21 @@ class Split:
 
     x: torch.Tensor
     y: torch.Tensor
+
+
+def data_splits(workload: str, value: Any) -> tuple[Split, Split]:
+    """What ``workload``'s ``data()`` returned, checked: its train and validation splits; an
+    error naming the method and what it returned otherwise (not an AttributeError later)."""
+    if isinstance(value, tuple | list) and len(value) == 2:
+        if all(isinstance(split, Split) for split in value):
+            return value[0], value[1]
+    shape = type(value).__name__
+    if isinstance(value, tuple | list):
+        shape += f" of {len(value)}: " + ", ".join(type(v).__name__ for v in value[:3])
+    raise TypeError(
+        f"{workload}.data() returned a {shape}; it must return (Split(x, y), Split(x, y)): "
+        "the train and validation splits"
+    )
 
 
 class Workload(abc.ABC):
@@ -345,6 +361,11 @@ class Workload(abc.ABC):
             return "it implements neither loss() nor training_loss()"
         if self.custom_step and not has("validation_metrics"):
             return "it implements training_loss() but not validation_metrics()"
+        if "batch_size" not in self.params and (not self.streams or not has("steps_per_epoch")):
+            return (
+                "it has no batch_size parameter, which packtune reads to cut its data into "
+                'batches (add "batch_size": 64, or your size, to params)'
+            )
         return None
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -372,7 +393,17 @@ class Workload(abc.ABC):
     def steps_per_epoch(self, config: Mapping[str, Any]) -> int:
         """Optimizer steps in one epoch: the train split in batches (last partial batch dropped)."""
         cfg = self.resolve(config)
-        return max(1, self.train_size(cfg) // int(cfg["batch_size"]))
+        return max(1, self._train_size(cfg) // int(cfg["batch_size"]))
+
+    def _train_size(self, config: Mapping[str, Any]) -> int:
+        size = self.train_size(config)
+        try:
+            return operator.index(size)  # an int, or a NumPy integer
+        except TypeError:
+            raise TypeError(
+                f"{self.name}.train_size() returned {size!r} ({type(size).__name__}); it must "
+                "return the number of training examples, an int"
+            ) from None
 
     @abc.abstractmethod
     def train_size(self, config: Mapping[str, Any]) -> int:
@@ -383,7 +414,7 @@ class Workload(abc.ABC):
         import torch
 
         cfg = self.resolve(config)
-        n, bs = self.train_size(cfg), int(cfg["batch_size"])
+        n, bs = self._train_size(cfg), int(cfg["batch_size"])
         gen = torch.Generator().manual_seed(batch_order_seed(int(cfg.get("data_seed", 0)), epoch))
         perm = torch.randperm(n, generator=gen)
         for step in range(self.steps_per_epoch(cfg)):

@@ -430,3 +430,33 @@ def test_workloads_declare_what_they_report_and_the_api_lists_it() -> None:
         reports = None
 
     assert Undeclared().reported_metrics() is None
+
+
+def test_a_workload_without_batch_size_is_refused_saying_why() -> None:
+    """A workload whose params lack batch_size was registered; a study of it was accepted and
+    its packs failed with KeyError: 'batch_size', retried for 38 s. It is refused at
+    registration now (a warning names why; a study naming it is an unknown workload)."""
+
+    class NoBatch(Workload):
+        name = "no-batch"
+        params = {"hidden": 8, **OPTIMIZER_PARAMS}
+
+        def build_model(self, config: Any) -> Any:
+            return nn.Linear(2, 2)
+
+        def data(self, config: Any, device: Any = "cpu") -> Any:
+            raise AssertionError("not called")
+
+        def loss(self, outputs: Any, targets: Any) -> Any:
+            raise AssertionError("not called")
+
+        def train_size(self, config: Any) -> int:
+            return 8
+
+    problem = NoBatch().interface_problem()
+    assert problem is not None and "no batch_size parameter" in problem, problem
+
+    class WithBatch(NoBatch):
+        params = {**NoBatch.params, "batch_size": 4}
+
+    assert WithBatch().interface_problem() is None

@@ -459,6 +459,9 @@ def failing_env(env: dict[str, str], tmp_path: Path) -> dict[str, str]:
         "odd": "failing_workloads:OddFails",
         "tensor": "failing_workloads:TensorMetrics",
         "shaped": "failing_workloads:ShapedMetrics",
+        "list": "failing_workloads:ListModel",
+        "tuple": "failing_workloads:TupleData",
+        "float": "failing_workloads:FloatTrainSize",
     })  # fmt: skip
     path = [str(root), str(PLUGIN_MODULES), os.environ.get("PYTHONPATH", "")]
     return {**env, "PYTHONPATH": os.pathsep.join(filter(None, path))}
@@ -517,6 +520,34 @@ def test_metrics_returned_as_tensors_are_numbers_or_one_line_naming_the_metric(
         r"shape \(2,\); a metric must be a number",
         out,
     ), out
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    ("workload", "says"),
+    [
+        ("list-model", "list-model.build_model() returned a list; it must return a "
+                       "torch.nn.Module"),
+        ("tuple-data", "tuple-data.data() returned a tuple of 2: tuple, tuple; it must return "
+                       "(Split(x, y), Split(x, y))"),
+        ("float-train-size", "float-train-size.train_size() returned 1293.3 (float); it must "
+                             "return the number of training examples, an int"),
+    ],
+)  # fmt: skip
+def test_a_method_returning_the_wrong_kind_of_value_is_named(
+    failing_env: dict[str, str], tmp_path: Path, workload: str, says: str
+) -> None:
+    """A build_model returning a list of layers, a data() returning (x, y) tuples and a
+    train_size() returning a float failed the trials with Python's own words ("'list' object
+    has no attribute 'train'", "'tuple' object has no attribute 'x'", torch.randperm's
+    multi-line signature list): now with the method and what it must return."""
+    spec = {**failing_spec([8]), "name": workload, "workload": workload,
+            "space": {"lr": {"type": "loguniform", "low": 0.01, "high": 0.1}}}  # fmt: skip
+    result = packtune("run", str(write(tmp_path / "s.yaml", spec)), env=failing_env,
+                      cwd=tmp_path, timeout=120)  # fmt: skip
+    out = " ".join(result.stdout.split())
+    assert result.returncode == 1, out + result.stderr
+    assert says in out, out
     assert "Traceback" not in result.stdout + result.stderr
 
 

@@ -40,3 +40,31 @@ class ShapedMetrics(HiddenActMLP):
 
     def metrics(self, outputs: Any, targets: Any) -> dict[str, Any]:
         return {"accuracy": (outputs.argmax(-1)[:2] == targets[:2]).float()}
+
+
+class ListModel(HiddenActMLP):
+    """Its build_model returns the layers as a list."""
+
+    name = "list-model"
+
+    def build_model(self, config: Mapping[str, Any]) -> Any:
+        return list(super().build_model(config))
+
+
+class TupleData(HiddenActMLP):
+    """Its data() returns (x, y) pairs, not Splits."""
+
+    name = "tuple-data"
+
+    def data(self, config: Mapping[str, Any], device: Any = "cpu") -> Any:
+        train, val = super().data(config, device)
+        return (train.x, train.y), (val.x, val.y)
+
+
+class FloatTrainSize(HiddenActMLP):
+    """Its train_size() is a product of a float."""
+
+    name = "float-train-size"
+
+    def train_size(self, config: Mapping[str, Any]) -> Any:
+        return super().train_size(config) * 0.9
