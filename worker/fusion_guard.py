@@ -36,10 +36,14 @@ import torch
 from torch import nn
 
 from packtune.tuning import GUARD_MAX_DEPTH
+from packtune.workloads.base import OPTIMIZER_HYPER
 from worker.ties import aliases, reused_modules
 
 #: Config keys that always differ between members and say nothing about a split's cause.
 _PER_MEMBER_KEYS = frozenset({"seed"})
+#: config keys packtune carries per member itself: the fused optimizer's hyperparameters
+#: (schedules included) and the study's horizon; unlikely to shape a model
+_CARRIED_KEYS = frozenset({*OPTIMIZER_HYPER, "max_epochs"})
 #: A class's own entries that say nothing about behaviour once an instance exists
 #: (``__init__``'s work is in the instance's attributes, which are compared themselves).
 _CLASS_NOISE = frozenset({
@@ -194,7 +198,10 @@ def split_causes(configs: Sequence[Mapping[str, Any]], parts: Sequence[Sequence[
 
     First the keys constant inside every part but different between parts; failing
     that, every key whose values differ at all (the seed only when nothing else does:
-    then the model depends on the trial's seed).
+    then the model depends on the trial's seed). The optimizer's hyperparameters and
+    the study's horizon (``max_epochs``), which packtune itself carries per member, are
+    named only when nothing else can be (with parts of one member each, every key that
+    differs is constant inside every part).
     """
     keys = sorted({key for config in configs for key in config} - {"data_seed"})
 
@@ -202,12 +209,14 @@ def split_causes(configs: Sequence[Mapping[str, Any]], parts: Sequence[Sequence[
         return {repr(configs[i].get(key)) for i in idx}
 
     varying = [key for key in keys if len(values(key, range(len(configs)))) > 1]
-    exact = [key for key in varying if key not in _PER_MEMBER_KEYS
-             and all(len(values(key, part)) == 1 for part in parts)]  # fmt: skip
-    if exact:
-        return exact
-    others = [key for key in varying if key not in _PER_MEMBER_KEYS]
-    return others or [key for key in varying if key in _PER_MEMBER_KEYS]
+    likely = [key for key in varying if key not in _PER_MEMBER_KEYS | _CARRIED_KEYS]
+    exact = [key for key in likely if all(len(values(key, part)) == 1 for part in parts)]
+    return (
+        exact
+        or likely
+        or [key for key in varying if key in _PER_MEMBER_KEYS]
+        or [key for key in varying if key in _CARRIED_KEYS]
+    )
 
 
 def workload_differences(states: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -217,8 +217,24 @@ def test_a_model_that_depends_on_the_seed_is_named_as_such() -> None:
     parts = partition([model_signature(m) for m in models])
     assert parts == [[0], [1]]
     assert split_causes(configs, parts) == ["seed"]
+    # an optimizer hyperparameter packtune carries per member is not named over the seed
+    # (it was: "parameter 'lr'" for a model that depends on the seed)
     configs[1]["lr"] = 0.2
-    assert split_causes(configs, parts) == ["lr"]
+    assert split_causes(configs, parts) == ["seed"]
+
+
+def test_the_parameter_a_model_is_built_from_is_named_not_the_optimizers() -> None:
+    """Members of one each per stack differ in every key that differs: the warning named
+    'lr', 'max_epochs' and 'temperature' (an audit's model keeping its fusible temperature
+    as a plain tensor attribute), of which only the last shapes the model."""
+    configs = [
+        {"seed": 1, "lr": 0.1, "max_epochs": 3, "temperature": 1.0},
+        {"seed": 2, "lr": 0.2, "max_epochs": 9, "temperature": 2.0},
+    ]
+    assert split_causes(configs, [[0], [1]]) == ["temperature"]
+    assert split_causes([{**c, "temperature": 1.0} for c in configs], [[0], [1]]) == ["seed"]
+    same_seed = [{**c, "seed": 1, "temperature": 1.0} for c in configs]
+    assert split_causes(same_seed, [[0], [1]]) == ["lr", "max_epochs"]
 
 
 def test_a_model_that_cannot_be_built_names_the_parameter() -> None:
