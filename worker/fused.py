@@ -744,7 +744,9 @@ class FusedArray:
         if self.workload_state:
             now = self._trained_values() if key == self._active else self.member_values[key]
             out["workload"] = {
-                n: v for n, v in now.items() if v is not MISSING and checkpointable(v)
+                n: copy.deepcopy(v)
+                for n in sorted(self.workload_state)
+                if (v := now.get(n, MISSING)) is not MISSING and checkpointable(v)
             }
         if self.model_state:
             group, _ = self._locate(key)
