@@ -178,12 +178,12 @@ def split_seconds(
 ) -> dict[int, float]:
     """A pack's ``seconds`` split between its studies in proportion to their ``work`` (the
     trial-resource each trained in it); all to nobody when no work is known. ``departed``:
-    the work of members whose study was deleted, whose share goes to nobody (not to the
-    studies left in the pack)."""
-    total = sum(work.values()) + max(0.0, departed)
+    seconds of it already charged to studies since deleted, split off first (to nobody)."""
+    total = sum(work.values())
     if total <= 0:
         return {}
-    return {study: seconds * (w / total) for study, w in work.items()}
+    left = max(0.0, seconds - departed)
+    return {study: left * (w / total) for study, w in work.items()}
 
 
 def covered_seconds(spans: Iterable[tuple[float, float]]) -> float:

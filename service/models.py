@@ -239,9 +239,9 @@ class Pack(Base):
     #: device-seconds of its earlier attempts, those that ended without finishing it (a
     #: failed job, a lost worker): charged to its studies with the current attempt's time
     spent_seconds: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
-    #: trial-resource of its members whose study was deleted (their rows went with it):
-    #: their share of its device time is charged to nobody, not to the studies left in it
-    departed_work: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
+    #: device-seconds of it charged to studies since deleted (their members went with them),
+    #: up to their deletion: charged to nobody, not to the studies left in it
+    departed_seconds: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     #: how each array ran, written when the pack completes: [{"trials": [...], "stacks":
     #: [{"trials": [...], "mode": "bmm" | "vmap" | "serial"}], "notes": [...],

@@ -147,4 +147,31 @@ def merge_segments(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     }
     if "train_loss" in ordered[-1]:
         merged["train_loss"] = float(ordered[-1]["train_loss"])
+    python = _merged_python(ordered)
+    if python:
+        merged["python"] = python
     return merged
+
+
+def _merged_python(ordered: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The Python state training changed (``python`` of each segment's state: each holds the
+    whole model's): a module's attributes from the segment that trains it (holds its
+    weights or buffers; the first that has them otherwise), the workload object's from the
+    last segment (whose loss is the trial's)."""
+    model: dict[str, Any] = {}
+    owned: dict[str, Any] = {}
+    for part in ordered:
+        values = part.get("python", {}).get("model", {})
+        tensors = [*part["params"], *part["buffers"]]
+        for full, value in values.items():
+            prefix = full.rpartition(".")[0]
+            model.setdefault(full, value)
+            if any(name.startswith(f"{prefix}.") or not prefix for name in tensors):
+                owned.setdefault(full, value)
+    out: dict[str, dict[str, Any]] = {}
+    if model:
+        out["model"] = {**model, **owned}
+    workload = ordered[-1].get("python", {}).get("workload")
+    if workload:
+        out["workload"] = dict(workload)
+    return out

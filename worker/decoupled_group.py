@@ -29,6 +29,7 @@ from packtune.workloads.base import Workload, batch_order_seed
 from worker.decoupled import Segment, cut_points, synthetic_labels
 from worker.fused_forward import Forward
 from worker.fused_group import Group, Stack, full
+from worker.module_state import kept_python_state
 from worker.optim import StackedOptimizer
 from worker.spill import chain_of, stack_forward
 
@@ -78,7 +79,7 @@ def segment_names(template: nn.Module, segments: int, j: int) -> set[str]:
 def _widths(parts: Sequence[nn.Module], example: Tensor) -> list[int]:
     """Each segment's output width per example, from a pass on the meta device."""
     out, h = [], torch.empty(example.shape, dtype=example.dtype, device="meta")
-    with torch.no_grad():
+    with torch.no_grad(), kept_python_state(*parts):
         for part in parts:
             h = part(h)
             out.append(int(h[0].numel()))

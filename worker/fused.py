@@ -89,6 +89,7 @@ from worker.module_state import (
     copy_state,
     object_state,
     python_state,
+    restore,
     set_python_state,
 )
 from worker.optim import OPTIMIZER_HYPER, build_optimizer
@@ -400,14 +401,16 @@ class FusedArray:
         #: values on it that its loss reads (:func:`worker.fusion_guard.workload_differences`)
         built: dict[Hashable, dict[str, Any]] = {}
         for key, config, state in zip(keys, configs, states, strict=True):
-            for name in restored:  # another member's resumed values are not this one's
-                _put(workload, name, copy.deepcopy(base.get(name, MISSING)))
+            restore(workload, base, sorted(restored))  # another member's resumed values
             seed_host(int(config["seed"]))
             model = _build_model(workload, config, state)
             saved_python = state.get("python") if state else None
             if saved_python:
                 set_python_state(model, saved_python.get("model", {}))
                 for name, value in saved_python.get("workload", {}).items():
+                    built_value = vars(workload).get(name)
+                    if isinstance(value, Tensor) and isinstance(built_value, Tensor):
+                        value = value.to(built_value.device)  # saved on the CPU
                     setattr(workload, name, copy.deepcopy(value))
                     restored.add(name)
             models.append(model)
@@ -493,6 +496,21 @@ class FusedArray:
                     "(one object per array); its members train one at a time, each with its "
                     "own values, as unpacked. Keep such state in the model (a buffer) for "
                     "them to be fused"
+                )
+            unsaved = sorted(
+                n for n in probed.workload_state
+                if not checkpointable(built[keys[part[0]]].get(n))
+            ) + sorted(
+                n for n, v in python_state(models[part[0]]).items()
+                if n in probed.model_state and not checkpointable(v)
+            )  # fmt: skip
+            if unsaved:
+                self.notes.append(
+                    f"{workload.name}: training changes {', '.join(repr(n) for n in unsaved)}, "
+                    "which a checkpoint cannot hold (not numbers, strings or containers of "
+                    "them): a trial resumed at a rung starts them from build_model's values, "
+                    "so its result depends on where its training is cut; keep such state in "
+                    "a buffer"
                 )
             if probed.note is not None:
                 self.notes.append(probed.note)
@@ -744,7 +762,7 @@ class FusedArray:
         if self.workload_state:
             now = self._trained_values() if key == self._active else self.member_values[key]
             out["workload"] = {
-                n: copy.deepcopy(v)
+                n: v.detach().to("cpu", copy=True) if isinstance(v, Tensor) else copy.deepcopy(v)
                 for n in sorted(self.workload_state)
                 if (v := now.get(n, MISSING)) is not MISSING and checkpointable(v)
             }

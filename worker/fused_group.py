@@ -133,6 +133,8 @@ def metric_values(workload: Workload, method: str, values: Any) -> dict[str, flo
                 f"({type(name).__name__}); metric names are strings"
             )
         try:
+            if isinstance(value, str | bytes):  # float("0.5") reads a string as a number
+                raise TypeError
             out[name] = float(value)
         except (TypeError, ValueError, RuntimeError):
             shape = f" of shape {tuple(value.shape)}" if isinstance(value, Tensor) else ""

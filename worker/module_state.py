@@ -7,8 +7,11 @@ identity: an attribute set to another object is seen, one changed in place is no
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import nn
 
 _PLAIN = (int, float, complex, str, bytes, bool, type(None))
@@ -52,12 +55,78 @@ def copy_state(source: nn.Module, target: nn.Module, names: list[str]) -> None:
             delattr(dst, name)
 
 
+@contextmanager
+def kept_python_state(*modules: nn.Module) -> Iterator[None]:
+    """Python attributes of ``modules`` as they were before the block: a pass packtune runs
+    for itself (a shape pass on the meta device) must not count as a training step of a
+    forward that keeps a step counter."""
+    before = [python_state(module) for module in modules]
+    try:
+        yield
+    finally:
+        for module, held in zip(modules, before, strict=True):
+            for full in changed_state(held, python_state(module)):
+                prefix, _, name = full.rpartition(".")
+                owner = module.get_submodule(prefix)
+                if full in held:
+                    value = held[full]
+                    setattr(owner, name, copy.deepcopy(value) if _plain(value) else value)
+                else:
+                    vars(owner).pop(name, None)
+
+
+#: a tensor attribute of a workload object up to this many elements is compared by value
+#: (a counter kept as a tensor, changed in place); larger ones are data, by identity
+SMALL_TENSOR = 4096
+
+
 def object_state(obj: Any) -> dict[str, Any]:
-    """``obj``'s own attributes (a workload object's): a copy of each plain value, anything
-    else itself (compared by identity)."""
-    return {
-        name: copy.deepcopy(value) if _plain(value) else value for name, value in vars(obj).items()
-    }
+    """``obj``'s own attributes (a workload object's): a copy of each plain value and of each
+    small tensor (compared by value), anything else itself (compared by identity)."""
+    return {name: _held(value) for name, value in vars(obj).items()}
+
+
+def _held(value: Any) -> Any:
+    if _plain(value):
+        return copy.deepcopy(value)
+    if isinstance(value, torch.Tensor) and value.numel() <= SMALL_TENSOR and not value.is_meta:
+        return _Snapshot(value.detach().clone())
+    return value
+
+
+class _Snapshot:
+    """A small tensor's value at a moment (:func:`object_state`), compared by value."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def same_as(self, other: Any) -> bool:
+        value = other.tensor if isinstance(other, _Snapshot) else other
+        return (
+            isinstance(value, torch.Tensor)
+            and value.shape == self.tensor.shape
+            and value.dtype == self.tensor.dtype
+            and value.device == self.tensor.device
+            and bool(torch.equal(value.detach(), self.tensor))
+        )
+
+
+def restore(obj: Any, held: dict[str, Any], names: list[str]) -> None:
+    """Put ``names`` of ``obj`` back to their values in ``held`` (:func:`object_state`); a
+    name ``held`` lacks is removed."""
+    for name in names:
+        if name not in held:
+            vars(obj).pop(name, None)
+            continue
+        value = held[name]
+        if isinstance(value, _Snapshot):
+            current = vars(obj).get(name)
+            if isinstance(current, torch.Tensor) and current.shape == value.tensor.shape:
+                with torch.no_grad():
+                    current.copy_(value.tensor)  # in place: whoever holds it sees it back
+                continue
+            value = value.tensor.clone()
+        setattr(obj, name, copy.deepcopy(value) if _plain(value) else value)
 
 
 def set_python_state(model: nn.Module, values: dict[str, Any]) -> None:
@@ -69,9 +138,12 @@ def set_python_state(model: nn.Module, values: dict[str, Any]) -> None:
 
 def checkpointable(value: Any, depth: int = 0) -> bool:
     """Whether ``value`` can go into a checkpoint (``torch.load(weights_only=True)`` reads it
-    back): numbers, strings, None, and lists, tuples and string-keyed dicts of them."""
+    back): numbers, strings, None, and lists, tuples and string-keyed dicts of them; a small
+    tensor."""
     if value is None or isinstance(value, bool | int | float | str):
         return True
+    if isinstance(value, torch.Tensor):  # a small one: a counter kept as a tensor
+        return depth == 0 and value.numel() <= SMALL_TENSOR and not value.is_meta
     if depth >= 3:
         return False
     if isinstance(value, list | tuple):
@@ -100,6 +172,10 @@ def _plain(value: Any, depth: int = 0) -> bool:
 def _same(a: Any, b: Any) -> bool:
     if a is b:
         return True
+    if isinstance(a, _Snapshot):
+        return a.same_as(b)
+    if isinstance(b, _Snapshot):
+        return b.same_as(a)
     if not (_plain(a) and _plain(b)) or type(a) is not type(b):
         return False  # another object in its place
     return bool(a == b) or (a != a and b != b)  # nan: the same value

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from packtune.workloads.base import Workload
-from worker.module_state import changed_state, object_state, python_state
+from worker.module_state import changed_state, object_state, python_state, restore
 from worker.rng import draws_random
 
 log = logging.getLogger(__name__)
@@ -85,31 +85,28 @@ def _run_probe(
         buffers = dict(trial.named_buffers())
 
         def run(trial: nn.Module = trial, x: Tensor = x, y: Tensor = y) -> None:
-            with torch.no_grad():
-                if workload.custom_step:
-                    workload.training_loss(trial, (x, y))
-                else:
-                    workload.loss(trial(x), y)
+            # with gradients on, as in training: a counter may count only then
+            if workload.custom_step:
+                workload.training_loss(trial, (x, y))
+            else:
+                workload.loss(trial(x), y)
 
         own, held = python_state(trial), object_state(workload)
         try:
             drew = draws_random(run, device)
+            mutates = (x._version, y._version) != versions
+            now, caches = dict(trial.named_buffers()), _caches(trial)
+            reassigned = tuple(n for n, b in buffers.items()
+                               if now.get(n) is not b and n not in caches)  # fmt: skip
+            _evaluate(workload, trial, x.clone(), y.clone())  # state only evaluation changes
         except Exception as exc:
             error = exc
             continue
         finally:  # the probe's own changes to the workload object are undone
             changed = changed_state(held, object_state(workload))
-            for name in changed:
-                if name in held:
-                    setattr(workload, name, held[name])
-                else:
-                    delattr(workload, name)
-        now, caches = dict(trial.named_buffers()), _caches(trial)
+            restore(workload, held, changed)
         return Probed(
-            draws=drew.torch, host_draws=drew.host,
-            mutates=(x._version, y._version) != versions,
-            reassigned=tuple(n for n, b in buffers.items()
-                             if now.get(n) is not b and n not in caches),
+            draws=drew.torch, host_draws=drew.host, mutates=mutates, reassigned=reassigned,
             workload_state=tuple(changed),
             model_state=tuple(changed_state(own, python_state(trial))),
         )  # fmt: skip
@@ -120,6 +117,25 @@ def _run_probe(
     )
     log.warning("%s", note)
     return Probed(draws=True, note=note)
+
+
+def _evaluate(workload: Workload, trial: nn.Module, x: Tensor, y: Tensor) -> None:
+    """An evaluation of the probe's model, as an array's (eval mode, no gradients): Python
+    state only evaluation changes (a counter in ``metrics``, one an eval-mode forward keeps)
+    is seen too. What it raises is the evaluation's business, not the probe's."""
+    trial.eval()
+    try:
+        with torch.no_grad():
+            if workload.custom_step:
+                workload.validation_metrics(trial, (x, y))
+            else:
+                out = trial(x)
+                workload.loss(out, y)
+                workload.metrics(out, y)
+    except Exception:  # noqa: BLE001 - an array's evaluation raises it where it belongs
+        pass
+    finally:
+        trial.train()
 
 
 def _caches(model: nn.Module) -> set[str]:

@@ -39,6 +39,7 @@ from packtune.spilling import Unspillable, plan_shards
 from packtune.workloads.base import Workload
 from worker.fused_forward import Forward, bmm_forward, bmm_plan, single_forward, vmap_forward
 from worker.fused_group import DeviceLosses, Group, HostLosses, Stack, full
+from worker.module_state import kept_python_state
 from worker.optim import StackedOptimizer
 from worker.rng import GLOBAL_RNG
 from worker.ties import aliases, reused_modules
@@ -101,7 +102,8 @@ def _costs(chain: list[tuple[str, nn.Module]], x: Tensor, k: int) -> tuple[list[
     # under the lock on torch's global generator: a layer that draws on the meta device
     # draws nothing, but fork_rng restores the generator's state on the way out, which must
     # not land in the middle of another array's seeded build in another thread
-    with GLOBAL_RNG, torch.no_grad(), torch.random.fork_rng(devices=[]):
+    layers = [layer for _, layer in chain]
+    with GLOBAL_RNG, torch.no_grad(), torch.random.fork_rng(devices=[]), kept_python_state(*layers):
         for _, layer in chain:
             h = layer(h)
             weights = sum(p.numel() * p.element_size() for p in layer.parameters())

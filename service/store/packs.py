@@ -210,7 +210,8 @@ def device_seconds(s: Session, study_ids: Iterable[int], now: datetime) -> dict[
     """Device-seconds each study's trials have trained so far: every pack's time on its
     device, its earlier attempts' (``spent_seconds``) and its current one's (to ``now``
     while it runs), split between the studies it holds in proportion to the resource each
-    trains in it (:func:`packtune.fleet.split_seconds`)."""
+    trains in it (:func:`packtune.fleet.split_seconds`), less what was charged to studies
+    since deleted (``departed_seconds``)."""
     ids = list(study_ids)
     used = dict.fromkeys(ids, 0.0)
     if not ids:
@@ -220,16 +221,26 @@ def device_seconds(s: Session, study_ids: Iterable[int], now: datetime) -> dict[
         .join(Trial, Trial.id == PackMember.trial_id)
         .where(Trial.study_id.in_(ids))
     )
+    for by_study in pack_seconds(s, theirs, now).values():
+        for study_id, share in by_study.items():
+            if study_id in used:
+                used[study_id] += share
+    return used
+
+
+def pack_seconds(s: Session, pack_ids: Any, now: datetime) -> dict[int, dict[int, float]]:
+    """Pack id -> study id -> the device-seconds of the pack charged to the study so far
+    (:func:`device_seconds`), for the started packs of ``pack_ids`` (ids or a subquery)."""
     stmt = (
         select(
-            Pack.id, Pack.started_at, Pack.finished_at, Pack.spent_seconds, Pack.departed_work,
+            Pack.id, Pack.started_at, Pack.finished_at, Pack.spent_seconds, Pack.departed_seconds,
             Trial.study_id, func.sum(PackMember.to_resource - PackMember.from_resource),
         )
         .join(PackMember, PackMember.pack_id == Pack.id)
         .join(Trial, Trial.id == PackMember.trial_id)
-        .where(or_(Pack.started_at.is_not(None), Pack.spent_seconds > 0), Pack.id.in_(theirs))
+        .where(or_(Pack.started_at.is_not(None), Pack.spent_seconds > 0), Pack.id.in_(pack_ids))
         .group_by(Pack.id, Pack.started_at, Pack.finished_at, Pack.spent_seconds,
-                  Pack.departed_work, Trial.study_id)
+                  Pack.departed_seconds, Trial.study_id)
     )  # fmt: skip
     packs: dict[int, tuple[float, float, dict[int, float]]] = {}
     for pack_id, started, finished, spent, departed, study_id, work in s.execute(stmt):
@@ -238,11 +249,10 @@ def device_seconds(s: Session, study_ids: Iterable[int], now: datetime) -> dict[
         packs.setdefault(pack_id, (took, float(departed or 0.0), {}))[2][study_id] = float(
             work or 0.0
         )
-    for took, departed, by_study in packs.values():
-        for study_id, share in split_seconds(took, by_study, departed).items():
-            if study_id in used:
-                used[study_id] += share
-    return used
+    return {
+        pack_id: split_seconds(took, by_study, departed)
+        for pack_id, (took, departed, by_study) in packs.items()
+    }
 
 
 def study_shares(s: Session, pack_ids: Iterable[int]) -> dict[int, dict[int, float]]:
@@ -261,14 +271,7 @@ def study_shares(s: Session, pack_ids: Iterable[int]) -> dict[int, dict[int, flo
     work: dict[int, dict[int, float]] = {}
     for pack_id, study_id, amount in s.execute(stmt):
         work.setdefault(pack_id, {})[study_id] = float(amount or 0.0)
-    stmt_departed = select(Pack.id, Pack.departed_work).where(
-        Pack.id.in_(ids), Pack.departed_work > 0
-    )
-    departed = {pack_id: float(w) for pack_id, w in s.execute(stmt_departed).all()}
-    return {
-        pack_id: split_seconds(1.0, by_study, departed.get(pack_id, 0.0))
-        for pack_id, by_study in work.items()
-    }
+    return {pack_id: split_seconds(1.0, by_study) for pack_id, by_study in work.items()}
 
 
 def unfinished_members(

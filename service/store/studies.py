@@ -14,7 +14,8 @@ from sqlalchemy import (
 from sqlalchemy.orm import Session
 
 from packtune.errors import NotFound, SpecError
-from service.models import Pack, PackMember, Study, StudyStatus, Trial, TrialStatus
+from service.models import Pack, PackMember, Study, StudyStatus, Trial, TrialStatus, utcnow
+from service.store.packs import pack_seconds
 from service.store.transitions import FINISHED_STUDY as FINISHED_STUDY
 
 # -- studies ------------------------------------------------------------------
@@ -71,25 +72,21 @@ def delete_study(s: Session, study_id: int) -> None:
     )
     for pack_id, other in s.execute(shared).all():
         s.execute(update(Pack).where(Pack.id == pack_id).values(study_id=other))
-    # its members' share of the packs it shared stays its own, charged to nobody: the
-    # studies left in them did not use that device time (their fair-share levels)
-    others = (
+    # its share of the packs it shared so far stays its own, charged to nobody: the studies
+    # left in them did not use that device time (their fair-share levels); what the packs
+    # train from now on is theirs alone
+    mine = (
         select(PackMember.pack_id)
         .join(Trial, Trial.id == PackMember.trial_id)
-        .where(Trial.study_id != study_id)
+        .where(Trial.study_id == study_id)
     )
-    work = (
-        select(PackMember.pack_id, func.sum(PackMember.to_resource - PackMember.from_resource))
-        .join(Trial, Trial.id == PackMember.trial_id)
-        .where(Trial.study_id == study_id, PackMember.pack_id.in_(others))
-        .group_by(PackMember.pack_id)
-    )
-    for pack_id, amount in s.execute(work).all():
-        s.execute(
-            update(Pack)
-            .where(Pack.id == pack_id)
-            .values(departed_work=Pack.departed_work + float(amount or 0.0))
-        )
+    for pack_id, by_study in pack_seconds(s, mine, utcnow()).items():
+        if len(by_study) > 1 and by_study.get(study_id, 0.0) > 0:
+            s.execute(
+                update(Pack)
+                .where(Pack.id == pack_id)
+                .values(departed_seconds=Pack.departed_seconds + by_study[study_id])
+            )
     s.execute(delete(Study).where(Study.id == study_id))
 
 

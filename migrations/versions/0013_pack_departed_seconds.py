@@ -1,4 +1,4 @@
-"""Work of a shared pack's members whose study was deleted (``packs.departed_work``).
+"""Device time of a shared pack charged to a study since deleted (``packs.departed_seconds``).
 
 Revision ID: 0013
 Revises: 0012
@@ -8,8 +8,10 @@ A pack shared by several studies charges its device time to each in proportion t
 trial-resource it trains there. Deleting a study deletes its trials and with them its pack
 members, so its share of every pack it shared went to the studies left in the pack: their
 device-seconds (a running study's fair-share level) grew by time they never used.
-``departed_work`` keeps the deleted members' trial-resource, whose share then goes to
-nobody; 0 for every pack before (what deleted studies had moved stays moved).
+``departed_seconds`` keeps the deleted study's share of the pack's time up to its deletion,
+charged to nobody; the pack's time after it is split between the studies left in it (they
+alone train there then). 0 for every pack before (what deleted studies had moved stays
+moved).
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ depends_on: str | Sequence[str] | None = None
 def upgrade() -> None:
     # Not in a batch: SQLite adds (3.2+) and drops (3.35+) a plain column in place.
     op.add_column(
-        "packs", sa.Column("departed_work", sa.Float(), nullable=False, server_default="0")
+        "packs", sa.Column("departed_seconds", sa.Float(), nullable=False, server_default="0")
     )
 
 
 def downgrade() -> None:
-    op.drop_column("packs", "departed_work")
+    op.drop_column("packs", "departed_seconds")
