@@ -18,13 +18,15 @@ import gc
 import logging
 import multiprocessing
 import os
+import signal
 import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,11 @@ def _init_runner(
     no clean-up runs) or SIGKILL left its runner idle for ever, holding ~400 MB.
     """
 
+    # Ctrl-C reaches the whole process group: the parent stops the runner, which must not
+    # print a KeyboardInterrupt traceback of its own (children spawned from the main
+    # thread ignore it from their start: _sigint_ignored)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(1.0)
@@ -73,6 +80,21 @@ def _init_runner(
         from worker.jobs import listen_for_nudges
 
         listen_for_nudges(nudges)
+
+
+@contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored while a runner may be spawned (from the main thread only, where Python
+    lets signals be set): a spawned interpreter keeps an ignored SIGINT ignored, so a Ctrl-C
+    during its start-up (its imports, before the initializer runs) prints no traceback."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _warm_up(workload: str | None) -> str:
@@ -166,6 +188,8 @@ class EmbeddedDispatcher:
         self._names_queue: Any = None  # the runners' names, as long as their pool lives
         self._pool: ProcessPoolExecutor | None = None
         self._jobs: dict[str, Future[str]] = {}
+        self._pools: dict[int, ProcessPoolExecutor] = {}  # id of a job's future: its pool
+        self._dropped = False  # a broken pool was forgotten
         self.warm_ups: list[Future[str]] = []  # one a runner (a fast one may take two)
         self.notify: Callable[[], None] | None = None  # called when a job ends
 
@@ -174,12 +198,30 @@ class EmbeddedDispatcher:
         packs enqueued meanwhile run after the warm-ups, in order."""
         if self._pool is None:
             pool = self._executor()
-            self.warm_ups = [pool.submit(_warm_up, workload) for _ in range(self.runners)]
+            with _sigint_ignored():  # the children spawned now start ignoring Ctrl-C
+                self.warm_ups = [pool.submit(_warm_up, workload) for _ in range(self.runners)]
 
     def _submit(self, arg: int, job: Callable[[int], str]) -> Future[str]:
-        fut = self._executor().submit(job, arg)
+        pool = self._executor()
+        with _sigint_ignored():  # the child it may spawn now starts ignoring Ctrl-C
+            fut = pool.submit(job, arg)
+        self._pools[id(fut)] = pool
         fut.add_done_callback(lambda _: self.notify() if self.notify else None)
         return fut
+
+    def _drop(self, pool: ProcessPoolExecutor | None) -> None:
+        """Forget ``pool``, broken (a runner died), if it is still the current one, with its
+        nudge event: the dead runner may have been waiting on it, and setting an event a
+        dead process waits on blocks for ever (the next runner's pack watch did, at its
+        first pack's end, and every later pack waited behind it)."""
+        if pool is None or pool is not self._pool:
+            return
+        self._pool = None
+        self._nudges = None
+        self._names_queue = None
+        self._pools = {key: p for key, p in self._pools.items() if p is not pool}
+        self._dropped = True
+        pool.shutdown(wait=False, cancel_futures=True)
 
     def _executor(self) -> ProcessPoolExecutor:
         if self._pool is None:
@@ -210,7 +252,7 @@ class EmbeddedDispatcher:
             self._jobs[job_id] = self._submit(arg, job)
         except BrokenProcessPool:
             log.warning("embedded runner died; starting a new one")
-            self._pool = None
+            self._drop(self._pool)
             self._jobs[job_id] = self._submit(arg, job)
 
     def state(self, job_id: str) -> tuple[JobState, str | None]:
@@ -222,12 +264,14 @@ class EmbeddedDispatcher:
         exc = fut.exception()
         if exc is not None:
             if isinstance(exc, BrokenProcessPool):
-                self._pool = None
+                self._drop(self._pools.get(id(fut)))
             return JobState.failed, f"{type(exc).__name__}: {exc}"
         return JobState.finished, None
 
     def forget(self, job_id: str) -> None:
-        self._jobs.pop(job_id, None)
+        fut = self._jobs.pop(job_id, None)
+        if fut is not None:
+            self._pools.pop(id(fut), None)
 
     def busy(self) -> int:
         """Jobs submitted and not yet done."""
@@ -271,3 +315,6 @@ class EmbeddedDispatcher:
             self._pool = None
         self._nudges = None  # the last reference: its semaphores are unlinked now
         self._names_queue = None
+        self._pools.clear()
+        if self._dropped:  # a broken pool's event, held in reference cycles until collected
+            gc.collect()

@@ -649,3 +649,53 @@ def test_a_worker_for_a_gpu_that_is_not_there_does_not_start(
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("error: PACKTUNE_DEVICE=cuda, but")
     assert "Traceback" not in result.stdout + result.stderr
+
+
+def _runner_of(pid: int) -> int | None:
+    """The embedded runner (a spawned child) of process ``pid``, if it has one now."""
+    found = subprocess.run(["pgrep", "-P", str(pid), "-f", "spawn_main"],
+                           capture_output=True, text=True)  # fmt: skip
+    pids = [int(p) for p in found.stdout.split()]
+    return pids[0] if pids else None
+
+
+def test_a_runner_killed_mid_study_is_replaced_and_the_run_ends(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """A runner killed while it trains (the kernel's OOM killer) is replaced. The run hung
+    for ever before: the replacement's first pack watch set the nudge event the dead runner
+    had been waiting on, which blocks until every waiter wakes, and every later pack waited
+    behind that one."""
+    import signal
+    import time
+
+    spec = EXAMPLES / "digits-mlp.yaml"
+    db = tmp_path / "packtune.db"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service", "run", str(spec)], env=env, cwd=tmp_path,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline, killed = time.monotonic() + 120, None
+        while killed is None and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+            if not db.exists():
+                continue
+            with sa.create_engine(f"sqlite:///{db}").connect() as conn:
+                try:
+                    running = conn.execute(
+                        sa.text("select count(*) from packs where status = 'running'")
+                    ).scalar()
+                except sa.exc.OperationalError:  # not migrated yet
+                    continue
+            runner = _runner_of(proc.pid)
+            if running and runner is not None:
+                os.kill(runner, signal.SIGKILL)
+                killed = runner
+        assert killed is not None, "no pack was seen running"
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out + err
+    assert re.search(r"study 1 completed in", " ".join(out.split())), out
+    assert "Traceback" not in out + err and "leaked semaphore" not in err, err
