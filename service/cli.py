@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -124,6 +125,18 @@ def _trains_here(settings: Settings) -> None:
         raise SettingsError(problem)
 
 
+#: the most rows ``packtune run --top`` prints (a larger one overflowed SQLite's LIMIT)
+MAX_TOP = 1_000_000
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C's KeyboardInterrupt is."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 @app.command()
 def run(
     spec: Annotated[Path, typer.Argument(help="Study spec (YAML or JSON).")],
@@ -132,6 +145,13 @@ def run(
     """Run a study end to end here (embedded: SQLite, packs in a child process)."""
     from service.runtime import make_dispatcher, preload_sampler
 
+    if not 0 <= top <= MAX_TOP:
+        fail(f"--top must be 0 to {MAX_TOP:,}, not {top}")
+    if sys.stdout is None:  # started with its standard output closed (>&-)
+        fail("standard output is closed: nothing could show the study")
+    # SIGTERM (kill, a service manager) ends it as Ctrl-C does: the runner stopped, the
+    # study kept to be resumed, one line
+    signal.signal(signal.SIGTERM, _terminated)
     body = load_spec_file(spec)
     settings = get_settings()
     _trains_here(settings)
@@ -192,9 +212,10 @@ def run(
         summary = watch(
             fetch, console=console, until=lambda: not thread.is_alive(), sleep=thread.join
         )
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         stop.set()
-        fail("interrupted; the study can be resumed with `packtune serve`", 130)
+        code = 143 if isinstance(exc, Terminated) else 130
+        fail("interrupted; the study can be resumed with `packtune serve`", code)
     finally:
         stop.set()
         thread.join()

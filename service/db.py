@@ -39,6 +39,7 @@ from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import (
     ArgumentError,
+    DatabaseError,
     InterfaceError,
     NoSuchModuleError,
     OperationalError,
@@ -331,6 +332,8 @@ def upgrade(url: str | URL | None = None) -> None:
         command.upgrade(alembic_config(url), "head")
     except (OperationalError, InterfaceError) as exc:
         raise unavailable(exc) from exc
+    except DatabaseError as exc:  # a file that is not SQLite's: the user's to fix, one line
+        raise StoreUnavailable(f"database unusable: {exc.orig or exc}") from exc
 
 
 def schema_problem(url: str | URL | None = None) -> str | None:
@@ -352,6 +355,8 @@ def schema_problem(url: str | URL | None = None) -> str | None:
             current = MigrationContext.configure(conn).get_current_revision()
     except (OperationalError, InterfaceError) as exc:
         raise unavailable(exc) from exc
+    except DatabaseError as exc:  # a file that is not SQLite's
+        raise StoreUnavailable(f"database unusable: {exc.orig or exc}") from exc
     finally:
         engine.dispose()
     head = script.get_current_head()

@@ -699,3 +699,87 @@ def test_a_runner_killed_mid_study_is_replaced_and_the_run_ends(
     assert proc.returncode == 0, out + err
     assert re.search(r"study 1 completed in", " ".join(out.split())), out
     assert "Traceback" not in out + err and "leaked semaphore" not in err, err
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [(["--top", "-1"], "error: --top must be 0 to 1,000,000, not -1"),
+     (["--top", "99999999999999999999"], "error: --top must be 0 to 1,000,000, not 9999")],
+)  # fmt: skip
+def test_run_refuses_a_top_it_cannot_print_before_it_trains(
+    env: dict[str, str], tmp_path: Path, args: list[str], says: str
+) -> None:
+    """--top -1 dropped the worst row silently; a huge one trained the whole study, then
+    crashed with SQLite's OverflowError as a 72-line traceback."""
+    result = packtune("run", str(EXAMPLES / "synthetic-mlp.yaml"), *args, env=env, cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(says), line
+    assert not (tmp_path / "packtune.db").exists()  # nothing ran
+
+
+def test_a_database_file_that_is_not_sqlite_is_one_line(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    (tmp_path / "packtune.db").write_text("not a database\n")
+    for args in (["run", str(EXAMPLES / "synthetic-mlp.yaml")], ["db", "upgrade"]):
+        result = packtune(*args, env=env, cwd=tmp_path)
+        assert result.returncode == 1, result.stdout + result.stderr
+        (line,) = result.stderr.strip().splitlines()
+        assert line == "error: database unusable: file is not a database", line
+
+
+def test_run_with_its_standard_output_closed_is_one_line_and_makes_no_study(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """`packtune run spec >&-` crashed on sys.stdout being None, after it had made the study
+    (left pending, trained by the next run or serve on the database, unasked)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "service", "run", str(EXAMPLES / "synthetic-mlp.yaml")],
+        env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        timeout=120, preexec_fn=lambda: os.close(1),
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == "error: standard output is closed: nothing could show the study"
+    assert not (tmp_path / "packtune.db").exists()
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_run_stopped_by_a_signal_is_one_line_and_the_study_resumable(
+    env: dict[str, str], tmp_path: Path, signum: str
+) -> None:
+    """SIGTERM (kill, a service manager) ended `packtune run` with no clean-up: exit -15, no
+    resume hint, and multiprocessing's leaked-semaphore warning. Ctrl-C (SIGINT to the
+    whole process group) while the runner started printed its KeyboardInterrupt traceback
+    above the one line. Both are one line now, and the study is left to resume."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service", "run", str(EXAMPLES / "digits-mlp.yaml")], env=env,
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        db, deadline = tmp_path / "packtune.db", time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.02)
+            if db.exists() and _runner_of(proc.pid) is not None:
+                with sa.create_engine(f"sqlite:///{db}").connect() as conn:
+                    try:
+                        made = conn.execute(sa.text("select count(*) from packs")).scalar()
+                    except sa.exc.OperationalError:
+                        continue
+                if made:  # the study is planned; its runner starts up or trains
+                    break
+        os.killpg(proc.pid, getattr(signal, signum))
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == (143 if signum == "SIGTERM" else 130), out + err
+    assert err.strip().splitlines()[-1] == (
+        "error: interrupted; the study can be resumed with `packtune serve`"
+    ), err
+    assert "Traceback" not in err and "leaked semaphore" not in err, err
+    with sa.create_engine(f"sqlite:///{tmp_path / 'packtune.db'}").connect() as conn:
+        assert conn.execute(sa.text("select status from studies")).scalar() == "running"
