@@ -353,6 +353,17 @@ def _data_parts(
     return varying, list(groups.values())
 
 
+def workload_steps(workload: Workload, config: Mapping[str, Any]) -> int:
+    """``workload``'s steps per epoch for ``config``: what its own code raises there (a
+    train_size of the wrong kind) is the trials' fault, not the pack's (retried)."""
+    try:
+        return workload.steps_per_epoch(config)
+    except NOT_A_TRIAL_FAULT:
+        raise
+    except Exception as exc:
+        raise TrialError(exc) from exc
+
+
 def _read_data(
     workload: Workload, first: Mapping[str, Any], device: torch.device
 ) -> tuple[Any, set[str]]:
@@ -467,12 +478,7 @@ def run_array(
         if runs is not None:
             return runs
         return run_segment_array(job, device, kind, checkpoint_dir, stop, data)
-    try:  # the workload's own code (a train_size of the wrong kind): the trials' fault
-        spe = workload.steps_per_epoch(first)
-    except NOT_A_TRIAL_FAULT:
-        raise
-    except Exception as exc:
-        raise TrialError(exc) from exc
+    spe = workload_steps(workload, first)
     from_step, to_step = span_steps(job, spe)
     todo, states, done = [], [], {}
     for m in job.members:

@@ -57,6 +57,7 @@ from worker.execute import (
     mark_done,
     member_checkpoint,
     span_steps,
+    workload_steps,
 )
 from worker.fused import FusedArray, Report, train
 from worker.rng import GLOBAL_RNG
@@ -89,13 +90,7 @@ def run_segment_array(
     segment = job.segment
     configs = {m.trial_id: job.config(m) for m in job.members}
     first = workload.resolve(next(iter(configs.values())))
-    try:  # the workload's own code: the trials' fault
-        spe = workload.steps_per_epoch(first)
-    except NOT_A_TRIAL_FAULT:
-        raise
-    except Exception as exc:
-        raise TrialError(exc) from exc
-    from_step, to_step = span_steps(job, spe)
+    from_step, to_step = span_steps(job, workload_steps(workload, first))
     # the workload's data, loaded once for training and evaluation, and only if either runs
     data = functools.cache(
         lambda: (
