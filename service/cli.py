@@ -271,7 +271,7 @@ def serve(
     import uvicorn
 
     from service import bus
-    from service.db import make_engine, upgrade
+    from service.db import make_engine, read_only_problem, upgrade
     from service.scheduler_process import SchedulerProcess
 
     settings = get_settings()
@@ -279,6 +279,10 @@ def serve(
         _trains_here(settings)  # the embedded runner under its scheduler trains the packs
     _setup_logging()
     if settings.database_url.startswith("sqlite"):
+        # its scheduler writes every tick: a read-only file warned every 0.5 s for ever
+        problem = None if no_scheduler else read_only_problem(settings.database_url)
+        if problem is not None:
+            raise SettingsError(problem)
         upgrade(settings.database_url)  # embedded: nothing else would create the file
     else:
         make_engine(settings.database_url).dispose()  # a URL it cannot use: one line, now
@@ -307,11 +311,12 @@ def _exit_on_signal(signum: int, _: object) -> NoReturn:
 @app.command()
 def scheduler() -> None:
     """Run the scheduler loop (one per deployment; a second one waits on the lease)."""
-    from service.db import schema_problem
+    from service.db import read_only_problem, schema_problem
     from service.runtime import run_scheduler
     from service.scheduler_process import stop_on_signals
 
-    problem = schema_problem(get_settings().database_url)
+    url = get_settings().database_url
+    problem = read_only_problem(url) or schema_problem(url)
     if problem is not None:
         fail(problem)
     _setup_logging()

@@ -110,6 +110,23 @@ def missing_file_problem(url: str | URL) -> str | None:
     )
 
 
+def read_only_problem(url: str | URL) -> str | None:
+    """Why a process that writes cannot use the SQLite file of ``url``: the file, or its
+    folder (its journal is written beside it), is read-only. None otherwise (other
+    databases, in-memory ones, URI filenames, a file not made yet)."""
+    url = normalise_url(url)
+    if url.get_backend_name() != "sqlite" or _is_memory_sqlite(url):
+        return None
+    database = str(url.database)
+    if database.startswith("file:") or not os.path.exists(database):
+        return None
+    folder = os.path.dirname(os.path.abspath(database))
+    for path in (database, folder):
+        if not os.access(path, os.W_OK):
+            return f"the database file {database} cannot be written ({path} is read-only)"
+    return None
+
+
 def _configure_sqlite(engine: Engine) -> None:
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:

@@ -783,3 +783,38 @@ def test_run_stopped_by_a_signal_is_one_line_and_the_study_resumable(
     assert "Traceback" not in err and "leaked semaphore" not in err, err
     with sa.create_engine(f"sqlite:///{tmp_path / 'packtune.db'}").connect() as conn:
         assert conn.execute(sa.text("select status from studies")).scalar() == "running"
+
+
+def test_serve_and_scheduler_on_a_read_only_database_file_are_one_line(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """`packtune serve` on a SQLite file it cannot write warned "attempt to write a readonly
+    database" every half second for as long as it ran, and ended with a traceback."""
+    assert packtune("db", "upgrade", env=env, cwd=tmp_path).returncode == 0
+    db = tmp_path / "packtune.db"
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    moved = folder / "packtune.db"
+    db.rename(moved)
+    ro_env = {**env, "PACKTUNE_DATABASE_URL": f"sqlite:///{moved}"}
+    mounted = False
+    if os.geteuid() == 0:  # root writes through permission bits: a read-only bind mount
+        for cmd in (["mount", "--bind", str(folder), str(folder)],
+                    ["mount", "-o", "remount,ro,bind", str(folder)]):  # fmt: skip
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            assert done.returncode == 0, f"{cmd}: {done.stderr}"
+            mounted = True
+    else:
+        moved.chmod(0o444)
+        folder.chmod(0o555)
+    try:
+        for args in (["serve", "--port", str(free_port())], ["scheduler"]):
+            result = packtune(*args, env=ro_env, cwd=tmp_path, timeout=60)
+            assert result.returncode == 2, result.stdout + result.stderr
+            (line,) = result.stderr.strip().splitlines()
+            assert "cannot be written" in line and "read-only" in line, line
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(folder)], check=True)
+        else:
+            folder.chmod(0o755)
