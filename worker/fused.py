@@ -84,10 +84,12 @@ from worker.fused_forward import (
 from worker.fused_group import Group, Stack, losses_function, metric_values, shapes
 from worker.fusion_guard import model_signature, partition, split_causes, workload_differences
 from worker.module_state import (
+    MISSING,
     changed_state,
     checkpointable,
     copy_state,
     object_state,
+    put,
     python_state,
     restore,
     set_python_state,
@@ -171,28 +173,6 @@ def _build_model(
         # by every name of a tied tensor, as the model's own state_dict has it
         model.load_state_dict(with_aliases({**state["params"], **state["buffers"]}, aliases(model)))
     return model.train()
-
-
-class _Missing:
-    """An attribute a workload object does not have (kept as a value: copies are itself)."""
-
-    def __deepcopy__(self, memo: Any) -> _Missing:
-        return self
-
-    def __repr__(self) -> str:
-        return "MISSING"
-
-
-MISSING = _Missing()
-
-
-def _put(obj: Any, name: str, value: Any) -> None:
-    """Set ``obj.name`` to ``value``; :data:`MISSING` removes the attribute (its class's
-    value shows again)."""
-    if value is MISSING:
-        vars(obj).pop(name, None)
-    else:
-        setattr(obj, name, value)
 
 
 def _member_generator(
@@ -743,7 +723,7 @@ class FusedArray:
         if self.workload_state and active is not None:
             self.member_values[active].update(self._trained_values())  # what it made of them
         for name, value in self.member_values.get(key, {}).items():
-            _put(self.workload, name, value)
+            put(self.workload, name, value)
         self._active = key
         return self.workload
 

@@ -15,7 +15,28 @@ import torch
 from torch import nn
 
 _PLAIN = (int, float, complex, str, bytes, bool, type(None))
-_MISSING = object()
+
+
+class _Missing:
+    """An attribute an object does not have, as a value (a copy of it is itself)."""
+
+    def __deepcopy__(self, memo: Any) -> _Missing:
+        return self
+
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+MISSING = _Missing()
+
+
+def put(obj: Any, name: str, value: Any) -> None:
+    """Set ``obj.name`` to ``value``; :data:`MISSING` removes the attribute (its class's
+    value shows again)."""
+    if value is MISSING:
+        vars(obj).pop(name, None)
+    else:
+        setattr(obj, name, value)
 
 
 def python_state(model: nn.Module) -> dict[str, Any]:
@@ -38,7 +59,7 @@ def changed_state(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     return sorted(
         name
         for name in before.keys() | after.keys()
-        if not _same(before.get(name, _MISSING), after.get(name, _MISSING))
+        if not _same(before.get(name, MISSING), after.get(name, MISSING))
     )
 
 
@@ -67,12 +88,7 @@ def kept_python_state(*modules: nn.Module) -> Iterator[None]:
         for module, held in zip(modules, before, strict=True):
             for full in changed_state(held, python_state(module)):
                 prefix, _, name = full.rpartition(".")
-                owner = module.get_submodule(prefix)
-                if full in held:
-                    value = held[full]
-                    setattr(owner, name, copy.deepcopy(value) if _plain(value) else value)
-                else:
-                    vars(owner).pop(name, None)
+                restore(module.get_submodule(prefix), {name: held.get(full, MISSING)}, [name])
 
 
 #: a tensor attribute of a workload object up to this many elements is compared by value
@@ -112,13 +128,11 @@ class _Snapshot:
 
 
 def restore(obj: Any, held: dict[str, Any], names: list[str]) -> None:
-    """Put ``names`` of ``obj`` back to their values in ``held`` (:func:`object_state`); a
-    name ``held`` lacks is removed."""
+    """Put ``names`` of ``obj`` back to their values in ``held`` (:func:`object_state` or
+    :func:`python_state`'s, per module); a name ``held`` lacks, or holds as :data:`MISSING`,
+    is removed."""
     for name in names:
-        if name not in held:
-            vars(obj).pop(name, None)
-            continue
-        value = held[name]
+        value = held.get(name, MISSING)
         if isinstance(value, _Snapshot):
             current = vars(obj).get(name)
             if isinstance(current, torch.Tensor) and current.shape == value.tensor.shape:
@@ -126,7 +140,7 @@ def restore(obj: Any, held: dict[str, Any], names: list[str]) -> None:
                     current.copy_(value.tensor)  # in place: whoever holds it sees it back
                 continue
             value = value.tensor.clone()
-        setattr(obj, name, copy.deepcopy(value) if _plain(value) else value)
+        put(obj, name, copy.deepcopy(value) if _plain(value) else value)
 
 
 def set_python_state(model: nn.Module, values: dict[str, Any]) -> None:

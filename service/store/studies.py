@@ -17,6 +17,7 @@ from packtune.errors import NotFound, SpecError
 from service.models import Pack, PackMember, Study, StudyStatus, Trial, TrialStatus, utcnow
 from service.store.packs import pack_seconds
 from service.store.transitions import FINISHED_STUDY as FINISHED_STUDY
+from service.store.transitions import of_study
 
 # -- studies ------------------------------------------------------------------
 
@@ -75,11 +76,7 @@ def delete_study(s: Session, study_id: int) -> None:
     # its share of the packs it shared so far stays its own, charged to nobody: the studies
     # left in them did not use that device time (their fair-share levels); what the packs
     # train from now on is theirs alone
-    mine = (
-        select(PackMember.pack_id)
-        .join(Trial, Trial.id == PackMember.trial_id)
-        .where(Trial.study_id == study_id)
-    )
+    mine = select(Pack.id).where(of_study(study_id))
     for pack_id, by_study in pack_seconds(s, mine, utcnow()).items():
         if len(by_study) > 1 and by_study.get(study_id, 0.0) > 0:
             s.execute(
