@@ -482,9 +482,10 @@ def main() -> None:
         # "packtune" in usage and errors however it was started (`python -m service` too)
         app(prog_name="packtune")
     except SystemExit as exc:
+        code = 0 if exc.code == 1 and _ended_by_broken_pipe(exc) else exc.code
         if _run_finished:
-            _exit_now(exc.code)
-        raise
+            _exit_now(code)
+        sys.exit(code)
     except SettingsError as exc:
         typer.echo(f"error: {exc}", err=True)
         sys.exit(2)
@@ -500,6 +501,16 @@ def main() -> None:
             sys.exit(0)
         typer.echo(f"error: cannot write to standard output: {exc.strerror or exc}", err=True)
         sys.exit(2)
+
+
+def _ended_by_broken_pipe(exc: SystemExit) -> bool:
+    """Whether the libraries under the CLI ended it because standard output's reader had gone
+    (`| head`): rich exits 1 from the BrokenPipeError it caught, and click (typer's copy too)
+    exits 1 with the streams wrapped so that their last flush is quiet. A reader leaving early
+    is not the command failing: exit 0, as the branch below does for what they let through."""
+    if isinstance(exc.__context__, BrokenPipeError):
+        return True
+    return type(sys.stdout).__name__.lstrip("_") == "PacifyFlushWrapper"
 
 
 def _stdout_broken() -> bool:

@@ -818,3 +818,22 @@ def test_serve_and_scheduler_on_a_read_only_database_file_are_one_line(
             subprocess.run(["umount", str(folder)], check=True)
         else:
             folder.chmod(0o755)
+
+
+@pytest.mark.parametrize("command", ["--help", "run --help", "check digits-mlp"])
+def test_output_to_a_pipe_whose_reader_has_gone_exits_0_quietly(
+    command: str, env: dict[str, str], tmp_path: Path
+) -> None:
+    """`packtune --help | head -1`: the reader leaving early exited 1 (rich's and click's
+    handling of the broken pipe), as if the command had failed, under `set -o pipefail`."""
+    read, written = os.pipe()
+    os.close(read)  # the reader has gone before the first write: the race made certain
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "service", *command.split()], env=env, cwd=tmp_path,
+            stdout=written, stderr=subprocess.PIPE, text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        os.close(written)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
