@@ -135,6 +135,13 @@ class PackingSettings(_Strict):
     #: cut units at every rung resource of the study, so that brackets share arrays
     align_rungs: bool = True
 
+    @model_validator(mode="after")
+    def _size_needs_packing(self) -> PackingSettings:
+        if not self.enabled and self.max_pack_size is not None:
+            raise SpecError("packing.max_pack_size", "applies only with packing enabled: true "
+                            "(unpacked, every trial trains alone)")  # fmt: skip
+        return self
+
 
 class SamplerSettings(_Strict):
     """How configurations are drawn (:mod:`packtune.sampling`): ``tpe`` (model-based, the
@@ -147,6 +154,15 @@ class SamplerSettings(_Strict):
     @classmethod
     def _shorthand(cls, value: Any) -> Any:
         return {"name": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _fraction_needs_a_model(self) -> SamplerSettings:
+        # compared with the default, not with what was given: a spec dumped whole (the CLI
+        # submits one) names every field
+        if self.name == "random" and self.random_fraction != RANDOM_FRACTION:
+            raise SpecError("sampler.random_fraction", "applies only to sampler tpe (random "
+                            "draws every configuration at random)")  # fmt: skip
+        return self
 
 
 class TrainingSettings(_Strict):
@@ -174,6 +190,12 @@ class TrainingSettings(_Strict):
         if self.units == "segment" and self.mode != "decoupled":
             raise ValueError("units: segment needs mode: decoupled (an end-to-end model has "
                              "no segments)")  # fmt: skip
+        # compared with the defaults, not with what was given: a spec dumped whole names all
+        defaults = TrainingSettings.model_fields
+        for field in ("segments", "noise"):
+            if self.mode == "end_to_end" and getattr(self, field) != defaults[field].default:
+                raise SpecError(f"training.{field}", "applies only to mode: decoupled (an "
+                                "end-to-end model is not cut)")  # fmt: skip
         return self
 
     @property

@@ -176,6 +176,14 @@ def test_defaults_fill_the_optional_parts() -> None:
         ("training", {"mode": "decoupled", "units": "layer"}, "training.units",
          "'trial' or 'segment'"),
         ("training", {"units": "segment"}, "training", "units: segment needs mode: decoupled"),
+        # settings that another setting makes moot were accepted and ignored, silently
+        ("training", {"segments": 5}, "training.segments", "applies only to mode: decoupled"),
+        ("training", {"mode": "end_to_end", "noise": 0.3}, "training.noise",
+         "applies only to mode: decoupled"),
+        ("packing", {"enabled": False, "max_pack_size": 16}, "packing.max_pack_size",
+         "applies only with packing enabled: true"),
+        ("sampler", {"name": "random", "random_fraction": 0.5}, "sampler.random_fraction",
+         "applies only to sampler tpe"),
     ],
 )  # fmt: skip
 def test_each_rule_names_its_field(path: str, value: Any, field: str, words: str) -> None:
@@ -353,3 +361,17 @@ def test_the_objective_ranks_in_the_direction_the_workload_declares() -> None:
         validate_spec({**base, "objective": {"metric": "val_accuracy", "mode": "min"}})
     assert caught.value.field == "objective.mode"
     assert "better when higher" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"sampler": "random"}, {"packing": {"enabled": False}}, {"training": {"mode": "end_to_end"}},
+     {"training": {"mode": "decoupled", "segments": 3, "noise": 0.2}},
+     {"sampler": {"name": "tpe", "random_fraction": 0.5}}],
+)  # fmt: skip
+def test_a_spec_dumped_whole_is_valid_again(extra: dict[str, Any]) -> None:
+    """The CLI submits a spec dumped with every default named: the rules against settings
+    made moot by another compare with the defaults, so a dump is never refused."""
+    spec = validate_spec({**with_("seed", 0), **extra})
+    again = validate_spec(spec.model_dump(mode="json"))
+    assert again == spec
