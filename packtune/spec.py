@@ -220,7 +220,8 @@ class Budget(_Strict):
     ``max_iterations`` left out is 1 when no other budget is set, else as many as the other
     budgets allow (at most :data:`MAX_ITERATIONS`). ``max_trials`` counts sampled trials: an
     iteration's bracket is started only if all of its trials fit. ``max_seconds`` counts
-    from the study's start; ``target`` is an objective value that, once reached at
+    the study's running time (from its start, less the time it sat failed or with no
+    scheduler); ``target`` is an objective value that, once reached at
     ``max_resource``, ends the study. A study ended by ``max_seconds`` or ``target`` stops
     its running packs and completes with the best trial so far (``stop_reason`` says why).
     """

@@ -547,12 +547,14 @@ def _complete(s: Session, study: Study, reason: str | None = None) -> None:
 
 
 def budget_spent(s: Session, study: Study, now: datetime) -> str | None:
-    """The budget that ends the study now, if any: ``max_seconds`` since it started, or
+    """The budget that ends the study now, if any: ``max_seconds`` of running time
+    (:func:`service.store.run_seconds`), or
     ``target`` reached by a trial at ``max_resource`` (``max_iterations`` and
     ``max_trials`` end it by sampling no more)."""
     budget = StoredSpec.of(study.spec).budget
-    if budget.max_seconds is not None and study.started_at is not None:
-        if (now - study.started_at).total_seconds() >= budget.max_seconds:
+    if budget.max_seconds is not None:
+        ran = store.run_seconds(study, now)
+        if ran is not None and ran >= budget.max_seconds:
             return "max_seconds"
     if budget.target is not None:
         mode = StoredSpec.of(study.spec).objective.mode

@@ -146,6 +146,11 @@ class Study(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    #: seconds since ``started_at`` that are not its running time (its ``max_seconds``
+    #: budget): sat failed before a retry, or with no scheduler after an interruption
+    idle_seconds: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
+    #: while running with no scheduler: when the one that ran it stopped
+    interrupted_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
 
     trials: Mapped[list[Trial]] = relationship(
         back_populates="study", foreign_keys="Trial.study_id", cascade="all, delete-orphan"

@@ -126,6 +126,7 @@ class Scheduler:
         self.connected_since: float | None = None
         self._forgot_workers_at = -math.inf  # store.forget_dead_workers, at the first tick
         self.queue_outage = False  # the last tick found the job queue unreachable
+        self._leading = False  # whether the last tick held the lease
         self.dispatcher.notify = self.wake.set  # a job's end wakes the loop at once
 
     @property
@@ -143,9 +144,13 @@ class Scheduler:
             if self.connected_since is None:
                 self.connected_since = time.monotonic()
             if not leader:
+                self._leading = False
                 return report
             report.leader = True
             now = _now()
+            if not self._leading:  # the time studies sat with no scheduler is not theirs
+                store.resume_studies(s, now)
+                self._leading = True
             self._embedded_heartbeat(s)
             timeout = self.settings.heartbeat_timeout
             workers = store.live_workers(s, timeout)
@@ -445,6 +450,9 @@ class Scheduler:
             )
 
     def close(self) -> None:
+        """Give the lease up, stopping the running studies' clocks if this scheduler led
+        (until one leads again, nothing schedules them; their packs are not dispatched)."""
         with session_scope(self.factory) as s:
-            store.release_lease(s, LEASE, self.holder)
+            if store.release_lease(s, LEASE, self.holder):
+                store.interrupt_studies(s, _now())
         self.dispatcher.close()

@@ -163,7 +163,7 @@ def _fleet(s: Session, studies: list[Study]) -> dict[int, Row]:
     for study in studies:
         spec = StoredSpec.of(study.spec)
         start = study.started_at or now
-        end = study.finished_at or now
+        end = study.interrupted_at or study.finished_at or now
         # its packs' spans within its own run: a pack it shared trains on for the others
         # after it was cancelled, and that time is neither its work nor its wait
         busy = covered_seconds(
@@ -176,17 +176,15 @@ def _fleet(s: Session, studies: list[Study]) -> dict[int, Row]:
             "owner": spec.owner,
             "share": round(shares[study.id], 4) if study.id in shares else None,
             "device_seconds": round(used[study.id], 3),
-            "waiting_seconds": round(max(0.0, (end - start).total_seconds() - busy), 3),
+            "waiting_seconds": round(max(0.0, (store.run_seconds(study, now) or 0.0) - busy), 3),
         }
     return out
 
 
 def _budget(study: Study, spec: StoredSpec, iterations: int, trials: int) -> Row:
     budget = spec.budget
-    seconds = None
-    if study.started_at is not None:
-        end = study.finished_at or utcnow()
-        seconds = round((end - study.started_at).total_seconds(), 3)
+    ran = store.run_seconds(study, utcnow())
+    seconds = None if ran is None else round(ran, 3)
     return {
         "sampler": spec.sampler.name,
         "max_iterations": budget.max_iterations,

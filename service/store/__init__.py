@@ -89,12 +89,15 @@ from service.store.transitions import (
     STUDY_FROM,
     TRIAL_FROM,
     UPDATE_CHUNK,
+    interrupt_studies,
     move_pack,
     move_study,
     move_study_packs,
     move_study_trials,
     move_trials,
+    resume_studies,
     retry_study,
+    run_seconds,
 )
 from service.store.trials import (
     MemberPlace,
@@ -220,4 +223,7 @@ __all__ = [
     "trials_by_id",
     "trials_of",
     "UPDATE_CHUNK",
+    "interrupt_studies",
+    "resume_studies",
+    "run_seconds",
 ]

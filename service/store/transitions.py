@@ -28,6 +28,7 @@ them as a state machine):
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
+from datetime import datetime
 from typing import Any, TypeVar
 
 from sqlalchemy import ColumnElement, func, or_, select, update
@@ -237,13 +238,54 @@ def move_study(
         raise Conflict(f"study {study.id} is {study.status.value}; it cannot become {to.value}")
 
 
+def run_seconds(study: Study, now: datetime) -> float | None:
+    """Seconds ``study`` has run (what its ``max_seconds`` budget counts): from its start to
+    its end (where its last scheduler stopped, its finish, or ``now``), less the time it sat
+    idle before (failed until retried, or with no scheduler); None before it started."""
+    if study.started_at is None:
+        return None
+    end = study.interrupted_at or study.finished_at or now
+    return max(0.0, (end - study.started_at).total_seconds() - study.idle_seconds)
+
+
+def interrupt_studies(s: Session, now: datetime) -> None:
+    """The scheduler stops and none may follow soon: each running study's clock stops at
+    ``now`` (:func:`resume_studies` starts it again)."""
+    s.execute(
+        update(Study)
+        .where(Study.status == StudyStatus.running, Study.interrupted_at.is_(None))
+        .values(interrupted_at=now),
+        execution_options={"synchronize_session": False},
+    )
+
+
+def resume_studies(s: Session, now: datetime) -> None:
+    """A scheduler starts to lead: the time each study sat with none since the last one
+    stopped is not its running time."""
+    stopped = s.execute(
+        select(Study.id, Study.interrupted_at, Study.idle_seconds).where(
+            Study.interrupted_at.is_not(None)
+        )
+    ).all()
+    for study_id, since, idle in stopped:
+        assert since is not None  # selected so
+        s.execute(
+            update(Study)
+            .where(Study.id == study_id)
+            .values(idle_seconds=idle + max(0.0, (now - since).total_seconds()),
+                    interrupted_at=None),
+            execution_options={"synchronize_session": False},
+        )  # fmt: skip
+
+
 def retry_study(s: Session, study: Study) -> list[int]:
     """The one way out of ``failed``: a failed study's failed trials go back to ``pending``
     (their checkpoints and measurements kept) where nobody of their bracket has moved past
     their rung, and the study runs again. Returns the trials; :class:`Conflict` when the
     study is not failed or has no trial that can run again (a rung decided without a trial
-    cannot be decided again with it). Its ``started_at`` moves on by the time it sat failed:
-    a ``max_seconds`` budget counts the time it ran, not the time until someone retried it."""
+    cannot be decided again with it). The time it sat failed is added to its
+    ``idle_seconds``: a ``max_seconds`` budget counts the time it ran, not the time until
+    someone retried it."""
     if study.status is not StudyStatus.failed:
         raise Conflict(f"study {study.id} is {study.status.value}; only a failed study is retried")
     rungs = s.execute(
@@ -271,7 +313,8 @@ def retry_study(s: Session, study: Study) -> list[int]:
     values: dict[str, Any] = {"status": StudyStatus.running, "finished_at": None, "error": None}
     if study.started_at is not None and study.finished_at is not None:
         # the time it sat failed is not its running time (its max_seconds budget)
-        values["started_at"] = utcnow() - (study.finished_at - study.started_at)
+        idle = (utcnow() - study.finished_at).total_seconds()
+        values["idle_seconds"] = study.idle_seconds + max(0.0, idle)
     s.execute(
         update(Study)
         .where(Study.id == study.id, Study.status == StudyStatus.failed)

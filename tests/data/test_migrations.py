@@ -21,7 +21,7 @@ from service.models import Base
 
 PG_SCHEMA = "packtune_test_migrations"
 REPO = Path(__file__).resolve().parents[2]
-HEAD = "0013"
+HEAD = "0014"
 TABLES = {table.name for table in Base.metadata.sorted_tables}
 
 

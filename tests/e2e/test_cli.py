@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -14,7 +15,7 @@ import yaml
 
 from tests.support.plugins import HERE as PLUGIN_MODULES
 from tests.support.plugins import install_plugin
-from tests.support.processes import free_port, http, packtune_env, serving
+from tests.support.processes import free_port, http, packtune_env, serving, wait_finished
 
 SMALL = {
     "name": "cli-small",
@@ -837,3 +838,50 @@ def test_output_to_a_pipe_whose_reader_has_gone_exits_0_quietly(
         os.close(written)
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
+
+
+def test_a_time_budget_does_not_count_the_time_an_interrupted_study_sat_stopped(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """`packtune run` stopped by Ctrl-C says the study can be resumed with `packtune serve`;
+    resumed later than its max_seconds after its start, it ended at serve's first tick
+    (completed with what it had, or failed with no trial at max_resource) having trained
+    for a few seconds of its budget. The time no scheduler ran it is not its time now."""
+    import signal
+    import time
+
+    spec = write(tmp_path / "budget.yaml", {**SMALL, "hyperband": {"max_resource": 9, "eta": 3},
+                                            "budget": {"max_seconds": 12}})  # fmt: skip
+    db = tmp_path / "packtune.db"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service", "run", str(spec)], env=env, cwd=tmp_path,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+
+    def count(query: str) -> Any:
+        with sa.create_engine(f"sqlite:///{db}").connect() as conn:
+            return conn.execute(sa.text(query)).scalar()
+
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+            try:
+                if db.exists() and count("select count(*) from measurements"):
+                    break  # it trains
+            except sa.exc.OperationalError:
+                continue
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out + err
+    time.sleep(13)  # longer than the whole budget
+    stopped = count("select count(*) from measurements")
+    with serving(env, tmp_path / "serve.log") as url:
+        summary = wait_finished(url, 1, timeout=120, log=tmp_path / "serve.log")
+    assert summary["status"] == "completed", summary
+    assert summary["budget"]["stop_reason"] == "max_seconds", summary["budget"]
+    # it trained on after the resume, and its clock did not count the 13 s it sat stopped
+    assert count("select count(*) from measurements") > stopped
+    assert summary["budget"]["seconds"] < 12 + 5, summary["budget"]
