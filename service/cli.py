@@ -21,7 +21,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 import yaml
 
-from packtune.errors import DeviceUnavailable, PacktuneError, SpecError
+from packtune.errors import DeviceUnavailable, PacktuneError, SpecError, StoreUnavailable
 from packtune.settings import Settings, SettingsError, get_settings
 from service import remote_cli
 
@@ -271,7 +271,7 @@ def serve(
     import uvicorn
 
     from service import bus
-    from service.db import make_engine, read_only_problem, upgrade
+    from service.db import make_engine, read_only_problem, schema_problem, upgrade
     from service.scheduler_process import SchedulerProcess
 
     settings = get_settings()
@@ -286,6 +286,12 @@ def serve(
         upgrade(settings.database_url)  # embedded: nothing else would create the file
     else:
         make_engine(settings.database_url).dispose()  # a URL it cannot use: one line, now
+        try:  # never migrated: the API answered 500, the scheduler a traceback a tick
+            problem = schema_problem(settings.database_url)
+        except StoreUnavailable:  # not up yet: the API says 503, the scheduler waits for it
+            problem = None
+        if problem is not None:
+            fail(problem)
     # uvicorn shuts down on SIGTERM, then puts this handler back and raises SIGTERM again:
     # exit through the ``finally`` below instead of dying at once
     signal.signal(signal.SIGTERM, _exit_on_signal)

@@ -452,7 +452,9 @@ class Scheduler:
     def close(self) -> None:
         """Give the lease up, stopping the running studies' clocks if this scheduler led
         (until one leads again, nothing schedules them; their packs are not dispatched)."""
-        with session_scope(self.factory) as s:
-            if store.release_lease(s, LEASE, self.holder):
-                store.interrupt_studies(s, _now())
-        self.dispatcher.close()
+        try:
+            with session_scope(self.factory) as s:
+                if store.release_lease(s, LEASE, self.holder):
+                    store.interrupt_studies(s, _now())
+        finally:  # a database gone still lets its runners stop (serve's stop waited 30 s)
+            self.dispatcher.close()

@@ -885,3 +885,27 @@ def test_a_time_budget_does_not_count_the_time_an_interrupted_study_sat_stopped(
     # it trained on after the resume, and its clock did not count the 13 s it sat stopped
     assert count("select count(*) from measurements") > stopped
     assert summary["budget"]["seconds"] < 12 + 5, summary["budget"]
+
+
+@pytest.mark.parametrize("extra", [[], ["--no-scheduler"]])
+@pytest.mark.parametrize("revision", [None, "0011"])
+def test_serve_on_a_server_database_not_migrated_says_so(
+    fresh_postgres: str, tmp_path: Path, extra: list[str], revision: str | None
+) -> None:
+    """`packtune serve` on a PostgreSQL database never migrated answered /healthz 200 and
+    every /api/studies 500, its scheduler logged a traceback every tick, and SIGTERM took
+    30 s (the scheduler's close raised before it closed its runner). It says what
+    `packtune scheduler` says now, before it listens."""
+    from alembic import command as alembic
+
+    from service.db import alembic_config
+
+    if revision is not None:
+        alembic.upgrade(alembic_config(fresh_postgres), revision)
+    env = packtune_env(database_url=fresh_postgres, checkpoint_dir=tmp_path / "ckpt")
+    result = packtune("serve", "--port", str(free_port()), *extra, env=env, cwd=tmp_path,
+                      timeout=60)  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    (line,) = result.stderr.strip().splitlines()
+    wanted = "has no packtune tables" if revision is None else f"is at schema {revision}"
+    assert wanted in line and "run `packtune db upgrade`" in line, line

@@ -727,3 +727,54 @@ def test_a_cancelled_studys_progress_keeps_the_units_it_trained(db: None) -> Non
         assert {t.status for t in store.trials_of(s, study_id)} <= {
             TrialStatus.cancelled, TrialStatus.completed, TrialStatus.stopped}  # fmt: skip
         assert study_summary(s, study_id)["progress"]["done"] == before
+
+
+class ClosingDispatcher(SyncDispatcher):
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_the_time_with_no_scheduler_is_not_a_studys_running_time(db: None) -> None:
+    """The leader that stops stamps its running studies; a standby that stops does not;
+    the next leader counts the time since as idle (the budget's clock stood still)."""
+    study_id = new_study({**SPEC, "budget": {"max_seconds": 3600}})
+    first, standby = scheduler(SyncDispatcher(run=False)), scheduler(SyncDispatcher(), "b")
+    first.tick()
+    assert standby.tick().leader is False
+    standby.close()
+    with session_scope(get_sessionmaker()) as s:
+        assert store.get_study(s, study_id).interrupted_at is None  # it did not lead
+    first.close()
+    with session_scope(get_sessionmaker()) as s:
+        study = store.get_study(s, study_id)
+        assert study.status is StudyStatus.running and study.interrupted_at is not None
+        stopped = store.run_seconds(study, study.interrupted_at + timedelta(hours=2))
+        study.interrupted_at -= timedelta(hours=2)  # as if it had sat two hours
+        study.started_at -= timedelta(hours=2)
+    assert stopped is not None and stopped < 60  # its clock stands while it sits
+    scheduler(SyncDispatcher(run=False), "c").tick()
+    with session_scope(get_sessionmaker()) as s:
+        study = store.get_study(s, study_id)
+        assert study.interrupted_at is None and 7200 <= study.idle_seconds < 7260
+        ran = store.run_seconds(study, datetime.now(UTC))
+        assert ran is not None and ran < 60, ran
+        assert lifecycle.budget_spent(s, study, datetime.now(UTC)) is None
+
+
+def test_a_scheduler_whose_database_is_gone_still_closes_its_runners(
+    db: None, sqlite_url: str
+) -> None:
+    """serve's stop waited 30 s for its scheduler child when the database failed at the
+    release of the lease: the exception skipped closing the runner, which held it up."""
+    import sqlalchemy as sa
+
+    dispatcher = ClosingDispatcher(run=False)
+    sched = scheduler(dispatcher)
+    sched.tick()
+    with sa.create_engine(sqlite_url).begin() as conn:
+        conn.execute(sa.text("DROP TABLE leases"))
+    with pytest.raises(Exception, match="leases"):
+        sched.close()
+    assert dispatcher.closed
