@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from packtune.settings import token_problem
+
 if TYPE_CHECKING:
     import pandas
     from torch import nn
@@ -196,6 +198,8 @@ class Client:
         timeout: float = 30.0,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
+        if token and (problem := token_problem(token)) is not None:
+            raise ValueError(f"token: {problem}")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.url = url.rstrip("/")
         #: a request was answered: a later lost connection is a restart, worth waiting out

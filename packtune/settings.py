@@ -44,6 +44,13 @@ REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 LONGEST_SECONDS = 1e9
 
 
+def token_problem(token: str) -> str | None:
+    """Why ``token`` cannot be a bearer token, or None: it travels in an HTTP header."""
+    if all("!" <= c <= "~" for c in token):
+        return None
+    return "must be printable ASCII without spaces (a bearer token travels in an HTTP header)"
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
@@ -260,6 +267,16 @@ class Settings(BaseSettings):
         never sends); ``PACKTUNE_DISK_FULL_WHILE=`` is no file, not ``.`` (which always
         exists: every checkpoint failed as on a full disk)."""
         return None if isinstance(value, str) and not value.strip() else value
+
+    @field_validator("api_token")
+    @classmethod
+    def _a_header_value(cls, token: SecretStr | None) -> SecretStr | None:
+        """A token outside printable ASCII was accepted, and no request could carry it (a
+        header's bytes are Latin-1 on the server, and httpx refuses to encode it)."""
+        problem = None if token is None else token_problem(token.get_secret_value())
+        if problem is not None:
+            raise ValueError(problem)
+        return token
 
     @field_validator("database_url")
     @classmethod

@@ -395,13 +395,14 @@ def check(
         if workload not in registry():
             fail(f"unknown workload {workload!r}; known: {sorted(registry())}")
         from worker.check import check as run_check
+        from worker.check import error_line
         from worker.jobs import pick_device
 
         device = str(pick_device())
         try:
             found = run_check(workload, space, members=members, steps=steps, device=device)
         except Exception as exc:  # the workload's own code raised: one line, as --url says it
-            fail(f"the check could not run: {type(exc).__name__}: {exc}")
+            fail(f"the check could not run: {error_line(exc)}")
         report = found.as_json()
     _print_check(report, members, steps)
     if not report["ok"]:

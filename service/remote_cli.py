@@ -43,7 +43,10 @@ def connected(url: str, token: str | None) -> Iterator[Client]:
     import httpx
 
     from packtune.client import ApiError, Client
+    from packtune.settings import token_problem
 
+    if token and (problem := token_problem(token)) is not None:
+        _fail(f"the token (--token, PACKTUNE_API_TOKEN) {problem}")
     try:
         with Client(url, token) as client:
             yield client

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from packtune.errors import PacktuneError
 from packtune.space import parse_space, sample_config, trial_seed
 from packtune.workloads import get_workload
 from packtune.workloads.base import ConfigReads, Workload, data_splits, varying_reads
@@ -32,6 +33,16 @@ from worker.ties import meta_template
 RTOL, ATOL = 1e-4, 1e-5
 #: the members' horizons (``config["max_epochs"]``), taken in turn
 CHECK_HORIZONS = (1.0, 3.0)
+
+
+class NothingToCompare(PacktuneError):
+    """Every member diverged: no trained parameters to compare fused against one by one."""
+
+
+def error_line(exc: Exception) -> str:
+    """``exc`` as the check's one-line error: a workload's exception with its type, the
+    check's own (:class:`NothingToCompare`) as its message."""
+    return str(exc) if isinstance(exc, NothingToCompare) else f"{type(exc).__name__}: {exc}"
 
 
 @dataclass
@@ -153,9 +164,15 @@ def check(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fused = FusedArray(workload, chosen, device=device, data=data)
+        report.layers = layer_paths(fused)  # before training: diverged members leave it
         train(fused, steps)
+        if len(fused.diverged) == len(chosen):
+            raise NothingToCompare(
+                f"every member diverged (its loss not finite by step {max(fused.diverged.values())}"
+                "): nothing trained to compare fused with one-by-one training; check with a "
+                "space whose members train (lower learning rates?)"
+            )
         report.stacks = fused.stacks
-        report.layers = layer_paths(fused)
         report.warnings += fused.notes
         if fused.warning:
             report.split = True
@@ -164,20 +181,48 @@ def check(
             own = None if varying else data
             alone = FusedArray(workload, [(key, config)], device=device, data=own)
             train(alone, steps)
+            packed_at, alone_at = fused.diverged.get(key), alone.diverged.get(key)
+            if packed_at is not None or alone_at is not None:
+                if packed_at != alone_at:  # a member must diverge where it does alone
+                    report.exact = False
+                    report.warnings.append(
+                        f"member {key} diverged at step {packed_at or 'never'} fused, "
+                        f"{alone_at or 'never'} alone"
+                    )
+                continue
             mine, ref = _params(fused, key), _params(alone, key)
             for pname, tensor in ref.items():
                 diff = float((mine[pname].float() - tensor.float()).abs().max())
                 report.max_difference = max(report.max_difference, diff)
                 if not torch.allclose(mine[pname].float(), tensor.float(), RTOL, ATOL):
                     report.exact = False
+        if fused.diverged:
+            gone = ", ".join(str(k) for k, _ in chosen if k in fused.diverged)
+            report.warnings.append(
+                f"members {gone} diverged (loss "
+                "not finite) and were dropped, as the service drops them; the others were "
+                "compared"
+            )
+        untimed = []
+        # timed on members that train: the configs of the first that did not diverge, then
+        # the rest in turn (those the comparison did not try may diverge still)
+        trains = [c for i, c in enumerate(configs) if i not in fused.diverged]
         for k in ks:
-            array = FusedArray(workload, [(i, configs[i]) for i in range(k)], device=device,
-                               data=data)  # fmt: skip
+            array = FusedArray(workload, list(enumerate(trains[:k])) + [
+                (i, trains[i % len(trains)]) for i in range(len(trains), k)
+            ], device=device, data=data)  # fmt: skip
             train(array, 1)  # warm-up: first-call costs out of the timing
             started = time.perf_counter()
             train(array, 1 + steps)
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
+            if array.diverged:  # fewer members than k trained: not k's step time
+                untimed.append(k)
+                continue
             report.step_ms[k] = 1000 * (time.perf_counter() - started) / steps
+        if untimed:
+            report.warnings.append(
+                f"no step time for k = {', '.join(map(str, untimed))}: members diverged there"
+            )
     report.warnings += sorted({str(w.message) for w in caught})
     return report

@@ -515,8 +515,19 @@ class FusedArray:
             only = (None if self.decoupled is None or segment is None
                     else segment_names(template, self.decoupled.segments, segment))  # fmt: skip
             apart = probed.mutates or bool(drifted) or bool(probed.workload_state)
-            for idx, stack in _forwards(workload, template, part, mode, stochastic, self.precision,
-                                        apart=apart):  # fmt: skip
+            stacks = _forwards(workload, template, part, mode, stochastic, self.precision,
+                               apart=apart)  # fmt: skip
+            if mode == "auto" and len(stacks) > 1 and not apart:  # say why, as for the rest
+                why = (
+                    "draws random numbers (dropout, or a draw in its forward): fused, its "
+                    "members would share one stream of draws" if stochastic else
+                    "trains in bf16 through vmap, whose batched rounding is not one model's"
+                )  # fmt: skip
+                note = (f"{workload.name}: the model {why}, so results would depend on the "
+                        "packing; its members train one at a time, as unpacked")  # fmt: skip
+                if note not in self.notes:
+                    self.notes.append(note)
+            for idx, stack in stacks:
                 params, buffers = _stack([models[i] for i in idx], home, only)
                 self.groups.append(self._group(
                     [keys[i] for i in idx], params, buffers,

@@ -205,7 +205,7 @@ def _claim(
 def run_check(check_id: int) -> str:
     """Run workload check ``check_id`` (``POST /api/workloads/{name}/check``) on this worker's
     device and store its report; returns the check's final status."""
-    from worker.check import check
+    from worker.check import check, error_line
 
     worker = os.environ.get(WORKER_NAME_ENV) or f"embedded@{socket.gethostname()}"
     row = retrying(lambda s: _started_check(s, check_id, worker))
@@ -219,7 +219,7 @@ def run_check(check_id: int) -> str:
         )  # fmt: skip
     except Exception as exc:  # the workload raised: the check's answer, not the job's failure
         log.warning("workload check %s (%s) could not run: %s", check_id, workload, exc)
-        error = f"{type(exc).__name__}: {exc}"
+        error = error_line(exc)
         retrying(lambda s: store.finish_check(s, check_id, CheckStatus.error, error=error))
         return CheckStatus.error.value
     status = CheckStatus.passed if report.ok else CheckStatus.failed

@@ -116,6 +116,9 @@ def test_a_bad_setting_stops_start_up_naming_the_variable(
         ("scheduler", "PACKTUNE_HEARTBEAT_TIMEOUT", "inf"),
         ("scheduler", "PACKTUNE_SCHEDULER_INTERVAL", "1e300"),
         ("worker", "PACKTUNE_HEARTBEAT_INTERVAL", "inf"),
+        # no request can carry it: every write was refused as if the token were wrong
+        ("serve", "PACKTUNE_API_TOKEN", "sekr\u00e9t"),
+        ("serve", "PACKTUNE_API_TOKEN", "two words"),
     ],
 )
 def test_a_setting_no_process_can_use_stops_start_up_in_one_line(
@@ -189,6 +192,25 @@ def test_submit_to_nothing_is_a_one_line_error(env: dict[str, str], tmp_path: Pa
     result = packtune("submit", str(spec), "--url", "http://127.0.0.1:9", env=env, cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.startswith("error: cannot reach") and "Traceback" not in result.stderr
+
+
+def test_a_token_no_request_can_carry_is_one_line_naming_it(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """httpx refused to encode it, and the CLI blamed the server: "unexpected answer from
+    ... (UnicodeEncodeError ...): is it packtune?"."""
+    port = free_port()  # nothing listens: the token is refused before any connection
+    result = packtune("studies", "--url", f"http://127.0.0.1:{port}", "--token", "sekr\u00e9t",
+                      env=env, cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (
+        "error: the token (--token, PACKTUNE_API_TOKEN) must be printable ASCII without spaces "
+        "(a bearer token travels in an HTTP header)"
+    )
+    from packtune import Client
+
+    with pytest.raises(ValueError, match="token: must be printable ASCII"):
+        Client(f"http://127.0.0.1:{port}", "sekr\u00e9t")
 
 
 @pytest.mark.parametrize(
@@ -335,6 +357,34 @@ def test_check_says_how_a_workload_fuses(env: dict[str, str], tmp_path: Path) ->
     assert "decoupled training: possible" in out
     for k in ("1", "2", "4", "8"):
         assert f"│ {k} " in out  # a step time for each array size
+
+
+@pytest.mark.parametrize("workload", ["synthetic-mlp", "digits-mlp"])
+def test_check_of_members_that_diverge_gives_a_verdict_or_says_why_not(
+    env: dict[str, str], tmp_path: Path, workload: str
+) -> None:
+    """Members whose loss is not finite are dropped from an array, as the service drops
+    them: the check then failed on its own bookkeeping (IndexError with every member gone,
+    KeyError: '0 is not an active member of this array' with some). Some diverged: the
+    others are compared and timed; all of them: one line saying why nothing was compared."""
+    spec = write(tmp_path / "diverge.yaml", {
+        "name": "diverge", "workload": workload, "seed": 0,
+        "space": {"lr": {"type": "loguniform", "low": 1000, "high": 10000}},
+        "hyperband": {"max_resource": 3, "eta": 3},
+    })  # fmt: skip
+    result = packtune("check", workload, "--spec", str(spec), "--steps", "5",
+                      env=env, cwd=tmp_path)  # fmt: skip
+    if workload == "synthetic-mlp":  # every member diverges
+        assert result.returncode == 2, result.stdout + result.stderr
+        (line,) = result.stderr.strip().splitlines()
+        assert line.startswith("error: the check could not run: every member diverged"), line
+        return
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = " ".join(result.stdout.split())
+    assert "members 0, 1 diverged (loss not finite) and were dropped" in out, out
+    assert "(exact)" in out
+    for k in ("1", "2", "4", "8"):
+        assert f"│ {k} " in result.stdout  # timed on members that train
 
 
 def test_check_fails_where_fusion_is_impossible(env: dict[str, str], tmp_path: Path) -> None:

@@ -147,6 +147,9 @@ def test_dropout_trials_train_as_if_alone_in_auto_mode() -> None:
     array = trained(workload, members)
     assert array.mode == "serial" and array.stochastic
     assert_as_alone(workload, array, members)
+    # and says why (docs/workloads.md: `serial x1; ...`, "the warning says which")
+    (note,) = [n for n in array.notes if "draws random numbers" in n]
+    assert "its members train one at a time, as unpacked" in note
 
 
 class _Scale(nn.Module):
