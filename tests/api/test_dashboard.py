@@ -517,3 +517,45 @@ def test_the_api_docs_render_without_the_internet(
         assert "/api/studies" in page.content()
     finally:
         context.close()
+
+
+def test_a_trial_that_diverged_before_its_first_rung_stays_inside_the_chart(
+    service: dict[str, Any], page: Any
+) -> None:
+    """A trial whose loss stopped being finite inside its first epoch is measured below
+    min_resource (0.18 epochs): its line on "hyperparameters against the objective" went
+    200 px below the chart, off the resource axis."""
+    spec = {**LIVE_SPEC, "name": "dashboard-diverged", "hyperband": {
+        "max_resource": 9, "min_resource": 1, "eta": 3}}  # fmt: skip
+    study_id = fill_finished_study(service["db"], spec)
+    engine = make_engine(service["db"])
+    try:
+        with session_scope(session_factory(engine)) as s:
+            (trial, *_) = store.trials_of(s, study_id, bracket=0)
+            trial.status, trial.measured_resource, trial.objective = (
+                TrialStatus.diverged,
+                0.18,
+                None,
+            )
+            gone = trial.id
+    finally:
+        engine.dispose()
+    page.goto(f"{service['url']}/#/studies/{study_id}")
+    page.wait_for_function(
+        f"document.querySelector('[data-panel=params] path.pc[data-trial=\"{gone}\"]')"
+    )
+    ys = page.evaluate(
+        """(id) => {
+      const svg = document.querySelector('[data-panel=params] svg');
+      const axes = [...svg.querySelectorAll('g.axis > line')]
+        .filter((l) => l.getAttribute('x1') === l.getAttribute('x2'));
+      const bottom = Math.max(...axes.map((l) => +l.getAttribute('y1')));
+      const top = Math.min(...axes.map((l) => +l.getAttribute('y2')));
+      const d = svg.querySelector(`path.pc[data-trial="${id}"]`).getAttribute('d');
+      const pairs = d.match(/-?[0-9.]+,-?[0-9.]+/g) || [];
+      return { bottom, top, ys: pairs.map((p) => +p.split(',')[1]) };
+    }""",
+        gone,
+    )
+    assert ys["ys"], ys
+    assert all(ys["top"] - 0.5 <= y <= ys["bottom"] + 0.5 for y in ys["ys"]), ys

@@ -70,7 +70,7 @@ export class ParamsPanel {
     const rKind = hb.max_resource / lo >= 9 ? "log" : "linear";
     const r = scale(rKind, [lo, hb.max_resource], [y0, y1]);
     const rungs = [...new Set(feed.brackets.flatMap((b) => b.rungs.map((g) => g.resource)))];
-    axes.push({ name: unit(s), pos: r, ticks: rungs.map((v) => [r(v), fmtNum(v)]), resource: true });
+    axes.push({ name: unit(s), pos: r, ticks: rungs.map((v) => [r(v), fmtNum(v)]), resource: true, floor: lo });
     const o = scale(kind, domain, [y0, y1]);
     axes.push({
       name: `${s.objective.metric} (${s.objective.mode})`,
@@ -107,7 +107,9 @@ export class ParamsPanel {
     const out = [];
     for (const a of this.axes) {
       let v;
-      if (a.resource) v = t.measured_resource;
+      // a trial that diverged inside its first rung was measured below min_resource: on
+      // the axis's floor, not below the chart
+      if (a.resource) v = t.measured_resource === null ? null : Math.max(t.measured_resource, a.floor);
       else if (a.objective) v = t.metrics?.[metric];
       else v = t.config?.[a.name.replace(" (log)", "")];
       const ok = v !== null && v !== undefined && (typeof v !== "number" || Number.isFinite(v));
