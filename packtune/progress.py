@@ -26,12 +26,24 @@ FINISHED = ("completed", "failed", "cancelled")
 PIPE_WIDTH = 200
 
 
+class _OutputConsole(Console):
+    """A console whose reader may go (``| head``) without ending the command: rich exits 1
+    there, before the command has decided how it ends (a failed study exits 1, a finished
+    one 0); the rest of its output goes nowhere instead."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
 def output_console() -> Console:
     """A console for the CLI's output: the terminal's width, or :data:`PIPE_WIDTH` when the
     output is not a terminal (and ``COLUMNS`` does not say)."""
     if sys.stdout.isatty() or os.environ.get("COLUMNS"):
-        return Console()
-    return Console(width=PIPE_WIDTH)
+        return _OutputConsole()
+    return _OutputConsole(width=PIPE_WIDTH)
 
 
 def _best(summary: dict[str, Any], metric: str) -> str:

@@ -287,7 +287,7 @@ def serve(
     else:
         make_engine(settings.database_url).dispose()  # a URL it cannot use: one line, now
         try:  # never migrated: the API answered 500, the scheduler a traceback a tick
-            problem = schema_problem(settings.database_url)
+            problem = schema_problem(settings.database_url, newer_ok=no_scheduler)
         except StoreUnavailable:  # not up yet: the API says 503, the scheduler waits for it
             problem = None
         if problem is not None:
@@ -512,7 +512,8 @@ def main() -> None:
 
 def _ended_by_broken_pipe(exc: SystemExit) -> bool:
     """Whether the libraries under the CLI ended it because standard output's reader had gone
-    (`| head`): rich exits 1 from the BrokenPipeError it caught, and click (typer's copy too)
+    (`| head`): rich exits 1 from the BrokenPipeError it caught (typer's help; the CLI's own
+    output console goes on, so that a failure still exits 1), and click (typer's copy too)
     exits 1 with the streams wrapped so that their last flush is quiet. A reader leaving early
     is not the command failing: exit 0, as the branch below does for what they let through."""
     if isinstance(exc.__context__, BrokenPipeError):

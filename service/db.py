@@ -353,10 +353,12 @@ def upgrade(url: str | URL | None = None) -> None:
         raise StoreUnavailable(f"database unusable: {exc.orig or exc}") from exc
 
 
-def schema_problem(url: str | URL | None = None) -> str | None:
+def schema_problem(url: str | URL | None = None, *, newer_ok: bool = False) -> str | None:
     """Why the database at ``url`` (default: the settings') is not at this packtune's
     schema, on one line naming the fix; None when it is. A scheduler or worker started on a
-    database never migrated said ``no such table`` every half second, for ever."""
+    database never migrated said ``no such table`` every half second, for ever.
+    ``newer_ok``: a schema a newer packtune migrated to is no problem (the API of a replica
+    not upgraded yet: migrations add, so what it reads is there)."""
     _quiet_alembic()
     from alembic.runtime.migration import MigrationContext
     from alembic.script import ScriptDirectory
@@ -384,6 +386,8 @@ def schema_problem(url: str | URL | None = None) -> str | None:
         return f"the database {where} has no packtune tables: run `packtune db upgrade` first"
     known = {rev.revision for rev in script.walk_revisions()}
     if current not in known:
+        if newer_ok:
+            return None
         return (
             f"the database {where} is at schema {current}, written by a newer packtune "
             f"(this one knows up to {head}): upgrade packtune"

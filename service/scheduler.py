@@ -126,7 +126,6 @@ class Scheduler:
         self.connected_since: float | None = None
         self._forgot_workers_at = -math.inf  # store.forget_dead_workers, at the first tick
         self.queue_outage = False  # the last tick found the job queue unreachable
-        self._leading = False  # whether the last tick held the lease
         self.dispatcher.notify = self.wake.set  # a job's end wakes the loop at once
 
     @property
@@ -144,13 +143,13 @@ class Scheduler:
             if self.connected_since is None:
                 self.connected_since = time.monotonic()
             if not leader:
-                self._leading = False
                 return report
             report.leader = True
             now = _now()
-            if not self._leading:  # the time studies sat with no scheduler is not theirs
-                store.resume_studies(s, now)
-                self._leading = True
+            # every tick, not once when it starts to lead: a tick that failed (and rolled
+            # back), or a lease lost and taken back from a scheduler that stopped since,
+            # would leave a study's clock stopped for good
+            store.resume_studies(s, now)
             self._embedded_heartbeat(s)
             timeout = self.settings.heartbeat_timeout
             workers = store.live_workers(s, timeout)
@@ -451,7 +450,8 @@ class Scheduler:
 
     def close(self) -> None:
         """Give the lease up, stopping the running studies' clocks if this scheduler led
-        (until one leads again, nothing schedules them; their packs are not dispatched)."""
+        (until one leads again, nothing dispatches their packs; those queued on RQ workers
+        train on, and :func:`service.store.resume_studies` counts them)."""
         try:
             with session_scope(self.factory) as s:
                 if store.release_lease(s, LEASE, self.holder):

@@ -260,22 +260,28 @@ def interrupt_studies(s: Session, now: datetime) -> None:
 
 
 def resume_studies(s: Session, now: datetime) -> None:
-    """A scheduler starts to lead: the time each study sat with none since the last one
-    stopped is not its running time."""
+    """The leading scheduler's every tick: the time each running study sat with no scheduler
+    since the last one stopped (:func:`interrupt_studies`) is not its running time, but for
+    its packs that went on training meanwhile (queued on RQ workers): the gap counts from
+    the last of them to finish. A study finished meanwhile (cancelled) keeps its stamp:
+    :func:`run_seconds` ends there."""
     stopped = s.execute(
         select(Study.id, Study.interrupted_at, Study.idle_seconds).where(
-            Study.interrupted_at.is_not(None)
+            Study.interrupted_at.is_not(None), Study.status == StudyStatus.running
         )
     ).all()
     for study_id, since, idle in stopped:
         assert since is not None  # selected so
+        trained = s.execute(
+            select(func.max(Pack.finished_at)).where(of_study(study_id), Pack.finished_at > since)
+        ).scalar()
+        gap = (now - max(since, trained or since)).total_seconds()
         s.execute(
             update(Study)
-            .where(Study.id == study_id)
-            .values(idle_seconds=idle + max(0.0, (now - since).total_seconds()),
-                    interrupted_at=None),
+            .where(Study.id == study_id, Study.interrupted_at == since)
+            .values(idle_seconds=idle + max(0.0, gap), interrupted_at=None),
             execution_options={"synchronize_session": False},
-        )  # fmt: skip
+        )
 
 
 def retry_study(s: Session, study: Study) -> list[int]:
@@ -310,10 +316,14 @@ def retry_study(s: Session, study: Study) -> list[int]:
             .values(status=TrialStatus.pending, error=None),
             execution_options={"synchronize_session": False},
         )  # fmt: skip
-    values: dict[str, Any] = {"status": StudyStatus.running, "finished_at": None, "error": None}
+    values: dict[str, Any] = {
+        "status": StudyStatus.running, "finished_at": None, "error": None,
+        "interrupted_at": None,
+    }  # fmt: skip
     if study.started_at is not None and study.finished_at is not None:
-        # the time it sat failed is not its running time (its max_seconds budget)
-        idle = (utcnow() - study.finished_at).total_seconds()
+        # the time it sat failed (or, before, with no scheduler) is not its running time
+        since = min(t for t in (study.finished_at, study.interrupted_at) if t is not None)
+        idle = (utcnow() - since).total_seconds()
         values["idle_seconds"] = study.idle_seconds + max(0.0, idle)
     s.execute(
         update(Study)

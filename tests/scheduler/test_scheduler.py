@@ -20,11 +20,12 @@ from sqlalchemy import select
 from sqlalchemy.orm import selectinload
 
 from packtune.dispatcher import JobState
+from packtune.errors import QueueUnavailable
 from packtune.hyperband import plan_brackets
 from packtune.settings import get_settings
 from service import lifecycle, planning, store
 from service.db import get_sessionmaker, session_scope
-from service.models import Pack, PackStatus, StudyStatus, Trial, TrialStatus
+from service.models import Lease, Pack, PackStatus, StudyStatus, Trial, TrialStatus
 from service.runtime import run_scheduler
 from service.scheduler import Scheduler
 
@@ -778,3 +779,97 @@ def test_a_scheduler_whose_database_is_gone_still_closes_its_runners(
     with pytest.raises(Exception, match="leases"):
         sched.close()
     assert dispatcher.closed
+
+
+def _stopped(study_id: int, ran: timedelta, sat: timedelta) -> None:
+    """As if the study had run ``ran`` before its scheduler stopped ``sat`` ago."""
+    with session_scope(get_sessionmaker()) as s:
+        study = store.get_study(s, study_id)
+        assert study.interrupted_at is not None
+        study.interrupted_at -= sat
+        study.started_at = study.interrupted_at - ran
+
+
+class QueueDown(SyncDispatcher):
+    down = True
+
+    def state(self, job_id: str) -> tuple[JobState, str | None]:
+        if self.down:
+            raise QueueUnavailable("redis down")
+        return super().state(job_id)
+
+
+def test_a_failed_first_tick_does_not_leave_a_studys_clock_stopped(db: None) -> None:
+    """The next leader's first tick took the stopped time off, then failed (its queue down
+    as an RQ deployment restarts) and rolled it back; its later ticks never did it again:
+    the study's clock stood still for good and max_seconds never ended it."""
+    study_id = new_study({**SPEC, "budget": {"max_seconds": 60}})
+    first = scheduler(SyncDispatcher(run=False))
+    first.tick()
+    first.close()
+    _stopped(study_id, timedelta(seconds=30), timedelta(hours=1))
+    queue = QueueDown(run=False)
+    second = scheduler(queue, "second")  # type: ignore[arg-type]
+    with pytest.raises(QueueUnavailable):
+        second.tick()
+    queue.down = False
+    second.tick()
+    with session_scope(get_sessionmaker()) as s:
+        study = store.get_study(s, study_id)
+        assert study.interrupted_at is None
+        later = datetime.now(UTC) + timedelta(minutes=5)
+        assert lifecycle.budget_spent(s, study, later) == "max_seconds"
+
+
+def test_a_leader_whose_lease_lapsed_takes_the_stopped_time_off_when_it_leads_again(
+    db: None,
+) -> None:
+    study_id = new_study({**SPEC, "budget": {"max_seconds": 60}})
+    a, b = scheduler(SyncDispatcher(run=False), "a"), scheduler(SyncDispatcher(run=False), "b")
+    a.tick()
+    with session_scope(get_sessionmaker()) as s:  # a stalls past its lease; b takes over
+        s.execute(Lease.__table__.update().values(expires_at=datetime.now(UTC) - timedelta(1)))
+    assert b.tick().leader
+    b.close()  # b stops: the study's clock with it
+    _stopped(study_id, timedelta(seconds=30), timedelta(hours=1))
+    assert a.tick().leader
+    with session_scope(get_sessionmaker()) as s:
+        study = store.get_study(s, study_id)
+        assert study.interrupted_at is None and study.idle_seconds >= 3600
+
+
+def test_a_study_cancelled_while_no_scheduler_ran_keeps_its_running_time(db: None) -> None:
+    study_id = new_study({**SPEC, "budget": {"max_seconds": 36_000}})
+    first = scheduler(SyncDispatcher(run=False))
+    first.tick()
+    first.close()
+    _stopped(study_id, timedelta(hours=2), timedelta(hours=1))
+    with session_scope(get_sessionmaker()) as s:  # POST /cancel on serve --no-scheduler
+        store.move_study(s, store.get_study(s, study_id), StudyStatus.cancelled)
+    with session_scope(get_sessionmaker()) as s:  # ... five hours before a scheduler leads
+        study = store.get_study(s, study_id)
+        for stamp in ("started_at", "interrupted_at", "finished_at"):
+            setattr(study, stamp, getattr(study, stamp) - timedelta(hours=5))
+    scheduler(SyncDispatcher(run=False), "next").tick()
+    with session_scope(get_sessionmaker()) as s:
+        ran = store.run_seconds(store.get_study(s, study_id), datetime.now(UTC))
+    assert ran is not None and 7190 <= ran <= 7210, ran
+
+
+def test_packs_that_trained_on_without_a_scheduler_count_as_running_time(db: None) -> None:
+    """Packs queued on RQ workers train on while no scheduler runs: that is the study's
+    running time, up to the last of them to finish."""
+    study_id = new_study({**SPEC, "budget": {"max_seconds": 36_000}})
+    first = scheduler(SyncDispatcher(run=False))
+    first.tick()
+    first.close()
+    _stopped(study_id, timedelta(minutes=10), timedelta(hours=1))
+    with session_scope(get_sessionmaker()) as s:
+        pack = s.scalars(select(Pack).where(Pack.study_id == study_id)).first()
+        assert pack is not None
+        pack.status, pack.started_at = PackStatus.completed, datetime.now(UTC) - timedelta(hours=1)
+        pack.finished_at = datetime.now(UTC) - timedelta(minutes=20)  # 40 min after the stop
+    scheduler(SyncDispatcher(run=False), "next").tick()
+    with session_scope(get_sessionmaker()) as s:
+        ran = store.run_seconds(store.get_study(s, study_id), datetime.now(UTC))
+    assert ran is not None and 50 * 60 - 10 <= ran <= 50 * 60 + 10, ran
