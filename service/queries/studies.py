@@ -72,7 +72,13 @@ def _summaries(s: Session, studies: list[Study], with_spec: bool = True) -> list
         select(Trial.study_id, func.count(distinct(Pack.id)))
         .join(PackMember, PackMember.pack_id == Pack.id)
         .join(Trial, Trial.id == PackMember.trial_id)
-        .where(Trial.study_id.in_(ids), Pack.status == PackStatus.running)
+        # its trials that still train there: a pack shared with another study runs on
+        # after this one's members ended (its study completed, "1 packs running")
+        .where(
+            Trial.study_id.in_(ids),
+            Pack.status == PackStatus.running,
+            Trial.status.in_((TrialStatus.queued, TrialStatus.running)),
+        )
         .group_by(Trial.study_id)
     )
     for study_id, n in s.execute(packs_stmt):

@@ -863,3 +863,33 @@ def test_openapi_describes_each_dimension_of_the_space(client: TestClient) -> No
     assert all(d["additionalProperties"] is False and "type" in d["required"] for d in dims)
     assert dims[2]["properties"]["log"] == {"type": "boolean"}
     assert dims[3]["properties"]["values"]["maxItems"] == 1000
+
+
+def test_a_pack_counts_as_running_for_a_study_only_while_its_trials_train_there(
+    any_client: TestClient,
+) -> None:
+    """Two studies shared a pack; one's members ended, the study completed, and it still
+    showed "1 packs running" (in `packtune run`'s last line too) while the other's trained."""
+    from service import lifecycle
+
+    ids = [client_id for client_id in (
+        any_client.post("/api/studies", json=spec(name=f"s{i}", sampler="random")).json()["id"]
+        for i in range(2)
+    )]  # fmt: skip
+    with session_scope(any_client.app.state.sessionmaker) as s:  # type: ignore[attr-defined]
+        trials = {}
+        for study_id in ids:
+            lifecycle.sample_due(s, store.get_study(s, study_id))
+            trials[study_id] = store.trials_of(s, study_id)[0]
+        pack = store.create_pack(s, study_id=ids[0], members=[
+            (t.id, t.fusion_key, 0.0, 1.0) for t in trials.values()])  # fmt: skip
+        pack.status = PackStatus.running
+        for t in trials.values():
+            t.status = TrialStatus.running
+    assert [any_client.get(f"/api/studies/{i}").json()["packs_running"]
+            for i in ids] == [1, 1]  # fmt: skip
+    with session_scope(any_client.app.state.sessionmaker) as s:  # type: ignore[attr-defined]
+        store.get_trial(s, trials[ids[0]].id).status = TrialStatus.paused  # its unit ended
+    time.sleep(get_settings().read_cache_seconds)  # written as a worker would: not the API
+    assert [any_client.get(f"/api/studies/{i}").json()["packs_running"]
+            for i in ids] == [0, 1]  # fmt: skip
