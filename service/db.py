@@ -341,16 +341,55 @@ def _quiet_alembic() -> None:
 
 
 def upgrade(url: str | URL | None = None) -> None:
-    """Bring the database at ``url`` (default: the settings' URL) to the newest schema."""
+    """Bring the database at ``url`` (default: the settings' URL) to the newest schema.
+
+    Two processes starting at once on a new SQLite file (two `packtune run`, or one beside
+    `packtune serve`) both migrated it, a step at a time (SQLite's DDL is not one
+    transaction here), and the slower failed on the other's work ("duplicate column name",
+    alembic's "expected to match one row"): a failure while another process moves the
+    schema on is waited out, as long as it keeps moving."""
     _quiet_alembic()
     from alembic import command
+    from alembic.util.exc import CommandError
 
+    config = alembic_config(url)
+    while True:
+        seen = _revision(config)
+        try:
+            command.upgrade(config, "head")
+            return
+        except (OperationalError, InterfaceError, CommandError) as exc:
+            if not _moved_on(config, seen):
+                if isinstance(exc, CommandError):
+                    raise
+                raise unavailable(exc) from exc
+        except DatabaseError as exc:  # a file that is not SQLite's: the user's to fix, one line
+            raise StoreUnavailable(f"database unusable: {exc.orig or exc}") from exc
+
+
+def _revision(config: Any) -> str | None:
+    """The database's schema revision now (None: none yet, or it cannot be read)."""
+    from alembic.runtime.migration import MigrationContext
+
+    engine = make_engine(config.attributes["url"])
     try:
-        command.upgrade(alembic_config(url), "head")
-    except (OperationalError, InterfaceError) as exc:
-        raise unavailable(exc) from exc
-    except DatabaseError as exc:  # a file that is not SQLite's: the user's to fix, one line
-        raise StoreUnavailable(f"database unusable: {exc.orig or exc}") from exc
+        with engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+    except (OperationalError, InterfaceError, DatabaseError):
+        return None
+    finally:
+        engine.dispose()
+
+
+def _moved_on(config: Any, seen: str | None, wait_s: float = 1.0) -> bool:
+    """Whether another process moves the schema on from ``seen`` (within ``wait_s``)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        if _revision(config) != seen:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
 
 
 def schema_problem(url: str | URL | None = None, *, newer_ok: bool = False) -> str | None:

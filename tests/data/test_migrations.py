@@ -255,3 +255,37 @@ def test_downgrading_keeps_the_rows_of_tables_copied_on_sqlite(empty_url: str | 
     upgrade(empty_url)
     assert counts() == dict.fromkeys(tables, 1)
     assert inspect_db(empty_url)[1] == []
+
+
+def test_an_upgrade_beside_another_process_migrating_the_same_file_waits_for_it(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two processes starting at once on a new SQLite file both migrated it, a step at a
+    time, and the slower failed on the other's work ("duplicate column name"; alembic's
+    "expected to match one row"): a traceback from `packtune run`. Here the other process
+    (a real one) migrates part of the way as this one's first attempt collides."""
+    real = command.upgrade
+    calls = []
+
+    def colliding(config: Any, revision: str) -> None:
+        calls.append(revision)
+        if len(calls) == 1:  # another process is half-way when this one trips on its work
+            subprocess.run(
+                [sys.executable, "-c", "import sys; from alembic import command; from "
+                 "service.db import alembic_config; command.upgrade(alembic_config(sys.argv[1]),"
+                 " '0008')", sqlite_url],
+                check=True, cwd=Path(__file__).resolve().parents[2],
+            )  # fmt: skip
+            raise sa.exc.OperationalError("ALTER TABLE", {}, Exception("duplicate column name"))
+        real(config, revision)
+
+    monkeypatch.setattr(command, "upgrade", colliding)
+    upgrade(sqlite_url)
+    assert inspect_db(sqlite_url)[1:] == ([], HEAD)
+    assert len(calls) == 2
+    # a failure while nobody moves the schema on is not waited out
+    calls.clear()
+    monkeypatch.setattr(command, "upgrade", lambda config, revision: (_ for _ in ()).throw(
+        sa.exc.OperationalError("ALTER TABLE", {}, Exception("disk I/O error"))))  # fmt: skip
+    with pytest.raises(StoreUnavailable, match="disk I/O error"):
+        upgrade(sqlite_url)
