@@ -107,6 +107,24 @@ def idle_wait(
     return max(0.0, interval - tick_seconds, stretched)
 
 
+def _holder_gone(holder: str | None) -> bool:
+    """Whether ``holder`` (``host:pid:...``, as :class:`Scheduler` names itself) is a process
+    of this host that no longer exists. Of another host nothing is known: its lease lapses."""
+    if holder is None:
+        return False
+    host, _, rest = holder.partition(":")
+    pid = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # it exists (another user's) or cannot be asked: as alive
+        return False
+    return False
+
+
 class Scheduler:
     def __init__(
         self,
@@ -140,6 +158,12 @@ class Scheduler:
         to_enqueue: list[tuple[int, str]] = []
         with session_scope(self.factory) as s:
             leader = store.acquire_lease(s, LEASE, self.holder, self.lease_ttl)
+            holder = None if leader else store.lease_holder(s, LEASE)
+            if holder is not None and _holder_gone(holder):
+                # a process of this host killed outright (`packtune run` after kill -9)
+                # holds it: the next run waited out its lease (10 s) before doing anything
+                store.release_lease(s, LEASE, holder)
+                leader = store.acquire_lease(s, LEASE, self.holder, self.lease_ttl)
             if self.connected_since is None:
                 self.connected_since = time.monotonic()
             if not leader:

@@ -34,6 +34,7 @@ from service.store.fleet import (
     forget_dead_workers,
     get_profile,
     heartbeat,
+    lease_holder,
     live_workers,
     mark_dead_workers,
     measured_curve,
@@ -226,4 +227,5 @@ __all__ = [
     "interrupt_studies",
     "resume_studies",
     "run_seconds",
+    "lease_holder",
 ]

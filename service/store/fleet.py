@@ -211,6 +211,11 @@ def acquire_lease(s: Session, name: str, holder: str, ttl_seconds: float) -> boo
     return s.execute(take).first() is not None
 
 
+def lease_holder(s: Session, name: str) -> str | None:
+    """Who holds the lease ``name`` (expired or not), if anyone."""
+    return s.scalar(select(Lease.holder).where(Lease.name == name))
+
+
 def release_lease(s: Session, name: str, holder: str) -> bool:
     """Give the lease up if ``holder`` has it; returns whether it did."""
     stmt = (

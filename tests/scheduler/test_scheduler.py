@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -873,3 +874,24 @@ def test_packs_that_trained_on_without_a_scheduler_count_as_running_time(db: Non
     with session_scope(get_sessionmaker()) as s:
         ran = store.run_seconds(store.get_study(s, study_id), datetime.now(UTC))
     assert ran is not None and 50 * 60 - 10 <= ran <= 50 * 60 + 10, ran
+
+
+def test_a_lease_held_by_a_process_of_this_host_that_is_gone_is_taken_at_once(db: None) -> None:
+    """`packtune run` killed with kill -9 left its lease: the next run waited it out (10 s)
+    before it scheduled anything. A process of another host, or one alive, keeps it."""
+    import socket
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    later = datetime.now(UTC) + timedelta(minutes=1)
+    for holder, taken in (
+        (f"{socket.gethostname()}:{dead.pid}:abc", True),
+        (f"{socket.gethostname()}:{os.getpid()}:abc", False),  # alive
+        (f"another-host:{dead.pid}:abc", False),  # nothing known of it: its lease lapses
+    ):
+        with session_scope(get_sessionmaker()) as s:
+            s.execute(Lease.__table__.delete())
+            s.add(Lease(name="scheduler", holder=holder, expires_at=later))
+        assert scheduler(SyncDispatcher(run=False), "me").tick().leader is taken, holder
