@@ -346,20 +346,22 @@ def upgrade(url: str | URL | None = None) -> None:
     Two processes starting at once on a new SQLite file (two `packtune run`, or one beside
     `packtune serve`) both migrated it, a step at a time (SQLite's DDL is not one
     transaction here), and the slower failed on the other's work ("duplicate column name",
-    alembic's "expected to match one row"): a failure while another process moves the
-    schema on is waited out, as long as it keeps moving."""
+    alembic's "expected to match one row"): on SQLite, a failure while another process
+    moves the schema on is waited out, as long as it keeps moving."""
     _quiet_alembic()
     from alembic import command
     from alembic.util.exc import CommandError
 
     config = alembic_config(url)
+    # PostgreSQL migrates in one transaction: a second upgrade waits on the first's locks
+    sqlite = config.attributes["url"].get_backend_name() == "sqlite"
     while True:
-        seen = _revision(config)
+        seen = _revision(config) if sqlite else None
         try:
             command.upgrade(config, "head")
             return
         except (OperationalError, InterfaceError, CommandError) as exc:
-            if not _moved_on(config, seen):
+            if not (sqlite and _moved_on(config, seen)):
                 if isinstance(exc, CommandError):
                     raise
                 raise unavailable(exc) from exc
