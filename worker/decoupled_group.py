@@ -48,6 +48,14 @@ def decoupled_problem(workload: Workload, template: nn.Module, segments: int) ->
     return None
 
 
+def labels_problem(targets: torch.Tensor) -> str | None:
+    """Why ``targets`` cannot train decoupled (a target vector is drawn per class), or None."""
+    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+        return (f"its targets are {targets.dtype} values, not class labels: decoupled "
+                "training draws a target vector per class")  # fmt: skip
+    return None
+
+
 def _segments(template: nn.Module, segments: int) -> list[nn.Sequential]:
     """``template``'s chain cut where :func:`worker.decoupled.cut_points` cuts it, each
     segment keeping its layers' names in the model."""

@@ -73,7 +73,12 @@ from worker.batches import (
     tensors,
     tree_map,
 )
-from worker.decoupled_group import decoupled_group, decoupled_problem, segment_names
+from worker.decoupled_group import (
+    decoupled_group,
+    decoupled_problem,
+    labels_problem,
+    segment_names,
+)
 from worker.fused_forward import (
     bmm_forward,
     bmm_plan,
@@ -504,6 +509,8 @@ class FusedArray:
                 )
             if self.decoupled is not None:
                 problem = decoupled_problem(workload, template, self.decoupled.segments)
+                if problem is None and self.train_split is not None:  # regression: an
+                    problem = labels_problem(self.train_split.y)  # IndexError, per member
                 if problem is not None:
                     raise ValueError(f"cannot train decoupled: {problem}")
             problem = spill_problem(workload, template) if spill_budget is not None else None

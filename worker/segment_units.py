@@ -57,6 +57,7 @@ from worker.execute import (
     mark_done,
     member_checkpoint,
     span_steps,
+    spill_budget,
     workload_steps,
 )
 from worker.fused import FusedArray, Report, train
@@ -148,11 +149,22 @@ def _train(
     first = workload.resolve(next(iter(configs.values())))
     try:
         ensure_profile(job, first, device, kind, data())
+        if spill_budget(job, kind, device, len(todo)) is not None:  # as a trial unit says
+            raise ValueError(
+                f"segment {job.segment} needs more memory than the device has, and decoupled "
+                "training and spilling do not combine yet"
+            )
         with GLOBAL_RNG:
             array = FusedArray(
                 workload, [(m.trial_id, configs[m.trial_id]) for m in todo], device=device,
                 states=states, data=data(), training=job.training, segment=job.segment,
             )  # fmt: skip
+        if array.stochastic:
+            raise ValueError(
+                f"{workload.name}'s model draws random numbers (dropout): a segment unit "
+                "starts from the trial's random state, so its draws would not be those of "
+                "units: trial; use units: trial for it"
+            )
     except NOT_A_TRIAL_FAULT:
         raise
     except Exception as exc:

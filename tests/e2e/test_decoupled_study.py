@@ -67,3 +67,22 @@ def test_a_decoupled_study_runs_to_a_best_trial_that_learned(tmp_path: Path) -> 
     best_e2e = min(c[9.0] for c in want.curves.values() if 9.0 in c)
     print(f"best val_loss: decoupled {best:.4f}, end to end {best_e2e:.4f}")
     assert best < 0.5 and best != best_e2e  # it learned (chance is 2.3), and not end to end
+
+
+def test_decoupled_training_of_a_regression_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Float targets failed every trial with IndexError ("tensors used as indices must be
+    long"), and `packtune check` said decoupled training was possible."""
+    from worker.check import check
+
+    space = {"lr": {"type": "loguniform", "low": 0.001, "high": 0.01},
+             "task": {"type": "choice", "values": ["regression"]},
+             "n_train": {"type": "choice", "values": [512]}}  # fmt: skip
+    spec = {**SPEC, "workload": "synthetic-mlp", "space": space,
+            "hyperband": {"max_resource": 3, "min_resource": 1, "eta": 3},
+            "objective": {"metric": "val_loss", "mode": "min"},
+            "training": {"mode": "decoupled", "segments": 2}}  # fmt: skip
+    failed, _ = run_study(tmp_path / "regression", spec, exit_code=1)
+    errors = {str(t["error"]) for t in failed.trials.values()}
+    assert failed.status == "failed" and all("not class labels" in e for e in errors), errors
+    report = check("synthetic-mlp", space, members=2, steps=2, ks=(1,))
+    assert report.decoupled_problem is not None and "not class labels" in report.decoupled_problem

@@ -198,3 +198,30 @@ def test_a_worker_killed_mid_segment(cluster: Services, database: str, reference
     pack = next(p for p in got.packs if p.id == pack_id)
     assert (pack.status, pack.attempts) == ("completed", 2), pack
     assert pack.error is not None and f"worker {victim} stopped sending heartbeats" in pack.error
+
+
+def _failed_with(tmp: Path, spec: dict[str, Any], words: str, **settings: Any) -> None:
+    failed, _ = run_study(tmp, spec, exit_code=1, **settings)
+    errors = {str(t["error"]) for t in failed.trials.values() if t["error"]}
+    assert failed.status == "failed" and errors and all(words in e for e in errors), errors
+
+
+def test_a_model_that_draws_random_numbers_is_refused_as_segment_units(tmp_path: Path) -> None:
+    """With dropout, a segment unit started from the trial's random state at the span's
+    start, where units: trial draws segment 1's masks after segment 0's: every metric
+    differed from units: trial's (which the README says segment units give)."""
+    space = {**SPEC["space"], "dropout": {"type": "choice", "values": [0.1]}}
+    spec = {**_spec("segment"), "space": space,
+            "hyperband": {"max_resource": 3, "min_resource": 1, "eta": 3}}  # fmt: skip
+    _failed_with(tmp_path / "dropout", spec, "draws random numbers (dropout): a segment unit")
+
+
+def test_a_segment_larger_than_the_device_is_refused_as_a_trial_unit_is(tmp_path: Path) -> None:
+    """Each segment over the budget trained in device memory (planned as spilled, run as
+    not), where units: trial refuses: decoupled training does not spill."""
+    space = {**SPEC["space"], "hidden": {"type": "choice", "values": [128]},
+             "layers": {"type": "choice", "values": [5]}}  # fmt: skip
+    spec = {**_spec("segment"), "space": space,
+            "hyperband": {"max_resource": 3, "min_resource": 1, "eta": 3}}  # fmt: skip
+    _failed_with(tmp_path / "big", spec, "needs more memory than the device has",
+                 cpu_memory_budget=600_000)  # fmt: skip
