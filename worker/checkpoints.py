@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import tempfile
 from collections.abc import Mapping
@@ -81,13 +82,18 @@ def stage_checkpoint(
     full = get_settings().disk_full_while
     if full is not None and full.exists():  # fault injection (PACKTUNE_DISK_FULL_WHILE)
         raise OSError(errno.ENOSPC, "No space left on device (injected)", str(directory))
+    # serialized in memory first: torch.save writing to a full disk raised its own
+    # RuntimeError ("unexpected pos"), not the OSError that marks a fault of the machine, so
+    # a full disk used up the pack's attempts and failed its trials
+    buffer = io.BytesIO()
+    torch.save(dict(state), buffer)
     path = checkpoint_path(directory, study_id, trial_id)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(dict(state), f)
+            f.write(buffer.getbuffer())
             f.flush()
             os.fsync(f.fileno())
     except BaseException:

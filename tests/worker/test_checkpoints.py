@@ -195,3 +195,32 @@ def test_loading_refuses_arbitrary_objects(tmp_path):
     torch.save({"steps_done": 1, "payload": NotAllowed()}, path)
     with pytest.raises(pickle.UnpicklingError):
         load_checkpoint(path)
+
+
+def test_a_write_the_disk_refuses_is_an_os_error(tmp_path: Path) -> None:
+    """torch.save writing to a full disk raised RuntimeError ("[enforce fail at
+    inline_container.cc] unexpected pos"), which the worker took for the trials' fault: a
+    really full disk used up a pack's attempts and failed its trials (the injected fault,
+    an OSError before torch.save, never showed it). A real process whose writes stop at a
+    file-size limit (the kernel refuses them, as a full disk does) sees an OSError."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import errno, resource, signal, sys, torch
+        from worker.checkpoints import stage_checkpoint
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+        try:
+            stage_checkpoint({str(tmp_path)!r}, 1, 2, {{"params": {{"w": torch.ones(10_000)}}}})
+        except OSError as exc:
+            print("OSError", errno.errorcode.get(exc.errno))
+        except Exception as exc:
+            print(type(exc).__name__, str(exc)[:80])
+    """)  # fmt: skip
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                            text=True, timeout=120)  # fmt: skip
+    assert result.stdout.strip() == "OSError EFBIG", result.stdout + result.stderr
+    assert not list(tmp_path.rglob("*.tmp"))  # the partial file is gone
