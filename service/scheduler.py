@@ -144,6 +144,7 @@ class Scheduler:
         self.connected_since: float | None = None
         self._forgot_workers_at = -math.inf  # store.forget_dead_workers, at the first tick
         self.queue_outage = False  # the last tick found the job queue unreachable
+        self.store_outage = False  # the last tick found the database unreachable
         self.dispatcher.notify = self.wake.set  # a job's end wakes the loop at once
 
     @property
@@ -432,12 +433,18 @@ class Scheduler:
             try:
                 report = self.tick()
                 self._queue_outage(report.queue_error)
+                if self.store_outage:
+                    log.warning("the database is back")
+                    self.store_outage = False
             except QueueUnavailable as exc:  # one line per outage, not a traceback per tick
                 self._queue_outage(str(exc))
                 report = TickReport()
-            except StoreUnavailable as exc:
+            except StoreUnavailable as exc:  # one line per outage, not two per tick
                 self.connected_since = None
-                log.warning("scheduler tick failed, trying again: %s", exc)
+                if not self.store_outage:
+                    reason = " ".join(str(exc).split())  # psycopg's message has line breaks
+                    log.warning("the database is unavailable (%s); trying again", reason)
+                self.store_outage = True
                 report = TickReport()
             except Exception:
                 log.exception("scheduler tick failed; trying again")

@@ -895,3 +895,34 @@ def test_a_lease_held_by_a_process_of_this_host_that_is_gone_is_taken_at_once(db
             s.execute(Lease.__table__.delete())
             s.add(Lease(name="scheduler", holder=holder, expires_at=later))
         assert scheduler(SyncDispatcher(run=False), "me").tick().leader is taken, holder
+
+
+def test_a_database_outage_is_one_line_and_its_end_another(
+    db: None, sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """While the database was down the scheduler logged two lines a tick (psycopg's
+    message has a line break): ~120 a minute. One when it goes, one when it is back."""
+    from pathlib import Path
+
+    file = Path(sqlite_url.removeprefix("sqlite:///"))
+    sched = scheduler(SyncDispatcher(run=False))
+    engine = get_sessionmaker().kw["bind"]
+    stop, ticks = threading.Event(), []
+
+    def on_tick(report: Any) -> None:
+        ticks.append(report)
+        if len(ticks) == 2:  # gone: a directory where the file was cannot be opened
+            file.rename(file.with_suffix(".away"))
+            file.mkdir()
+            engine.dispose()  # no connection kept open to the file moved away
+        elif len(ticks) == 6:
+            file.rmdir()
+            file.with_suffix(".away").rename(file)
+        elif len(ticks) == 8:
+            stop.set()
+
+    with caplog.at_level(logging.WARNING, logger="service.scheduler"):
+        sched.run(stop=stop, on_tick=on_tick)
+    said = [r.getMessage() for r in caplog.records if "database" in r.getMessage()]
+    assert len(said) == 2 and said[1] == "the database is back", said
+    assert said[0].startswith("the database is unavailable (") and "\n" not in said[0]
