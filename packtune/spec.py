@@ -188,8 +188,8 @@ class TrainingSettings(_Strict):
     @model_validator(mode="after")
     def _units_need_segments(self) -> TrainingSettings:
         if self.units == "segment" and self.mode != "decoupled":
-            raise ValueError("units: segment needs mode: decoupled (an end-to-end model has "
-                             "no segments)")  # fmt: skip
+            raise SpecError("training.units", "segment needs mode: decoupled (an end-to-end "
+                            "model has no segments)")  # fmt: skip
         # compared with the defaults, not with what was given: a spec dumped whole names all
         defaults = TrainingSettings.model_fields
         for field in ("segments", "noise"):

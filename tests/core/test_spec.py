@@ -175,7 +175,7 @@ def test_defaults_fill_the_optional_parts() -> None:
          "greater than or equal to 0"),
         ("training", {"mode": "decoupled", "units": "layer"}, "training.units",
          "'trial' or 'segment'"),
-        ("training", {"units": "segment"}, "training", "units: segment needs mode: decoupled"),
+        ("training", {"units": "segment"}, "training.units", "segment needs mode: decoupled"),
         # settings that another setting makes moot were accepted and ignored, silently
         ("training", {"segments": 5}, "training.segments", "applies only to mode: decoupled"),
         ("training", {"mode": "end_to_end", "noise": 0.3}, "training.noise",
