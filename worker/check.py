@@ -24,7 +24,7 @@ from packtune.errors import PacktuneError
 from packtune.space import parse_space, sample_config, trial_seed
 from packtune.workloads import get_workload
 from packtune.workloads.base import ConfigReads, Workload, data_splits, varying_reads
-from worker.decoupled_group import decoupled_problem, labels_problem
+from worker.decoupled_group import decoupled_problem
 from worker.fused import FusedArray, train
 from worker.spill import spill_problem
 from worker.ties import meta_template
@@ -148,7 +148,7 @@ def check(
     # trains on its own data, as it would unpacked
     reads: set[str] = set()
     first = ConfigReads(workload.resolve(configs[0]), reads)
-    data = None if workload.streams else data_splits(name, workload.data(first, device))
+    data = None if workload.streams else data_splits(workload, first, device)
     varying = varying_reads(workload, [workload.resolve(c) for c in configs[:members]], reads)
     if varying:
         report.warnings.append(
@@ -159,8 +159,8 @@ def check(
     torch.manual_seed(0)
     template = meta_template(workload.build_model(workload.resolve(configs[0])))
     report.spill_problem = spill_problem(workload, template)
-    report.decoupled_problem = decoupled_problem(workload, template, 2) or (
-        labels_problem(data[0].y) if data is not None else None
+    report.decoupled_problem = decoupled_problem(
+        workload, template, 2, data[0].y if data is not None else None
     )
     chosen = [(i, configs[i]) for i in range(members)]
     with warnings.catch_warnings(record=True) as caught:

@@ -34,8 +34,12 @@ from worker.optim import StackedOptimizer
 from worker.spill import chain_of, stack_forward
 
 
-def decoupled_problem(workload: Workload, template: nn.Module, segments: int) -> str | None:
-    """Why ``template``'s members cannot train decoupled, in one sentence; None if they can."""
+def decoupled_problem(
+    workload: Workload, template: nn.Module, segments: int, targets: Tensor | None = None
+) -> str | None:
+    """Why ``template``'s members cannot train decoupled, in one sentence; None if they can.
+    ``targets``: the training split's, which must be class labels (a target vector is drawn
+    per class; a regression's floats were an IndexError per member)."""
     if workload.streams or workload.custom_step:
         return f"{workload.name} streams its batches or defines its own training_loss()"
     chain = chain_of(template)
@@ -45,12 +49,9 @@ def decoupled_problem(workload: Workload, template: nn.Module, segments: int) ->
         cut_points(nn.Sequential(OrderedDict(chain)), segments)
     except ValueError as exc:
         return str(exc)
-    return None
-
-
-def labels_problem(targets: torch.Tensor) -> str | None:
-    """Why ``targets`` cannot train decoupled (a target vector is drawn per class), or None."""
-    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+    if targets is not None and (
+        targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool
+    ):
         return (f"its targets are {targets.dtype} values, not class labels: decoupled "
                 "training draws a target vector per class")  # fmt: skip
     return None

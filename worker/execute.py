@@ -371,7 +371,7 @@ def _read_data(
     config its data path reads (``data``, ``steps_per_epoch``, ``batch_indices``)."""
     try:
         seen = ConfigReads(first)
-        data = None if workload.streams else data_splits(workload.name, workload.data(seen, device))
+        data = None if workload.streams else data_splits(workload, seen, device)
         if not workload.streams:
             workload.steps_per_epoch(seen)
             next(iter(workload.batch_indices(seen, 0)), None)

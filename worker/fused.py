@@ -73,12 +73,7 @@ from worker.batches import (
     tensors,
     tree_map,
 )
-from worker.decoupled_group import (
-    decoupled_group,
-    decoupled_problem,
-    labels_problem,
-    segment_names,
-)
+from worker.decoupled_group import decoupled_group, decoupled_problem, segment_names
 from worker.fused_forward import (
     bmm_forward,
     bmm_plan,
@@ -355,7 +350,10 @@ class FusedArray:
         #: decoupled segments (training.mode), or None: end to end
         self.decoupled = training if training and training.mode == "decoupled" else None
         if self.decoupled is not None and spill_budget is not None:
-            raise ValueError("decoupled training and spilling do not combine yet")
+            raise ValueError(
+                "it needs more memory than the device has, and decoupled training and "
+                "spilling do not combine yet"
+            )
         if segment is not None and self.decoupled is None:
             raise ValueError("a segment trains alone only in decoupled training")
         #: the one segment this array trains (a segment unit), or None: the whole model
@@ -442,7 +440,7 @@ class FusedArray:
         self.val_split: Split | None = None
         if not self.streaming:
             self.train_split, self.val_split = data or data_splits(
-                workload.name, workload.data(self.config, self.device)
+                workload, self.config, self.device
             )
         #: the model draws from the host's generators: each member's step from its own stream
         self.host_random = False
@@ -508,9 +506,8 @@ class FusedArray:
                     "operation out of place (x = x / 255) for them to be fused"
                 )
             if self.decoupled is not None:
-                problem = decoupled_problem(workload, template, self.decoupled.segments)
-                if problem is None and self.train_split is not None:  # regression: an
-                    problem = labels_problem(self.train_split.y)  # IndexError, per member
+                targets = self.train_split.y if self.train_split is not None else None
+                problem = decoupled_problem(workload, template, self.decoupled.segments, targets)
                 if problem is not None:
                     raise ValueError(f"cannot train decoupled: {problem}")
             problem = spill_problem(workload, template) if spill_budget is not None else None

@@ -136,7 +136,7 @@ def probe(
     cfg = workload.resolve(config)
     seed = int(cfg.get("seed", 0))
     if data is None and not workload.streams:
-        data = data_splits(workload.name, workload.data(cfg, device))
+        data = data_splits(workload, cfg, device)
     peaks: dict[int, int] = {}
     throughput: dict[int, float] = {}
     for k in sorted(set(ks)):

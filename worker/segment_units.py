@@ -94,11 +94,7 @@ def run_segment_array(
     from_step, to_step = span_steps(job, workload_steps(workload, first))
     # the workload's data, loaded once for training and evaluation, and only if either runs
     data = functools.cache(
-        lambda: (
-            loaded
-            if loaded is not None
-            else data_splits(workload.name, workload.data(first, device))
-        )
+        lambda: loaded if loaded is not None else data_splits(workload, first, device)
     )
     todo: list[MemberJob] = []
     states: list[dict[str, Any] | None] = []
@@ -149,15 +145,11 @@ def _train(
     first = workload.resolve(next(iter(configs.values())))
     try:
         ensure_profile(job, first, device, kind, data())
-        if spill_budget(job, kind, device, len(todo)) is not None:  # as a trial unit says
-            raise ValueError(
-                f"segment {job.segment} needs more memory than the device has, and decoupled "
-                "training and spilling do not combine yet"
-            )
-        with GLOBAL_RNG:
+        with GLOBAL_RNG:  # a segment over the device is refused there, as a trial unit is
             array = FusedArray(
                 workload, [(m.trial_id, configs[m.trial_id]) for m in todo], device=device,
                 states=states, data=data(), training=job.training, segment=job.segment,
+                spill_budget=spill_budget(job, kind, device, len(todo)),
             )  # fmt: skip
         if array.stochastic:
             raise ValueError(

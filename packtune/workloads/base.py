@@ -183,9 +183,10 @@ class Split:
     y: torch.Tensor
 
 
-def data_splits(workload: str, value: Any) -> tuple[Split, Split]:
-    """What ``workload``'s ``data()`` returned, checked: its train and validation splits; an
-    error naming the method and what it returned otherwise (not an AttributeError later)."""
+def data_splits(workload: Workload, config: Mapping[str, Any], device: Any) -> tuple[Split, Split]:
+    """``workload.data(config, device)``, checked: its train and validation splits; an error
+    naming the method and what it returned otherwise (not an AttributeError later)."""
+    value = workload.data(config, device)
     if isinstance(value, tuple | list) and len(value) == 2:
         if all(isinstance(split, Split) for split in value):
             return value[0], value[1]
@@ -193,7 +194,7 @@ def data_splits(workload: str, value: Any) -> tuple[Split, Split]:
     if isinstance(value, tuple | list):
         shape += f" of {len(value)}: " + ", ".join(type(v).__name__ for v in value[:3])
     raise TypeError(
-        f"{workload}.data() returned a {shape}; it must return (Split(x, y), Split(x, y)): "
+        f"{workload.name}.data() returned a {shape}; it must return (Split(x, y), Split(x, y)): "
         "the train and validation splits"
     )
 

@@ -169,7 +169,7 @@ def _fleet(s: Session, studies: list[Study]) -> dict[int, Row]:
     for study in studies:
         spec = StoredSpec.of(study.spec)
         start = study.started_at or now
-        end = study.interrupted_at or study.finished_at or now
+        end = store.run_end(study, now)
         # its packs' spans within its own run: a pack it shared trains on for the others
         # after it was cancelled, and that time is neither its work nor its wait
         busy = covered_seconds(

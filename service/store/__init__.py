@@ -98,6 +98,7 @@ from service.store.transitions import (
     move_trials,
     resume_studies,
     retry_study,
+    run_end,
     run_seconds,
 )
 from service.store.trials import (
@@ -228,4 +229,5 @@ __all__ = [
     "resume_studies",
     "run_seconds",
     "lease_holder",
+    "run_end",
 ]

@@ -238,14 +238,19 @@ def move_study(
         raise Conflict(f"study {study.id} is {study.status.value}; it cannot become {to.value}")
 
 
+def run_end(study: Study, now: datetime) -> datetime:
+    """Where ``study``'s run ends so far: where its last scheduler stopped, its finish, or
+    ``now``."""
+    return study.interrupted_at or study.finished_at or now
+
+
 def run_seconds(study: Study, now: datetime) -> float | None:
     """Seconds ``study`` has run (what its ``max_seconds`` budget counts): from its start to
-    its end (where its last scheduler stopped, its finish, or ``now``), less the time it sat
-    idle before (failed until retried, or with no scheduler); None before it started."""
+    :func:`run_end`, less the time it sat idle before (failed until retried, or with no
+    scheduler); None before it started."""
     if study.started_at is None:
         return None
-    end = study.interrupted_at or study.finished_at or now
-    return max(0.0, (end - study.started_at).total_seconds() - study.idle_seconds)
+    return max(0.0, (run_end(study, now) - study.started_at).total_seconds() - study.idle_seconds)
 
 
 def interrupt_studies(s: Session, now: datetime) -> None:
