@@ -268,8 +268,8 @@ def resume_studies(s: Session, now: datetime) -> None:
     """The leading scheduler's every tick: the time each running study sat with no scheduler
     since the last one stopped (:func:`interrupt_studies`) is not its running time, but for
     its packs that went on training meanwhile (queued on RQ workers): the gap counts from
-    the last of them to finish. A study finished meanwhile (cancelled) keeps its stamp:
-    :func:`run_seconds` ends there."""
+    the last of them to finish, and not at all while one still trains. A study finished
+    meanwhile (cancelled) keeps its stamp: :func:`run_seconds` ends there."""
     stopped = s.execute(
         select(Study.id, Study.interrupted_at, Study.idle_seconds).where(
             Study.interrupted_at.is_not(None), Study.status == StudyStatus.running
@@ -280,7 +280,10 @@ def resume_studies(s: Session, now: datetime) -> None:
         trained = s.execute(
             select(func.max(Pack.finished_at)).where(of_study(study_id), Pack.finished_at > since)
         ).scalar()
-        gap = (now - max(since, trained or since)).total_seconds()
+        training = s.execute(
+            select(Pack.id).where(of_study(study_id), Pack.status == PackStatus.running).limit(1)
+        ).first()
+        gap = 0.0 if training else (now - max(since, trained or since)).total_seconds()
         s.execute(
             update(Study)
             .where(Study.id == study_id, Study.interrupted_at == since)

@@ -744,6 +744,9 @@ def test_the_time_with_no_scheduler_is_not_a_studys_running_time(db: None) -> No
     study_id = new_study({**SPEC, "budget": {"max_seconds": 3600}})
     first, standby = scheduler(SyncDispatcher(run=False)), scheduler(SyncDispatcher(), "b")
     first.tick()
+    with session_scope(get_sessionmaker()) as s:  # a slow first tick (a loaded machine) can
+        later = datetime.now(UTC) + timedelta(hours=1)  # outlast its 10 s lease
+        s.execute(Lease.__table__.update().values(expires_at=later))
     assert standby.tick().leader is False
     standby.close()
     with session_scope(get_sessionmaker()) as s:
@@ -874,6 +877,29 @@ def test_packs_that_trained_on_without_a_scheduler_count_as_running_time(db: Non
     with session_scope(get_sessionmaker()) as s:
         ran = store.run_seconds(store.get_study(s, study_id), datetime.now(UTC))
     assert ran is not None and 50 * 60 - 10 <= ran <= 50 * 60 + 10, ran
+
+
+def test_a_pack_still_training_when_a_scheduler_leads_again_counts_as_running_time(
+    db: None,
+) -> None:
+    """A pack a worker took while no scheduler ran, and still trains when one leads again:
+    the whole gap was the study's running time, not idle (it counted only packs that had
+    finished by then, so a max_seconds budget ran that much past its time)."""
+    study_id = new_study({**SPEC, "budget": {"max_seconds": 36_000}})
+    first = scheduler(SyncDispatcher(run=False))
+    first.tick()
+    first.close()
+    _stopped(study_id, timedelta(minutes=10), timedelta(hours=1))
+    with session_scope(get_sessionmaker()) as s:
+        pack = s.scalars(select(Pack).where(Pack.study_id == study_id)).first()
+        assert pack is not None
+        pack.status, pack.started_at = PackStatus.running, datetime.now(UTC) - timedelta(hours=1)
+    scheduler(SyncDispatcher(run=False), "next").tick()
+    with session_scope(get_sessionmaker()) as s:
+        study = store.get_study(s, study_id)
+        ran = store.run_seconds(study, datetime.now(UTC))
+    assert study.idle_seconds < 10, study.idle_seconds
+    assert ran is not None and 70 * 60 - 10 <= ran <= 70 * 60 + 10, ran
 
 
 def test_a_lease_held_by_a_process_of_this_host_that_is_gone_is_taken_at_once(db: None) -> None:
