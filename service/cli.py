@@ -14,9 +14,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 import yaml
@@ -24,6 +25,9 @@ import yaml
 from packtune.errors import DeviceUnavailable, PacktuneError, SpecError, StoreUnavailable
 from packtune.settings import Settings, SettingsError, get_settings
 from service import remote_cli
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session, sessionmaker
 
 app = typer.Typer(
     name="packtune",
@@ -129,6 +133,23 @@ def _trains_here(settings: Settings) -> None:
 MAX_TOP = 1_000_000
 
 
+def summary_reader(factory: sessionmaker[Session], study_id: int) -> Callable[[], dict[str, Any]]:
+    """The study's summary with its best so far, read in transactions that take no write lock:
+    one a Ctrl-C cuts short keeps its connection (the interrupt's traceback holds it) while
+    the scheduler thread stops, and on SQLite a BEGIN IMMEDIATE left open made each of its
+    writes wait 30 s."""
+    from service.db import read_only, session_scope
+    from service.queries import study_summary
+
+    reads = read_only(factory)
+
+    def fetch() -> dict[str, Any]:
+        with session_scope(reads) as s:
+            return study_summary(s, study_id)
+
+    return fetch
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where Ctrl-C's KeyboardInterrupt is."""
 
@@ -179,7 +200,7 @@ def run(
         from service import store
         from service.db import get_sessionmaker, session_scope, upgrade
         from service.models import TrialStatus
-        from service.queries import leaderboard, packs, study_summary, trials
+        from service.queries import leaderboard, packs, trials
         from service.scheduler import Scheduler
 
         upgrade(settings.database_url)
@@ -199,10 +220,6 @@ def run(
         f"{remote_cli.escape(body['workload'])}, database {_masked(settings.database_url)}"
     )
 
-    def fetch() -> dict[str, Any]:
-        with session_scope(factory) as s:
-            return study_summary(s, study_id)  # with its best so far
-
     started = time.monotonic()
     thread = threading.Thread(
         target=scheduler.run, kwargs={"stop": stop, "until_study": study_id}, daemon=True
@@ -210,7 +227,10 @@ def run(
     thread.start()
     try:
         summary = watch(
-            fetch, console=console, until=lambda: not thread.is_alive(), sleep=thread.join
+            summary_reader(factory, study_id),
+            console=console,
+            until=lambda: not thread.is_alive(),
+            sleep=thread.join,
         )
     except KeyboardInterrupt as exc:
         stop.set()
