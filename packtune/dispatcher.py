@@ -33,6 +33,23 @@ class JobState(enum.StrEnum):
     missing = "missing"  # never enqueued here, or vanished (e.g. Redis restarted)
 
 
+#: what an RQ job's error says when RQ gave it up because its worker died while it ran
+ABANDONED = "AbandonedJobError"
+
+
+def rq_worker_name(name: str, tag: str) -> str:
+    """The name a ``packtune worker`` called ``name`` registers with RQ: a new ``tag`` each
+    time it (re)connects, since Redis may still hold the last registration."""
+    return f"{name}-{tag}"
+
+
+def worker_of(rq_name: str | None) -> str | None:
+    """The ``packtune worker`` name of an RQ worker's (:func:`rq_worker_name`), if it is one."""
+    if not rq_name or "-" not in rq_name:
+        return None
+    return rq_name.rsplit("-", 1)[0]
+
+
 def job_id_for(pack_id: int, attempt: int) -> str:
     return f"pack-{pack_id}-{attempt}"
 
@@ -62,7 +79,8 @@ class Dispatcher(Protocol):
         ...
 
     def state(self, job_id: str) -> tuple[JobState, str | None]:
-        """The job's state and, for a failed job, its error text."""
+        """The job's state and, for a failed job, its error text; for a running one, the
+        name of the worker that took it where the dispatcher knows it (RQ)."""
         ...
 
     def runner_statuses(self) -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from packtune.dispatcher import CHECK_FUNC, JOB_FUNC, JobState
+from packtune.dispatcher import CHECK_FUNC, JOB_FUNC, JobState, worker_of
 from packtune.errors import QueueUnavailable
 from packtune.settings import Settings
 from service.bus import WakeListener, wake_channel
@@ -95,7 +95,7 @@ class RQDispatcher:
             error = getattr(result, "exc_string", None) if result is not None else None
             return JobState.failed, (error or str(status)).strip().splitlines()[-1]
         if status == JobStatus.STARTED:
-            return JobState.running, None
+            return JobState.running, worker_of(job.worker_name)
         return JobState.queued, None
 
     def runner_statuses(self) -> list[dict[str, Any]]:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
-from packtune.dispatcher import Dispatcher, JobState, check_job_id, job_id_for
+from packtune.dispatcher import ABANDONED, Dispatcher, JobState, check_job_id, job_id_for
 from packtune.errors import QueueUnavailable, StoreUnavailable, StudyCannotRun
 from packtune.settings import Settings, get_settings
 from packtune.tuning import (
@@ -253,9 +253,11 @@ class Scheduler:
             if pack.job_id is None:
                 self._requeue(s, pack, "dispatched without a job id", report, fault=True)
                 continue
-            state, error = self.dispatcher.state(pack.job_id)
+            state, detail = self.dispatcher.state(pack.job_id)
             if state == JobState.failed:
-                self._requeue(s, pack, error or "job failed", report, fault=False)
+                # RQ gives a job up as abandoned when its worker died: not the trials' doing
+                abandoned = detail is not None and ABANDONED in detail
+                self._requeue(s, pack, detail or "job failed", report, fault=abandoned)
             elif state == JobState.missing:
                 if self._running_on_live_worker(pack, live):
                     continue  # e.g. Redis restarted under a running job: its worker goes on
@@ -265,14 +267,24 @@ class Scheduler:
                 if pack.status in (PackStatus.queued, PackStatus.running):
                     reason = "job ended without finishing the pack"
                     self._requeue(s, pack, reason, report, fault=True)
-            elif (
-                pack.status == PackStatus.running
-                and pack.worker_name is not None
-                and pack.worker_name not in live
-                and pack.worker_name not in self.dispatcher.embedded_workers
-            ):
+            elif state == JobState.running and pack.status == PackStatus.queued:
+                # a worker took the job and died before it claimed the pack: RQ would
+                # give the job up as abandoned only after its timeout (an hour)
+                taker = detail
+                if self._gone(taker, live):
+                    reason = f"worker {taker} took its job and stopped sending heartbeats"
+                    self._requeue(s, pack, reason, report, fault=True)
+            elif pack.status == PackStatus.running and self._gone(pack.worker_name, live):
                 reason = f"worker {pack.worker_name} stopped sending heartbeats"
                 self._requeue(s, pack, reason, report, fault=True)
+
+    def _gone(self, worker: str | None, live: set[str]) -> bool:
+        """``worker`` is an RQ worker that no longer sends heartbeats."""
+        return (
+            worker is not None
+            and worker not in live
+            and worker not in self.dispatcher.embedded_workers
+        )
 
     def _running_on_live_worker(self, pack: Pack, live: set[str]) -> bool:
         """The pack is running on an RQ worker that still sends heartbeats.

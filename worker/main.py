@@ -23,6 +23,7 @@ from typing import Any
 
 from rq import SimpleWorker
 
+from packtune.dispatcher import rq_worker_name
 from packtune.errors import DeviceUnavailable
 from packtune.settings import WORKER_NAME_ENV, get_settings
 from service.bus import announce
@@ -204,9 +205,8 @@ def run_worker(gpu: int | None = None, name: str | None = None, burst: bool = Fa
                 # a new RQ name each time: Redis may still hold the last one's registration.
                 # Made inside the try: RQ's constructor already talks to Redis, and a worker
                 # re-made while Redis was still down used to exit
-                rq_worker = PackWorker(
-                    [queue], connection=redis, name=f"{name}-{uuid.uuid4().hex[:8]}"
-                )
+                rq_name = rq_worker_name(name, uuid.uuid4().hex[:8])
+                rq_worker = PackWorker([queue], connection=redis, name=rq_name)
                 rq_worker.beat = beat
                 if outage:
                     log.warning("Redis is back; listening on %s", settings.queue_name)

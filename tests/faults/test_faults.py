@@ -28,6 +28,7 @@ from tests.support.cluster import (
     PostgresCluster,
     RedisServer,
     Services,
+    TcpGate,
     assert_same_outcome,
     create_database,
     drop_database,
@@ -664,6 +665,70 @@ def test_a_worker_restarted_under_its_name_requeues_its_pack_at_once(
     # restart's re-queue completed it; 2: the pack trained again from the checkpoints
     assert pack.status == "completed" and pack.attempts in (1, 2), pack
     assert pack.error is not None and f"worker {victim} restarted" in pack.error
+
+
+def test_a_worker_killed_between_taking_a_job_and_claiming_its_pack(
+    cluster: Services, database: str, redis_server: RedisServer, reference: Outcome
+) -> None:
+    """Issue: a worker killed after RQ handed it a job (the job "started") but before it
+    claimed the pack in the database left the pack queued for an hour (until RQ gives such
+    a job up as abandoned, and then as a failure charged to the trials), the study stalled
+    behind it while a healthy worker idled. The scheduler re-queues it as soon as that
+    worker's heartbeats stop, as a fault; the study ends as the undisturbed one.
+
+    The gap (a fresh worker's first job imports its training modules before it claims:
+    a fraction of a second) is held open by stalling the worker's database connections."""
+    from redis import Redis
+    from rq.job import Job, JobStatus
+
+    parsed = sa.engine.make_url(database)
+    gate = TcpGate((parsed.host or "127.0.0.1", parsed.port or 5432))
+    engine = make_engine(database)
+    redis = Redis.from_url(redis_server.url)
+    try:
+        cluster.start("scheduler", "scheduler")
+        cluster.start("w1", "worker", "--name", "w1",
+                      env={"PACKTUNE_DATABASE_URL": gate.url(database)})  # fmt: skip
+
+        def heartbeat() -> bool:
+            with engine.connect() as conn:
+                return bool(
+                    conn.execute(sa.text("SELECT 1 FROM workers WHERE name = 'w1'")).first()
+                )
+
+        wait_for(heartbeat, 60, "w1's first heartbeat")
+        gate.held.set()  # w1 still counts as live for the heartbeat timeout: it gets a job
+        study_id = submit(engine, SPEC)
+
+        def taken() -> int | None:
+            with engine.connect() as conn:
+                rows = conn.execute(sa.select(Pack.id, Pack.job_id).where(
+                    Pack.status == PackStatus.queued, Pack.job_id.is_not(None))).all()  # fmt: skip
+            for pack_id, job_id in rows:
+                if Job.fetch(job_id, connection=redis).get_status() == JobStatus.STARTED:
+                    return int(pack_id)
+            return None
+
+        pack_id = wait_for(taken, 60, "a job taken by w1, its pack still queued")
+        cluster.kill("w1")
+        cluster.start("w2", "worker", "--name", "w2")
+        assert wait_study(engine, study_id, STUDY_TIMEOUT, cluster) == "completed"
+    finally:
+        gate.close()
+        redis.close()
+        engine.dispose()
+    got = outcome(database, study_id)
+    assert_same_outcome(got, reference)
+    pack = next(p for p in got.packs if p.id == pack_id)
+    assert pack.status == "completed" and pack.error is not None, pack
+    assert "worker w1" in pack.error, pack
+    engine = make_engine(database)
+    try:
+        with engine.connect() as conn:  # the dead worker's attempt is a fault, not the trials'
+            faults = conn.execute(sa.select(Pack.faults).where(Pack.id == pack_id)).scalar()
+    finally:
+        engine.dispose()
+    assert faults == 1, faults
 
 
 LONG_UNIT_SPEC: dict[str, Any] = {

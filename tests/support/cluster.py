@@ -377,3 +377,57 @@ def assert_same_outcome(got: Outcome, want: Outcome) -> float:
             assert w == pytest.approx(v, rel=1e-4, abs=1e-5), (i, r, w, v)
     assert got.best == want.best
     return largest
+
+
+class TcpGate:
+    """A TCP forwarder to ``upstream`` that can be held shut: while :attr:`held` is set,
+    nothing is forwarded either way (the client's requests wait, as on a stalled network).
+    Point one process's database URL at :attr:`port` to stall that process alone."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        import socket
+        import threading
+
+        self.upstream = upstream
+        self.held = threading.Event()
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
+        self._closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while not self._closed.is_set():
+            try:
+                client, _ = self._server.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.upstream)
+            for src, dst in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: Any, dst: Any) -> None:
+        try:
+            while data := src.recv(65536):
+                while self.held.is_set() and not self._closed.is_set():
+                    time.sleep(0.01)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+
+    def url(self, database_url: str) -> str:
+        """``database_url`` with its host and port replaced by this gate's."""
+        url = sa.engine.make_url(database_url).set(host="127.0.0.1", port=self.port)
+        return url.render_as_string(hide_password=False)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._server.close()
