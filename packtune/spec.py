@@ -14,6 +14,7 @@ no database, no torch (workloads are looked up by name only).
 
 from __future__ import annotations
 
+import itertools
 import math
 import unicodedata
 from collections.abc import Mapping
@@ -639,19 +640,30 @@ def check_objective(workload: str, objective: Objective) -> None:
         )
 
 
+#: the most combinations of the step-changing dimensions' ends :func:`fewest_steps_per_epoch`
+#: tries (beyond, each dimension's ends alone)
+STEP_COMBINATIONS = 4096
+
+
 def fewest_steps_per_epoch(workload: str, raw: dict[str, Any]) -> int | None:
     """The fewest training steps an epoch of the workload has over the values the space
-    gives (each dimension's ends or values in turn, the rest at their defaults: a larger
-    ``batch_size``, a smaller ``n_train``); None where the workload cannot say without its
-    data (streamed batches, a size it must read)."""
+    gives: each dimension's ends or values in turn, the rest at their defaults, and every
+    combination of those of the dimensions that change the steps (the smallest ``n_train``
+    with the largest ``batch_size``); None where the workload cannot say without its data
+    (a size it must read). A streamed workload's size is asked too: ``train_size`` needs no
+    data."""
     info = _workloads()[workload]
-    if info.streams:
-        return None
-    configs: list[dict[str, Any]] = [{}]
-    for name, dimension in parse_space(raw).items():
-        configs += [{name: value} for value in _ends(dimension)]
     try:
-        return min(int(info.steps_per_epoch(config)) for config in configs)
+        steps = info.steps_per_epoch
+        base = int(steps({}))
+        ends = {name: _ends(dimension) for name, dimension in parse_space(raw).items()}
+        fewest = min([base, *(int(steps({n: v})) for n, values in ends.items() for v in values)])
+        moving = {n: values for n, values in ends.items()
+                  if any(int(steps({n: v})) != base for v in values)}  # fmt: skip
+        if 1 < len(moving) and math.prod(len(v) for v in moving.values()) <= STEP_COMBINATIONS:
+            for combo in itertools.product(*moving.values()):
+                fewest = min(fewest, int(steps(dict(zip(moving, combo, strict=True)))))
+        return fewest
     except Exception:  # a size the workload reads from its data, or a value it refuses
         return None
 

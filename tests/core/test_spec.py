@@ -193,6 +193,29 @@ def test_each_rule_names_its_field(path: str, value: Any, field: str, words: str
     assert str(error) == f"{field}: {error.message}"
 
 
+@pytest.mark.parametrize(
+    ("workload", "space", "hyperband"),
+    [
+        # a streamed workload: its size was not asked (its study trained rungs of no step,
+        # measured nothing and failed: "no trial reached max_resource")
+        ("digits-files", {"lr": {"type": "loguniform", "low": 0.01, "high": 0.3}},
+         {"max_resource": 0.001, "min_resource": 0.001, "eta": 3}),
+        # two dimensions that are fine alone: 1,000 examples in batches of 1,000 is one step
+        # an epoch, and its rungs at 1/8 to 1/2 epoch none (five trials never measured)
+        ("synthetic-mlp", {"n_train": {"type": "choice", "values": [1000, 8192]},
+                           "batch_size": {"type": "choice", "values": [64, 1000]}},
+         {"max_resource": 1, "min_resource": 0.125, "eta": 2}),
+    ],
+)  # fmt: skip
+def test_rungs_of_no_training_step_are_rejected_wherever_the_space_makes_them(
+    workload: str, space: dict[str, Any], hyperband: dict[str, Any]
+) -> None:
+    raw = {**copy.deepcopy(GOOD), "workload": workload, "space": space, "hyperband": hyperband}
+    error = rejected(raw)
+    assert error.field == "hyperband.min_resource"
+    assert "every rung must train at least one step" in error.message
+
+
 def test_a_max_trials_too_small_to_reach_max_resource_is_rejected() -> None:
     """Hyperband starts a bracket only when all of its trials fit: with R=27, eta=3 the
     first bracket has 27, so max_trials 20 sampled nothing and the study failed. ASHA cuts
