@@ -18,7 +18,6 @@ import math
 import threading
 import time
 from collections.abc import Callable, Hashable, Mapping
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -567,9 +566,9 @@ def run_array(
     started = time.perf_counter()
     try:
         try:
-            with GLOBAL_RNG if array.stochastic else nullcontext():
-                train(array, to_step, on_report=record, stop=stop, give_up=give_up,
-                      drop=lambda: time.perf_counter() - started < DROP_BELOW_S)  # fmt: skip
+            # each step holds the global generators as it needs (FusedArray.train_step)
+            train(array, to_step, on_report=record, stop=stop, give_up=give_up,
+                  drop=lambda: time.perf_counter() - started < DROP_BELOW_S)  # fmt: skip
         finally:
             flush()  # what was trained is recorded, also when the workload then raised
     except Dropped:

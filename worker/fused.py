@@ -44,6 +44,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -95,14 +96,25 @@ from worker.module_state import (
     set_python_state,
 )
 from worker.optim import OPTIMIZER_HYPER, build_optimizer
-from worker.probe import PROBE_EXAMPLES, is_stochastic, probe
+from worker.probe import (
+    PROBE_EXAMPLES,
+    UnseenDraws,
+    is_stochastic,
+    learn_draws,
+    probe,
+    probe_key,
+)
 from worker.rng import (
+    GLOBAL_RNG,
     HostState,
+    Shared,
     decode_host,
     encode_host,
     host_state,
+    same_host,
     seed_host,
     set_host_state,
+    torch_states,
 )
 from worker.spill import SpilledGroup, spill_problem
 from worker.ties import aliases, meta_template, with_aliases
@@ -452,8 +464,12 @@ class FusedArray:
             for n in sorted({PROBE_EXAMPLES, max(1, size)}):
                 probes.append((self.train_split.x[:n], self.train_split.y[:n]))
         self.groups: list[Group] = []
+        #: each member's probe (:func:`worker.probe.probe_key`): what its steps teach it
+        self.probe_keys: dict[Hashable, Hashable] = {}
         for part in parts:
             template = meta_template(models[part[0]])
+            for i in part:
+                self.probe_keys[keys[i]] = probe_key(workload, signatures[part[0]])
             probed = probe(
                 self._with_values(keys[part[0]]), models[part[0]], signatures[part[0]], probes
             )
@@ -518,7 +534,11 @@ class FusedArray:
                 )
             only = (None if self.decoupled is None or segment is None
                     else segment_names(template, self.decoupled.segments, segment))  # fmt: skip
-            apart = probed.mutates or bool(drifted) or bool(probed.workload_state)
+            # a tensor a forward keeps on its module (not a buffer: self.ema = ...) holds a
+            # stack's batched value under vmap, which no member can hold or save: apart
+            kept = python_state(models[part[0]])
+            tensors_kept = any(isinstance(kept.get(n), Tensor) for n in probed.model_state)
+            apart = probed.mutates or bool(drifted) or bool(probed.workload_state) or tensors_kept
             stacks = _forwards(workload, template, part, mode, stochastic, self.precision,
                                apart=apart)  # fmt: skip
             if mode == "auto" and len(stacks) > 1 and not apart:  # say why, as for the rest
@@ -798,10 +818,17 @@ class FusedArray:
         for group, own in pairs:
             shared = self._shares(len(pairs), group, own)
             versions = [t._version for t in shared]
-            if self.host_random:
-                self._host_step(group, own)
-            else:
-                self._step_group(group, own)
+            # a step that draws from the global generators holds them; one that must not
+            # shares them with its like, and is checked
+            exclusive = group.stochastic or self.host_random
+            with GLOBAL_RNG if exclusive else GLOBAL_RNG.shared() as held:
+                before = self._generators(group)
+                if self.host_random:
+                    self._host_step(group, own)
+                else:
+                    self._step_group(group, own)
+                if not isinstance(held, Shared) or held.undisturbed():  # else others' draws mix in
+                    self._no_unseen_draws(group, before)
             if [t._version for t in shared] != versions:
                 raise RuntimeError(
                     f"{self.workload.name}: a training step changed its input batch in place "
@@ -812,6 +839,36 @@ class FusedArray:
         self.step += 1
         if self.step % self.check_every == 0:
             self.check_divergence()
+
+    def _generators(self, group: Group) -> tuple[list[Tensor] | None, HostState | None]:
+        """The global generators ``group``'s step must leave alone: torch's unless it draws
+        from its members' own streams, the host's unless the array does."""
+        return (None if group.stochastic else torch_states(self.device),
+                None if self.host_random else host_state())  # fmt: skip
+
+    def _no_unseen_draws(
+        self, group: Group, before: tuple[list[Tensor] | None, HostState | None]
+    ) -> None:
+        """Raise :class:`UnseenDraws` where the step drew from a generator its members share
+        (the probe saw no draw: one that begins after a warm-up, or at another batch size).
+        Another array's step in the shared hold of :data:`GLOBAL_RNG` at once may be the one
+        that drew: both learn it (safe: they train one at a time, as unpacked)."""
+        torch_before, host_before = before
+        drew = torch_before is not None and not all(
+            torch.equal(a, b) for a, b in zip(torch_before, torch_states(self.device), strict=True)
+        )
+        host_drew = host_before is not None and not same_host(host_before, host_state())
+        if not (drew or host_drew):
+            return
+        for key in group.keys:
+            learn_draws(self.probe_keys[key], torch_draws=drew, host_draws=host_drew)
+        where = "torch's generators" if drew else "Python's or NumPy's generator"
+        raise UnseenDraws(
+            f"{self.workload.name}: training drew from {where} at step {self.step + 1}, which "
+            "its probe had not seen (a draw after a warm-up, or at another batch size): its "
+            "members shared one stream, so the pack trains again from its checkpoints, each "
+            "member from its own, as unpacked"
+        )
 
     def _shares(self, groups: int, group: Group, batch: Any) -> list[Tensor]:
         """The tensors of ``group``'s training ``batch`` that another member reads after it
@@ -995,6 +1052,10 @@ class FusedArray:
             # one segment is not the trial's model: the composed one is evaluated once
             # every segment has ended the span (worker.segment_units)
             return {key: {} for key in self.keys}
+        with GLOBAL_RNG if self.stochastic else nullcontext():  # a model may draw in eval too
+            return self._evaluate_members()
+
+    def _evaluate_members(self) -> dict[Hashable, dict[str, float]]:
         templates = {id(group.template): group.template for group in self.groups}
         for template in templates.values():
             template.eval()

@@ -66,6 +66,7 @@ from worker.execute import (
     spill_budget,
 )
 from worker.gpu import device_label
+from worker.probe import UnseenDraws
 
 log = logging.getLogger(__name__)
 
@@ -588,7 +589,12 @@ def _split_pack(
 
 #: what fails a pack through no fault of its trials: storage (a full or read-only checkpoint
 #: folder), the database, the job queue. Such attempts do not count toward max_attempts.
-NOT_THE_TRIALS: tuple[type[BaseException], ...] = (OSError, *DATABASE_ERRORS, QueueUnavailable)
+NOT_THE_TRIALS: tuple[type[BaseException], ...] = (
+    OSError,
+    *DATABASE_ERRORS,
+    QueueUnavailable,
+    UnseenDraws,
+)
 
 
 def _back_to_pending(pack_id: int, exc: BaseException) -> None:

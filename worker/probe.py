@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
@@ -24,8 +24,11 @@ from worker.rng import draws_random
 
 log = logging.getLogger(__name__)
 
-#: examples a probe runs forward first (then, if that raised, a whole batch)
+#: examples a probe runs forward first (then a whole batch: a model may draw only on one)
 PROBE_EXAMPLES = 4
+#: training forwards a probe runs on each batch: a model may draw only after a warm-up
+#: (a step counter); what begins later still, :class:`UnseenDraws` finds while it trains
+PROBE_FORWARDS = 5
 #: (workload, custom step, model signature) -> what a probe of its training saw
 _PROBED: dict[Hashable, Probed] = {}
 
@@ -63,52 +66,60 @@ def probe(
     random numbers: members then train one per stack, as unpacked. Without batches (streamed
     data) nothing is seen; :meth:`worker.fused.FusedArray.train_step` still refuses a batch
     changed in place."""
-    if not batches:
-        return Probed()
-    key = (workload.name, workload.custom_step, signature)
+    key = probe_key(workload, signature)
     if key not in _PROBED:
+        if not batches:
+            return _LEARNED.get(key, Probed())
         _PROBED[key] = _run_probe(workload, model, batches)
-    return _PROBED[key]
+    learned = _LEARNED.get(key)
+    if learned is None:
+        return _PROBED[key]
+    seen = _PROBED[key]
+    return replace(seen, draws=seen.draws or learned.draws,
+                   host_draws=seen.host_draws or learned.host_draws)  # fmt: skip
+
+
+def probe_key(workload: Workload, signature: Hashable) -> Hashable:
+    return (workload.name, workload.custom_step, signature)
+
+
+#: what training showed of a model its probe did not (:class:`UnseenDraws`), this process on
+_LEARNED: dict[Hashable, Probed] = {}
+
+
+class UnseenDraws(RuntimeError):
+    """A step of members taken for drawing no random numbers drew some (a draw that begins
+    after a warm-up, or only at some batch size): they shared one stream, so their results
+    would depend on the packing. Learned for this process (:func:`learn_draws`): the pack
+    trains again from its checkpoints, each member from its own streams, as unpacked. Not
+    the trials' fault: it does not use up an attempt."""
+
+
+def learn_draws(key: Hashable, *, torch_draws: bool, host_draws: bool) -> None:
+    """Training showed that the model of probe ``key`` draws (torch's or the host's)."""
+    was = _LEARNED.get(key, Probed())
+    _LEARNED[key] = replace(was, draws=was.draws or torch_draws,
+                            host_draws=was.host_draws or host_draws)  # fmt: skip
 
 
 def _run_probe(
     workload: Workload, model: nn.Module, batches: Sequence[tuple[Tensor, Tensor]]
 ) -> Probed:
-    first = next(model.parameters(), None)
-    device = first.device if first is not None else None
+    """Each of ``batches`` probed (a model may draw only at some batch size), what any saw."""
+    seen: list[Probed] = []
     error: Exception | None = None
     for batch in batches:
-        trial = copy.deepcopy(model).train()  # its BatchNorm statistics move: a copy's
-        # copies: the probe's own in-place changes must not reach the shared split
-        x, y = (t.to(device, copy=True) if device is not None else t.clone() for t in batch)
-        versions = (x._version, y._version)
-        buffers = dict(trial.named_buffers())
-
-        def run(trial: nn.Module = trial, x: Tensor = x, y: Tensor = y) -> None:
-            # with gradients on, as in training: a counter may count only then
-            if workload.custom_step:
-                workload.training_loss(trial, (x, y))
-            else:
-                workload.loss(trial(x), y)
-
-        own, held = python_state(trial), object_state(workload)
         try:
-            drew = draws_random(run, device)
-            mutates = (x._version, y._version) != versions
-            now, caches = dict(trial.named_buffers()), _caches(trial)
-            reassigned = tuple(n for n, b in buffers.items()
-                               if now.get(n) is not b and n not in caches)  # fmt: skip
-            _evaluate(workload, trial, x.clone(), y.clone())  # state only evaluation changes
+            seen.append(_probe_batch(workload, model, batch))
         except Exception as exc:
             error = exc
-            continue
-        finally:  # the probe's own changes to the workload object are undone
-            changed = changed_state(held, object_state(workload))
-            restore(workload, held, changed)
+    if seen:
         return Probed(
-            draws=drew.torch, host_draws=drew.host, mutates=mutates, reassigned=reassigned,
-            workload_state=tuple(changed),
-            model_state=tuple(changed_state(own, python_state(trial))),
+            draws=any(p.draws for p in seen), host_draws=any(p.host_draws for p in seen),
+            mutates=any(p.mutates for p in seen),
+            reassigned=tuple(dict.fromkeys(n for p in seen for n in p.reassigned)),
+            workload_state=tuple(dict.fromkeys(n for p in seen for n in p.workload_state)),
+            model_state=tuple(dict.fromkeys(n for p in seen for n in p.model_state)),
         )  # fmt: skip
     note = (
         f"{workload.name}: could not tell whether training draws random numbers (a training "
@@ -117,6 +128,43 @@ def _run_probe(
     )
     log.warning("%s", note)
     return Probed(draws=True, note=note)
+
+
+def _probe_batch(workload: Workload, model: nn.Module, batch: tuple[Tensor, Tensor]) -> Probed:
+    """:data:`PROBE_FORWARDS` training forwards and losses of a copy of ``model`` on ``batch``,
+    then an evaluation; raises what they raise."""
+    first = next(model.parameters(), None)
+    device = first.device if first is not None else None
+    trial = copy.deepcopy(model).train()  # its BatchNorm statistics move: a copy's
+    # copies: the probe's own in-place changes must not reach the shared split
+    x, y = (t.to(device, copy=True) if device is not None else t.clone() for t in batch)
+    versions = (x._version, y._version)
+    buffers = dict(trial.named_buffers())
+
+    def run(trial: nn.Module = trial, x: Tensor = x, y: Tensor = y) -> None:
+        # with gradients on, as in training: a counter may count only then
+        for _ in range(PROBE_FORWARDS):
+            if workload.custom_step:
+                workload.training_loss(trial, (x, y))
+            else:
+                workload.loss(trial(x), y)
+
+    own, held = python_state(trial), object_state(workload)
+    try:
+        drew = draws_random(run, device)
+        mutates = (x._version, y._version) != versions
+        now, caches = dict(trial.named_buffers()), _caches(trial)
+        reassigned = tuple(n for n, b in buffers.items()
+                           if now.get(n) is not b and n not in caches)  # fmt: skip
+        _evaluate(workload, trial, x.clone(), y.clone())  # state only evaluation changes
+    finally:  # the probe's own changes to the workload object are undone
+        changed = changed_state(held, object_state(workload))
+        restore(workload, held, changed)
+    return Probed(
+        draws=drew.torch, host_draws=drew.host, mutates=mutates, reassigned=reassigned,
+        workload_state=tuple(changed),
+        model_state=tuple(changed_state(own, python_state(trial))),
+    )  # fmt: skip
 
 
 def _evaluate(workload: Workload, trial: nn.Module, x: Tensor, y: Tensor) -> None:

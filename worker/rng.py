@@ -3,9 +3,11 @@ touches it from more than one thread.
 
 Arrays of one pack train at once, each in a thread (``worker.jobs``). Held while an array
 draws from torch's global generator: building its members (each seeded with
-``torch.manual_seed``) and, for a stochastic array, all of its training (each step reseeds
-it), so arrays trained at once draw exactly what they would draw one after another; the
-host's generators (Python's ``random``, NumPy's) likewise, for an array that draws from them. Held
+``torch.manual_seed``) and, for a stochastic array, each of its steps and evaluations (each
+step reseeds it), so arrays trained at once draw exactly what they would draw one after
+another; the host's generators (Python's ``random``, NumPy's) likewise, for an array that
+draws from them. The steps of an array taken to draw nothing hold it shared, and are
+checked (:class:`worker.probe.UnseenDraws`). Held
 too while a streamed loader starts its worker processes (``worker.batches``): a process
 forked while another thread is inside ``torch.manual_seed`` inherits torch's lazy-CUDA
 lock held, and its own first ``manual_seed`` waits for ever (seen: a ``DataLoader`` worker
@@ -17,13 +19,108 @@ from __future__ import annotations
 import random
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-GLOBAL_RNG = threading.RLock()
+
+class RngLock:
+    """An exclusive lock, reentrant like an ``RLock`` (``with GLOBAL_RNG:``), for whatever
+    draws from or reseeds the global generators, with a shared side (:meth:`shared`) for the
+    steps of members taken to draw nothing: they train at once, and a change of the
+    generators across one of them is then a draw of theirs (:class:`worker.probe.UnseenDraws`),
+    not of a thread that holds the lock. A waiting exclusive holder goes before new shared
+    ones (arrays step back to back). A shared holder that takes the lock exclusively (a
+    step's own bookkeeping, in ``fork_rng``) steps aside while it waits: its :class:`Shared`
+    then says whether another thread held it meanwhile."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._owner: int | None = None
+        self._depth = 0
+        self._readers = 0
+        self._waiting = 0  # exclusive holders waiting
+        self._taken = 0  # exclusive holds so far, of every thread
+        self._local = threading.local()  # .shared: this thread's shared depth; .taken: its own
+
+    def __enter__(self) -> RngLock:
+        me, local = threading.get_ident(), self._local
+        with self._cond:
+            if self._owner == me:
+                self._depth += 1
+                return self
+            aside = getattr(local, "shared", 0) > 0
+            if aside:
+                self._readers -= 1
+                self._cond.notify_all()
+            self._waiting += 1
+            try:
+                while self._owner is not None or self._readers:
+                    self._cond.wait()
+            finally:
+                self._waiting -= 1
+            self._owner, self._depth = me, 1
+            self._taken += 1
+            local.taken = getattr(local, "taken", 0) + 1
+            local.aside = aside
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._depth -= 1
+            if self._depth == 0:
+                self._owner = None
+                if getattr(self._local, "aside", False):
+                    self._readers += 1  # back to the shared hold it stepped aside from
+                    self._local.aside = False
+                self._cond.notify_all()
+
+    @contextmanager
+    def shared(self) -> Iterator[Shared]:
+        """Held with other shared holders, never with an exclusive one of another thread
+        (this thread's own exclusive hold includes it)."""
+        me, local = threading.get_ident(), self._local
+        with self._cond:
+            own = self._owner == me
+            if not own:
+                while self._owner is not None or self._waiting:
+                    self._cond.wait()
+                self._readers += 1
+                local.shared = getattr(local, "shared", 0) + 1
+            held = Shared(self, self._taken, getattr(local, "taken", 0))
+        try:
+            yield held
+        finally:
+            if not own:
+                with self._cond:
+                    self._readers -= 1
+                    local.shared -= 1
+                    if not self._readers:
+                        self._cond.notify_all()
+
+    def _others_since(self, taken: int, mine: int) -> bool:
+        with self._cond:
+            return self._taken - taken > getattr(self._local, "taken", 0) - mine
+
+
+@dataclass(frozen=True)
+class Shared:
+    """A shared hold of :data:`GLOBAL_RNG`."""
+
+    lock: RngLock
+    taken: int
+    mine: int
+
+    def undisturbed(self) -> bool:
+        """No other thread held the lock exclusively since the hold began (this one may
+        have, having stepped aside)."""
+        return not self.lock._others_since(self.taken, self.mine)
+
+
+GLOBAL_RNG = RngLock()
 
 
 @dataclass(frozen=True)
@@ -113,3 +210,8 @@ def same_host(a: HostState, b: HostState) -> bool:
 
 def _states(devices: list[torch.device]) -> list[torch.Tensor]:
     return [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
+
+
+def torch_states(device: torch.device) -> list[torch.Tensor]:
+    """torch's global generators' states: the CPU one's, and ``device``'s where it is a GPU."""
+    return _states([device] if device.type == "cuda" else [])

@@ -1,18 +1,18 @@
 """A study's results never depend on how its trials were packed (real ``packtune serve``).
 
-For every built-in workload, for a study of schedules, clipping and other optimizers, for
-a bf16 (autocast) study, for five plugin workloads that set fusion traps
+For every built-in workload, for a study of schedules, clipping and other optimizers, for a
+bf16 (autocast) study, for eight plugin workloads that set fusion traps
 (``tests/support/plugins/trap_workloads.py``: a parameter missing from ``structural``, one
-declared fusible but built as a Python value, one declared fusible and carried as a
-buffer, a step counter on the model's module, one on the workload object), and for four
-plugins beyond in-memory tensors (``tests/support/plugins/stream_workloads.py``: a
-DataLoader over image files the test writes, batches augmented per trial, a custom step on
-dict batches with two outputs, a step vmap cannot batch), the same study runs packed and
-unpacked (``max_pack_size: 1``); every trial matches its unpacked twin (same sample index)
-at every measured resource to float rounding, and both studies pick the same best trial.
-Two ``packtune serve`` run at once, each with half the packed studies and the unpacked
-twins of the other half, so that no study shares a process, database or data folder with
-its twin.
+declared fusible but built as a Python value, one declared fusible and carried as a buffer,
+a step counter on the model's module, one on the workload object, random draws a probe does
+not see), and for four plugins beyond in-memory tensors
+(``tests/support/plugins/stream_workloads.py``: a DataLoader over image files the test
+writes, batches augmented per trial, a custom step on dict batches with two outputs, a step
+vmap cannot batch), the same study runs packed and unpacked (``max_pack_size: 1``); every
+trial matches its unpacked twin (same sample index) at every measured resource to float
+rounding, and both studies pick the same best trial. Two ``packtune serve`` run at once,
+each with half the packed studies and the unpacked twins of the other half, so that no
+study shares a process, database or data folder with its twin.
 """
 
 from __future__ import annotations
@@ -75,6 +75,10 @@ SPACES: dict[str, dict[str, Any]] = {
     # Python state a step changes: a counter on the model's module, one on the workload object
     "counting-mlp": {"lr": TRAP_LR},
     "annealed-loss-mlp": {"lr": TRAP_LR},
+    # random draws a probe does not see: after a warm-up (torch's, Python's), at batch size
+    "late-noise-mlp": {"lr": TRAP_LR},
+    "late-coin-mlp": {"lr": TRAP_LR},
+    "big-batch-noise-mlp": {"lr": TRAP_LR},
     # a training contract beyond plain SGD: schedules, warm-up, clipping, other optimizers;
     # trials resume mid-schedule at every rung, beside trials at other steps
     "schedules": {
@@ -158,6 +162,9 @@ def plugin_path(tmp_path_factory: pytest.TempPathFactory) -> str:
         "scaled": "trap_workloads:ScaledMLP",
         "counting": "trap_workloads:CountingMLP",
         "annealed": "trap_workloads:AnnealedLossMLP",
+        "late-noise": "trap_workloads:LateNoiseMLP",
+        "late-coin": "trap_workloads:LateCoinMLP",
+        "big-batch-noise": "trap_workloads:BigBatchNoiseMLP",
         "folder": "stream_workloads:FolderImages",
         "augmented": "stream_workloads:AugmentedImages",
         "multitask": "stream_workloads:MultiTask",
@@ -281,6 +288,17 @@ def test_the_traps_differ_where_a_wrong_fusion_would_hide_it(
     # 'act' among the causes named (a pack of one relu and one tanh trial cannot tell 'act'
     # from 'lr', which is constant inside each of its two stacks too: both are named then)
     assert re.search(r"\(parameter [^)]*'act'", log), log[-3000:]
+
+
+def test_draws_the_probe_missed_were_caught_in_training(
+    results: dict[tuple[str, bool], dict[str, Any]],
+) -> None:
+    """Not vacuous: the late drawers' first packs stopped at their first draw (their probes
+    saw none) and trained again, each member from its own streams."""
+    for workload, source in (("late-noise-mlp", "torch's generators"),
+                             ("late-coin-mlp", "Python's or NumPy's generator")):  # fmt: skip
+        log = results[workload, True]["log"]
+        assert f"{workload}: training drew from {source}" in log, log[-3000:]
 
 
 def test_beyond_in_memory_tensors_the_packs_really_were_streamed_fused_or_split(

@@ -524,6 +524,102 @@ def test_randomness_outside_dropout_modules_trains_as_alone(how: str) -> None:
     assert packed.stochastic
 
 
+class _LateDraws(torch.nn.Module):
+    """Draws only after 8 training forwards (a warm-up counted in Python), past the probe's;
+    or (``big``) only on batches of more than 8 examples, where the probe began with 4."""
+
+    def __init__(self, body: torch.nn.Module, how: str) -> None:
+        super().__init__()
+        self.body, self.how, self.steps = body, how, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import random
+
+        if self.training:
+            self.steps += 1
+            if self.how == "big" and x.shape[0] > 8:
+                x = x + 0.3 * torch.randn_like(x)
+            elif self.how == "torch" and self.steps > 8:
+                x = x + 0.3 * torch.randn_like(x)
+            elif self.how == "host" and self.steps > 8 and random.random() < 0.5:
+                x = x * 0.5
+        return self.body(x)
+
+
+class _LateDrawsMLP(TinyMLP):
+    def __init__(self, how: str) -> None:
+        self.how, self.name = how, f"late-draws-{how}"
+
+    def build_model(self, config: dict[str, Any]) -> torch.nn.Module:
+        return _LateDraws(super().build_model(config), self.how)
+
+
+@pytest.mark.parametrize("how", ["torch", "host", "big"])
+def test_draws_the_probe_did_not_see_are_each_members_own(how: str) -> None:
+    """A model that draws only after a warm-up, or only at its batch size, looked drawless to
+    its probe (one forward of 4 examples): its members fused, shared one stream of draws, and
+    ended 2-30% apart from their unpacked runs. The probe now runs several forwards at each
+    batch size; a draw it still misses stops the array at that step (the pack trains again
+    from its checkpoints: a fault, not an attempt), and this process then trains the model's
+    members each from its own streams, as alone."""
+    from worker.probe import UnseenDraws
+
+    workload = _LateDrawsMLP(how)
+    members = member_configs("sgd", {})[:3]
+    packed = FusedArray(workload, members)
+    if how == "big":  # the probe's whole batch shows it
+        assert packed.stochastic
+    else:
+        assert not packed.stochastic and not packed.host_random
+        with pytest.raises(UnseenDraws, match="had not seen"):
+            train(packed, 3 * packed.steps_per_epoch)
+        packed = FusedArray(workload, members)  # the pack's next attempt
+        assert packed.stochastic if how == "torch" else packed.host_random
+    train(packed, 3 * packed.steps_per_epoch)
+    for key, cfg in members:
+        alone = FusedArray(workload, [(key, cfg)])
+        train(alone, 3 * alone.steps_per_epoch)
+        mine, ref = packed.member_state(key)["params"], alone.member_state(key)["params"]
+        for name, tensor in ref.items():
+            assert torch.equal(mine[name], tensor), (how, key, name)
+
+
+class _Tracking(torch.nn.Module):
+    """Keeps a running mean of its inputs in a plain tensor attribute, not a buffer."""
+
+    def __init__(self, body: torch.nn.Module) -> None:
+        super().__init__()
+        self.body, self.ema = body, torch.zeros(8, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.ema = 0.9 * self.ema + 0.1 * x.mean(0).detach()
+        return self.body(x - self.ema)
+
+
+class _TrackingMLP(TinyMLP):
+    name = "tracking-mlp"
+
+    def build_model(self, config: dict[str, Any]) -> torch.nn.Module:
+        return _Tracking(super().build_model(config))
+
+
+def test_a_tensor_a_forward_keeps_on_its_module_is_each_members_own() -> None:
+    """A running mean kept in a plain tensor attribute (``self.ema = ...``): under vmap it
+    held the stack's batched value, and the first checkpoint of the array failed
+    ("Cannot access storage of BatchedTensorImpl"), every trial failing packed while it
+    trained unpacked. Its members now train one per stack, each keeping its own."""
+    workload, members = _TrackingMLP(), member_configs("sgd", {})[:2]
+    packed = FusedArray(workload, members)
+    train(packed, 2 * packed.steps_per_epoch)
+    for key, cfg in members:
+        alone = FusedArray(workload, [(key, cfg)])
+        train(alone, 2 * alone.steps_per_epoch)
+        mine, ref = packed.member_state(key), alone.member_state(key)
+        for name, tensor in ref["params"].items():
+            assert torch.equal(mine["params"][name], tensor), (key, name)
+
+
 def test_a_model_without_randomness_is_still_fused() -> None:
     array = FusedArray(TinyMLP(), member_configs("sgd", {}))
     assert not array.stochastic and array.mode == "bmm"

@@ -285,3 +285,22 @@ def test_the_check_names_a_fusible_parameter_the_data_reads(
     report = check(DataScaledMLP.name, space, members=2, steps=3, ks=(1,))
     assert not report.exact and not report.ok, report.max_difference
     assert any("reads 'input_scale'" in warning for warning in report.warnings)
+
+
+def test_the_check_of_a_model_that_draws_after_a_warm_up_trains_it_as_the_service_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A model that begins to draw after its probe: the check's fused array stops at the
+    draw, as the service's does, and trains again knowing; its report says why and is
+    exact (before, the fused members shared one stream and the check said NOT exact,
+    while the service trained them fused anyway)."""
+    from packtune.workloads import registry
+    from tests.support.plugins.trap_workloads import LateNoiseMLP
+    from worker.check import check
+
+    workload = LateNoiseMLP()
+    workload.name = "late-noise-check"  # this process has not learned it yet
+    monkeypatch.setitem(registry(), workload.name, workload)
+    report = check(workload.name, members=2, steps=30, ks=(1,))
+    assert report.exact and report.ok, (report.max_difference, report.warnings)
+    assert any("had not seen" in warning for warning in report.warnings), report.warnings

@@ -19,6 +19,11 @@
   workload object (its loss's): Python state that must be each member's own and go on
   from where it stood when a trial resumes, however its training was cut.
 
+- ``late-noise-mlp`` and ``late-coin-mlp`` begin to draw (torch noise, a Python ``random``
+  coin) after a warm-up longer than a probe's, ``big-batch-noise-mlp`` only on batches
+  larger than a probe's first: members that shared one stream would each end apart from
+  their unpacked runs.
+
 All train on the digits (64 features, 10 classes) with a one-hidden-layer MLP.
 """
 
@@ -208,3 +213,77 @@ class AnnealedLossMLP(HiddenActMLP):
 
     def stacked_loss(self, outputs: Any, targets: Any) -> Any:
         return None  # as the Workload base class: its loss is called for each member
+
+
+#: training forwards before the late drawers below draw: past a probe's, within the first epoch
+LATE = 12
+
+
+class _LateDraws:
+    """A model whose forward begins to draw random numbers after :data:`LATE` training
+    forwards (a warm-up kept as a Python counter): torch noise on its hidden layer, or a
+    Python ``random`` coin that halves it."""
+
+    @staticmethod
+    def build(hidden: int, host: bool) -> Any:
+        import random
+
+        import torch
+        from torch import nn
+
+        class LateDraws(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.fc1, self.fc2 = nn.Linear(64, hidden), nn.Linear(hidden, N_CLASSES)
+                self.steps = 0
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                h = torch.relu(self.fc1(x))
+                if self.training:
+                    self.steps += 1
+                    if self.steps > LATE:
+                        if host:
+                            h = h * (0.5 if random.random() < 0.5 else 1.0)
+                        else:
+                            h = h + 0.3 * torch.randn_like(h)
+                return self.fc2(h)
+
+        return LateDraws()
+
+
+class LateNoiseMLP(_DigitsPlugin):
+    """MLP whose hidden layer gets torch noise after a warm-up: its probe sees no draw."""
+
+    name = "late-noise-mlp"
+
+    def build_model(self, config: Mapping[str, Any]) -> Any:
+        return _LateDraws.build(int(self.resolve(config)["hidden"]), host=False)
+
+
+class LateCoinMLP(_DigitsPlugin):
+    """MLP that flips a Python ``random`` coin per step after a warm-up."""
+
+    name = "late-coin-mlp"
+
+    def build_model(self, config: Mapping[str, Any]) -> Any:
+        return _LateDraws.build(int(self.resolve(config)["hidden"]), host=True)
+
+
+class BigBatchNoiseMLP(_DigitsPlugin):
+    """MLP that adds input noise only to batches of more than 8 examples."""
+
+    name = "big-batch-noise-mlp"
+
+    def build_model(self, config: Mapping[str, Any]) -> Any:
+        import torch
+        from torch import nn
+
+        hidden = int(self.resolve(config)["hidden"])
+
+        class BigBatchNoise(nn.Sequential):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                if self.training and x.shape[0] > 8:
+                    x = x + 0.1 * torch.randn_like(x)
+                return super().forward(x)
+
+        return BigBatchNoise(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, N_CLASSES))
