@@ -75,8 +75,7 @@ def cancel_study(
     study_id: StudyId, s: SessionDep, settings: SettingsDep, background: BackgroundTasks
 ) -> dict[str, Any]:
     """Cancel a pending or running study; the scheduler, woken, cancels its trials at once."""
-    study = store.get_study(s, study_id)
-    s.refresh(study, with_for_update=True)  # PostgreSQL: no status change slips in between
+    study = store.lock_study(s, study_id)
     if study.status not in CANCELLABLE:
         raise Conflict(f"study {study_id} is {study.status.value}; it can no longer be cancelled")
     store.move_study(s, study, StudyStatus.cancelled)
@@ -94,8 +93,7 @@ def update_study(
 ) -> dict[str, Any]:
     """Change a pending or running study's ``priority`` (its weight in the fair share of
     device time, used from the scheduler's next tick) or ``owner`` label."""
-    study = store.get_study(s, study_id)
-    s.refresh(study, with_for_update=True)
+    study = store.lock_study(s, study_id)
     if study.status not in CANCELLABLE:
         raise Conflict(f"study {study_id} is {study.status.value}; it can no longer change")
     fields = change.model_dump(exclude_unset=True)  # null: as a spec without it
@@ -114,8 +112,7 @@ def delete_study(
     """Delete a finished, failed or cancelled study: its trials, packs, measurements and
     checkpoints. 409 while it is pending or running, or while its last packs still train
     after a cancel (cancel it first; they stop within seconds)."""
-    study = store.get_study(s, study_id)
-    s.refresh(study, with_for_update=True)
+    study = store.lock_study(s, study_id)
     if study.status in CANCELLABLE:
         raise Conflict(f"study {study_id} is {study.status.value}; cancel it before deleting it")
     busy = store.packs_of(s, study_id, status=ACTIVE_PACK)
@@ -134,8 +131,7 @@ def retry_study(
     """Run a failed study again once the cause is fixed: its failed trials whose rung is
     still open go back to pending, resuming from their checkpoints; 409 for a study that is
     not failed."""
-    study = store.get_study(s, study_id)
-    s.refresh(study, with_for_update=True)
+    study = store.lock_study(s, study_id)
     store.retry_study(s, study)
     background.add_task(bus.study_changed, settings)
     return queries.study_summary(s, study_id)

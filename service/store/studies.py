@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from packtune.errors import NotFound, SpecError
 from service.models import Pack, PackMember, Study, StudyStatus, Trial, TrialStatus, utcnow
+from service.store._sql import fresh
 from service.store.packs import pack_seconds
 from service.store.transitions import FINISHED_STUDY as FINISHED_STUDY
 from service.store.transitions import of_study
@@ -33,6 +34,21 @@ def create_study(s: Session, *, name: str, workload: str, spec: dict[str, Any], 
 
 def get_study(s: Session, study_id: int) -> Study:
     study = s.get(Study, study_id)
+    if study is None:
+        raise NotFound(f"study {study_id} not found")
+    return study
+
+
+def lock_study(s: Session, study_id: int) -> Study:
+    """The study re-read under its row lock (PostgreSQL: ``FOR UPDATE``), so that no status
+    change slips in between a write's check and the write itself.
+
+    The lock waits for a transaction that holds the row; when that one deleted the study,
+    the read finds nothing: :class:`NotFound`, as for a study that never was (a refresh of
+    the object read before raised SQLAlchemy's ``InvalidRequestError``, a 500).
+    """
+    stmt = select(Study).where(Study.id == study_id).with_for_update()
+    study = s.scalars(fresh(stmt)).one_or_none()
     if study is None:
         raise NotFound(f"study {study_id} not found")
     return study
