@@ -46,9 +46,14 @@ LONGEST_SECONDS = 1e9
 
 def token_problem(token: str) -> str | None:
     """Why ``token`` cannot be a bearer token, or None: it travels in an HTTP header."""
-    if all(" " <= c <= "~" for c in token):  # spaces inside pass through a header whole
-        return None
-    return "must be printable ASCII (a bearer token travels in an HTTP header)"
+    if not all(" " <= c <= "~" for c in token):
+        return "must be printable ASCII (a bearer token travels in an HTTP header)"
+    if token != token.strip(" "):  # spaces inside pass through a header whole
+        return (
+            "must not start or end with a space "
+            "(a bearer token travels in an HTTP header, which drops them)"
+        )
+    return None
 
 
 class Settings(BaseSettings):

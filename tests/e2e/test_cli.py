@@ -119,6 +119,10 @@ def test_a_bad_setting_stops_start_up_naming_the_variable(
         # no request can carry it: every write was refused as if the token were wrong
         ("serve", "PACKTUNE_API_TOKEN", "sekr\u00e9t"),
         ("serve", "PACKTUNE_API_TOKEN", "tab\there"),
+        # a header's value loses its spaces at either end: the server compared the token
+        # with what curl sent (401), packtune's client refused to send it
+        ("serve", "PACKTUNE_API_TOKEN", "abc "),
+        ("serve", "PACKTUNE_API_TOKEN", " abc"),
     ],
 )
 def test_a_setting_no_process_can_use_stops_start_up_in_one_line(
@@ -217,6 +221,26 @@ def test_a_token_no_request_can_carry_is_one_line_naming_it(
     words = "correct horse battery staple"
     Client(f"http://127.0.0.1:{port}", words).close()
     assert Settings(api_token=words).api_token is not None
+
+
+@pytest.mark.parametrize("token", ["abc ", " abc"])
+def test_a_token_with_a_space_at_either_end_is_one_line_naming_it(
+    env: dict[str, str], tmp_path: Path, token: str
+) -> None:
+    """A header drops the spaces at its value's ends: ``packtune cancel`` said "cannot
+    reach ... Illegal header value", ``Client`` raised httpx's LocalProtocolError."""
+    port = free_port()  # nothing listens: the token is refused before any connection
+    result = packtune("cancel", "1", "--url", f"http://127.0.0.1:{port}",
+                      env={**env, "PACKTUNE_API_TOKEN": token}, cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (
+        "error: the token (--token, PACKTUNE_API_TOKEN) must not start or end with a space "
+        "(a bearer token travels in an HTTP header, which drops them)"
+    )
+    from packtune import Client
+
+    with pytest.raises(ValueError, match="token: must not start or end with a space"):
+        Client(f"http://127.0.0.1:{port}", token)
 
 
 @pytest.mark.parametrize(
