@@ -33,7 +33,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from packtune.dispatcher import ABANDONED, Dispatcher, JobState, check_job_id, job_id_for
-from packtune.errors import QueueUnavailable, StoreUnavailable, StudyCannotRun
+from packtune.errors import Conflict, QueueUnavailable, StoreUnavailable, StudyCannotRun
 from packtune.settings import Settings, get_settings
 from packtune.tuning import (
     DEAD_WORKER_KEPT_S,
@@ -123,6 +123,20 @@ def _holder_gone(holder: str | None) -> bool:
     except OSError:  # it exists (another user's) or cannot be asked: as alive
         return False
     return False
+
+
+def _moved_on(s: Session, study: Study) -> str | None:
+    """What another transaction made of ``study`` while this tick advanced it (``cancelled``
+    or ``deleted`` through the API, which commits mid-tick on PostgreSQL), or None while it
+    is still pending or running. The tick's guarded move of it then raised
+    :class:`~packtune.errors.Conflict`; its writes are undone, and a cancelled study's rest
+    is cancelled later in the tick (:meth:`Scheduler._cancelled`)."""
+    current = s.get(Study, study.id, populate_existing=True)
+    if current is None:
+        return "deleted"
+    if current.status in (StudyStatus.pending, StudyStatus.running):
+        return None
+    return current.status.value
 
 
 class Scheduler:
@@ -323,8 +337,11 @@ class Scheduler:
             lifecycle.cancel_rest(s, study)
         except DATABASE_ERRORS:
             raise
-        except Exception:
-            log.exception("study %s could not advance this tick; trying again", study.id)
+        except Exception as exc:
+            if isinstance(exc, Conflict) and (became := _moved_on(s, study)) is not None:
+                log.info("study %s was %s while this tick advanced it", study.id, became)
+            else:
+                log.exception("study %s could not advance this tick; trying again", study.id)
         return False
 
     def _advance(self, s: Session, study: Study, report: TickReport) -> bool:

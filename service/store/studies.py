@@ -112,7 +112,9 @@ def studies_with_trials_in(
     s: Session, status: StudyStatus, trial_status: Iterable[TrialStatus]
 ) -> list[Study]:
     """The studies in ``status`` that still have a trial in ``trial_status`` (e.g. cancelled
-    studies whose trials can still move)."""
+    studies whose trials can still move), as they are now: a study read earlier in the
+    transaction may have moved since (cancelled through the API mid-tick), and its object
+    kept the old status and no ``finished_at``."""
     movable = select(Trial.study_id).where(Trial.status.in_(list(trial_status)))
     stmt = select(Study).where(Study.status == status, Study.id.in_(movable))
-    return list(s.scalars(stmt.order_by(Study.id)))
+    return list(s.scalars(fresh(stmt.order_by(Study.id))))
