@@ -85,9 +85,13 @@ def watch(
     sleep: Callable[[float], Any] = time.sleep,
 ) -> dict[str, Any]:
     """Show a progress bar (units done / total, packs running, best so far) until the study
-    is finished; returns the last summary. ``sleep(interval)`` waits between looks (it may
-    return early: ``packtune run`` joins its scheduler thread, which ends with the study)."""
+    is finished, or ``until()`` says so; returns the last summary. ``sleep(interval)`` waits
+    between looks (it may return early: ``packtune run`` joins its scheduler thread, which
+    ends with the study). ``until()`` is asked before each read, so that the summary
+    returned was read after it said so: ``packtune run``'s thread ends with its last commit,
+    and a summary read before it showed the study running (and the run exited 1)."""
     console = console or output_console()
+    ended = until is not None and until()
     summary = fetch()
     metric = summary.get("objective", {}).get("metric", "val_loss")
     columns = (
@@ -115,9 +119,10 @@ def watch(
                 budget=budget_text(summary),
                 description=escape(f"{summary.get('name', 'study')} [{summary.get('status')}]"),
             )
-            if summary.get("status") in FINISHED or (until is not None and until()):
+            if summary.get("status") in FINISHED or ended:
                 break
             sleep(interval)
+            ended = until is not None and until()
             summary = fetch()
     return summary
 

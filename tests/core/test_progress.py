@@ -31,6 +31,29 @@ def test_watch_waits_with_the_given_sleep_and_stops_when_until_says_so() -> None
     assert summary["progress"]["done"] == 3
 
 
+def test_watch_reads_the_study_once_more_after_until_says_the_run_ended() -> None:
+    """The scheduler thread's last tick committed just after a read, and the thread ended:
+    ``packtune run`` printed that read ('study 1 running in 13.7 s: 22 of 22 units of
+    work') and exited 1, while the database said completed."""
+    state: dict[str, Any] = {"summary": _summary("running", 2), "alive": True}
+    reads: list[dict[str, Any]] = []
+
+    def fetch() -> dict[str, Any]:
+        reads.append(state["summary"])
+        if len(reads) == 2:  # the last commit lands right after this read; the thread ends
+            state.update(summary=_summary("completed", 3), alive=False)
+        return reads[-1]
+
+    summary = watch(
+        fetch,
+        console=Console(file=io.StringIO()),
+        until=lambda: not state["alive"],
+        sleep=lambda _: None,
+    )
+    assert summary["status"] == "completed" and summary["progress"]["done"] == 3
+    assert len(reads) == 3
+
+
 def test_watch_returns_the_finished_summary_without_waiting() -> None:
     waits: list[float] = []
     summary = watch(
