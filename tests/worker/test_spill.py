@@ -187,32 +187,46 @@ def test_a_spilled_step_leaves_the_global_generator_to_other_threads() -> None:
     0.1% from its run alone): a spilled step saved torch's global generator before each
     shard and restored it for the backward's recompute, also for a model that draws nothing
     and without the lock on the generator, so it rewound the generator under an array being
-    built (seeded) in another thread. Here the other thread draws between the step's forward
-    and its recompute; its next draw must continue its own stream."""
+    built (seeded) in another thread. Here the other thread asks for the generator's lock to
+    draw while the step is between its forward and its recompute (it gets it where the step
+    takes the lock for its own bookkeeping, or after the step); its next draw continues its
+    own stream."""
     import threading
+    import time
 
     array = FusedArray(TinyMLP(), members({}), mode="serial", spill_budget=SERIAL_MLP_BUDGET)
-    reached, drawn = threading.Event(), threading.Event()
+    reached, order = threading.Event(), []
 
     def pause(_: Any, __: Any, out: torch.Tensor) -> None:
         # in the step's first real forward (not the shard plan's pass on the meta device):
         # the step has saved whatever it saves by now
         if out.device.type != "meta" and not reached.is_set():
             reached.set()
-            assert drawn.wait(30)
+            time.sleep(0.3)  # the other thread asks for the lock meanwhile
 
     template = next(g for g in array.groups if isinstance(g, SpilledGroup)).template
     hooks = [m.register_forward_hook(pause) for m in template.modules() if isinstance(m, nn.ReLU)]
     batch = next(iter(array.workload.batch_indices(array.config, 0)))
-    step = threading.Thread(target=array.train_step, args=(batch,))
+
+    def step() -> None:
+        array.train_step(batch)
+        order.append("step")
+
+    def draw() -> None:
+        with GLOBAL_RNG:  # as an array's build draws: seeded, under the generator's lock
+            order.append("draw")
+            stream.append(torch.rand(2))
+
+    stepping = threading.Thread(target=step)
     torch.manual_seed(123)
     stream = [torch.rand(2)]
-    step.start()
+    stepping.start()
     assert reached.wait(30)
-    with GLOBAL_RNG:  # as an array's build draws: seeded, under the generator's lock
-        stream.append(torch.rand(2))
-    drawn.set()
-    step.join(30)
+    drawing = threading.Thread(target=draw)
+    drawing.start()
+    stepping.join(30)
+    drawing.join(30)
+    assert sorted(order) == ["draw", "step"], order
     assert all(n >= 2 for n in shards(array)), shards(array)  # a recompute ran
     stream.append(torch.rand(2))
     for hook in hooks:

@@ -217,7 +217,7 @@ def test_a_loss_changing_a_tensor_of_its_own_in_place_still_fuses() -> None:
 
 
 class _ScalesLargeBatches(TinyMLP):
-    """Changes its input in place only on batches larger than the probe's few examples."""
+    """Changes its input in place only after a warm-up longer than the probe's forwards."""
 
     def build_model(self, config: dict[str, Any]) -> nn.Module:
         return _Wrapped(super().build_model(config))
@@ -226,16 +226,18 @@ class _ScalesLargeBatches(TinyMLP):
 class _Wrapped(nn.Module):
     def __init__(self, body: nn.Module) -> None:
         super().__init__()
-        self.body = body
+        self.body, self.steps = body, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > 4:
-            x.mul_(1.0)
+        if self.training:
+            self.steps += 1
+            if self.steps > 5:  # past the probe's five forwards
+                x.mul_(1.0)
         return self.body(x)
 
 
 def test_a_batch_changed_in_place_that_the_probe_missed_stops_the_array() -> None:
-    """Where the probe could not see it (here: only larger batches are changed), a step that
+    """Where the probe could not see it (here: only after a warm-up), a step that
     changes a batch the next stack trains on (dropout: one member per stack) raises, naming
     the cause, instead of training the next member on what it left."""
     workload = _ScalesLargeBatches()
