@@ -85,6 +85,10 @@ class Settings(BaseSettings):
     )
     queue_name: str = Field(default="packtune", min_length=1, description="RQ queue name.")
     job_timeout: int = Field(default=3600, gt=0, description="RQ job timeout per pack, seconds.")
+    check_seconds: float = Field(
+        default=120.0, gt=0, le=LONGEST_SECONDS,
+        description="The longest a workload check asked of the service runs: packs wait behind it.",
+    )  # fmt: skip
     max_attempts: int = Field(
         default=3,
         ge=1,

@@ -12,6 +12,7 @@ wrong (a difference beyond float rounding) or impossible (members the guard stac
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -40,10 +41,15 @@ class NothingToCompare(PacktuneError):
     """Every member diverged: no trained parameters to compare fused against one by one."""
 
 
+class CheckTooLong(PacktuneError):
+    """The check ran past its time (``PACKTUNE_CHECK_SECONDS`` on a service's runner)."""
+
+
 def error_line(exc: Exception) -> str:
     """``exc`` as the check's one-line error: a workload's exception with its type, the
     check's own (:class:`NothingToCompare`) as its message."""
-    return str(exc) if isinstance(exc, NothingToCompare) else f"{type(exc).__name__}: {exc}"
+    own = isinstance(exc, NothingToCompare | CheckTooLong)
+    return str(exc) if own else f"{type(exc).__name__}: {exc}"
 
 
 @dataclass
@@ -132,8 +138,20 @@ def check(
     steps: int = 5,
     ks: Sequence[int] = (1, 2, 4, 8),
     device: str = "cpu",
+    stop: threading.Event | None = None,
+    seconds: float | None = None,
 ) -> CheckReport:
-    """Run the check of workload ``name`` (see the module docstring)."""
+    """Run the check of workload ``name`` (see the module docstring); ``stop`` set ends it
+    at the next training step with :class:`CheckTooLong` (``seconds``: its time, said so)."""
+
+    def trained(array: FusedArray, steps: int) -> None:
+        train(array, steps, stop=stop)
+        if stop is not None and stop.is_set():
+            raise CheckTooLong(
+                f"the check ran past its {seconds or 0:g} s (PACKTUNE_CHECK_SECONDS) and was "
+                "stopped, as packs waited behind it: ask for fewer steps or members"
+            )
+
     workload = get_workload(name)
     configs = member_configs(workload, space, max(members, max(ks)))
     report = CheckReport(
@@ -169,11 +187,11 @@ def check(
         fused = FusedArray(workload, chosen, device=device, data=data)
         report.layers = layer_paths(fused)  # before training: diverged members leave it
         try:
-            train(fused, steps)
+            trained(fused, steps)
         except UnseenDraws as exc:  # as the service does: its pack trains again, knowing
             report.warnings.append(str(exc))
             fused = FusedArray(workload, chosen, device=device, data=data)
-            train(fused, steps)
+            trained(fused, steps)
         if len(fused.diverged) == len(chosen):
             raise NothingToCompare(
                 f"every member diverged (its loss not finite by step {max(fused.diverged.values())}"
@@ -188,7 +206,7 @@ def check(
         for key, config in chosen:
             own = None if varying else data
             alone = FusedArray(workload, [(key, config)], device=device, data=own)
-            train(alone, steps)
+            trained(alone, steps)
             packed_at, alone_at = fused.diverged.get(key), alone.diverged.get(key)
             if packed_at is not None or alone_at is not None:
                 if packed_at != alone_at:  # a member must diverge where it does alone
@@ -219,9 +237,9 @@ def check(
             array = FusedArray(workload, list(enumerate(trains[:k])) + [
                 (i, trains[i % len(trains)]) for i in range(len(trains), k)
             ], device=device, data=data)  # fmt: skip
-            train(array, 1)  # warm-up: first-call costs out of the timing
+            trained(array, 1)  # warm-up: first-call costs out of the timing
             started = time.perf_counter()
-            train(array, 1 + steps)
+            trained(array, 1 + steps)
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
             if array.diverged:  # fewer members than k trained: not k's step time

@@ -213,16 +213,24 @@ def run_check(check_id: int) -> str:
     if row is None:
         return "skipped"
     workload, request = row
+    seconds = get_settings().check_seconds  # packs wait behind a check: it stops past it
+    stop = threading.Event()
+    timer = threading.Timer(seconds, stop.set)
+    timer.daemon = True
+    timer.start()
     try:
         report = check(
             workload, request.get("space"), members=int(request.get("members", 4)),
-            steps=int(request.get("steps", 5)), device=str(pick_device()),
+            steps=int(request.get("steps", 5)), device=str(pick_device()), stop=stop,
+            seconds=seconds,
         )  # fmt: skip
     except Exception as exc:  # the workload raised: the check's answer, not the job's failure
         log.warning("workload check %s (%s) could not run: %s", check_id, workload, exc)
         error = error_line(exc)
         retrying(lambda s: store.finish_check(s, check_id, CheckStatus.error, error=error))
         return CheckStatus.error.value
+    finally:
+        timer.cancel()
     status = CheckStatus.passed if report.ok else CheckStatus.failed
     body = report.as_json()
     retrying(lambda s: store.finish_check(s, check_id, status, report=body))

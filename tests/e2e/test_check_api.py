@@ -178,3 +178,29 @@ def test_a_check_runs_on_an_rq_worker(fresh_postgres: str, redis_url: str, tmp_p
     assert done["status"] == "passed", (done, log.read_text()[-3000:])
     assert done["worker"] == "checker"
     assert done["report"]["stacks"] == [[[0, 1], "vmap"]]
+
+
+def test_a_long_check_is_stopped_and_the_packs_behind_it_train(tmp_path: Path) -> None:
+    """A check of 1,000 steps (within the request's limits) held the service's only runner
+    for minutes: a one-trial study submitted after it stayed queued all that time, and
+    nothing could stop the check. It stops at PACKTUNE_CHECK_SECONDS, an error that says
+    why, and the study's pack then trains."""
+    from tests.support.processes import wait_finished
+
+    env = packtune_env(database_url=f"sqlite:///{tmp_path / 'packtune.db'}",
+                       scheduler_interval=0.2, check_seconds=3)  # fmt: skip
+    spec = {
+        "name": "behind-a-check", "workload": "digits-mlp",
+        "space": {"lr": {"type": "loguniform", "low": 0.01, "high": 0.3}},
+        "hyperband": {"max_resource": 1, "eta": 3}, "seed": 0,
+    }  # fmt: skip
+    with serving(env, tmp_path / "serve.log") as url:
+        resp = ask(url, "digits-mlp", {"members": 16, "steps": 1000})
+        assert resp.status_code == 202, resp.text
+        study = http.post(f"{url}/api/studies", json=spec, timeout=30)
+        assert study.status_code == 201, study.text
+        done = wait_check(url, resp.headers["Location"], timeout=120)
+        assert done["status"] == "error", done
+        assert "ran past its 3 s (PACKTUNE_CHECK_SECONDS)" in done["error"], done
+        finished = wait_finished(url, study.json()["id"], timeout=120)
+        assert finished["status"] == "completed", finished
