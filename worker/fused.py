@@ -106,12 +106,13 @@ from worker.probe import (
 )
 from worker.rng import (
     GLOBAL_RNG,
+    Fingerprint,
     HostState,
     Shared,
     decode_host,
     encode_host,
+    host_fingerprint,
     host_state,
-    same_host,
     seed_host,
     set_host_state,
     torch_states,
@@ -840,14 +841,14 @@ class FusedArray:
         if self.step % self.check_every == 0:
             self.check_divergence()
 
-    def _generators(self, group: Group) -> tuple[list[Tensor] | None, HostState | None]:
+    def _generators(self, group: Group) -> tuple[list[Tensor] | None, Fingerprint | None]:
         """The global generators ``group``'s step must leave alone: torch's unless it draws
         from its members' own streams, the host's unless the array does."""
         return (None if group.stochastic else torch_states(self.device),
-                None if self.host_random else host_state())  # fmt: skip
+                None if self.host_random else host_fingerprint())  # fmt: skip
 
     def _no_unseen_draws(
-        self, group: Group, before: tuple[list[Tensor] | None, HostState | None]
+        self, group: Group, before: tuple[list[Tensor] | None, Fingerprint | None]
     ) -> None:
         """Raise :class:`UnseenDraws` where the step drew from a generator its members share
         (the probe saw no draw: one that begins after a warm-up, or at another batch size).
@@ -857,7 +858,7 @@ class FusedArray:
         drew = torch_before is not None and not all(
             torch.equal(a, b) for a, b in zip(torch_before, torch_states(self.device), strict=True)
         )
-        host_drew = host_before is not None and not same_host(host_before, host_state())
+        host_drew = host_before is not None and host_before != host_fingerprint()
         if not (drew or host_drew):
             return
         for key in group.keys:
