@@ -67,6 +67,14 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
+def need_stdout(what: str) -> None:
+    """Stop now, in one line, where standard output is closed (``>&-``: ``sys.stdout`` is
+    None): a command that prints ``what`` crashed on it in a traceback, after its work was
+    done (a study submitted, a check run)."""
+    if sys.stdout is None:
+        fail(f"standard output is closed: nothing could show {what}")
+
+
 def _setup_logging() -> None:
     logging.basicConfig(
         level=get_settings().log_level,
@@ -168,8 +176,7 @@ def run(
 
     if not 0 <= top <= MAX_TOP:
         fail(f"--top must be 0 to {MAX_TOP:,}, not {top}")
-    if sys.stdout is None:  # started with its standard output closed (>&-)
-        fail("standard output is closed: nothing could show the study")
+    need_stdout("the study")
     # SIGTERM (kill, a service manager) ends it as Ctrl-C does: the runner stopped, the
     # study kept to be resumed, one line
     signal.signal(signal.SIGTERM, _terminated)
@@ -403,6 +410,7 @@ def check(
 
     Its structural and fusible parameters, fused against one by one, the forward each stack
     takes, and the step time for k = 1, 2, 4, 8."""
+    need_stdout("the check")
     body = load_spec_file(spec) if spec is not None else None
     if body is not None and body["workload"] != workload:
         fail(f"{spec} is a study of {body['workload']!r}, not {workload!r}")

@@ -36,6 +36,12 @@ def _fail(message: str) -> NoReturn:
     fail(message)
 
 
+def _need_stdout(what: str) -> None:
+    from service.cli import need_stdout
+
+    need_stdout(what)
+
+
 @contextmanager
 def connected(url: str, token: str | None) -> Iterator[Client]:
     """A client of ``url``; the service's refusals and an unreachable service end the
@@ -84,6 +90,7 @@ def register(app: typer.Typer) -> None:
         token: Token = None,
     ) -> None:
         """Submit a study to a running service."""
+        _need_stdout("the study")
         from packtune.progress import error_lines, leaderboard_table, output_console
         from service.cli import read_spec_file
 
@@ -125,6 +132,7 @@ def register(app: typer.Typer) -> None:
         token: Token = None,
     ) -> None:
         """The service's studies, newest first."""
+        _need_stdout("the studies")
         from rich.table import Table
 
         from packtune.progress import output_console
@@ -151,6 +159,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def show(study_id: StudyId, url: Url = DEFAULT_URL, token: Token = None) -> None:
         """One study: status, progress, best trial and the top of its leaderboard."""
+        _need_stdout("the study")
         from packtune.progress import leaderboard_table, output_console
 
         with connected(url, token) as client:
@@ -209,6 +218,8 @@ def register(app: typer.Typer) -> None:
         Each trial's id, status, bracket, rung, resource trained, measured_resource (where
         its metrics are from), config values and latest metrics (CSV columns config.NAME and
         metric.NAME)."""
+        if out is None:
+            _need_stdout("the trials (--out FILE writes them)")
         with connected(url, token) as client:
             trials = client.trials(study_id)
         text = _as_json(trials) if format_ == "json" else _as_csv(trials)
