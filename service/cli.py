@@ -139,6 +139,8 @@ def _trains_here(settings: Settings) -> None:
 
 #: the most rows ``packtune run --top`` prints (a larger one overflowed SQLite's LIMIT)
 MAX_TOP = 1_000_000
+#: the largest TCP port ``packtune serve --port`` can bind
+MAX_PORT = 65535
 
 
 def summary_reader(factory: sessionmaker[Session], study_id: int) -> Callable[[], dict[str, Any]]:
@@ -281,7 +283,7 @@ def run(
 @app.command()
 def serve(
     host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port.")] = 8000,
+    port: Annotated[int, typer.Option(help="Port (0: any free one, as its log says).")] = 8000,
     no_scheduler: Annotated[
         bool, typer.Option("--no-scheduler", help="API only (run `packtune scheduler` apart).")
     ] = False,
@@ -301,6 +303,8 @@ def serve(
     from service.db import make_engine, read_only_problem, schema_problem, upgrade
     from service.scheduler_process import SchedulerProcess
 
+    if not 0 <= port <= MAX_PORT:  # before anything starts: uvicorn's bind() raised after
+        fail(f"--port must be 0 to {MAX_PORT} (0: any free port), not {port}")
     settings = get_settings()
     if not no_scheduler and settings.redis_url is None:
         _trains_here(settings)  # the embedded runner under its scheduler trains the packs

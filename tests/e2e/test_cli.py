@@ -799,6 +799,19 @@ def test_run_refuses_a_top_it_cannot_print_before_it_trains(
     assert not (tmp_path / "packtune.db").exists()  # nothing ran
 
 
+@pytest.mark.parametrize("port", ["99999", "65536", "-1"])
+def test_serve_refuses_a_port_there_is_not_in_one_line_starting_nothing(
+    env: dict[str, str], tmp_path: Path, port: str
+) -> None:
+    """`packtune serve --port 99999` started its scheduler, then ended in uvicorn's 33-frame
+    OverflowError traceback (bind(): port must be 0-65535). Port 0 stays: any free one."""
+    result = packtune("serve", "--port", port, env=env, cwd=tmp_path, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line == f"error: --port must be 0 to 65535 (0: any free port), not {port}", line
+    assert not (tmp_path / "packtune.db").exists()  # nothing started
+
+
 def test_a_database_file_that_is_not_sqlite_is_one_line(
     env: dict[str, str], tmp_path: Path
 ) -> None:
