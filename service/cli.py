@@ -173,7 +173,11 @@ def run(
     spec: Annotated[Path, typer.Argument(help="Study spec (YAML or JSON).")],
     top: Annotated[int, typer.Option(help="Rows of the leaderboard to print.")] = 10,
 ) -> None:
-    """Run a study end to end here (embedded: SQLite, packs in a child process)."""
+    """Run a study end to end here, its packs trained in a child process.
+
+    Not by RQ workers, whatever PACKTUNE_REDIS_URL says. The database is
+    PACKTUNE_DATABASE_URL's: by default packtune.db, a SQLite file in the working directory;
+    a PostgreSQL one works too."""
     from service.runtime import make_dispatcher, preload_sampler
 
     if not 0 <= top <= MAX_TOP:
@@ -189,7 +193,7 @@ def run(
     logging.getLogger().setLevel(logging.WARNING)
     # the runner's start (spawn, torch, the workload's data: ~1.5 s on a CPU) is the first
     # pack's critical path: it overlaps everything that follows, this process's imports too
-    dispatcher = make_dispatcher(settings)
+    dispatcher = make_dispatcher(settings, embedded=True)
     dispatcher.start(body["workload"])
     stop = threading.Event()
     unusable: list[str] = []  # the runner found no device to train on: stop, say why
