@@ -368,14 +368,20 @@ def scheduler() -> None:
 
 @app.command()
 def worker(
-    gpu: Annotated[int | None, typer.Option(help="Pin this worker to GPU N.")] = None,
-    name: Annotated[str | None, typer.Option(help="Worker name (default host-gpuN).")] = None,
+    gpu: Annotated[
+        int | None, typer.Option(help="Pin this worker to GPU N (as nvidia-smi numbers them).")
+    ] = None,
+    name: Annotated[
+        str | None, typer.Option(help="Worker name (default: HOST-gpuN with --gpu, else HOST-PID).")
+    ] = None,
     all_gpus: Annotated[
         bool, typer.Option("--all-gpus", help="One worker process per visible GPU.")
     ] = False,
     burst: Annotated[bool, typer.Option(help="Exit when the queue is empty.")] = False,
 ) -> None:
     """Run an RQ worker that trains packs and sends NVML heartbeats."""
+    if gpu is not None and gpu < 0:  # CUDA_VISIBLE_DEVICES=-1 hid every GPU: a CPU worker
+        fail(f"--gpu must be a GPU's index (0 or more, as nvidia-smi numbers them), not {gpu}")
     settings = get_settings()
     if not settings.redis_url:
         fail(

@@ -183,7 +183,7 @@ def run_worker(gpu: int | None = None, name: str | None = None, burst: bool = Fa
 
     from worker.jobs import device_problem  # after CUDA_VISIBLE_DEVICES: it asks CUDA
 
-    problem = device_problem(settings.device)
+    problem = device_problem(settings.device) or (None if gpu is None else gpu_problem(gpu))
     if problem is not None:
         raise DeviceUnavailable(problem)
     host = socket.gethostname()
@@ -225,6 +225,24 @@ def run_worker(gpu: int | None = None, name: str | None = None, burst: bool = Fa
     finally:
         beat.stop.set()
         beat.changed.set()
+
+
+def gpu_problem(gpu: int) -> str | None:
+    """Why ``--gpu N`` cannot train on GPU ``gpu``; None where it can. Asked once
+    ``CUDA_VISIBLE_DEVICES`` names it: CUDA then sees no GPU where there is no GPU N, and
+    such a worker went on as ``host-gpuN``, training on the CPU. NVML counts the host's
+    GPUs, in the numbering ``--gpu`` takes."""
+    import torch
+
+    from worker.gpu import gpu_readings
+
+    if torch.cuda.is_available():
+        return None
+    count = len(gpu_readings())
+    if gpu < count:  # NVML has it, CUDA cannot use it (a build without CUDA, a MIG GPU)
+        return f"GPU {gpu} is there, but torch {torch.__version__} cannot train on it"
+    there = "no GPU" if count == 0 else "GPU 0" if count == 1 else f"GPUs 0 to {count - 1}"
+    return f"no GPU {gpu} here: NVML finds {there}"
 
 
 def stop_listening(rq_worker: Any) -> None:

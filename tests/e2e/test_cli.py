@@ -749,6 +749,43 @@ def test_a_worker_for_a_gpu_that_is_not_there_does_not_start(
     assert "Traceback" not in result.stdout + result.stderr
 
 
+def _gpus() -> int:
+    from worker.gpu import gpu_readings
+
+    return len(gpu_readings())
+
+
+@pytest.mark.parametrize(("gpu", "says"), [
+    pytest.param("0", "error: no GPU 0 here: NVML finds no GPU", marks=NO_CUDA),
+    ("past the last", "error: no GPU {gpu} here: NVML finds "),
+    ("-1", "error: --gpu must be a GPU's index (0 or more, as nvidia-smi numbers them), not -1"),
+])  # fmt: skip
+def test_a_worker_pinned_to_a_gpu_that_is_not_there_does_not_start(
+    env: dict[str, str], tmp_path: Path, redis_url: str, gpu: str, says: str
+) -> None:
+    """`packtune worker --gpu 7` (or -1) on a host without that GPU started, heartbeating as
+    host-gpu7 with device_kind cpu: CUDA saw no GPU, and the worker trained on the CPU."""
+    if gpu == "past the last":
+        if __import__("torch").cuda.is_available() and not _gpus():
+            pytest.skip("CUDA without NVML: nothing here counts the host's GPUs")
+        gpu = str(_gpus() + 3)
+        says = says.format(gpu=gpu)
+    assert packtune("db", "upgrade", env=env, cwd=tmp_path).returncode == 0
+    queue = f"gpu-{os.getpid()}-{tmp_path.name}"
+    result = subprocess.run(
+        [sys.executable, "-m", "service", "worker", "--gpu", gpu, "--burst"],
+        env={**env, "PACKTUNE_REDIS_URL": redis_url, "PACKTUNE_QUEUE_NAME": queue},
+        cwd=tmp_path, capture_output=True, text=True, timeout=90,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [result.stderr.strip().splitlines()[-1]], result.stderr
+    assert errors[0].startswith(says), errors[0]
+    assert "Traceback" not in result.stdout + result.stderr
+    with sa.create_engine(f"sqlite:///{tmp_path / 'packtune.db'}").connect() as conn:
+        assert conn.execute(sa.text("select count(*) from workers")).scalar() == 0
+
+
 def _runner_of(pid: int) -> int | None:
     """The embedded runner (a spawned child) of process ``pid``, if it has one now."""
     found = subprocess.run(["pgrep", "-P", str(pid), "-f", "spawn_main"],
