@@ -270,18 +270,29 @@ def run(
         console.print(f"[red]{remote_cli.escape(line)}[/]")
     if summary.get("error"):
         console.print(f"[red]study {study_id} failed: {remote_cli.escape(summary['error'])}[/]")
-    progress = summary["progress"]
-    units = f"{progress['total']} units of work"  # a completed study's: those trained
-    if summary["status"] != "completed":  # the units planned: say how many were trained
-        units = f"{progress['done']} of {units}"
     console.print(
         f"study {study_id} {summary['status']} in {time.monotonic() - started:.1f} s: "
-        f"{units} in {n_packs} packs"
+        f"{units_line(summary)} in {n_packs} packs"
     )
     global _run_finished
     _run_finished = True
     if summary["status"] != "completed":
         raise typer.Exit(1)
+
+
+def units_line(summary: dict[str, Any]) -> str:
+    """The units of work ``run``'s last line names: a completed study's all trained, else
+    how many of those planned were trained and how many failed (the progress bar's ``done``
+    counts a failed unit as finished: "5 of 6" was said of a study none of whose trials
+    trained a unit)."""
+    progress = summary["progress"]
+    failed = progress.get("failed", 0)
+    units = f"{progress['total']} units of work"
+    if summary["status"] == "completed" and not failed:
+        return units
+    return f"{progress['done'] - failed} of {units} trained" + (
+        f" ({failed} failed)" if failed else ""
+    )
 
 
 @app.command()

@@ -47,10 +47,13 @@ class Objective(BaseModel):
 
 
 class Progress(BaseModel):
-    """Rung-units finished out of those the full Hyperband plan would run."""
+    """Rung-units finished out of those the full Hyperband plan would run. ``done`` counts
+    the units that failed too (a failed trial's last: it was not trained), so that a study's
+    bar reaches its total however its trials end; ``failed`` says how many of them failed."""
 
     done: int
     total: int
+    failed: int = 0
 
 
 class BestTrial(BaseModel):

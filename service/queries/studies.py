@@ -52,6 +52,7 @@ def _summaries(s: Session, studies: list[Study], with_spec: bool = True) -> list
     ids = [study.id for study in studies]
     counts: dict[int, dict[str, int]] = defaultdict(dict)
     done: dict[int, int] = defaultdict(int)
+    failed: dict[int, int] = defaultdict(int)  # of ``done``: a failed trial's last unit
     stmt = (
         select(
             Trial.study_id,
@@ -65,6 +66,8 @@ def _summaries(s: Session, studies: list[Study], with_spec: bool = True) -> list
     for study_id, status, n, rungs in s.execute(stmt):
         counts[study_id][TrialStatus(status).value] = n
         done[study_id] += int(rungs) + (n if status in UNIT_FINISHED else 0)
+        if status == TrialStatus.failed:
+            failed[study_id] += n
     for study_id, extra in _cancelled_units(s, studies).items():
         done[study_id] += extra
     running: dict[int, int] = defaultdict(int)
@@ -121,7 +124,7 @@ def _summaries(s: Session, studies: list[Study], with_spec: bool = True) -> list
                 "created_at": study.created_at,
                 "started_at": study.started_at,
                 "finished_at": study.finished_at,
-                "progress": {"done": finished, "total": total},
+                "progress": {"done": finished, "total": total, "failed": failed[study.id]},
                 "budget": _budget(study, spec, started, sum(counts[study.id].values())),
                 "trial_counts": counts[study.id],
                 "packs_running": running[study.id],

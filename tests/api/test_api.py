@@ -76,7 +76,7 @@ def test_create_get_list_and_cancel(any_client: TestClient) -> None:
     assert study["workload"] == "digits-mlp" and study["seed"] == 7
     assert study["objective"] == {"metric": "val_loss", "mode": "min"}
     # R=9, eta=3: brackets 9/3/1, 5/1, 3 -> 22 rung-units.
-    assert study["progress"] == {"done": 0, "total": 22}
+    assert study["progress"] == {"done": 0, "total": 22, "failed": 0}
     assert study["best_trial"] is None and study["best_so_far"] is None
     assert study["spec"]["hyperband"] == {"max_resource": 9, "min_resource": 1, "eta": 3}
 
@@ -516,8 +516,9 @@ def test_study_summary_progress_and_best(populated: tuple[TestClient, int, dict[
     study = client.get(f"/api/studies/{study_id}").json()
     assert study["status"] == "running"
     # s=2: five stopped + one diverged at rung 0 (1 each), #3 and #1 paused at rung 1 (2 each),
-    # #7 running at rung 1 (1); s=0: completed + failed (1 each) -> 13 of 22.
-    assert study["progress"] == {"done": 13, "total": 22}
+    # #7 running at rung 1 (1); s=0: completed + failed (1 each) -> 13 of 22, 1 of them failed
+    # (finished, not trained: the bar reaches its total however its trials end)
+    assert study["progress"] == {"done": 13, "total": 22, "failed": 1}
     assert study["trial_counts"]["pending"] == 5 and study["trial_counts"]["stopped"] == 5
     assert study["packs_running"] == 0
     assert study["best_trial"] is None  # the scheduler has not named one yet
@@ -537,7 +538,7 @@ def test_study_summary_progress_and_best(populated: tuple[TestClient, int, dict[
     }
     # completed: the bar is full, at the units its trials trained (13 here: a study marked
     # completed by hand; one Hyperband completes has trained all 22)
-    assert study["progress"] == {"done": 13, "total": 13}
+    assert study["progress"] == {"done": 13, "total": 13, "failed": 1}
     listed = client.get("/api/studies").json()["data"][0]
     assert listed["best_trial"]["id"] == ids[3]
 
