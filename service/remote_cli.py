@@ -150,9 +150,11 @@ def register(app: typer.Typer) -> None:
                           escape(study.owner or "-"))  # fmt: skip
         console = output_console()
         console.print(table)
-        if offset + len(rows) < count or offset > 0:
+        if not rows and offset > 0:  # past the last: it said "studies 50-50 of 4"
+            console.print(f"no studies at offset {offset} of {count}")
+        elif offset + len(rows) < count or offset > 0:
             console.print(
-                f"studies {offset + 1 if rows else offset}-{offset + len(rows)} of {count} "
+                f"studies {offset + 1}-{offset + len(rows)} of {count} "
                 "(--limit 0 lists all; --offset skips the newest)"
             )
 

@@ -77,3 +77,18 @@ def test_export_to_a_file_needs_no_standard_output(idle: dict[str, Any]) -> None
                             "--url", idle["url"]], idle)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert out.exists()
+
+
+def cli(idle: dict[str, Any], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "service", *args, "--url", idle["url"]], env=idle["env"],
+        cwd=idle["tmp"], capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_a_page_of_studies_past_the_last_says_there_are_none(idle: dict[str, Any]) -> None:
+    """`packtune studies --offset 50` of 4 studies ended 'studies 50-50 of 4'."""
+    count = _studies(idle["url"])
+    listed = cli(idle, "studies", "--offset", "50")
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.strip().splitlines()[-1] == f"no studies at offset 50 of {count}"
