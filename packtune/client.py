@@ -36,6 +36,10 @@ FINISHED = ("completed", "failed", "cancelled")
 RETRY_SECONDS = 60.0
 #: studies per request when listing them all
 STUDY_PAGE = 500
+#: the columns of :meth:`Trial.flat` every trial has, in its order (``config.<name>`` and
+#: ``metric.<name>`` follow): a CSV of a study without trials is these alone
+FLAT_COLUMNS = ("id", "status", "iteration", "bracket", "rung", "resource",
+                "measured_resource", "error")  # fmt: skip
 
 
 class ApiError(Exception):

@@ -278,8 +278,12 @@ def escape(text: str) -> str:
 
 
 def _as_csv(trials: list[Any]) -> str:
+    """A header row, then a row per trial: a study without trials (yet) is its header alone
+    (it was a bare line end, no columns)."""
+    from packtune.client import FLAT_COLUMNS
+
     rows = [t.flat() for t in trials]
-    columns: dict[str, None] = {}
+    columns: dict[str, None] = dict.fromkeys(FLAT_COLUMNS)
     for row in rows:
         columns.update(dict.fromkeys(row))
     buffer = io.StringIO()

@@ -4,6 +4,8 @@ its one study stays pending, without trials, and nothing trains beside the tests
 
 from __future__ import annotations
 
+import csv
+import io
 import os
 import subprocess
 import sys
@@ -92,3 +94,14 @@ def test_a_page_of_studies_past_the_last_says_there_are_none(idle: dict[str, Any
     listed = cli(idle, "studies", "--offset", "50")
     assert listed.returncode == 0, listed.stderr
     assert listed.stdout.strip().splitlines()[-1] == f"no studies at offset 50 of {count}"
+
+
+def test_the_csv_of_a_study_without_trials_is_its_header_row(idle: dict[str, Any]) -> None:
+    """`packtune export ID` of a study with no trials yet wrote a bare line end, no header:
+    a reader of the file found no columns to read."""
+    exported = cli(idle, "export", str(idle["study"]))
+    assert exported.returncode == 0, exported.stderr
+    reader = csv.DictReader(io.StringIO(exported.stdout))
+    assert list(reader) == []
+    assert reader.fieldnames == ["id", "status", "iteration", "bracket", "rung", "resource",
+                                 "measured_resource", "error"]  # fmt: skip

@@ -22,6 +22,7 @@ import torch
 import yaml
 
 from packtune import ApiError, Client, Study, Trial
+from packtune.client import FLAT_COLUMNS
 from packtune.workloads import get_workload
 from tests.support.processes import packtune_env, serving
 
@@ -84,6 +85,7 @@ def test_a_flat_row_says_how_far_a_trial_trained_and_where_it_was_measured() -> 
            "resource": 2.0, "measured_resource": 1.0, "metrics": {"val_loss": 0.5},
            "iteration": 2, "error": None}  # fmt: skip
     flat = Trial.of(row).flat()
+    assert list(flat)[: len(FLAT_COLUMNS)] == list(FLAT_COLUMNS)  # an empty CSV's header
     assert (flat["resource"], flat["measured_resource"]) == (2.0, 1.0)
     assert flat["config.lr"] == 0.1 and flat["metric.val_loss"] == 0.5
     # which iteration (a budget runs several: bracket and rung repeat) and why it failed:
