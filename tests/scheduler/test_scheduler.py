@@ -860,14 +860,21 @@ def test_a_study_cancelled_while_no_scheduler_ran_keeps_its_running_time(db: Non
     assert ran is not None and 7190 <= ran <= 7210, ran
 
 
-def test_packs_that_trained_on_without_a_scheduler_count_as_running_time(db: None) -> None:
-    """Packs queued on RQ workers train on while no scheduler runs: that is the study's
-    running time, up to the last of them to finish."""
+def _ran_10_minutes_then_sat_an_hour() -> int:
+    """A study with a budget whose scheduler, having planned its packs, stopped: as if it
+    had run 10 minutes, then sat an hour with no scheduler."""
     study_id = new_study({**SPEC, "budget": {"max_seconds": 36_000}})
     first = scheduler(SyncDispatcher(run=False))
     first.tick()
     first.close()
     _stopped(study_id, timedelta(minutes=10), timedelta(hours=1))
+    return study_id
+
+
+def test_packs_that_trained_on_without_a_scheduler_count_as_running_time(db: None) -> None:
+    """Packs queued on RQ workers train on while no scheduler runs: that is the study's
+    running time, up to the last of them to finish."""
+    study_id = _ran_10_minutes_then_sat_an_hour()
     with session_scope(get_sessionmaker()) as s:
         pack = s.scalars(select(Pack).where(Pack.study_id == study_id)).first()
         assert pack is not None
@@ -885,11 +892,7 @@ def test_a_pack_still_training_when_a_scheduler_leads_again_counts_as_running_ti
     """A pack a worker took while no scheduler ran, and still trains when one leads again:
     the whole gap was the study's running time, not idle (it counted only packs that had
     finished by then, so a max_seconds budget ran that much past its time)."""
-    study_id = new_study({**SPEC, "budget": {"max_seconds": 36_000}})
-    first = scheduler(SyncDispatcher(run=False))
-    first.tick()
-    first.close()
-    _stopped(study_id, timedelta(minutes=10), timedelta(hours=1))
+    study_id = _ran_10_minutes_then_sat_an_hour()
     with session_scope(get_sessionmaker()) as s:
         pack = s.scalars(select(Pack).where(Pack.study_id == study_id)).first()
         assert pack is not None
