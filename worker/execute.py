@@ -41,11 +41,14 @@ from service.models import TrialStatus
 from worker.checkpoints import Staged, load_checkpoint, stage_checkpoint
 from worker.fused import BuildError, Dropped, FusedArray, Report, train
 from worker.memory import probe
+from worker.probe import UnseenDraws
 from worker.rng import GLOBAL_RNG
 
 log = logging.getLogger(__name__)
 
-NOT_A_TRIAL_FAULT = (StoreUnavailable, SQLAlchemyError, torch.cuda.OutOfMemoryError)
+#: raised by an array's training, the pack's trouble, not its trials': the pack tries again
+#: (a draw its probe missed: :class:`~worker.probe.UnseenDraws`, now known to this process)
+NOT_A_TRIAL_FAULT = (StoreUnavailable, SQLAlchemyError, torch.cuda.OutOfMemoryError, UnseenDraws)
 
 
 #: how one array of a pack ran (``packs.arrays``): trials, stacks ({trials, mode}), notes,
