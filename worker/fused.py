@@ -537,8 +537,7 @@ class FusedArray:
                     else segment_names(template, self.decoupled.segments, segment))  # fmt: skip
             # a tensor a forward keeps on its module (not a buffer: self.ema = ...) holds a
             # stack's batched value under vmap, which no member can hold or save: apart
-            kept = python_state(models[part[0]])
-            tensors_kept = any(isinstance(kept.get(n), Tensor) for n in probed.model_state)
+            tensors_kept = bool(probed.tensor_state)
             apart = probed.mutates or bool(drifted) or bool(probed.workload_state) or tensors_kept
             stacks = _forwards(workload, template, part, mode, stochastic, self.precision,
                                apart=apart)  # fmt: skip

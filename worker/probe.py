@@ -51,6 +51,9 @@ class Probed:
     reassigned: tuple[str, ...] = ()
     workload_state: tuple[str, ...] = ()
     model_state: tuple[str, ...] = ()
+    #: of ``model_state``, those that held a tensor after the forwards (``self.ema = ...``,
+    #: begun as None or as a tensor): under vmap such an attribute holds the stack's value
+    tensor_state: tuple[str, ...] = ()
     note: str | None = None
 
 
@@ -120,6 +123,7 @@ def _run_probe(
             reassigned=tuple(dict.fromkeys(n for p in seen for n in p.reassigned)),
             workload_state=tuple(dict.fromkeys(n for p in seen for n in p.workload_state)),
             model_state=tuple(dict.fromkeys(n for p in seen for n in p.model_state)),
+            tensor_state=tuple(dict.fromkeys(n for p in seen for n in p.tensor_state)),
         )  # fmt: skip
     note = (
         f"{workload.name}: could not tell whether training draws random numbers (a training "
@@ -160,10 +164,13 @@ def _probe_batch(workload: Workload, model: nn.Module, batch: tuple[Tensor, Tens
     finally:  # the probe's own changes to the workload object are undone
         changed = changed_state(held, object_state(workload))
         restore(workload, held, changed)
+    after = python_state(trial)
+    changed_model = changed_state(own, after)
     return Probed(
         draws=drew.torch, host_draws=drew.host, mutates=mutates, reassigned=reassigned,
         workload_state=tuple(changed),
-        model_state=tuple(changed_state(own, python_state(trial))),
+        model_state=tuple(changed_model), tensor_state=tuple(
+            n for n in changed_model if isinstance(after.get(n), Tensor)),
     )  # fmt: skip
 
 

@@ -585,31 +585,37 @@ def test_draws_the_probe_did_not_see_are_each_members_own(how: str) -> None:
 
 
 class _Tracking(torch.nn.Module):
-    """Keeps a running mean of its inputs in a plain tensor attribute, not a buffer."""
+    """Keeps a running mean of its inputs in a plain tensor attribute, not a buffer: begun
+    as zeros, or as None (set at the first forward)."""
 
-    def __init__(self, body: torch.nn.Module) -> None:
+    def __init__(self, body: torch.nn.Module, lazy: bool) -> None:
         super().__init__()
-        self.body, self.ema = body, torch.zeros(8, dtype=torch.float64)
+        self.body = body
+        self.ema: torch.Tensor | None = None if lazy else torch.zeros(8, dtype=torch.float64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
-            self.ema = 0.9 * self.ema + 0.1 * x.mean(0).detach()
-        return self.body(x - self.ema)
+            mean = x.mean(0).detach()
+            self.ema = mean if self.ema is None else 0.9 * self.ema + 0.1 * mean
+        return self.body(x if self.ema is None else x - self.ema)
 
 
 class _TrackingMLP(TinyMLP):
-    name = "tracking-mlp"
+    def __init__(self, lazy: bool) -> None:
+        self.lazy, self.name = lazy, f"tracking-mlp-{lazy}"
 
     def build_model(self, config: dict[str, Any]) -> torch.nn.Module:
-        return _Tracking(super().build_model(config))
+        return _Tracking(super().build_model(config), self.lazy)
 
 
-def test_a_tensor_a_forward_keeps_on_its_module_is_each_members_own() -> None:
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_tensor_a_forward_keeps_on_its_module_is_each_members_own(lazy: bool) -> None:
     """A running mean kept in a plain tensor attribute (``self.ema = ...``): under vmap it
     held the stack's batched value, and the first checkpoint of the array failed
     ("Cannot access storage of BatchedTensorImpl"), every trial failing packed while it
-    trained unpacked. Its members now train one per stack, each keeping its own."""
-    workload, members = _TrackingMLP(), member_configs("sgd", {})[:2]
+    trained unpacked. Its members now train one per stack, each keeping its own, also
+    where the attribute begins as None (a review found that one still fused)."""
+    workload, members = _TrackingMLP(lazy), member_configs("sgd", {})[:2]
     packed = FusedArray(workload, members)
     train(packed, 2 * packed.steps_per_epoch)
     for key, cfg in members:
