@@ -216,11 +216,13 @@ Fingerprint = tuple[Any, ...]
 
 
 def host_fingerprint() -> Fingerprint:
-    """A reading of the host's generators that any draw changes, in about a microsecond
+    """A reading of the host's generators that a draw changes, in about a microsecond
     (:func:`host_state` copies NumPy's whole state: ~0.1 ms, too slow for every step):
-    Python's position and first word, and its cached Gaussian; NumPy's likewise, where it
-    is loaded. Read through the generators' C structs where their layout checks out
-    against their states (:func:`_struct_readers`), else from the states themselves."""
+    Python's position and first word, and its cached Gaussian; NumPy's position and first
+    word, where it is loaded. Read through the generators' C structs where their layout
+    checks out against their states (:func:`_struct_readers`), else from the states. Not
+    seen: a NumPy Gaussian served from its cache (every other legacy ``randn`` value), which
+    moves no position; the next NumPy draw that does is seen."""
     python, numpy = _readers()
     return python(), (numpy() if numpy is not None else None)
 
