@@ -185,13 +185,13 @@ class Scheduler:
                 return report
             report.leader = True
             now = _now()
-            # every tick, not once when it starts to lead: a tick that failed (and rolled
-            # back), or a lease lost and taken back from a scheduler that stopped since,
-            # would leave a study's clock stopped for good
-            store.resume_studies(s, now)
             self._embedded_heartbeat(s)
             timeout = self.settings.heartbeat_timeout
             workers = store.live_workers(s, timeout)
+            # every tick, not once when it starts to lead: a tick that failed (and rolled
+            # back), or a lease lost and taken back from a scheduler that stopped since,
+            # would leave a study's clock stopped for good
+            store.resume_studies(s, now, {w.name for w in workers})
             if time.monotonic() - self._forgot_workers_at >= FORGET_WORKERS_EVERY_S:
                 store.forget_dead_workers(s, DEAD_WORKER_KEPT_S)  # not a statement every tick
                 self._forgot_workers_at = time.monotonic()

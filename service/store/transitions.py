@@ -264,12 +264,13 @@ def interrupt_studies(s: Session, now: datetime) -> None:
     )
 
 
-def resume_studies(s: Session, now: datetime) -> None:
+def resume_studies(s: Session, now: datetime, live: Collection[str] = ()) -> None:
     """The leading scheduler's every tick: the time each running study sat with no scheduler
     since the last one stopped (:func:`interrupt_studies`) is not its running time, but for
     its packs that went on training meanwhile (queued on RQ workers): the gap counts from
-    the last of them to finish, and not at all while one still trains. A study finished
-    meanwhile (cancelled) keeps its stamp: :func:`run_seconds` ends there."""
+    the last of them to finish, and not at all while one still trains on a worker of
+    ``live`` (one that died meanwhile trains nothing). A study finished meanwhile
+    (cancelled) keeps its stamp: :func:`run_seconds` ends there."""
     stopped = s.execute(
         select(Study.id, Study.interrupted_at, Study.idle_seconds).where(
             Study.interrupted_at.is_not(None), Study.status == StudyStatus.running
@@ -281,7 +282,13 @@ def resume_studies(s: Session, now: datetime) -> None:
             select(func.max(Pack.finished_at)).where(of_study(study_id), Pack.finished_at > since)
         ).scalar()
         training = s.execute(
-            select(Pack.id).where(of_study(study_id), Pack.status == PackStatus.running).limit(1)
+            select(Pack.id)
+            .where(
+                of_study(study_id),
+                Pack.status == PackStatus.running,
+                Pack.worker_name.in_(list(live)),
+            )
+            .limit(1)
         ).first()
         gap = 0.0 if training else (now - max(since, trained or since)).total_seconds()
         s.execute(

@@ -26,7 +26,16 @@ from packtune.hyperband import plan_brackets
 from packtune.settings import get_settings
 from service import lifecycle, planning, store
 from service.db import get_sessionmaker, session_scope
-from service.models import Lease, Pack, PackStatus, StudyStatus, Trial, TrialStatus
+from service.models import (
+    Lease,
+    Pack,
+    PackStatus,
+    StudyStatus,
+    Trial,
+    TrialStatus,
+    Worker,
+    WorkerStatus,
+)
 from service.runtime import run_scheduler
 from service.scheduler import Scheduler
 
@@ -886,23 +895,34 @@ def test_packs_that_trained_on_without_a_scheduler_count_as_running_time(db: Non
     assert ran is not None and 50 * 60 - 10 <= ran <= 50 * 60 + 10, ran
 
 
+@pytest.mark.parametrize("alive", [True, False])
 def test_a_pack_still_training_when_a_scheduler_leads_again_counts_as_running_time(
-    db: None,
+    db: None, alive: bool
 ) -> None:
     """A pack a worker took while no scheduler ran, and still trains when one leads again:
     the whole gap was the study's running time, not idle (it counted only packs that had
-    finished by then, so a max_seconds budget ran that much past its time)."""
+    finished by then, so a max_seconds budget ran that much past its time). Not where its
+    worker died meanwhile (its heartbeats stopped): that pack trains nothing."""
     study_id = _ran_10_minutes_then_sat_an_hour()
     with session_scope(get_sessionmaker()) as s:
         pack = s.scalars(select(Pack).where(Pack.study_id == study_id)).first()
         assert pack is not None
         pack.status, pack.started_at = PackStatus.running, datetime.now(UTC) - timedelta(hours=1)
+        pack.worker_name = "w1@host"
+        store.heartbeat(s, name="w1@host", host="host", device_kind="cpu", gpus=[],
+                        memory_budget=2**30, status=WorkerStatus.busy)  # fmt: skip
+        if not alive:
+            worker = s.scalars(select(Worker).where(Worker.name == "w1@host")).one()
+            worker.last_heartbeat = datetime.now(UTC) - timedelta(minutes=30)
     scheduler(SyncDispatcher(run=False), "next").tick()
     with session_scope(get_sessionmaker()) as s:
         study = store.get_study(s, study_id)
         ran = store.run_seconds(study, datetime.now(UTC))
-    assert study.idle_seconds < 10, study.idle_seconds
-    assert ran is not None and 70 * 60 - 10 <= ran <= 70 * 60 + 10, ran
+    if alive:
+        assert study.idle_seconds < 10, study.idle_seconds
+        assert ran is not None and 70 * 60 - 10 <= ran <= 70 * 60 + 10, ran
+    else:
+        assert study.idle_seconds >= 3600, study.idle_seconds
 
 
 def test_a_lease_held_by_a_process_of_this_host_that_is_gone_is_taken_at_once(db: None) -> None:
