@@ -175,7 +175,8 @@ def run(
 ) -> None:
     """Run a study end to end here, its packs trained in a child process.
 
-    Not by RQ workers, whatever PACKTUNE_REDIS_URL says. The database is
+    Not by RQ workers: with PACKTUNE_REDIS_URL set (a deployment's) it refuses, as its own
+    scheduler would take the deployment's packs for lost. The database is
     PACKTUNE_DATABASE_URL's: by default packtune.db, a SQLite file in the working directory;
     a PostgreSQL one works too."""
     from service.runtime import make_dispatcher, preload_sampler
@@ -188,12 +189,21 @@ def run(
     signal.signal(signal.SIGTERM, _terminated)
     body = load_spec_file(spec)
     settings = get_settings()
+    if settings.redis_url:
+        # a deployment's queue: its workers' packs, unknown to this run's own runner, would
+        # look lost to this run's scheduler (re-queued, trained here); with no worker on
+        # the queue, its packs waited for ever
+        fail(
+            "PACKTUNE_REDIS_URL is set: packtune run trains here, in its own process, not "
+            "through a queue; unset it to run here, or give the study to that deployment "
+            "with `packtune submit`"
+        )
     _trains_here(settings)
     _setup_logging()
     logging.getLogger().setLevel(logging.WARNING)
     # the runner's start (spawn, torch, the workload's data: ~1.5 s on a CPU) is the first
     # pack's critical path: it overlaps everything that follows, this process's imports too
-    dispatcher = make_dispatcher(settings, embedded=True)
+    dispatcher = make_dispatcher(settings)
     dispatcher.start(body["workload"])
     stop = threading.Event()
     unusable: list[str] = []  # the runner found no device to train on: stop, say why

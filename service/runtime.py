@@ -16,12 +16,10 @@ from packtune.dispatcher import Dispatcher
 from packtune.settings import Settings, get_settings
 
 
-def make_dispatcher(settings: Settings, *, embedded: bool = False) -> Dispatcher:
-    """The settings' dispatcher, not started; ``embedded``: the embedded runner whatever
-    ``PACKTUNE_REDIS_URL`` says (``packtune run`` trains its study itself: with the URL of a
-    queue no worker took from, it waited for ever). Cheap to import: ``packtune run`` starts
-    the embedded runner (seconds of imports in the child) before its own heavier imports."""
-    if settings.redis_url and not embedded:
+def make_dispatcher(settings: Settings) -> Dispatcher:
+    """The settings' dispatcher, not started. Cheap to import: ``packtune run`` starts the
+    embedded runner (seconds of imports in the child) before its own heavier imports."""
+    if settings.redis_url:
         from service.rq_dispatcher import RQDispatcher
 
         return RQDispatcher(settings)

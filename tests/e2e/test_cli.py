@@ -174,18 +174,24 @@ def test_run_trains_a_study_and_prints_the_leaderboard(env: dict[str, str], tmp_
     assert "…" not in progress and "units" in progress and "best: trial" in progress
 
 
-def test_run_trains_here_whatever_the_redis_url_says(
+def test_run_with_a_queue_set_refuses_in_one_line(
     env: dict[str, str], tmp_path: Path, redis_url: str
 ) -> None:
     """`packtune run` in a shell with PACKTUNE_REDIS_URL set (a deployment's) handed its packs
-    to RQ and, with no worker on that queue, sat at 0/6 units for ever, saying nothing. It is
-    the one-command path: its own child process trains them."""
+    to RQ and, with no worker on that queue, sat at 0/6 units for ever, saying nothing;
+    trained here instead, its scheduler would take the deployment's queued packs for lost.
+    It refuses in one line, saying what to do, before it makes anything."""
     spec = write(tmp_path / "small.yaml", SMALL)
     queue = f"nobody-{os.getpid()}-{tmp_path.name}"
     env = {**env, "PACKTUNE_REDIS_URL": redis_url, "PACKTUNE_QUEUE_NAME": queue}
     result = packtune("run", str(spec), env=env, cwd=tmp_path, timeout=180)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert re.search(r"study 1 completed in [\d.]+ s: 6 units of work", result.stdout)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: PACKTUNE_REDIS_URL is set: packtune run trains here, in its own process, not "
+        "through a queue; unset it to run here, or give the study to that deployment with "
+        "`packtune submit`"
+    ], result.stderr
+    assert not (tmp_path / "packtune.db").exists()
     helped = " ".join(packtune("run", "--help", env=env, cwd=tmp_path).stdout.split())
     # it said "embedded: SQLite", and a PostgreSQL URL works as well
     assert "PostgreSQL" in helped and "PACKTUNE_REDIS_URL" in helped, helped
