@@ -24,14 +24,13 @@ import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from packtune.settings import Settings
-from packtune.space import fusion_key
 from packtune.tuning import QUEUE_DEPTH
-from packtune.workloads import get_workload
 from service import store
 from service.db import make_engine, session_factory, session_scope, upgrade
-from service.models import PackStatus, StudyStatus, WorkerStatus
+from service.models import PackStatus, StudyStatus
 from service.rq_dispatcher import RQDispatcher
 from service.scheduler import Scheduler, TickReport, idle_wait
+from tests.support.fleet import idle_cpu_worker_for
 
 Tick = tuple[float, float, TickReport]  # a tick's start and end (monotonic), its report
 
@@ -150,13 +149,7 @@ def test_a_tick_that_fills_the_last_device_slot_is_followed_by_a_wait(
     with session_scope(factory) as s:
         spec = SPEC | {"packing": {"enabled": False}}
         store.create_study(s, name="busy", workload="digits-mlp", spec=spec, seed=0)
-        store.heartbeat(
-            s, name="cpu-worker", host="test", device_kind="cpu", gpus=[],
-            memory_budget=4 * 2**30, status=WorkerStatus.idle,
-        )  # fmt: skip
-        wl = get_workload("digits-mlp")  # measured already: no probe pack to wait for
-        key = fusion_key(wl.name, wl.resolve({}), wl.structural_params())
-        store.record_throughput(s, wl.name, key, "cpu", 1, 100.0)
+        idle_cpu_worker_for(s, "cpu-worker")  # digits-mlp measured already: no probe pack
     settings = Settings(
         database_url=url,
         redis_url=redis_url,

@@ -18,13 +18,12 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from packtune.dispatcher import rq_worker_name
 from packtune.settings import Settings
-from packtune.space import fusion_key
-from packtune.workloads import get_workload
 from service import store
 from service.db import make_engine, session_factory, session_scope, upgrade
-from service.models import Pack, PackStatus, Worker, WorkerStatus
+from service.models import Pack, PackStatus, Worker
 from service.rq_dispatcher import RQDispatcher
 from service.scheduler import Scheduler
+from tests.support.fleet import idle_cpu_worker_for
 
 SPEC = {
     "name": "lost-jobs",
@@ -51,13 +50,7 @@ def _queued_pack(factory: sessionmaker[Session], redis_url: str) -> tuple[Schedu
     url = str(factory.kw["bind"].url.render_as_string(hide_password=False))
     with session_scope(factory) as s:
         store.create_study(s, name="lost", workload="digits-mlp", spec=SPEC, seed=0)
-        store.heartbeat(
-            s, name="w1", host="test", device_kind="cpu", gpus=[],
-            memory_budget=4 * 2**30, status=WorkerStatus.idle,
-        )  # fmt: skip
-        wl = get_workload("digits-mlp")  # measured already: no probe pack to wait for
-        key = fusion_key(wl.name, wl.resolve({}), wl.structural_params())
-        store.record_throughput(s, wl.name, key, "cpu", 1, 100.0)
+        idle_cpu_worker_for(s, "w1")  # digits-mlp measured already: no probe pack
     settings = Settings(
         database_url=url,
         redis_url=redis_url,
