@@ -190,8 +190,11 @@ class Scheduler:
             workers = store.live_workers(s, timeout)
             # every tick, not once when it starts to lead: a tick that failed (and rolled
             # back), or a lease lost and taken back from a scheduler that stopped since,
-            # would leave a study's clock stopped for good
-            store.resume_studies(s, now, {w.name for w in workers})
+            # would leave a study's clock stopped for good. Packs train on through the gap on
+            # RQ workers only: an embedded runner's die with their scheduler (a runner of
+            # this one's may bear the name of the one that ran them)
+            rq_workers = {w.name for w in workers} - self.dispatcher.embedded_workers
+            store.resume_studies(s, now, rq_workers)
             if time.monotonic() - self._forgot_workers_at >= FORGET_WORKERS_EVERY_S:
                 store.forget_dead_workers(s, DEAD_WORKER_KEPT_S)  # not a statement every tick
                 self._forgot_workers_at = time.monotonic()

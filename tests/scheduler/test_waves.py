@@ -267,8 +267,8 @@ def test_max_trials_stops_before_a_bracket_that_does_not_fit(factory: Factory) -
     assert {p["total"] for p in seen} == {35}
     assert (
         progress(factory, study_id)
-        == {"done": 35, "total": 35}
-        == {"done": trained_units(factory, study_id), "total": 35}
+        == {"done": 35, "total": 35, "failed": 0}
+        == {"done": trained_units(factory, study_id), "total": 35, "failed": 0}
     )
 
 
@@ -280,7 +280,7 @@ def test_a_target_reached_ends_the_study_with_its_best_trial(factory: Factory) -
     assert (study.status, study.stop_reason) == (StudyStatus.completed, "target")
     # the units trained, not the plan's (which the study stopped short of)
     done = trained_units(factory, study_id)
-    assert progress(factory, study_id) == {"done": done, "total": done}
+    assert progress(factory, study_id) == {"done": done, "total": done, "failed": 0}
     with session_scope(factory) as s:
         best = store.get_trial(s, study.best_trial_id or 0)
         assert loss(best.config, 9) <= 0.6
