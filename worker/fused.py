@@ -113,6 +113,7 @@ from worker.rng import (
     encode_host,
     host_fingerprint,
     host_state,
+    same_states,
     seed_host,
     set_host_state,
     torch_states,
@@ -537,8 +538,8 @@ class FusedArray:
                     else segment_names(template, self.decoupled.segments, segment))  # fmt: skip
             # a tensor a forward keeps on its module (not a buffer: self.ema = ...) holds a
             # stack's batched value under vmap, which no member can hold or save: apart
-            tensors_kept = bool(probed.tensor_state)
-            apart = probed.mutates or bool(drifted) or bool(probed.workload_state) or tensors_kept
+            apart = (probed.mutates or bool(drifted) or bool(probed.workload_state)
+                     or bool(probed.tensor_state))  # fmt: skip
             stacks = _forwards(workload, template, part, mode, stochastic, self.precision,
                                apart=apart)  # fmt: skip
             if mode == "auto" and len(stacks) > 1 and not apart:  # say why, as for the rest
@@ -854,9 +855,7 @@ class FusedArray:
         Another array's step in the shared hold of :data:`GLOBAL_RNG` at once may be the one
         that drew: both learn it (safe: they train one at a time, as unpacked)."""
         torch_before, host_before = before
-        drew = torch_before is not None and not all(
-            torch.equal(a, b) for a, b in zip(torch_before, torch_states(self.device), strict=True)
-        )
+        drew = torch_before is not None and not same_states(torch_before, torch_states(self.device))
         host_drew = host_before is not None and host_before != host_fingerprint()
         if not (drew or host_drew):
             return

@@ -146,7 +146,7 @@ def draws_random(run: Callable[[], object], device: torch.device | None = None) 
             torch.manual_seed(0)
             before = _states(devices)
             run()
-            drew = not all(torch.equal(a, b) for a, b in zip(before, _states(devices), strict=True))
+            drew = not same_states(before, _states(devices))
         return Draws(torch=drew, host=not same_host(host, host_state()))
     finally:
         set_host_state(host)
@@ -277,6 +277,11 @@ def _struct_readers(numpy: Any) -> tuple[Callable[[], Any], Callable[[], Any] | 
     except Exception:  # noqa: BLE001
         pass
     return python, numpy_slow
+
+
+def same_states(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """Whether two readings of torch's generators (:func:`torch_states`) are the same."""
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def torch_states(device: torch.device) -> list[torch.Tensor]:
