@@ -679,6 +679,7 @@ def test_a_worker_killed_between_taking_a_job_and_claiming_its_pack(
     The gap (a fresh worker's first job imports its training modules before it claims:
     a fraction of a second) is held open by stalling the worker's database connections."""
     from redis import Redis
+    from rq.exceptions import NoSuchJobError
     from rq.job import Job, JobStatus
 
     parsed = sa.engine.make_url(database)
@@ -705,7 +706,11 @@ def test_a_worker_killed_between_taking_a_job_and_claiming_its_pack(
                 rows = conn.execute(sa.select(Pack.id, Pack.job_id).where(
                     Pack.status == PackStatus.queued, Pack.job_id.is_not(None))).all()  # fmt: skip
             for pack_id, job_id in rows:
-                if Job.fetch(job_id, connection=redis).get_status() == JobStatus.STARTED:
+                try:
+                    job = Job.fetch(job_id, connection=redis)
+                except NoSuchJobError:  # the scheduler commits the queued row, then enqueues
+                    continue
+                if job.get_status() == JobStatus.STARTED:
                     return int(pack_id)
             return None
 
