@@ -101,8 +101,10 @@ from worker.probe import (
     UnseenDraws,
     is_stochastic,
     learn_draws,
+    learn_noise,
     probe,
     probe_key,
+    rounding_noise,
 )
 from worker.rng import (
     GLOBAL_RNG,
@@ -256,6 +258,7 @@ def _forwards(
     stochastic: bool,
     precision: str = "fp32",
     apart: bool = False,
+    rounding: bool = False,
 ) -> list[tuple[list[int], Stack]]:
     """The stacks a part of equal models runs as: ``(member indices, stack)``.
 
@@ -264,7 +267,10 @@ def _forwards(
     grows that (digits-cnn: 13% apart after two epochs at lr 0.08), so the result would
     depend on the pack. The hand-fused ``bmm`` path rounds like one model's in bf16 too.
     ``apart``: the members train one per stack (their steps change the batch in place, or
-    build_model kept values on the workload that differ between them).
+    build_model kept values on the workload that differ between them). ``rounding``: a
+    gradient is float rounding and the optimizer scales it to a full step
+    (:func:`worker.probe.rounding_noise`): through vmap, whose batched kernels round
+    otherwise, each member would end apart from its unpacked run, so it runs ``serial``.
     Stacks of one member each have a template of their own: Python state a forward keeps on
     its module (a step counter) is then each member's, as unpacked.
     """
@@ -275,7 +281,8 @@ def _forwards(
         elif plan is not None:
             mode = "bmm"
         else:
-            mode = "serial" if len(part) == 1 or precision == "bf16" else "vmap"
+            alike = len(part) == 1 or precision == "bf16" or rounding
+            mode = "serial" if alike else "vmap"
     if mode == "bmm" and plan is None:
         raise ValueError(f"{workload.name}'s model is not a hand-fusable Sequential")
     if mode == "serial":
@@ -540,8 +547,10 @@ class FusedArray:
             # stack's batched value under vmap, which no member can hold or save: apart
             apart = (probed.mutates or bool(drifted) or bool(probed.workload_state)
                      or bool(probed.tensor_state))  # fmt: skip
+            # SGD steps by such a gradient (~1e-8 of the weights): nothing shows
+            rounding = bool(probed.noise) and self.config.get("optimizer", "sgd") != "sgd"
             stacks = _forwards(workload, template, part, mode, stochastic, self.precision,
-                               apart=apart)  # fmt: skip
+                               apart=apart, rounding=rounding)  # fmt: skip
             if mode == "auto" and len(stacks) > 1 and not apart:  # say why, as for the rest
                 why = (
                     "draws random numbers (dropout, or a draw in its forward): fused, its "
@@ -550,6 +559,8 @@ class FusedArray:
                 )  # fmt: skip
                 note = (f"{workload.name}: the model {why}, so results would depend on the "
                         "packing; its members train one at a time, as unpacked")  # fmt: skip
+                if rounding and not stochastic and self.precision != "bf16":
+                    note = self._rounding_note(probed.noise)
                 if note not in self.notes:
                     self.notes.append(note)
             for idx, stack in stacks:
@@ -668,9 +679,18 @@ class FusedArray:
         if group.compiled is None and note not in self.notes:
             self.notes.append(note)
 
-    def _split_per_member(self, group: Group, error: BaseException) -> list[Group]:
-        """``group``'s members as one stack each (its vmap step failed): the same tensors,
-        optimizer state and epoch loss so far, trained one at a time from here on."""
+    def _rounding_note(self, noise: tuple[str, ...]) -> str:
+        names = ", ".join(repr(n) for n in noise[:3]) + (", ..." if len(noise) > 3 else "")
+        return (
+            f"{self.workload.name}: the model has gradients that are float rounding ({names}: "
+            f"e.g. a bias a BatchNorm cancels), which {self.config.get('optimizer')} scales to "
+            "full steps: through vmap, whose batched rounding is not one model's, each member "
+            "would take other steps, so results would depend on the packing; its members "
+            "train one at a time, as unpacked"
+        )
+
+    def _vmap_failed(self, group: Group, error: BaseException) -> list[Group]:
+        """``group``'s members as one stack each: its vmap step failed."""
         note = (
             f"{self.workload.name}: vmap could not run the fused step ({type(error).__name__}: "
             f"{str(error).splitlines()[0] if str(error) else ''}); members "
@@ -680,6 +700,43 @@ class FusedArray:
             _SPLIT_LOGGED.add(self.workload.name)
             log.warning("%s (said once per process)", note)
         self.notes.append(note)
+        return self._split_per_member(group)
+
+    def _rounding_noise(self, group: Group, batch: Any) -> tuple[str, ...]:
+        """Before the first step of a vmap stack that no probe ran on (streamed data), under
+        an optimizer that scales its gradients to full steps: the parameters whose gradient
+        is float rounding (:func:`worker.probe.rounding_noise`), on member 0's part of the
+        batch; learned for this process, so that later arrays of its model train apart from
+        the start. Changes nothing of the group (copies; the workload object's attributes put
+        back)."""
+        if (
+            type(group) is not Group
+            or group.mode != "vmap"
+            or group.proven
+            or not self.streaming
+            or str(self.config.get("optimizer", "sgd")) == "sgd"
+        ):
+            return ()
+        workload = self.workload_of(group)
+        single = stack_of(workload, own_copy(group.template, 1), "serial", group.stochastic)
+        losses = losses_function(single, workload, self.precision, self.device)
+        first = tree_map(lambda t: t[0:1], batch) if group.stack.stacked else batch
+        buffers = {n: b[0:1] for n, b in group.buffers.items()}
+        held = object_state(workload)
+        try:
+            names = rounding_noise(
+                lambda params: losses(params, {n: b.clone() for n, b in buffers.items()}, first),
+                {n: p[0:1] for n, p in group.params.items()},
+            )
+        finally:
+            restore(workload, held, changed_state(held, object_state(workload)))
+        if names:
+            learn_noise(self.probe_keys[group.keys[0]], names)
+        return names
+
+    def _split_per_member(self, group: Group) -> list[Group]:
+        """``group``'s members as one stack each: the same tensors, optimizer state and epoch
+        loss so far, trained one at a time from here on."""
         singles = [
             self._group(
                 [key],
@@ -923,6 +980,15 @@ class FusedArray:
         # (BatchNorm statistics) and the members' random streams change before the
         # backward pass completes, so on failure they are restored, and the step runs
         # eagerly (a compiled step failed) or the members go on one stack each (vmap).
+        noise = self._rounding_noise(group, batch)
+        if noise:
+            self.notes.append(self._rounding_note(noise))
+            singles = self._split_per_member(group)
+            at = self.groups.index(group)
+            self.groups[at : at + 1] = singles
+            for single in singles:
+                self._step_group(single, _member_batch(batch, group, single))
+            return
         saved = {n: b.clone() for n, b in group.buffers.items()}
         streams = {key: self.generators[key].get_state() for key in group.keys}
         began = time.perf_counter()
@@ -963,7 +1029,7 @@ class FusedArray:
                 self._compile(group)  # with fixed shapes, or eager
                 self._step_group(group, batch)
                 return
-            singles = self._split_per_member(group, exc)
+            singles = self._vmap_failed(group, exc)
             at = self.groups.index(group)
             self.groups[at : at + 1] = singles
             for single in singles:

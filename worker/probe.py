@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
 
 from packtune.workloads.base import Workload
+from worker.fused_forward import model_function
 from worker.module_state import changed_state, object_state, python_state, restore
 from worker.rng import draws_random
 
@@ -54,6 +55,8 @@ class Probed:
     #: of ``model_state``, those that held a tensor after the forwards (``self.ema = ...``,
     #: begun as None or as a tensor): under vmap such an attribute holds the stack's value
     tensor_state: tuple[str, ...] = ()
+    #: parameters whose training gradient is float rounding (:func:`rounding_noise`)
+    noise: tuple[str, ...] = ()
     note: str | None = None
 
 
@@ -79,7 +82,8 @@ def probe(
         return _PROBED[key]
     seen = _PROBED[key]
     return replace(seen, draws=seen.draws or learned.draws,
-                   host_draws=seen.host_draws or learned.host_draws)  # fmt: skip
+                   host_draws=seen.host_draws or learned.host_draws,
+                   noise=seen.noise or learned.noise)  # fmt: skip
 
 
 def probe_key(workload: Workload, signature: Hashable) -> Hashable:
@@ -96,6 +100,12 @@ class UnseenDraws(RuntimeError):
     would depend on the packing. Learned for this process (:func:`learn_draws`): the pack
     trains again from its checkpoints, each member from its own streams, as unpacked. Not
     the trials' fault: it does not use up an attempt."""
+
+
+def learn_noise(key: Hashable, names: tuple[str, ...]) -> None:
+    """Training showed that the model of probe ``key`` has gradients of float rounding
+    (streamed data, which no probe ran on)."""
+    _LEARNED[key] = replace(_LEARNED.get(key, Probed()), noise=names)
 
 
 def learn_draws(key: Hashable, *, torch_draws: bool, host_draws: bool) -> None:
@@ -124,6 +134,7 @@ def _run_probe(
             workload_state=tuple(dict.fromkeys(n for p in seen for n in p.workload_state)),
             model_state=tuple(dict.fromkeys(n for p in seen for n in p.model_state)),
             tensor_state=tuple(dict.fromkeys(n for p in seen for n in p.tensor_state)),
+            noise=tuple(dict.fromkeys(n for p in seen for n in p.noise)),
         )  # fmt: skip
     note = (
         f"{workload.name}: could not tell whether training draws random numbers (a training "
@@ -161,6 +172,9 @@ def _probe_batch(workload: Workload, model: nn.Module, batch: tuple[Tensor, Tens
         reassigned = tuple(n for n, b in buffers.items()
                            if now.get(n) is not b and n not in caches)  # fmt: skip
         _evaluate(workload, trial, x.clone(), y.clone())  # state only evaluation changes
+        # (a model that draws trains one member per stack anyway, and would seem noisy)
+        deterministic = not (drew.torch or drew.host or mutates)
+        noise = model_noise(workload, model, (x, y)) if deterministic else ()
     finally:  # the probe's own changes to the workload object are undone
         changed = changed_state(held, object_state(workload))
         restore(workload, held, changed)
@@ -171,7 +185,75 @@ def _probe_batch(workload: Workload, model: nn.Module, batch: tuple[Tensor, Tens
         workload_state=tuple(changed),
         model_state=tuple(changed_model), tensor_state=tuple(
             n for n in changed_model if isinstance(after.get(n), Tensor)),
+        noise=noise,
     )  # fmt: skip
+
+
+#: the relative change of a parameter's gradient, when every parameter moves by
+#: :data:`NUDGE`, beyond which that gradient is taken for float rounding. Measured on CPU:
+#: a Linear bias a BatchNorm cancels changes by 0.9-1.5 (its gradient, ~1e-8 against the
+#: weights' ~1, is what rounding leaves of zero); every other gradient of the built-in
+#: workloads by at most 1.2e-3 (resnet-cifar's batch norms), most by ~1e-6.
+NOISE_REL = 0.1
+#: the relative nudge: two units in the last place of a float32
+NUDGE = 2.0**-22
+
+
+def rounding_noise(
+    losses: Callable[[dict[str, Tensor]], Tensor], params: dict[str, Tensor]
+) -> tuple[str, ...]:
+    """The names of ``params`` whose training gradient is float rounding: it changes wholly
+    when every parameter moves by a rounding error (:data:`NUDGE`), where a gradient with a
+    meaning changes by as little. ``losses(params)``: the training loss (summed) of one
+    model at ``params``, on a batch, from buffers of its own each call.
+
+    Such a gradient (a Linear's bias followed by a BatchNorm, which cancels it) is the
+    arithmetic's own: a stack of members whose kernels round otherwise (vmap's) gets another
+    one. SGD steps by it, ~1e-8 of the weights, and nothing shows; an optimizer that divides
+    by the gradient's size (Adam, RMSprop, Adagrad) takes a full step in its arbitrary
+    direction, and each member would end apart from its unpacked run. ``params`` are not
+    changed; a loss that raises tells nothing (training raises it where it belongs)."""
+    nudges = torch.Generator().manual_seed(0)  # not the global generators: no draw to see
+    grads = []
+    for nudged in (False, True):
+        own = {n: t.detach().clone() for n, t in params.items()}
+        if nudged:
+            for t in own.values():
+                sign = torch.randint(0, 2, t.shape, generator=nudges).to(t) * 2 - 1
+                t.mul_(1 + NUDGE * sign)
+        for n, t in own.items():
+            t.requires_grad_(params[n].requires_grad)
+        try:
+            losses(own).sum().backward()
+        except Exception:  # noqa: BLE001 - training raises it where it belongs
+            return ()
+        grads.append({n: t.grad for n, t in own.items() if t.grad is not None})
+    plain, moved = grads
+    noisy = []
+    for name, grad in plain.items():
+        other = moved.get(name)
+        if other is None or not bool(torch.isfinite(grad).all()):
+            continue
+        if float((other - grad).norm()) > NOISE_REL * float(grad.norm()):
+            noisy.append(name)
+    return tuple(noisy)
+
+
+def model_noise(
+    workload: Workload, model: nn.Module, batch: tuple[Tensor, Tensor]
+) -> tuple[str, ...]:
+    """:func:`rounding_noise` of ``model``'s training loss on ``batch`` (copies of both:
+    nothing of them changes)."""
+
+    def losses(params: dict[str, Tensor]) -> Tensor:
+        trial = copy.deepcopy(model).train()  # buffers (BatchNorm statistics) of its own
+        run = model_function(trial, params, dict(trial.named_buffers()))
+        x, y = (t.clone() for t in batch)
+        if workload.custom_step:
+            return workload.training_loss(run, (x, y))
+        return workload.loss(run(x), y)
+
+    return rounding_noise(losses, dict(model.named_parameters()))
 
 
 def _evaluate(workload: Workload, trial: nn.Module, x: Tensor, y: Tensor) -> None:

@@ -75,6 +75,33 @@ def test_a_dataloader_over_files_trains_fused_as_alone(root: Path) -> None:
     assert len(losses) == 3
 
 
+def test_streamed_gradients_of_float_rounding_under_adam_train_apart_from_the_first_step(
+    root: Path,
+) -> None:
+    """No probe runs on streamed data: a vmap stack of a model whose gradients are float
+    rounding (a bias a BatchNorm cancels) under Adam is seen at its first step, before it
+    steps, and its members train one at a time (fused, each ended apart from its run
+    alone); later arrays of the model, in this process, train apart from the start."""
+    from worker.probe import _LEARNED
+
+    workload = sw.BatchNormImages()
+    workload.name = "batch-norm-images-first"  # this process has not learned it yet
+    extra = {"root": str(root), "optimizer": "adam"}
+    array_members = members(workload, extra, [0.001, 0.003, 0.01])
+    array = FusedArray(workload, array_members)
+    assert array.mode == "vmap" and len(array.groups) == 1
+    spe = array.steps_per_epoch
+    reports = train(array, 2 * spe)
+    assert [g.mode for g in array.groups] == ["serial"] * 3
+    assert any("are float rounding ('net.1.bias':" in note for note in array.notes), array.notes
+    for key, config in array_members:
+        assert_same(reports, key, alone(workload, key, config, 2 * spe), rel=1e-6)
+    later = FusedArray(workload, members(workload, extra, [0.002, 0.004]))
+    assert [g.mode for g in later.groups] == ["serial"] * 2
+    assert any("are float rounding" in note for note in later.notes)
+    _LEARNED.clear()
+
+
 def test_batches_per_member_follow_each_trial_not_its_pack(root: Path) -> None:
     workload = sw.AugmentedImages()
     array_members = members(workload, {"root": str(root)}, [0.02, 0.02, 0.1])

@@ -1,7 +1,8 @@
 """Plugin workloads beyond in-memory ``(x, y)`` tensors, installed as a user would install
 them (entry points): data streamed from files through a ``DataLoader``, batches that differ
-per trial, a custom per-batch step with several inputs and outputs, and a step vmap cannot
-batch.
+per trial, a custom per-batch step with several inputs and outputs, a step vmap cannot
+batch, and a BatchNorm model (gradients of float rounding, seen in training: no probe runs on
+streamed data).
 
 The images are written by the test (:func:`write_image_folder`): 1x8x8 pictures of four
 classes (a bright row, column, diagonal or anti-diagonal, in noise), one ``.npy`` file
@@ -136,6 +137,32 @@ class AugmentedImages(FolderImages):
 
     def generator(self, config: Mapping[str, Any], epoch: int) -> torch.Generator:
         return epoch_generator(config, epoch, per_trial=True)  # type: ignore[no-any-return]
+
+
+class BatchNormNet(nn.Module):
+    """Flatten, Linear, BatchNorm, ReLU, Linear: a module of its own class (stacked through
+    vmap, not the hand-fused path); trained with Adam, the first Linear's bias gradient is
+    float rounding (the BatchNorm cancels it)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Flatten(), nn.Linear(64, hidden), nn.BatchNorm1d(hidden), nn.ReLU(),
+            nn.Linear(hidden, CLASSES),
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)  # type: ignore[no-any-return]
+
+
+class BatchNormImages(FolderImages):
+    """:class:`FolderImages` with a BatchNorm after its hidden Linear, read in this process."""
+
+    name = "batch-norm-images"
+    workers = 0
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        return BatchNormNet(int(self.resolve(config)["hidden"]))
 
 
 class TwoHeads(nn.Module):

@@ -23,6 +23,10 @@
   coin) after a warm-up longer than a probe's, ``big-batch-noise-mlp`` only on batches
   larger than a probe's first: members that shared one stream would each end apart from
   their unpacked runs.
+- ``batch-norm-mlp`` puts a BatchNorm after each hidden Linear, in a module of its own (so it
+  stacks through vmap, not the hand-fused path), to be trained with Adam: the Linear's bias
+  gradient is float rounding (BatchNorm cancels it), which Adam scales to full steps, so
+  vmap's rounding would send each member its own way.
 
 All train on the digits (64 features, 10 classes) with a one-hidden-layer MLP.
 """
@@ -287,3 +291,29 @@ class BigBatchNoiseMLP(_DigitsPlugin):
                 return super().forward(x)
 
         return BigBatchNoise(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, N_CLASSES))
+
+
+class BatchNormMLP(_DigitsPlugin):
+    """Linear, BatchNorm, ReLU twice, in a module of its own class (stacked through vmap)."""
+
+    name = "batch-norm-mlp"
+
+    def build_model(self, config: Mapping[str, Any]) -> Any:
+        import torch
+        from torch import nn
+
+        hidden = int(self.resolve(config)["hidden"])
+
+        class BatchNormNet(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.net = nn.Sequential(
+                    nn.Linear(64, hidden), nn.BatchNorm1d(hidden), nn.ReLU(),
+                    nn.Linear(hidden, hidden), nn.BatchNorm1d(hidden), nn.ReLU(),
+                    nn.Linear(hidden, N_CLASSES),
+                )  # fmt: skip
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.net(x)
+
+        return BatchNormNet()
