@@ -686,7 +686,8 @@ class FusedArray:
             f"e.g. a bias a BatchNorm cancels), which {self.config.get('optimizer')} scales to "
             "full steps: through vmap, whose batched rounding is not one model's, each member "
             "would take other steps, so results would depend on the packing; its members "
-            "train one at a time, as unpacked"
+            "train one at a time, as unpacked. A bias before a BatchNorm does nothing: "
+            "without it (bias=False) they fuse"
         )
 
     def _vmap_failed(self, group: Group, error: BaseException) -> list[Group]:
