@@ -94,7 +94,11 @@ class Trial:
 
 @dataclass(frozen=True)
 class Study:
-    """A study's summary: status, progress (units done of the total), best trial."""
+    """A study's summary: status, progress (units done of the total), best trial.
+
+    ``failed_trials`` says how many of its trials failed; ``progress``'s done counts each
+    one's last unit as finished (not trained), so that the bar reaches its total however
+    its trials end."""
 
     id: int
     name: str
@@ -111,6 +115,7 @@ class Study:
     priority: float = 1.0
     owner: str | None = None
     share: float | None = None
+    failed_trials: int = 0
 
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> Study:
@@ -126,7 +131,7 @@ class Study:
             best_metrics=dict(best["metrics"]) if best else None,
             error=row.get("error"), raw=dict(row),
             priority=float(fleet.get("priority", 1.0)), owner=fleet.get("owner"),
-            share=fleet.get("share"),
+            share=fleet.get("share"), failed_trials=int(progress.get("failed", 0)),
         )  # fmt: skip
 
     @property

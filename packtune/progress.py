@@ -55,6 +55,14 @@ def _best(summary: dict[str, Any], metric: str) -> str:
     return f"best: trial {best['id']} {escape(metric)}={shown}"
 
 
+def _failed(progress: dict[str, Any]) -> str:
+    """`` (3 failed)`` after the units, where trials failed: their last units count as done
+    (the bar reaches its total however its trials end), and "6/6 units" alone read as a
+    study whose trials all trained."""
+    failed = progress.get("failed") or 0
+    return f" [red]({failed} failed)[/]" if failed else ""
+
+
 def budget_text(summary: dict[str, Any]) -> str:
     """The budget and what is used of it, e.g. ``tpe · iteration 2/3 · 61 trials · 40/600 s``."""
     budget = summary.get("budget") or {}
@@ -84,12 +92,13 @@ def watch(
     until: Callable[[], bool] | None = None,
     sleep: Callable[[float], Any] = time.sleep,
 ) -> dict[str, Any]:
-    """Show a progress bar (units done / total, packs running, best so far) until the study
-    is finished, or ``until()`` says so; returns the last summary. ``sleep(interval)`` waits
-    between looks (it may return early: ``packtune run`` joins its scheduler thread, which
-    ends with the study). ``until()`` is asked before each read, so that the summary
-    returned was read after it said so: ``packtune run``'s thread ends with its last commit,
-    and a summary read before it showed the study running (and the run exited 1)."""
+    """Show a progress bar (units done / total, trials failed, packs running, best so far)
+    until the study is finished, or ``until()`` says so; returns the last summary.
+    ``sleep(interval)`` waits between looks (it may return early: ``packtune run`` joins its
+    scheduler thread, which ends with the study). ``until()`` is asked before each read, so
+    that the summary returned was read after it said so: ``packtune run``'s thread ends with
+    its last commit, and a summary read before it showed the study running (and the run
+    exited 1)."""
     console = console or output_console()
     ended = until is not None and until()
     summary = fetch()
@@ -98,7 +107,7 @@ def watch(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("units"),
+        TextColumn("units{task.fields[failed]}"),
         TextColumn("{task.fields[packs]} packs running"),
         TextColumn("{task.fields[best]}"),
         TextColumn("[dim]{task.fields[budget]}"),
@@ -106,14 +115,16 @@ def watch(
     )
     with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task(
-            escape(summary.get("name", "study")), total=None, packs=0, best="best: -", budget=""
-        )
+            escape(summary.get("name", "study")), total=None, failed="", packs=0,
+            best="best: -", budget="",
+        )  # fmt: skip
         while True:
             progress = summary.get("progress") or {}
             bar.update(
                 task,
                 total=progress.get("total"),
                 completed=progress.get("done", 0),
+                failed=_failed(progress),
                 packs=summary.get("packs_running", 0),
                 best=_best(summary, metric),
                 budget=budget_text(summary),

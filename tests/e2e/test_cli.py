@@ -320,9 +320,17 @@ def test_submit_watch_follows_a_study_to_the_end(env: dict[str, str], tmp_path: 
     spec = write(tmp_path / "small.yaml", SMALL)
     with serving(env, tmp_path / "serve.log") as url:
         result = packtune("submit", str(spec), "--url", url, "--watch", env=env, cwd=tmp_path)
+        listed = packtune("studies", "--url", url, env=env, cwd=tmp_path)
+        shown = packtune("show", "1", "--url", url, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "submitted" in result.stdout and "leaderboard" in result.stdout
     assert "completed" in result.stdout
+    # no trial failed: its units are said alone, with no "(0 failed)" beside them (one whose
+    # trials failed says how many: test_submit_watch_names_the_errors_of_a_study_that_...)
+    assert listed.returncode == shown.returncode == 0, listed.stderr + shown.stderr
+    assert re.search(r"completed, (\d+)/\1 units", shown.stdout), shown.stdout
+    for out in (result.stdout, listed.stdout, shown.stdout):
+        assert "failed" not in out, out
 
 
 def test_a_worker_that_cannot_save_checkpoints_refuses_to_start(
@@ -596,10 +604,11 @@ def test_run_names_each_distinct_error_and_the_root_cause(
     assert "5 of 5 trials failed (" in out
     # the units trained of those planned (it said "6 units of work", all that were planned,
     # of a study that ended short of them; then "5 of 6", its failed trials' units counted as
-    # trained), and those that failed: its progress bar's 5/6 units finished
+    # trained), and those that failed: its progress bar's 5/6 units finished, which says
+    # so too (it said "5/6 units" alone)
     assert re.search(r"study 1 failed in [\d.]+ s: 0 of 6 units of work trained \(5 failed\) in",
                      out), out  # fmt: skip
-    assert "5/6 units" in out
+    assert "5/6 units (5 failed)" in out
     assert "Traceback" not in result.stdout + result.stderr
 
 
@@ -679,10 +688,23 @@ def test_submit_watch_names_the_errors_of_a_study_that_completes_anyway(
         result = packtune("submit", str(spec), "--url", url, "--watch", env=failing_env,
                           cwd=tmp_path)  # fmt: skip
         packs = http.get(f"{url}/api/studies/1/packs?limit=100", timeout=10).json()["data"]
+        summary = http.get(f"{url}/api/studies/1", timeout=10).json()
+        listed = packtune("studies", "--url", url, env=failing_env, cwd=tmp_path)
+        shown = packtune("show", "1", "--url", url, env=failing_env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     out = " ".join(result.stdout.split())
     assert "completed" in out
     assert re.search(r"\d trials? failed: ValueError: this layer needs an even width, got 7", out)
+    # its failed trials are counted wherever its units are: the watch's progress bar,
+    # `studies` and `show` (each said "6/6 units" of a study some of whose trials had
+    # failed, as of one whose trials all trained)
+    progress = summary["progress"]
+    done, total, failed = progress["done"], progress["total"], progress["failed"]
+    assert failed == summary["trial_counts"]["failed"] > 0, summary
+    assert f"{done}/{total} units ({failed} failed)" in out
+    assert listed.returncode == shown.returncode == 0, listed.stderr + shown.stderr
+    assert f" {done}/{total} ({failed} failed) " in " ".join(listed.stdout.split()), listed.stdout
+    assert f": completed, {done}/{total} units ({failed} failed)" in shown.stdout, shown.stdout
     assert "[in odd-fails.build_model" not in out  # the cause, once per distinct error
     # the pack that held a failing trial completed for the others, and says which failed
     troubled = [p for p in packs if p["failed_trials"]]

@@ -7,13 +7,20 @@ export function statusBadge(status) {
   return h("span", { class: `badge s-${status}` }, status);
 }
 
+/** Rung-units done of the total, those of failed trials apart: a failed trial's last unit
+ * counts as done (the bar reaches its total however its trials end), so "6 / 6" alone read
+ * as a study whose trials all trained. They are a red part of the bar and "· 3 failed". */
 export function progressBar(progress, status) {
-  const pct = progress.total ? (100 * progress.done) / progress.total : 0;
+  const failed = progress.failed ?? 0;
+  const pct = (n) => `width:${(progress.total ? (100 * n) / progress.total : 0).toFixed(1)}%`;
+  const title = `${progress.done} of ${progress.total} rung-units` +
+    (failed ? `, ${failed} of them of failed trials` : "");
   return h(
     "div",
-    { class: `progress s-${status}`, title: `${progress.done} of ${progress.total} rung-units` },
-    h("div", { class: "fill", style: `width:${pct.toFixed(1)}%` }),
-    h("span", {}, `${progress.done} / ${progress.total}`)
+    { class: `progress s-${status}`, title },
+    h("div", { class: "fill", style: pct(progress.done - failed) }),
+    failed ? h("div", { class: "fill failed", style: pct(failed) }) : null,
+    h("span", {}, `${progress.done} / ${progress.total}` + (failed ? ` · ${failed} failed` : ""))
   );
 }
 
