@@ -33,6 +33,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
+from packtune.declared import check_decoupled, check_objective, ends
 from packtune.errors import SpecError
 from packtune.hyperband import Rung, plan_brackets, s_max, total_trials
 from packtune.sampling import RANDOM_FRACTION, SamplerName
@@ -321,7 +322,9 @@ class StudySpec(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> StudySpec:
         check_search_space(self.workload, self.space)
-        check_objective(self.workload, self.objective)
+        workload, space = _workloads()[self.workload], self.dimensions()
+        check_objective(workload, self.objective, space)
+        check_decoupled(workload, self.training, space)
         check_size(self.hyperband, self.budget)
         check_rung_steps(self.workload, self.space, self.hyperband)
         if self.scheduler == "hyperband":
@@ -552,13 +555,6 @@ TRAINING_OPEN_ENDS: dict[str, tuple[bool, bool]] = {
 }  # fmt: skip
 
 
-def _ends(dimension: Dimension) -> tuple[Any, ...]:
-    """The values a dimension's extremes are: a choice's every value, a range's two ends."""
-    if isinstance(dimension, Choice):
-        return dimension.values
-    return (dimension.low, dimension.high)
-
-
 def check_training(workload: str, raw: dict[str, Any]) -> None:
     """The space gives the shared training parameters (optimizer, schedule, clipping) only
     values the fused optimizer knows, where the workload takes them; so do the workload's
@@ -591,7 +587,7 @@ def _training_problem(name: str, dimension: Dimension) -> str | None:
                 return f"{value!r} is not one of {', '.join(known)}"
     elif name in TRAINING_LIMITS:
         low, high = TRAINING_LIMITS[name]
-        for value in _ends(dimension):
+        for value in ends(dimension):
             if isinstance(value, bool) or not isinstance(value, int | float):
                 return f"{value!r} is not a number"
             open_low, open_high = TRAINING_OPEN_ENDS.get(name, (False, False))
@@ -620,26 +616,6 @@ def declared_mode(raw: Any) -> Any:
     return {**raw, "objective": {**objective, "mode": better}} if better else raw
 
 
-def check_objective(workload: str, objective: Objective) -> None:
-    """The objective's metric is one the workload reports (when it declares them), ranked in
-    the direction the workload declares for it."""
-    reported = _workloads()[workload].reported_metrics()
-    if reported is not None and objective.metric not in reported:
-        raise SpecError(
-            "objective.metric",
-            f"workload {workload!r} does not report {objective.metric!r}; "
-            f"it reports {sorted(reported)}",
-        )
-    better = (reported or {}).get(objective.metric)
-    if better is not None and objective.mode != better:
-        higher = "higher" if better == "max" else "lower"
-        raise SpecError(
-            "objective.mode",
-            f"{objective.metric} is better when {higher} ({workload!r} declares {better!r}); "
-            f"mode {objective.mode!r} would rank the worst trial first",
-        )
-
-
 #: the most combinations of the step-changing dimensions' ends :func:`fewest_steps_per_epoch`
 #: tries (beyond, each dimension's ends alone)
 STEP_COMBINATIONS = 4096
@@ -656,9 +632,9 @@ def fewest_steps_per_epoch(workload: str, raw: dict[str, Any]) -> int | None:
     try:
         steps = info.steps_per_epoch
         base = int(steps({}))
-        ends = {name: _ends(dimension) for name, dimension in parse_space(raw).items()}
-        fewest = min([base, *(int(steps({n: v})) for n, values in ends.items() for v in values)])
-        moving = {n: values for n, values in ends.items()
+        extremes = {name: ends(dimension) for name, dimension in parse_space(raw).items()}
+        fewest = min([base, *(int(steps({n: v})) for n, vs in extremes.items() for v in vs)])
+        moving = {n: values for n, values in extremes.items()
                   if any(int(steps({n: v})) != base for v in values)}  # fmt: skip
         if 1 < len(moving) and math.prod(len(v) for v in moving.values()) <= STEP_COMBINATIONS:
             for combo in itertools.product(*moving.values()):

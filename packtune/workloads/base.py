@@ -254,12 +254,37 @@ class Workload(abc.ABC):
     #: space gives it another is a 422 naming the value, not trials that fail when built
     choices: Mapping[str, Sequence[Any]] = {}
 
-    def reported_metrics(self) -> dict[str, str] | None:
-        """Every metric a trial of this workload records, with its better direction; None
-        when the workload does not declare its own."""
-        if self.reports is None:
+    def reported_metrics(self, config: Mapping[str, Any] | None = None) -> dict[str, str] | None:
+        """Every metric a trial of this workload records (of ``config``, given one:
+        :meth:`reports_for`), with its better direction; None when the workload does not
+        declare its own."""
+        reports = self.reports if config is None else self.reports_for(config)
+        if reports is None:
             return None
-        return {"train_loss": "min", "val_loss": "min", **self.reports}
+        return {"train_loss": "min", "val_loss": "min", **reports}
+
+    # What a study's spec asks of a configuration, without torch (``packtune.declared``):
+    # each is a 422 at submission where it fails, not trials that fail when they train.
+
+    def reports_for(self, config: Mapping[str, Any]) -> Mapping[str, str] | None:
+        """The metrics a trial of ``config`` reports, where they depend on it (a ``task``
+        parameter): a study whose objective some configuration of its space does not report
+        is refused. Default: :attr:`reports`."""
+        return self.reports
+
+    def class_targets(self, config: Mapping[str, Any]) -> bool | None:
+        """Whether the training targets of ``config`` are class labels (integers), which
+        decoupled training needs (it draws a target vector per class): False refuses a
+        decoupled study of it. None (the default): not declared."""
+        return None
+
+    def max_segments(self, config: Mapping[str, Any]) -> int | None:
+        """The most segments decoupled training can cut the model of ``config`` into: the
+        number of layers holding parameters of a plain ``nn.Sequential`` (each starts a
+        segment, as does its first layer: ``worker.decoupled.cut_points``), 0 for any other
+        model; a decoupled study asking for more is refused. None (the default): not
+        declared."""
+        return None
 
     def fusible_params(self) -> frozenset[str]:
         """Parameters whose values may differ between the members of one fused array."""

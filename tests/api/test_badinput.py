@@ -248,6 +248,31 @@ def test_bad_specs_are_422_naming_the_field(
     assert http.get(f"{live}/healthz", timeout=10).status_code == 200
 
 
+#: specs of which every trial failed when it trained (or measured), accepted before
+DOOMED: list[tuple[str, dict[str, Any], list[Any]]] = [
+    ("more segments than layers", valid(training={"mode": "decoupled", "segments": 4}),
+     ["body", "training", "segments"]),
+    ("a decoupled regression",
+     valid(workload="synthetic-mlp", space={"task": {"type": "choice", "values": ["regression"]}},
+           training={"mode": "decoupled", "segments": 2}),
+     ["body", "training", "mode"]),
+    ("val_r2 of a classification",
+     valid(workload="synthetic-mlp", objective={"metric": "val_r2", "mode": "max"}, space={}),
+     ["body", "objective", "metric"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("what", "body", "loc"), DOOMED, ids=[s[0] for s in DOOMED])
+def test_specs_no_trial_could_train_are_422_naming_the_field_and_store_nothing(
+    live: str, what: str, body: dict[str, Any], loc: list[Any]
+) -> None:
+    before = http.get(f"{live}/api/studies", timeout=10).json()["count"]
+    response = http.post(f"{live}/api/studies", json=body, timeout=30)
+    assert response.status_code == 422, response.text
+    assert [loc] == [entry["loc"] for entry in response.json()["detail"]], response.text
+    assert http.get(f"{live}/api/studies", timeout=10).json()["count"] == before
+
+
 PATHS = [
     ("/api/studies/999999", 404),
     ("/api/studies/999999/trials", 404),

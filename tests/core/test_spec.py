@@ -398,3 +398,84 @@ def test_a_spec_dumped_whole_is_valid_again(extra: dict[str, Any]) -> None:
     spec = validate_spec({**with_("seed", 0), **extra})
     again = validate_spec(spec.model_dump(mode="json"))
     assert again == spec
+
+
+DECOUPLED = {"mode": "decoupled", "segments": 2}
+TASK = {"type": "choice", "values": ["regression"]}
+
+
+@pytest.mark.parametrize(
+    ("workload", "space", "training", "field", "words"),
+    [
+        # more segments than layers with parameters: every trial failed when built
+        ("digits-mlp", {}, {"mode": "decoupled", "segments": 4}, "training.segments",
+         "at most 3 segments"),
+        ("digits-mlp", {"layers": {"type": "int", "low": 0, "high": 4}}, DECOUPLED,
+         "training.segments", "1 layer with parameters at layers=0"),
+        ("digits-cnn", {}, {"mode": "decoupled", "segments": 4}, "training.segments",
+         "at most 3 segments"),
+        ("resnet-cifar", {}, DECOUPLED, "training.mode", "not a plain nn.Sequential"),
+        # a regression: its float targets were an IndexError per member
+        ("synthetic-mlp", {"task": TASK}, DECOUPLED, "training.mode",
+         "not class labels at task='regression'"),
+        ("synthetic-mlp", {"task": {"type": "choice", "values": ["classification", "regression"]}},
+         DECOUPLED, "training.mode", "not class labels at task='regression'"),
+        ("digits-files", {}, DECOUPLED, "training.mode", "streams its batches"),
+    ],
+)  # fmt: skip
+def test_a_decoupled_study_its_model_or_data_cannot_train_is_rejected(
+    workload: str, space: dict[str, Any], training: dict[str, Any], field: str, words: str
+) -> None:
+    """Each was accepted, and every trial of it failed when its array was built (``cannot
+    train decoupled: ...``); the workload's declarations say so without torch."""
+    error = rejected({**GOOD, "workload": workload, "space": space, "training": training})
+    assert error.field == field and words in error.message, error
+
+
+@pytest.mark.parametrize(
+    ("workload", "space", "segments"),
+    [
+        ("digits-mlp", {}, 3),
+        ("digits-mlp", {"layers": {"type": "int", "low": 2, "high": 4},
+                        "batch_norm": {"type": "choice", "values": [True]}}, 5),
+        ("digits-cnn", {"batch_norm": {"type": "choice", "values": [True, False]}}, 3),
+        ("synthetic-mlp", {"task": {"type": "choice", "values": ["classification"]}}, 3),
+    ],
+)  # fmt: skip
+def test_a_decoupled_study_its_models_can_be_cut_into_is_accepted(
+    workload: str, space: dict[str, Any], segments: int
+) -> None:
+    training = {"mode": "decoupled", "segments": segments}
+    spec = validate_spec({**GOOD, "workload": workload, "space": space, "training": training})
+    assert spec.training.segments == segments
+
+
+@pytest.mark.parametrize(
+    ("space", "metric", "words"),
+    [
+        ({}, "val_r2", "'val_accuracy', 'val_loss'], not 'val_r2'"),
+        ({"task": {"type": "choice", "values": ["classification"]}}, "val_r2",
+         "'val_accuracy', 'val_loss'], not 'val_r2'"),
+        ({"task": {"type": "choice", "values": ["regression", "classification"]}}, "val_r2",
+         "at task='classification', not 'val_r2'"),
+        ({"task": TASK}, "val_accuracy", "'val_r2'] at task='regression', not 'val_accuracy'"),
+    ],
+)  # fmt: skip
+def test_an_objective_some_configuration_never_reports_is_rejected(
+    space: dict[str, Any], metric: str, words: str
+) -> None:
+    """synthetic-mlp reports val_accuracy for a classification and val_r2 for a regression:
+    the other metric was accepted, and every trial of it failed at its first measurement."""
+    error = rejected({**GOOD, "workload": "synthetic-mlp", "space": space,
+                      "objective": {"metric": metric}})  # fmt: skip
+    assert error.field == "objective.metric" and words in error.message, error
+    assert "val_loss" in error.message  # what it does report there
+
+
+def test_an_objective_every_configuration_reports_is_accepted() -> None:
+    spec = validate_spec({**GOOD, "workload": "synthetic-mlp", "space": {"task": TASK},
+                          "objective": {"metric": "val_r2"}})  # fmt: skip
+    assert (spec.objective.metric, spec.objective.mode) == ("val_r2", "max")
+    both = {"task": {"type": "choice", "values": ["classification", "regression"]}}
+    spec = validate_spec({**GOOD, "workload": "synthetic-mlp", "space": both})
+    assert spec.objective.metric == "val_loss"  # reported by every workload

@@ -432,6 +432,59 @@ def test_workloads_declare_what_they_report_and_the_api_lists_it() -> None:
     assert Undeclared().reported_metrics() is None
 
 
+@pytest.mark.parametrize(
+    ("name", "config"),
+    [
+        ("digits-mlp", {}),
+        ("digits-mlp", {"layers": 0}),
+        ("digits-mlp", {"layers": 3, "batch_norm": True, "dropout": 0.2}),
+        ("digits-cnn", {"channels": 4}),
+        ("digits-cnn", {"channels": 4, "batch_norm": True}),
+        ("synthetic-mlp", {**SMALL["synthetic-mlp"], "layers": 1}),
+        ("synthetic-mlp", {**SMALL["synthetic-mlp"], "task": "regression"}),
+        ("resnet-cifar", SMALL["resnet-cifar"]),
+    ],
+)  # fmt: skip
+def test_what_a_workload_declares_of_a_configuration_is_what_it_builds(
+    name: str, config: dict[str, Any]
+) -> None:
+    """The spec refuses a decoupled study or an objective by these declarations, without
+    torch: each must be what the worker finds in the model, the data and the metrics."""
+    from worker.decoupled_group import decoupled_problem
+
+    w = workloads.get_workload(name)
+    model = _build(w, w.resolve(config), 0)
+    train, val = w.data(config)
+    most = w.max_segments(config)
+    assert most is not None
+    if most == 0:
+        assert "not an nn.Sequential" in (decoupled_problem(w, model, 2) or ""), name
+    else:
+        assert decoupled_problem(w, model, most) is None
+        assert "cannot be cut" in (decoupled_problem(w, model, most + 1) or "")
+    labels = (decoupled_problem(w, model, 1, train.y) or "") if most else ""
+    assert w.class_targets(config) == (not train.y.is_floating_point())
+    assert ("not class labels" in labels) == (w.class_targets(config) is False)
+    with torch.no_grad():
+        measured = set(w.metrics(model(val.x), val.y)) | {"train_loss", "val_loss"}
+    assert measured == set(w.reported_metrics(config) or {})
+
+
+def test_a_subclass_keeps_what_it_changes_out_of_the_declarations() -> None:
+    """A subclass that builds another model inherits no layer count (a study would be
+    refused by the parent's), and one that reports more keeps its metrics per task."""
+
+    class Deeper(digits.DigitsMLP):
+        def build_model(self, config: Any) -> nn.Module:
+            return nn.Sequential(*(nn.Linear(64, 64) for _ in range(8)))
+
+    class MoreMetrics(synthetic.SyntheticMLP):
+        reports = {"val_accuracy": "max", "val_r2": "max", "val_mae": "min"}
+
+    assert digits.DigitsMLP().max_segments({}) == 3 and Deeper().max_segments({}) is None
+    assert MoreMetrics().reports_for({"task": "regression"}) == {"val_r2": "max", "val_mae": "min"}
+
+
 def test_a_workload_without_batch_size_is_refused_saying_why() -> None:
     """A workload whose params lack batch_size was registered; a study of it was accepted and
     its packs failed with KeyError: 'batch_size', retried for 38 s. It is refused at

@@ -61,8 +61,15 @@ def write(path: Path, body: object) -> Path:
         ({"workload": "no-such-workload"}, "workload"),
         ({"space": {"lr": {"type": "uniform", "low": 1, "high": 0}}}, "space.lr"),
         ({"space": {"units": {"type": "choice", "values": [1]}}}, "space.units"),
+        # each was accepted, and every trial of it failed
+        ({"training": {"mode": "decoupled", "segments": 4}}, "training.segments"),
+        ({"workload": "synthetic-mlp",
+          "space": {"task": {"type": "choice", "values": ["regression"]}},
+          "training": {"mode": "decoupled", "segments": 2}}, "training.mode"),
+        ({"workload": "synthetic-mlp", "objective": {"metric": "val_r2", "mode": "max"}},
+         "objective.metric"),
     ],
-)
+)  # fmt: skip
 def test_a_bad_spec_file_gives_one_line_naming_the_field(
     env: dict[str, str], tmp_path: Path, change: dict[str, object], field: str
 ) -> None:

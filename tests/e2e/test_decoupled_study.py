@@ -9,12 +9,18 @@ import math
 from pathlib import Path
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 
+from packtune.errors import SpecError
+from packtune.spec import TrainingSettings, validate_spec
+from packtune.workloads import get_workload
 from service.db import make_engine, session_factory, session_scope
 from service.models import Pack
 from tests.support.cluster import outcome
 from tests.support.processes import packtune_env, start
+from worker.check import check
+from worker.fused import FusedArray
 
 SPEC: dict[str, Any] = {
     "name": "decoupled",
@@ -71,9 +77,9 @@ def test_a_decoupled_study_runs_to_a_best_trial_that_learned(tmp_path: Path) -> 
 
 def test_decoupled_training_of_a_regression_is_refused_in_one_line(tmp_path: Path) -> None:
     """Float targets failed every trial with IndexError ("tensors used as indices must be
-    long"), and `packtune check` said decoupled training was possible."""
-    from worker.check import check
-
+    long"), and `packtune check` said decoupled training was possible. Such a study is
+    refused at submission now (synthetic-mlp declares its targets: ``class_targets``), and
+    the worker still refuses the array, for a workload that declares nothing."""
     space = {"lr": {"type": "loguniform", "low": 0.001, "high": 0.01},
              "task": {"type": "choice", "values": ["regression"]},
              "n_train": {"type": "choice", "values": [512]}}  # fmt: skip
@@ -81,8 +87,13 @@ def test_decoupled_training_of_a_regression_is_refused_in_one_line(tmp_path: Pat
             "hyperband": {"max_resource": 3, "min_resource": 1, "eta": 3},
             "objective": {"metric": "val_loss", "mode": "min"},
             "training": {"mode": "decoupled", "segments": 2}}  # fmt: skip
-    failed, _ = run_study(tmp_path / "regression", spec, exit_code=1)
-    errors = {str(t["error"]) for t in failed.trials.values()}
-    assert failed.status == "failed" and all("not class labels" in e for e in errors), errors
+    with pytest.raises(SpecError, match="not class labels at task='regression'") as refused:
+        validate_spec(spec)
+    assert refused.value.field == "training.mode"
+    members = [(i, {"seed": i, "data_seed": 0, "task": "regression", "n_train": 512})
+               for i in range(2)]  # fmt: skip
+    with pytest.raises(ValueError, match="cannot train decoupled: .* not class labels"):
+        FusedArray(get_workload("synthetic-mlp"), members,
+                   training=TrainingSettings(mode="decoupled", segments=2))  # fmt: skip
     report = check("synthetic-mlp", space, members=2, steps=2, ks=(1,))
     assert report.decoupled_problem is not None and "not class labels" in report.decoupled_problem

@@ -22,6 +22,7 @@ from worker.workloads.parts import (
     ACTIVATIONS,
     ClassificationWorkload,
     activation,
+    builds_own_model,
     device_name,
     positive_int,
 )
@@ -145,6 +146,13 @@ class DigitsMLP(ClassificationWorkload):
         modules.append(nn.Linear(width, N_CLASSES))
         return nn.Sequential(*modules)
 
+    def max_segments(self, config: Mapping[str, Any]) -> int | None:
+        """A Linear (and with ``batch_norm`` a BatchNorm1d) per hidden layer, and the head."""
+        if not builds_own_model(self, DigitsMLP):
+            return None
+        cfg = self.resolve(config)
+        return int(cfg["layers"]) * (2 if cfg["batch_norm"] else 1) + 1
+
     def data(self, config: Mapping[str, Any], device: Any = "cpu") -> tuple[Split, Split]:
         self.resolve(config)
         return digits_splits(device_name(device))
@@ -192,6 +200,12 @@ class DigitsCNN(ClassificationWorkload):
             nn.Flatten(),
             nn.Linear(2 * channels * 4 * 4, N_CLASSES),
         )
+
+    def max_segments(self, config: Mapping[str, Any]) -> int | None:
+        """Two convolutions (each with its BatchNorm2d, with ``batch_norm``) and the head."""
+        if not builds_own_model(self, DigitsCNN):
+            return None
+        return 5 if self.resolve(config)["batch_norm"] else 3
 
     def data(self, config: Mapping[str, Any], device: Any = "cpu") -> tuple[Split, Split]:
         self.resolve(config)

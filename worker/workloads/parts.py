@@ -45,6 +45,12 @@ def positive_int(config: Mapping[str, Any], key: str, minimum: int = 1) -> int:
     return value
 
 
+def builds_own_model(workload: Workload, cls: type[Workload]) -> bool:
+    """Whether ``workload`` builds the model of ``cls`` (a subclass may build another one,
+    of which ``cls``'s ``max_segments`` knows nothing: it then declares nothing)."""
+    return type(workload).build_model is cls.build_model
+
+
 class ClassificationWorkload(Workload):
     """A workload whose outputs are logits and whose targets are int64 class labels."""
 
@@ -60,6 +66,9 @@ class ClassificationWorkload(Workload):
 
     def metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
         return classification_metrics(outputs, targets)
+
+    def class_targets(self, config: Mapping[str, Any]) -> bool:
+        return True
 
 
 def stacked_cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from packtune.workloads.base import OPTIMIZER_PARAMS, OPTIMIZER_STRUCTURAL, Split
-from worker.workloads.parts import ClassificationWorkload, device_name, positive_int
+from worker.workloads.parts import (
+    ClassificationWorkload,
+    builds_own_model,
+    device_name,
+    positive_int,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -128,6 +133,10 @@ class ResNetCifar(ClassificationWorkload):
 
         cfg = self.resolve(config)
         return ResNet(positive_int(cfg, "width"), positive_int(cfg, "blocks"), N_CLASSES)
+
+    def max_segments(self, config: Mapping[str, Any]) -> int | None:
+        # a ResNet module (its blocks add shortcuts), not a plain nn.Sequential
+        return 0 if builds_own_model(self, ResNetCifar) else None
 
     def data(self, config: Mapping[str, Any], device: Any = "cpu") -> tuple[Split, Split]:
         cfg = self.resolve(config)

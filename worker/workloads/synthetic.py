@@ -21,6 +21,7 @@ from packtune.workloads.base import OPTIMIZER_PARAMS, OPTIMIZER_STRUCTURAL, Spli
 from worker.workloads.parts import (
     ACTIVATIONS,
     activation,
+    builds_own_model,
     classification_metrics,
     device_name,
     positive_int,
@@ -166,3 +167,15 @@ class SyntheticMLP(Workload):
 
     def train_size(self, config: Mapping[str, Any]) -> int:
         return positive_int(self.resolve(config), "n_train")
+
+    def reports_for(self, config: Mapping[str, Any]) -> Mapping[str, str]:
+        other = "val_r2" if self.class_targets(config) else "val_accuracy"
+        return {name: better for name, better in (self.reports or {}).items() if name != other}
+
+    def class_targets(self, config: Mapping[str, Any]) -> bool:
+        return self.resolve(config)["task"] == "classification"
+
+    def max_segments(self, config: Mapping[str, Any]) -> int | None:
+        if not builds_own_model(self, SyntheticMLP):
+            return None
+        return int(self.resolve(config)["layers"]) + 1  # a Linear per hidden layer, the head
