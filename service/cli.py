@@ -89,7 +89,21 @@ def _masked(url: str) -> str:
 
 
 class _SpecLoader(yaml.SafeLoader):
-    """YAML 1.1 reads ``1e-6`` (no dot) as a string; a spec means the number."""
+    """YAML 1.1 reads ``1e-6`` (no dot) as a string; a spec means the number. An integer
+    too long for Python to read is a :class:`~packtune.spec_text.TooLong` (it was a
+    traceback), which :func:`read_spec_file` names."""
+
+
+def _int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> Any:
+    from packtune.spec_text import TooLong
+
+    try:
+        return loader.construct_yaml_int(node)
+    except ValueError:
+        return TooLong(sum(c.isdigit() for c in str(node.value)))
+
+
+_SpecLoader.add_constructor("tag:yaml.org,2002:int", _int)
 
 
 _SpecLoader.add_implicit_resolver(
@@ -113,9 +127,14 @@ def load_spec_file(path: Path) -> dict[str, Any]:
 def read_spec_file(path: Path) -> Any:
     """A YAML/JSON spec as written, not validated (a service validates what it is sent,
     against its own workloads); one-line error and exit 2 when it cannot be read."""
+    from packtune.spec_text import check_readable, loads_json
+
     try:
         text = path.read_text(encoding="utf-8")
-        raw = json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=_SpecLoader)
+        raw = loads_json(text) if path.suffix == ".json" else yaml.load(text, Loader=_SpecLoader)
+        check_readable(raw)
+    except SpecError as exc:
+        fail(f"{path}: {exc.field}: {exc.message}")
     except json.JSONDecodeError as exc:
         fail(f"{path}: not valid JSON: {exc}")
     except FileNotFoundError:

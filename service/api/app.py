@@ -13,7 +13,8 @@ Errors, all as ``{"detail": ...}``:
   "value_error"}]``, so a client sees which field is wrong;
 - request validation -> 422 (spec errors raised inside the body's validators
   are reported the same way as above);
-- a body that is not JSON -> 422, not UTF-8 -> 400, over :data:`MAX_BODY_BYTES` -> 413.
+- a body that is not JSON -> 422, not UTF-8 -> 400, over :data:`MAX_BODY_BYTES` -> 413;
+  an integer in it too long to read -> 422 naming its field (:mod:`service.api.bodies`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from packtune.errors import PacktuneError, SpecError, StoreUnavailable
 from packtune.settings import Settings, get_settings
 from service.api import checks, dashboard, metrics, routes, system
+from service.api.bodies import spec_error_detail
 from service.api.cache import ReadCache
 from service.db import get_sessionmaker, make_engine, read_only, session_factory
 
@@ -99,10 +101,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if settings.api_token is not None:  # outermost: before any byte of a body is read
         app.add_middleware(WritesNeedToken, token=settings.api_token.get_secret_value())
     return app
-
-
-def spec_error_detail(error: SpecError) -> dict[str, Any]:
-    return {"loc": ["body", *error.field.split(".")], "msg": error.message, "type": "value_error"}
 
 
 async def _packtune_error(_: Request, exc: Exception) -> JSONResponse:

@@ -18,13 +18,15 @@ from packtune.errors import NotFound
 from packtune.spec import check_search_space
 from packtune.workloads import registry
 from service import bus, store
+from service.api.bodies import JSONRoute
 from service.api.deps import SessionDep, SettingsDep, require_token
 from service.api.schemas import CheckPublic, CheckRequest, problems
 from service.models import WorkloadCheck
 
 writes = APIRouter(
-    tags=["system"], dependencies=[Depends(require_token)], responses=problems(401, 413, 503)
-)
+    tags=["system"], dependencies=[Depends(require_token)], responses=problems(401, 413, 503),
+    route_class=JSONRoute,
+)  # fmt: skip
 router = APIRouter(tags=["system"], responses=problems(503))
 
 

@@ -12,6 +12,7 @@ from packtune.checkpoints import checkpoint_path, study_folder
 from packtune.errors import Conflict, NotFound
 from packtune.spec import StudySpec
 from service import bus, queries, store
+from service.api.bodies import JSONRoute
 from service.api.deps import SessionDep, SettingsDep, require_token
 from service.api.schemas import (
     BracketPublic,
@@ -40,6 +41,7 @@ writes = APIRouter(
     tags=["studies"],
     dependencies=[Depends(require_token)],
     responses=problems(401, 413, 503),
+    route_class=JSONRoute,
 )
 ONE_STUDY = problems(404)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -95,6 +96,22 @@ def test_unreadable_spec_files_are_one_line_errors(
     result = packtune("run", str(path), env=env, cwd=tmp_path)
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1 and needle in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("suffix", ["yaml", "json"])
+def test_an_integer_too_long_to_read_is_one_line_naming_its_field(
+    env: dict[str, str], tmp_path: Path, suffix: str
+) -> None:
+    """Over Python's 4,300 digits for int(): it was a traceback from the YAML or JSON reader."""
+    text = (yaml.safe_dump if suffix == "yaml" else json.dumps)({**SMALL, "seed": 0})
+    path = tmp_path / f"spec.{suffix}"
+    path.write_text(re.sub(r'(seed"?: )0\b', r"\g<1>" + "9" * 5000, text))
+    result = packtune("run", str(path), env=env, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [
+        f"error: {path}: seed: an integer of 5000 digits, more than the 4300 a number may have"
+    ]
+    assert not (tmp_path / "packtune.db").exists()
 
 
 def test_a_bad_setting_stops_start_up_naming_the_variable(
