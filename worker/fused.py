@@ -683,11 +683,11 @@ class FusedArray:
         names = ", ".join(repr(n) for n in noise[:3]) + (", ..." if len(noise) > 3 else "")
         return (
             f"{self.workload.name}: the model has gradients that are float rounding ({names}: "
-            f"e.g. a bias a BatchNorm cancels), which {self.config.get('optimizer')} scales to "
-            "full steps: through vmap, whose batched rounding is not one model's, each member "
-            "would take other steps, so results would depend on the packing; its members "
-            "train one at a time, as unpacked. A bias before a BatchNorm does nothing: "
-            "without it (bias=False) they fuse"
+            "e.g. a bias a BatchNorm cancels, or attention's key bias, which the softmax "
+            f"cancels), which {self.config.get('optimizer')} scales to full steps: through "
+            "vmap, whose batched rounding is not one model's, each member would take other "
+            "steps, so results would depend on the packing; its members train one at a time, "
+            "as unpacked. Such a bias does nothing: without it (bias=False) they fuse"
         )
 
     def _vmap_failed(self, group: Group, error: BaseException) -> list[Group]:

@@ -26,7 +26,8 @@
 - ``batch-norm-mlp`` puts a BatchNorm after each hidden Linear, in a module of its own (so it
   stacks through vmap, not the hand-fused path), to be trained with Adam: the Linear's bias
   gradient is float rounding (BatchNorm cancels it), which Adam scales to full steps, so
-  vmap's rounding would send each member its own way.
+  vmap's rounding would send each member its own way; ``attention-mlp`` the same through
+  ``nn.MultiheadAttention``'s key bias (a third of one tensor, which the softmax cancels).
 
 All train on the digits (64 features, 10 classes) with a one-hidden-layer MLP.
 """
@@ -294,22 +295,25 @@ class BigBatchNoiseMLP(_DigitsPlugin):
 
 
 class BatchNormMLP(_DigitsPlugin):
-    """Linear, BatchNorm, ReLU twice, in a module of its own class (stacked through vmap)."""
+    """Linear, BatchNorm, ReLU twice, in a module of its own class (stacked through vmap);
+    ``bias``: whether the Linears before the BatchNorms have one."""
 
     name = "batch-norm-mlp"
+    params: Mapping[str, Any] = {**_DigitsPlugin.params, "bias": True}
 
     def build_model(self, config: Mapping[str, Any]) -> Any:
         import torch
         from torch import nn
 
-        hidden = int(self.resolve(config)["hidden"])
+        cfg = self.resolve(config)
+        hidden, bias = int(cfg["hidden"]), bool(cfg["bias"])
 
         class BatchNormNet(nn.Module):
             def __init__(self) -> None:
                 super().__init__()
                 self.net = nn.Sequential(
-                    nn.Linear(64, hidden), nn.BatchNorm1d(hidden), nn.ReLU(),
-                    nn.Linear(hidden, hidden), nn.BatchNorm1d(hidden), nn.ReLU(),
+                    nn.Linear(64, hidden, bias=bias), nn.BatchNorm1d(hidden), nn.ReLU(),
+                    nn.Linear(hidden, hidden, bias=bias), nn.BatchNorm1d(hidden), nn.ReLU(),
                     nn.Linear(hidden, N_CLASSES),
                 )  # fmt: skip
 
@@ -317,3 +321,31 @@ class BatchNormMLP(_DigitsPlugin):
                 return self.net(x)
 
         return BatchNormNet()
+
+
+class AttentionMLP(_DigitsPlugin):
+    """The 64 pixels as 8 tokens of 8, embedded, one ``nn.MultiheadAttention`` over them, a
+    mean and a head: the key's third of its ``in_proj_bias`` shifts every score of a query
+    alike, which the softmax cancels, so its gradient is float rounding."""
+
+    name = "attention-mlp"
+
+    def build_model(self, config: Mapping[str, Any]) -> Any:
+        import torch
+        from torch import nn
+
+        hidden = int(self.resolve(config)["hidden"])
+
+        class Attention(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.embed = nn.Linear(8, hidden)
+                self.attn = nn.MultiheadAttention(hidden, 2, batch_first=True)
+                self.head = nn.Linear(hidden, N_CLASSES)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                tokens = self.embed(x.view(-1, 8, 8))
+                mixed, _ = self.attn(tokens, tokens, tokens, need_weights=False)
+                return self.head((tokens + mixed).mean(1))
+
+        return Attention()
