@@ -82,7 +82,13 @@ from worker.fused_forward import (
     single_forward,
     vmap_forward,
 )
-from worker.fused_group import Group, Stack, losses_function, metric_values, shapes
+from worker.fused_group import (
+    Group,
+    Stack,
+    losses_function,
+    shapes,
+    validation_values,
+)
 from worker.fusion_guard import model_signature, partition, split_causes, workload_differences
 from worker.module_state import (
     MISSING,
@@ -1138,12 +1144,7 @@ class FusedArray:
                 out = torch.cat(chunks, dim=1)
                 workload = self.workload_of(group)
                 for i, key in enumerate(group.keys):
-                    results[key] = {
-                        "val_loss": float(workload.loss(out[i], y.clone() if own else y)),
-                        **metric_values(
-                            workload, "metrics", workload.metrics(out[i], y.clone() if own else y)
-                        ),
-                    }
+                    results[key] = validation_values(workload, out[i], y.clone() if own else y)
             return results
         finally:
             for template in templates.values():

@@ -13,6 +13,7 @@ can queue the next steps while the device works.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Hashable, Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -162,6 +163,27 @@ def shapes(batch: Any) -> Hashable:
     return tuple(tuple(t.shape) for t in tensors(batch))
 
 
+@functools.cache
+def written_for_loss(cls: type, method: str) -> bool:
+    """Whether ``cls``'s ``method`` was written for its ``loss``: in the class that defines
+    that ``loss`` or below it, not above a ``loss`` a subclass overrides. A user's subclass
+    of a classification workload that overrides ``loss`` alone (label smoothing) trained by
+    the inherited batched cross-entropy (``stacked_loss``), fused and alone alike, and was
+    measured by the cross-entropy the inherited ``metrics`` return as ``val_loss``."""
+    loss = next(c for c in cls.__mro__ if "loss" in vars(c))
+    other = next(c for c in cls.__mro__ if method in vars(c))
+    return issubclass(other, loss)
+
+
+def validation_values(workload: Workload, out: Tensor, y: Tensor) -> dict[str, float]:
+    """``val_loss`` (``loss``) and the metrics of one model's validation outputs; a
+    ``val_loss`` among the metrics wins where ``metrics`` was written for that ``loss``."""
+    values = metric_values(workload, "metrics", workload.metrics(out, y))
+    if not written_for_loss(type(workload), "metrics"):
+        values.pop("val_loss", None)
+    return {"val_loss": float(workload.loss(out, y)), **values}
+
+
 def member_losses(
     out: Tensor, y: Tensor, workload: Workload, stacked: bool, on_host: bool
 ) -> Tensor:
@@ -173,7 +195,8 @@ def member_losses(
     k, loss = out.shape[0], workload.loss
     if stacked:
         return torch.stack([loss(o, t) for o, t in zip(out.unbind(0), y.unbind(0), strict=True)])
-    batched = workload.stacked_loss(out, y)
+    fits = written_for_loss(type(workload), "stacked_loss")
+    batched = workload.stacked_loss(out, y) if fits else None
     if batched is not None:
         return batched
     if k == 1:
@@ -293,8 +316,7 @@ class Group:
             x, y = batch
             per_member = []
             for o in self.outputs(x).unbind(0):
-                values = {"val_loss": float(workload.loss(o, y)),
-                          **metric_values(workload, "metrics", workload.metrics(o, y))}  # fmt: skip
+                values = validation_values(workload, o, y)
                 per_member.append({key: v * size for key, v in values.items()})
             return per_member
         per_member = []

@@ -543,3 +543,28 @@ def test_a_cache_buffer_rebuilt_in_forward_is_not_refused() -> None:
     reports = train(array, 2 * array.steps_per_epoch)
     for key, cfg in members:
         compare(array, reports, key, cfg, 1e-10)
+
+
+def test_a_loss_overridden_below_a_batched_one_is_the_loss_trained() -> None:
+    """A user's subclass of a classification workload (whose batched cross-entropy,
+    ``stacked_loss``, the array calls) that overrides ``loss`` alone, with label smoothing:
+    its members train by that loss and are measured by it, as plain torch runs of it.
+    Before, they trained by the inherited cross-entropy, fused and alone alike (0.63 from a
+    plain run of the user's loss), and their val_loss was the cross-entropy the inherited
+    ``metrics`` return (1.33 against the user's 1.59)."""
+    import torch.nn.functional as F
+
+    from tests.support.plugins.trap_workloads import HiddenActMLP
+
+    class Smoothed(HiddenActMLP):
+        name = "smoothed-mlp"
+
+        def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(outputs, targets, label_smoothing=0.2)
+
+    workload = Smoothed()
+    members = [(f"s{i}", {"seed": 5 + i, "data_seed": 2, "lr": 0.05 * (i + 1)}) for i in range(3)]
+    array = FusedArray(workload, members)
+    reports = train(array, 2 * array.steps_per_epoch)
+    for key, cfg in members:
+        compare(array, reports, key, cfg, 1e-5)
