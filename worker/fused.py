@@ -23,8 +23,10 @@ tensors into them) or on streamed batches (``train_batches()``: one loader per a
 every member on the same batch, or one per member where the workload asks for
 per-member batches; :mod:`worker.batches` moves them to the device). A workload with its
 own step (``training_loss``) runs it under vmap; a vmap stack whose first step fails
-(code vmap cannot batch) is split into one stack per member, with a warning, before any
-member's weights change: the members then train one at a time, as they would unpacked.
+(code vmap cannot batch) is split into one stack per member, with a warning, once what the
+failed step changed is put back (buffers, parameters changed in place, Python attributes of
+the model's modules and of the workload object, random streams): the members then train one
+at a time, as they would unpacked.
 
 Randomness (dropout, or draws seen in a probe forward: :func:`worker.probe.is_stochastic`): each
 member owns a CPU ``torch.Generator`` seeded from its trial seed; its state is part of
@@ -99,6 +101,7 @@ from worker.module_state import (
     put,
     python_state,
     restore,
+    restore_python_state,
     set_python_state,
 )
 from worker.optim import OPTIMIZER_HYPER, build_optimizer
@@ -709,6 +712,32 @@ class FusedArray:
         self.notes.append(note)
         return self._split_per_member(group)
 
+    def _hold(self, group: Group, workload: Workload) -> _Held:
+        """What a guarded first step of ``group`` may change before it fails
+        (its forward runs in part), for :meth:`_put_back`: buffers, parameters (a forward may
+        change one in place: a decay under ``no_grad``; held on the host), the Python
+        attributes of the template's modules (a step counter; per-member templates are copies
+        of it) and ``workload``'s (the workload object, with the group's values)."""
+        # a spilled stack's forward on a GPU runs on device copies of its host parameters
+        on_device = isinstance(group, SpilledGroup) and group.side is not None
+        return _Held(
+            params={} if on_device else {
+                n: p.detach().to("cpu", copy=True) for n, p in group.params.items()},
+            buffers={n: b.clone() for n, b in group.buffers.items()},
+            python=python_state(group.template),
+            workload=object_state(workload),
+        )  # fmt: skip
+
+    def _put_back(self, group: Group, workload: Workload, held: _Held) -> None:
+        """``group`` and ``workload`` as :meth:`_hold` found them."""
+        with torch.no_grad():
+            for n, p in held.params.items():
+                group.params[n].copy_(p)
+            for n, b in held.buffers.items():
+                group.buffers[n].copy_(b)
+        restore_python_state(group.template, held.python)
+        restore(workload, held.workload, changed_state(held.workload, object_state(workload)))
+
     def _rounding_noise(self, group: Group, batch: Any) -> tuple[str, ...]:
         """Before the first step of a vmap stack that no probe ran on (streamed data), under
         an optimizer that scales its gradients to full steps: the parameters whose gradient
@@ -983,10 +1012,11 @@ class FusedArray:
             group.step(batch, self.workload_of(group), self.step + 1)
             return
         # A vmap stack's first step (vmap may be unable to batch the model's code), or a
-        # compiled step's first at a batch shape (it compiles). Nothing but buffers
-        # (BatchNorm statistics) and the members' random streams change before the
-        # backward pass completes, so on failure they are restored, and the step runs
-        # eagerly (a compiled step failed) or the members go on one stack each (vmap).
+        # compiled step's first at a batch shape (it compiles). What its forward may change
+        # before it fails (buffers, parameters changed in place, Python attributes of the
+        # modules and of the workload object) and the members' random streams are put back
+        # on failure, and the step runs eagerly (a compiled step failed) or the members go on
+        # one stack each (vmap): a change the failed attempt made is not made twice.
         noise = self._rounding_noise(group, batch)
         if noise:
             self.notes.append(self._rounding_note(noise))
@@ -996,7 +1026,8 @@ class FusedArray:
             for single in singles:
                 self._step_group(single, _member_batch(batch, group, single))
             return
-        saved = {n: b.clone() for n, b in group.buffers.items()}
+        workload = self.workload_of(group)
+        held = self._hold(group, workload)
         streams = {key: self.generators[key].get_state() for key in group.keys}
         began = time.perf_counter()
         try:
@@ -1005,9 +1036,9 @@ class FusedArray:
             if group.compiled is not None:
                 with compiled.COMPILING:  # one array's first step at a time: its check too
                     own = compiled.template_of(self.step_keys[id(group)])
-                    if own is not None:
+                    if own is not None:  # dropped with its key if the step fails
                         before = python_state(own)
-                        group.step(batch, self.workload_of(group), self.step + 1)
+                        group.step(batch, workload, self.step + 1)
                         changed = changed_state(before, python_state(own))
                 if own is None:  # dropped, or gone eager, while this array waited
                     self._recompile(group)
@@ -1019,12 +1050,11 @@ class FusedArray:
                 if changed:
                     self._uncompile_stateful(group, own, changed)
             else:
-                group.step(batch, self.workload_of(group), self.step + 1)
+                group.step(batch, workload, self.step + 1)
         except (torch.cuda.OutOfMemoryError, Unspillable):
             raise
         except Exception as exc:
-            for n, b in group.buffers.items():
-                b.copy_(saved[n])
+            self._put_back(group, workload, held)
             for p in group.params.values():
                 p.grad = None
             for key, state in streams.items():
@@ -1196,6 +1226,16 @@ class FusedArray:
             "steps_done": self.step,
             **self.epoch_loss(key),
         }
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A stack's tensors and Python state before a guarded step (:meth:`FusedArray._hold`)."""
+
+    params: dict[str, Tensor]
+    buffers: dict[str, Tensor]
+    python: dict[str, Any]
+    workload: dict[str, Any]
 
 
 def _member_batch(batch: Any, group: Group, single: Group) -> Any:

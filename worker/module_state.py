@@ -86,9 +86,17 @@ def kept_python_state(*modules: nn.Module) -> Iterator[None]:
         yield
     finally:
         for module, held in zip(modules, before, strict=True):
-            for full in changed_state(held, python_state(module)):
-                prefix, _, name = full.rpartition(".")
-                restore(module.get_submodule(prefix), {name: held.get(full, MISSING)}, [name])
+            restore_python_state(module, held)
+
+
+def restore_python_state(model: nn.Module, held: dict[str, Any]) -> list[str]:
+    """Put the Python attributes of ``model``'s modules back to ``held`` (a
+    :func:`python_state` reading of it); the names that had changed."""
+    changed = changed_state(held, python_state(model))
+    for full in changed:
+        prefix, _, name = full.rpartition(".")
+        restore(model.get_submodule(prefix), {name: held.get(full, MISSING)}, [name])
+    return changed
 
 
 #: a tensor attribute of a workload object up to this many elements is compared by value

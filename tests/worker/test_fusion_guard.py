@@ -1,5 +1,7 @@
-"""Fusion never trains the wrong model: structural unless declared fusible, and a guard at
-array build time that stacks apart members whose models differ in more than tensor values."""
+"""Fusion never trains the wrong model: structural unless declared fusible, a guard at
+array build time that stacks apart members whose models differ in more than tensor values,
+and a vmap stack that cannot run the model's code going on one member at a time, as
+unpacked."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from tests.support.plugins.trap_workloads import (
     HorizonOrderMLP,
     MisdeclaredMLP,
     ScaledMLP,
+    SideEffectMLP,
 )
 from tests.support.tiny_workloads import TinyMLP
 from worker.fused import FusedArray, train
@@ -38,10 +41,12 @@ def trained(workload: Workload, members: list[tuple[Hashable, dict[str, Any]]]) 
 
 
 def assert_as_alone(workload: Workload, array: FusedArray, members: list[Any]) -> None:
-    """Every member's parameters equal those of the same trial trained in an array of one."""
+    """Every member's parameters equal those of the same trial trained in an array of one,
+    and so do the Python values its training changes (a step counter)."""
     for key, config in members:
         alone = trained(workload, [(key, config)]).member_state(key)
         mine = array.member_state(key)
+        assert mine.get("python") == alone.get("python"), key
         for name, tensor in alone["params"].items():
             torch.testing.assert_close(
                 mine["params"][name],
@@ -388,3 +393,20 @@ def test_the_probe_names_only_the_gradients_that_are_float_rounding() -> None:
     assert noise(get_workload("digits-mlp")) == ()
     assert noise(get_workload("digits-cnn")) == ()
     assert noise(get_workload("resnet-cifar"), width=4, n_train=256, n_val=128) == ()
+
+
+def test_a_failed_vmap_step_leaves_nothing_behind_when_its_members_go_on_alone() -> None:
+    """A training forward that counts its steps (a Python counter) and shrinks a weight in
+    place, then calls .item(): the fused vmap step fails and the members go on one at a time.
+    Before, what the failed attempt had changed stayed, and the retry made it again: each
+    member's counter ended a step ahead of its trial's alone, its weights ~1% apart."""
+    workload = SideEffectMLP()
+    members = [member(f"e{i}", 80 + i, lr=0.05 * (i + 1)) for i in range(3)]
+    array = FusedArray(workload, members)
+    assert array.stacks == [(["e0", "e1", "e2"], "vmap")]
+    train(array, EPOCHS * array.steps_per_epoch)
+    assert array.stacks == [(["e0"], "serial"), (["e1"], "serial"), (["e2"], "serial")]
+    assert any("vmap could not run the fused step" in n for n in array.notes), array.notes
+    steps = EPOCHS * array.steps_per_epoch
+    assert [array.python_values(k)["model"]["steps"] for k, _ in members] == [steps] * 3
+    assert_as_alone(workload, array, members)

@@ -28,6 +28,9 @@
   gradient is float rounding (BatchNorm cancels it), which Adam scales to full steps, so
   vmap's rounding would send each member its own way; ``attention-mlp`` the same through
   ``nn.MultiheadAttention``'s key bias (a third of one tensor, which the softmax cancels).
+- ``side-effect-mlp``'s training forward counts its steps (a Python counter) and shrinks a
+  weight in place before it reads a value (``.item()``), which vmap cannot run: the failed
+  fused attempt must leave neither change behind when its members go on one at a time.
 
 All train on the digits (64 features, 10 classes) with a one-hidden-layer MLP.
 """
@@ -349,3 +352,46 @@ class AttentionMLP(_DigitsPlugin):
                 return self.head((tokens + mixed).mean(1))
 
         return Attention()
+
+
+class _Unbatchable:
+    """A model whose forward reads a tensor's value (``.item()``, a branch never taken here)
+    in training (``when="train"``) or in eval mode (``when="eval"``): vmap cannot batch it.
+    Before the read it changes what a failed vmap attempt must not leave behind: in training
+    a Python step counter and a weight shrunk in place, in eval mode a counter of its
+    evaluations."""
+
+    @staticmethod
+    def build(hidden: int, when: str) -> Any:
+        import torch
+        from torch import nn
+
+        class Unbatchable(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.fc1, self.fc2 = nn.Linear(64, hidden), nn.Linear(hidden, N_CLASSES)
+                self.steps, self.evaluations = 0, 0
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                if self.training and when == "train":
+                    self.steps += 1
+                    x = x * (1.0 + 4.0 / (1.0 + self.steps))
+                    with torch.no_grad():
+                        self.fc1.weight.mul_(0.99)  # a decay of its own
+                elif not self.training:
+                    self.evaluations += 1
+                out = self.fc2(torch.relu(self.fc1(x)))
+                if self.training == (when == "train") and out.abs().max().item() > 1e6:
+                    out = out.clamp(-1e6, 1e6)  # runaway logits capped
+                return out
+
+        return Unbatchable()
+
+
+class SideEffectMLP(_DigitsPlugin):
+    """MLP whose training forward counts, decays a weight in place, then calls ``.item()``."""
+
+    name = "side-effect-mlp"
+
+    def build_model(self, config: Mapping[str, Any]) -> Any:
+        return _Unbatchable.build(int(self.resolve(config)["hidden"]), when="train")
