@@ -157,6 +157,7 @@ class DecoupledGroup(Group):
         super().__init__(keys, params, buffers, segments[0].optimizer, stack, precision)
         self.optimizer = _Optimizers(segments)  # type: ignore[assignment]
         self.proven = True  # a vmap stack that fails here fails its trials (no per-member split)
+        self.eval_proven = True  # so does one whose evaluation fails
 
     def _noise(self, number: int, j: int) -> torch.Generator:
         """The noise of step ``number``'s segment ``j``: from the study seed and the step."""

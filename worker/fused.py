@@ -26,7 +26,8 @@ own step (``training_loss``) runs it under vmap; a vmap stack whose first step f
 (code vmap cannot batch) is split into one stack per member, with a warning, once what the
 failed step changed is put back (buffers, parameters changed in place, Python attributes of
 the model's modules and of the workload object, random streams): the members then train one
-at a time, as they would unpacked.
+at a time, as they would unpacked. So is one whose first evaluation fails (code that only
+eval mode runs), from that evaluation on.
 
 Randomness (dropout, or draws seen in a probe forward: :func:`worker.probe.is_stochastic`): each
 member owns a CPU ``torch.Generator`` seeded from its trial seed; its state is part of
@@ -48,7 +49,7 @@ import time
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -133,6 +134,7 @@ from worker.spill import SpilledGroup, spill_problem
 from worker.ties import aliases, meta_template, with_aliases
 
 StackMode = Literal["auto", "vmap", "bmm", "serial"]
+_T = TypeVar("_T")
 
 log = logging.getLogger(__name__)
 
@@ -699,13 +701,16 @@ class FusedArray:
             "as unpacked. Such a bias does nothing: without it (bias=False) they fuse"
         )
 
-    def _vmap_failed(self, group: Group, error: BaseException) -> list[Group]:
-        """``group``'s members as one stack each: its vmap step failed."""
+    def _vmap_failed(self, group: Group, error: BaseException, what: str = "step") -> list[Group]:
+        """``group``'s members as one stack each: its vmap ``what`` (its first step, or its
+        first evaluation) failed."""
         note = (
-            f"{self.workload.name}: vmap could not run the fused step ({type(error).__name__}: "
-            f"{str(error).splitlines()[0] if str(error) else ''}); members "
-            f"{', '.join(map(str, group.keys))} train one at a time instead"
-        )
+            f"{self.workload.name}: vmap could not run the fused {what} "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+            f"members {', '.join(map(str, group.keys))} "
+            + ("train one at a time instead" if what == "step" else
+               "are evaluated and train one at a time from here on")
+        )  # fmt: skip
         if self.workload.name not in _SPLIT_LOGGED:  # every pack would say it again
             _SPLIT_LOGGED.add(self.workload.name)
             log.warning("%s (said once per process)", note)
@@ -713,7 +718,7 @@ class FusedArray:
         return self._split_per_member(group)
 
     def _hold(self, group: Group, workload: Workload) -> _Held:
-        """What a guarded first step of ``group`` may change before it fails
+        """What a guarded first step or evaluation of ``group`` may change before it fails
         (its forward runs in part), for :meth:`_put_back`: buffers, parameters (a forward may
         change one in place: a decay under ``no_grad``; held on the host), the Python
         attributes of the template's modules (a step counter; per-member templates are copies
@@ -1168,17 +1173,51 @@ class FusedArray:
             y = self.val_split.y
             results: dict[Hashable, dict[str, float]] = {}
             own = self.copies_batches  # each forward, loss and metric on a copy of its own
-            for group in self.groups:
+
+            def outputs(group: Group) -> list[Tensor]:  # each member's, on the whole split
                 chunks = [group.outputs(x.clone() if own else x)
                           for x, _ in self._validation_batches()]  # fmt: skip
-                out = torch.cat(chunks, dim=1)
+                return list(torch.cat(chunks, dim=1).unbind(0))
+
+            for group in list(self.groups):  # a stack may split per member (_evaluated)
                 workload = self.workload_of(group)
-                for i, key in enumerate(group.keys):
-                    results[key] = validation_values(workload, out[i], y.clone() if own else y)
+                for key, out in zip(group.keys, self._evaluated(group, outputs), strict=True):
+                    results[key] = validation_values(workload, out, y.clone() if own else y)
             return results
-        finally:
+        finally:  # and the templates of stacks split per member
+            templates.update({id(group.template): group.template for group in self.groups})
             for template in templates.values():
                 template.train()
+
+    def _evaluated(self, group: Group, evaluate: Callable[[Group], list[_T]]) -> list[_T]:
+        """``evaluate(group)``: a value for each of its members, in order. A vmap stack's
+        first evaluation (the whole split in memory, a streamed one's first batch) may fail
+        where its steps did not: vmap cannot batch code that only eval mode runs (``.item()``
+        under ``if not self.training``). What it changed is then put back, and the stack is
+        split into one stack per member, evaluated, and trained from then on, one at a time,
+        as unpacked, with a note."""
+        if group.eval_proven or self.workload.custom_step:  # a custom one: per member anyway
+            return evaluate(group)
+        workload = self.workload_of(group)
+        held = self._hold(group, workload)
+        try:
+            values = evaluate(group)
+        except (torch.cuda.OutOfMemoryError, Unspillable):
+            raise
+        except Exception as exc:
+            self._put_back(group, workload, held)
+            if group.compiled is not None:  # its members' steps are eager from here on
+                self.step_keys.pop(id(group), None)
+            singles = self._vmap_failed(group, exc, "evaluation")
+            at = self.groups.index(group)
+            self.groups[at : at + 1] = singles
+            values = []
+            for single in singles:
+                single.template.eval()  # the first is the stack's own, the others copies
+                values.extend(evaluate(single))
+            return values
+        group.eval_proven = True
+        return values
 
     def _validation_batches(self) -> Iterator[Any]:
         if self.streaming:
@@ -1195,9 +1234,13 @@ class FusedArray:
         examples = 0
         for batch in self._validation_batches():
             examples += batch_size(batch)
-            for group in self.groups:
+            for group in list(self.groups):  # a stack may split per member (_evaluated)
                 own = tree_map(torch.clone, batch) if self.copies_batches else batch
-                metrics = group.batch_metrics(own, self.workload_of(group))
+
+                def evaluate(g: Group, own: Any = own) -> list[dict[str, float]]:
+                    return g.batch_metrics(own, self.workload_of(g))
+
+                metrics = self._evaluated(group, evaluate)
                 for key, values in zip(group.keys, metrics, strict=True):
                     for name, value in values.items():
                         sums[key][name] = sums[key].get(name, 0.0) + value
@@ -1230,7 +1273,8 @@ class FusedArray:
 
 @dataclass(frozen=True)
 class _Held:
-    """A stack's tensors and Python state before a guarded step (:meth:`FusedArray._hold`)."""
+    """A stack's tensors and Python state before a guarded step or evaluation
+    (:meth:`FusedArray._hold`)."""
 
     params: dict[str, Tensor]
     buffers: dict[str, Tensor]

@@ -256,6 +256,9 @@ class Group:
         #: whether a training step has run: a vmap stack that fails its first step is
         #: trained one member at a time instead (see ``FusedArray``)
         self.proven = self.mode != "vmap"
+        #: whether an evaluation has run: a vmap stack whose first one fails (code only eval
+        #: mode runs) is evaluated, and trained, one member at a time instead (``FusedArray``)
+        self.eval_proven = self.mode != "vmap"
         #: the compiled losses (forward, loss; its backward compiled with it), or None: eager
         self.compiled: Losses | None = None
         self._eager: Losses | None = None  # the eager losses, made at the first step

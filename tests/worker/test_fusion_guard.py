@@ -1,7 +1,7 @@
 """Fusion never trains the wrong model: structural unless declared fusible, a guard at
 array build time that stacks apart members whose models differ in more than tensor values,
-and a vmap stack that cannot run the model's code going on one member at a time, as
-unpacked."""
+and a vmap stack that cannot run the model's code (in training or in evaluation) going on one
+member at a time, as unpacked."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from packtune.space import fusion_key
 from packtune.workloads import get_workload
 from packtune.workloads.base import OPTIMIZER_HYPER, Workload
 from tests.support.plugins.trap_workloads import (
+    EvalItemMLP,
     HiddenActMLP,
     HorizonOrderMLP,
     MisdeclaredMLP,
@@ -409,4 +410,24 @@ def test_a_failed_vmap_step_leaves_nothing_behind_when_its_members_go_on_alone()
     assert any("vmap could not run the fused step" in n for n in array.notes), array.notes
     steps = EPOCHS * array.steps_per_epoch
     assert [array.python_values(k)["model"]["steps"] for k, _ in members] == [steps] * 3
+    assert_as_alone(workload, array, members)
+
+
+def test_a_forward_vmap_cannot_run_in_eval_mode_evaluates_its_members_one_at_a_time() -> None:
+    """A forward that calls .item() only in eval mode trains under vmap; at the first
+    evaluation the fused forward fails, and the members are evaluated, and train on, one at a
+    time: the reports and weights of each are its trial's alone, and the failed evaluation
+    left nothing behind (the forward's count of evaluations). Before, the evaluation had no
+    fallback: every member of the pack failed (vmap's RuntimeError) while alone each trained."""
+    workload = EvalItemMLP()
+    members = [member(f"v{i}", 90 + i, lr=0.05 * (i + 1)) for i in range(3)]
+    array = FusedArray(workload, members)
+    assert array.stacks == [(["v0", "v1", "v2"], "vmap")]
+    reports = train(array, EPOCHS * array.steps_per_epoch)
+    assert array.stacks == [(["v0"], "serial"), (["v1"], "serial"), (["v2"], "serial")]
+    assert any("vmap could not run the fused evaluation" in n for n in array.notes), array.notes
+    for key, config in members:
+        alone = train(FusedArray(workload, [(key, config)]), EPOCHS * array.steps_per_epoch)
+        for got, want in zip(reports, alone, strict=True):
+            assert got.metrics[key] == pytest.approx(want.metrics[key], rel=1e-5), key
     assert_as_alone(workload, array, members)

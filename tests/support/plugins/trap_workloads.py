@@ -31,6 +31,8 @@
 - ``side-effect-mlp``'s training forward counts its steps (a Python counter) and shrinks a
   weight in place before it reads a value (``.item()``), which vmap cannot run: the failed
   fused attempt must leave neither change behind when its members go on one at a time.
+- ``eval-item-mlp`` reads a value (``.item()``) only in eval mode, after counting its
+  evaluations: it trains under vmap, and its fused evaluation must fall back as its step does.
 
 All train on the digits (64 features, 10 classes) with a one-hidden-layer MLP.
 """
@@ -395,3 +397,12 @@ class SideEffectMLP(_DigitsPlugin):
 
     def build_model(self, config: Mapping[str, Any]) -> Any:
         return _Unbatchable.build(int(self.resolve(config)["hidden"]), when="train")
+
+
+class EvalItemMLP(_DigitsPlugin):
+    """MLP whose forward calls ``.item()`` in eval mode only, after counting evaluations."""
+
+    name = "eval-item-mlp"
+
+    def build_model(self, config: Mapping[str, Any]) -> Any:
+        return _Unbatchable.build(int(self.resolve(config)["hidden"]), when="eval")
