@@ -759,16 +759,21 @@ class FusedArray:
         ):
             return ()
         workload = self.workload_of(group)
-        single = stack_of(workload, own_copy(group.template, 1), "serial", group.stochastic)
-        losses = losses_function(single, workload, self.precision, self.device)
         first = tree_map(lambda t: t[0:1], batch) if group.stack.stacked else batch
         buffers = {n: b[0:1] for n, b in group.buffers.items()}
         held = object_state(workload)
+
+        def losses(params: dict[str, Tensor]) -> Tensor:
+            # each run from the same state: a step counter on a module or on the workload
+            # object moved by the first would make the second's gradient another one
+            restore(workload, held, changed_state(held, object_state(workload)))
+            own = copy.deepcopy(group.template)
+            single = stack_of(workload, own, "serial", group.stochastic)
+            run = losses_function(single, workload, self.precision, self.device)
+            return run(params, {n: b.clone() for n, b in buffers.items()}, first)
+
         try:
-            names = rounding_noise(
-                lambda params: losses(params, {n: b.clone() for n, b in buffers.items()}, first),
-                {n: p[0:1] for n, p in group.params.items()},
-            )
+            names = rounding_noise(losses, {n: p[0:1] for n, p in group.params.items()})
         finally:
             restore(workload, held, changed_state(held, object_state(workload)))
         if names:

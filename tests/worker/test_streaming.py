@@ -102,6 +102,24 @@ def test_streamed_gradients_of_float_rounding_under_adam_train_apart_from_the_fi
     _LEARNED.clear()
 
 
+def test_a_streamed_step_counter_is_not_taken_for_gradients_of_float_rounding(
+    root: Path,
+) -> None:
+    """The first-batch check runs the loss twice from the same state: a Python counter the
+    first run moved made the second's gradient another one, and a model with no such
+    gradient trained one member at a time under Adam, with a note saying what was not so."""
+    workload = sw.CountingImages()
+    extra = {"root": str(root), "optimizer": "adam"}
+    array_members = members(workload, extra, [0.001, 0.003, 0.01])
+    array = FusedArray(workload, array_members)
+    spe = array.steps_per_epoch
+    reports = train(array, 2 * spe)
+    assert [g.mode for g in array.groups] == ["vmap"], array.notes
+    for key, config in array_members:  # unbroken: no probe sees the counter to checkpoint it
+        solo = FusedArray(workload, [(key, config)])
+        assert_same(reports, key, train(solo, 2 * spe), rel=1e-5)
+
+
 def test_batches_per_member_follow_each_trial_not_its_pack(root: Path) -> None:
     workload = sw.AugmentedImages()
     array_members = members(workload, {"root": str(root)}, [0.02, 0.02, 0.1])

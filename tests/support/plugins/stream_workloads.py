@@ -165,6 +165,32 @@ class BatchNormImages(FolderImages):
         return BatchNormNet(int(self.resolve(config)["hidden"]))
 
 
+class CountingNet(nn.Module):
+    """:class:`BatchNormNet` without the BatchNorm, whose training forward counts its steps
+    (a Python counter) and scales its input by them, as a warm-up might."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(),
+                                 nn.Linear(hidden, CLASSES))  # fmt: skip
+        self.steps = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.steps += 1
+            x = x * (1.0 + 4.0 / (1.0 + self.steps))
+        return self.net(x)  # type: ignore[no-any-return]
+
+
+class CountingImages(BatchNormImages):
+    """:class:`FolderImages` with a step-counting model (stacked through vmap)."""
+
+    name = "counting-images"
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        return CountingNet(int(self.resolve(config)["hidden"]))
+
+
 class TwoHeads(nn.Module):
     """A trunk and two heads: class logits and the image's mean brightness; it also gives
     the trial's loss weight, carried as a buffer so that it may differ inside an array."""
