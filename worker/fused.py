@@ -114,6 +114,7 @@ from worker.probe import (
     learn_noise,
     probe,
     probe_key,
+    probed_already,
     rounding_noise,
 )
 from worker.rng import (
@@ -486,10 +487,16 @@ class FusedArray:
         self.groups: list[Group] = []
         #: each member's probe (:func:`worker.probe.probe_key`): what its steps teach it
         self.probe_keys: dict[Hashable, Hashable] = {}
+        #: the probes that ran on no batch (streamed data whose loader gave none)
+        self.unprobed: set[Hashable] = set()
         for part in parts:
             template = meta_template(models[part[0]])
             for i in part:
                 self.probe_keys[keys[i]] = probe_key(workload, signatures[part[0]])
+            if self.streaming and not probes and not probed_already(workload, signatures[part[0]]):
+                probes = self._probe_batches()
+                if not probes:  # the first step looks at what it can (_rounding_noise)
+                    self.unprobed.add(self.probe_keys[keys[part[0]]])
             probed = probe(
                 self._with_values(keys[part[0]]), models[part[0]], signatures[part[0]], probes
             )
@@ -744,7 +751,8 @@ class FusedArray:
         restore(workload, held.workload, changed_state(held.workload, object_state(workload)))
 
     def _rounding_noise(self, group: Group, batch: Any) -> tuple[str, ...]:
-        """Before the first step of a vmap stack that no probe ran on (streamed data), under
+        """Before the first step of a vmap stack that no probe ran on (streamed data whose
+        validation loader gave no batch to probe with), under
         an optimizer that scales its gradients to full steps: the parameters whose gradient
         is float rounding (:func:`worker.probe.rounding_noise`), on member 0's part of the
         batch; learned for this process, so that later arrays of its model train apart from
@@ -754,7 +762,7 @@ class FusedArray:
             type(group) is not Group
             or group.mode != "vmap"
             or group.proven
-            or not self.streaming
+            or self.probe_keys[group.keys[0]] not in self.unprobed
             or str(self.config.get("optimizer", "sgd")) == "sgd"
         ):
             return ()
@@ -1223,6 +1231,19 @@ class FusedArray:
             return values
         group.eval_proven = True
         return values
+
+    def _probe_batches(self) -> list[Any]:
+        """Streamed data's batch to probe a model on (:mod:`worker.probe`) before it trains:
+        the first validation batch (its training batches are the epochs' own, and each
+        training batch it draws is a step). None where the loader cannot give one: the
+        probe then sees nothing, and training finds what it can."""
+        batches = self._validation_batches()
+        try:
+            return [next(batches)]
+        except Exception:  # noqa: BLE001 - an evaluation raises it where it belongs
+            return []
+        finally:
+            batches.close()  # type: ignore[attr-defined]
 
     def _validation_batches(self) -> Iterator[Any]:
         if self.streaming:

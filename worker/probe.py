@@ -14,11 +14,13 @@ import copy
 import logging
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from packtune.workloads.base import Workload
+from worker.batches import tensors, tree_map
 from worker.fused_forward import model_function
 from worker.module_state import changed_state, object_state, python_state, restore
 from worker.rng import draws_random
@@ -64,14 +66,15 @@ def probe(
     workload: Workload,
     model: nn.Module,
     signature: Hashable,
-    batches: Sequence[tuple[Tensor, Tensor]],
+    batches: Sequence[Any],
 ) -> Probed:
     """A training forward and loss of a copy of ``model`` on the first of ``batches`` it runs
     on (a few training examples, then a whole batch: a model may need its batch size), once
     per process and model signature. A probe that raises on every batch counts as drawing
-    random numbers: members then train one per stack, as unpacked. Without batches (streamed
-    data) nothing is seen; :meth:`worker.fused.FusedArray.train_step` still refuses a batch
-    changed in place."""
+    random numbers: members then train one per stack, as unpacked. Streamed data's batch is
+    its first validation batch (:meth:`worker.fused.FusedArray._probe_batches`); without
+    one nothing is seen, and :meth:`worker.fused.FusedArray.train_step` still refuses a
+    batch changed in place."""
     key = probe_key(workload, signature)
     if key not in _PROBED:
         if not batches:
@@ -84,6 +87,12 @@ def probe(
     return replace(seen, draws=seen.draws or learned.draws,
                    host_draws=seen.host_draws or learned.host_draws,
                    noise=seen.noise or learned.noise)  # fmt: skip
+
+
+def probed_already(workload: Workload, signature: Hashable) -> bool:
+    """Whether this process has probed the model of ``signature`` (:func:`probe` would not
+    look at its batches)."""
+    return probe_key(workload, signature) in _PROBED
 
 
 def probe_key(workload: Workload, signature: Hashable) -> Hashable:
@@ -104,7 +113,7 @@ class UnseenDraws(RuntimeError):
 
 def learn_noise(key: Hashable, names: tuple[str, ...]) -> None:
     """Training showed that the model of probe ``key`` has gradients of float rounding
-    (streamed data, which no probe ran on)."""
+    (streamed data whose loader gave no batch to probe with)."""
     _LEARNED[key] = replace(_LEARNED.get(key, Probed()), noise=names)
 
 
@@ -115,9 +124,7 @@ def learn_draws(key: Hashable, *, torch_draws: bool, host_draws: bool) -> None:
                             host_draws=was.host_draws or host_draws)  # fmt: skip
 
 
-def _run_probe(
-    workload: Workload, model: nn.Module, batches: Sequence[tuple[Tensor, Tensor]]
-) -> Probed:
+def _run_probe(workload: Workload, model: nn.Module, batches: Sequence[Any]) -> Probed:
     """Each of ``batches`` probed (a model may draw only at some batch size), what any saw."""
     seen: list[Probed] = []
     error: Exception | None = None
@@ -148,38 +155,36 @@ def _run_probe(
     return Probed(draws=True, note=note)
 
 
-def _probe_batch(
-    workload: Workload, model: nn.Module, batch: tuple[Tensor, Tensor], noise: bool = True
-) -> Probed:
-    """:data:`PROBE_FORWARDS` training forwards and losses of a copy of ``model`` on ``batch``,
-    then an evaluation; raises what they raise."""
+def _probe_batch(workload: Workload, model: nn.Module, batch: Any, noise: bool = True) -> Probed:
+    """:data:`PROBE_FORWARDS` training forwards and losses of a copy of ``model`` on ``batch``
+    (``(x, y)``, or any nesting of tensors a workload's own step takes), then an evaluation;
+    raises what they raise."""
     first = next(model.parameters(), None)
     device = first.device if first is not None else None
     trial = copy.deepcopy(model).train()  # its BatchNorm statistics move: a copy's
     # copies: the probe's own in-place changes must not reach the shared split
-    x, y = (t.to(device, copy=True) if device is not None else t.clone() for t in batch)
-    versions = (x._version, y._version)
+    own_batch = tree_map(
+        lambda t: t.to(device, copy=True) if device is not None else t.clone(), batch
+    )
+    versions = [t._version for t in tensors(own_batch)]
     buffers = dict(trial.named_buffers())
 
-    def run(trial: nn.Module = trial, x: Tensor = x, y: Tensor = y) -> None:
+    def run(trial: nn.Module = trial) -> None:
         # with gradients on, as in training: a counter may count only then
         for _ in range(PROBE_FORWARDS):
-            if workload.custom_step:
-                workload.training_loss(trial, (x, y))
-            else:
-                workload.loss(trial(x), y)
+            _training_loss(workload, trial, own_batch)
 
     own, held = python_state(trial), object_state(workload)
     try:
         drew = draws_random(run, device)
-        mutates = (x._version, y._version) != versions
+        mutates = [t._version for t in tensors(own_batch)] != versions
         now, caches = dict(trial.named_buffers()), _caches(trial)
         reassigned = tuple(n for n, b in buffers.items()
                            if now.get(n) is not b and n not in caches)  # fmt: skip
-        _evaluate(workload, trial, x.clone(), y.clone())  # state only evaluation changes
+        _evaluate(workload, trial, tree_map(torch.clone, own_batch))  # what only eval changes
         # (a model that draws trains one member per stack anyway, and would seem noisy)
         deterministic = not (drew.torch or drew.host or mutates)
-        rounding = model_noise(workload, model, (x, y)) if deterministic and noise else ()
+        rounding = model_noise(workload, model, own_batch) if deterministic and noise else ()
     finally:  # the probe's own changes to the workload object are undone
         changed = changed_state(held, object_state(workload))
         restore(workload, held, changed)
@@ -253,24 +258,28 @@ def rounding_noise(
     return tuple(noisy)
 
 
-def model_noise(
-    workload: Workload, model: nn.Module, batch: tuple[Tensor, Tensor]
-) -> tuple[str, ...]:
+def model_noise(workload: Workload, model: nn.Module, batch: Any) -> tuple[str, ...]:
     """:func:`rounding_noise` of ``model``'s training loss on ``batch`` (copies of both:
     nothing of them changes)."""
 
     def losses(params: dict[str, Tensor]) -> Tensor:
         trial = copy.deepcopy(model).train()  # buffers (BatchNorm statistics) of its own
         run = model_function(trial, params, dict(trial.named_buffers()))
-        x, y = (t.clone() for t in batch)
-        if workload.custom_step:
-            return workload.training_loss(run, (x, y))
-        return workload.loss(run(x), y)
+        return _training_loss(workload, run, tree_map(torch.clone, batch))
 
     return rounding_noise(losses, dict(model.named_parameters()))
 
 
-def _evaluate(workload: Workload, trial: nn.Module, x: Tensor, y: Tensor) -> None:
+def _training_loss(workload: Workload, model: Any, batch: Any) -> Tensor:
+    """A training loss of ``model`` (a module, or a function of its inputs) on ``batch``, as
+    an array's step computes it: the workload's own step, or ``loss(model(x), y)``."""
+    if workload.custom_step:
+        return workload.training_loss(model, batch)
+    x, y = batch
+    return workload.loss(model(x), y)
+
+
+def _evaluate(workload: Workload, trial: nn.Module, batch: Any) -> None:
     """An evaluation of the probe's model, as an array's (eval mode, no gradients): Python
     state only evaluation changes (a counter in ``metrics``, one an eval-mode forward keeps)
     is seen too. What it raises is the evaluation's business, not the probe's."""
@@ -278,8 +287,9 @@ def _evaluate(workload: Workload, trial: nn.Module, x: Tensor, y: Tensor) -> Non
     try:
         with torch.no_grad():
             if workload.custom_step:
-                workload.validation_metrics(trial, (x, y))
+                workload.validation_metrics(trial, batch)
             else:
+                x, y = batch
                 out = trial(x)
                 workload.loss(out, y)
                 workload.metrics(out, y)
@@ -302,8 +312,8 @@ def _caches(model: nn.Module) -> set[str]:
 def is_stochastic(workload: Workload, model: nn.Module, probed: Probed) -> bool:
     """Whether training draws random numbers: the workload says so (``stochastic = True``),
     the model has active dropout, or the probe saw draws (functional dropout, ``nn.RReLU``,
-    noise in a loss, Python's or NumPy's generators). Without a probe (streamed data) only
-    the first two are known."""
+    noise in a loss, Python's or NumPy's generators). Without a probe (streamed data whose
+    loader gave no batch) only the first two are known."""
     dropout = nn.modules.dropout._DropoutNd
     return (
         workload.stochastic

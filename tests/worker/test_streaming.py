@@ -75,15 +75,33 @@ def test_a_dataloader_over_files_trains_fused_as_alone(root: Path) -> None:
     assert len(losses) == 3
 
 
-def test_streamed_gradients_of_float_rounding_under_adam_train_apart_from_the_first_step(
-    root: Path,
+def test_streamed_data_is_probed_on_its_first_validation_batch(root: Path) -> None:
+    """A model of streamed data is probed before it trains, on the first validation batch:
+    gradients of float rounding (a bias a BatchNorm cancels) under Adam train one member at a
+    time from the start, as alone (before, no probe ran on streamed data, and fused members
+    ended apart from their runs alone)."""
+    workload = sw.BatchNormImages()
+    workload.name = "batch-norm-images-probed"  # this process has not probed it yet
+    extra = {"root": str(root), "optimizer": "adam"}
+    array_members = members(workload, extra, [0.001, 0.003, 0.01])
+    array = FusedArray(workload, array_members)
+    assert [g.mode for g in array.groups] == ["serial"] * 3
+    assert any("are float rounding ('net.1.bias'" in note for note in array.notes), array.notes
+    spe = array.steps_per_epoch
+    reports = train(array, 2 * spe)
+    for key, config in array_members:
+        assert_same(reports, key, alone(workload, key, config, 2 * spe), rel=1e-6)
+
+
+def test_streamed_gradients_of_float_rounding_no_probe_saw_are_caught_at_the_first_step(
+    root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """No probe runs on streamed data: a vmap stack of a model whose gradients are float
-    rounding (a bias a BatchNorm cancels) under Adam is seen at its first step, before it
-    steps, and its members train one at a time (fused, each ended apart from its run
-    alone); later arrays of the model, in this process, train apart from the start."""
+    """Where the loader gives no batch to probe with, the first step looks, before it steps:
+    the members go on one at a time; later arrays of the model, in this process, train apart
+    from the start."""
     from worker.probe import _LEARNED
 
+    monkeypatch.setattr(FusedArray, "_probe_batches", lambda self: [])
     workload = sw.BatchNormImages()
     workload.name = "batch-norm-images-first"  # this process has not learned it yet
     extra = {"root": str(root), "optimizer": "adam"}
@@ -102,22 +120,31 @@ def test_streamed_gradients_of_float_rounding_under_adam_train_apart_from_the_fi
     _LEARNED.clear()
 
 
+@pytest.mark.parametrize("probed", [True, False])
 def test_a_streamed_step_counter_is_not_taken_for_gradients_of_float_rounding(
-    root: Path,
+    root: Path, monkeypatch: pytest.MonkeyPatch, probed: bool
 ) -> None:
-    """The first-batch check runs the loss twice from the same state: a Python counter the
-    first run moved made the second's gradient another one, and a model with no such
-    gradient trained one member at a time under Adam, with a note saying what was not so."""
+    """A model keeping a Python step counter, under Adam: its probe (the first validation
+    batch) sees the counter, which its checkpoints then carry, and no gradient of rounding.
+    Without a batch to probe with, the first step's look runs the loss twice from the same
+    state: before, the counter the first run moved made the second's gradient another one,
+    and the members trained one at a time, with a note saying what was not so."""
     workload = sw.CountingImages()
+    workload.name = f"counting-images-{probed}"  # this process has not probed it yet
+    if not probed:
+        monkeypatch.setattr(FusedArray, "_probe_batches", lambda self: [])
     extra = {"root": str(root), "optimizer": "adam"}
     array_members = members(workload, extra, [0.001, 0.003, 0.01])
     array = FusedArray(workload, array_members)
     spe = array.steps_per_epoch
     reports = train(array, 2 * spe)
     assert [g.mode for g in array.groups] == ["vmap"], array.notes
-    for key, config in array_members:  # unbroken: no probe sees the counter to checkpoint it
-        solo = FusedArray(workload, [(key, config)])
-        assert_same(reports, key, train(solo, 2 * spe), rel=1e-5)
+    for key, config in array_members:
+        if probed:  # resumed mid-epoch: its checkpoint carries the counter
+            assert_same(reports, key, alone(workload, key, config, 2 * spe), rel=1e-5)
+        else:  # unbroken: no probe saw the counter for a checkpoint to carry
+            solo = FusedArray(workload, [(key, config)])
+            assert_same(reports, key, train(solo, 2 * spe), rel=1e-5)
 
 
 def test_batches_per_member_follow_each_trial_not_its_pack(root: Path) -> None:
