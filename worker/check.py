@@ -27,6 +27,7 @@ from packtune.workloads import get_workload
 from packtune.workloads.base import ConfigReads, Workload, data_splits, varying_reads
 from worker.decoupled_group import decoupled_problem
 from worker.fused import FusedArray, train
+from worker.model_rules import refuse_unsupported
 from worker.probe import UnseenDraws
 from worker.spill import spill_problem
 from worker.ties import meta_template
@@ -176,7 +177,9 @@ def check(
             "trains such members as separate arrays; declare it structural to say so"
         )
     torch.manual_seed(0)
-    template = meta_template(workload.build_model(workload.resolve(configs[0])))
+    model = workload.build_model(workload.resolve(configs[0]))
+    refuse_unsupported(workload.name, model)  # as the arrays below would, before its template
+    template = meta_template(model)
     report.spill_problem = spill_problem(workload, template)
     report.decoupled_problem = decoupled_problem(
         workload, template, 2, data[0].y if data is not None else None

@@ -28,7 +28,7 @@ from packtune.spec import TrainingSettings
 from packtune.workloads.base import Workload, batch_order_seed
 from worker.decoupled import Segment, cut_points, synthetic_labels
 from worker.fused_forward import Forward
-from worker.fused_group import Group, Stack, full
+from worker.fused_group import Group, Stack, backward, full
 from worker.module_state import kept_python_state
 from worker.optim import StackedOptimizer
 from worker.spill import chain_of, stack_forward
@@ -173,7 +173,7 @@ class DecoupledGroup(Group):
         def one(position: int) -> Tensor:
             group = self.segments[position]
             losses = self._segment_losses(position, x, y, workload, number)
-            losses.sum().backward()
+            backward(losses, workload.name)
             group.optimizer.step()
             group.optimizer.zero_grad()
             return losses.detach()

@@ -93,6 +93,7 @@ from worker.fused_group import (
     validation_values,
 )
 from worker.fusion_guard import model_signature, partition, split_causes, workload_differences
+from worker.model_rules import refuse_unsupported
 from worker.module_state import (
     MISSING,
     changed_state,
@@ -197,6 +198,7 @@ def _build_model(
             f"{workload.name}.build_model() returned a {type(model).__name__}; it must return "
             "a torch.nn.Module (layers in a list: wrap them in nn.Sequential)"
         )
+    refuse_unsupported(workload.name, model)  # before its state: a lazy module's too
     if state is not None:
         # by every name of a tied tensor, as the model's own state_dict has it
         model.load_state_dict(with_aliases({**state["params"], **state["buffers"]}, aliases(model)))

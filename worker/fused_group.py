@@ -28,6 +28,7 @@ from packtune.tuning import LOOP_LOSS_MAX
 from packtune.workloads.base import Workload
 from worker.batches import batch_size, tensors
 from worker.fused_forward import Forward, Losses, model_function
+from worker.model_rules import recomputed_error
 from worker.optim import StackedOptimizer
 
 
@@ -228,6 +229,18 @@ def losses_function(
     return losses
 
 
+def backward(losses: Tensor, name: str) -> None:
+    """The backward pass of the members' summed training ``losses`` (workload ``name``'s):
+    one that ran the forward again (``torch.utils.checkpoint``) is an error saying so."""
+    try:
+        losses.sum().backward()
+    except RuntimeError as exc:
+        clear = recomputed_error(name, exc)
+        if clear is None:
+            raise
+        raise clear from exc
+
+
 class Group:
     """Members trained as one stack: all of an array's (fused) or one (serial).
 
@@ -281,7 +294,7 @@ class Group:
                     f"shape {tuple(losses.shape)} for {k} trial{'s' if k > 1 else ''}"
                 )
             losses = losses.reshape(k)
-        losses.sum().backward()
+        backward(losses, workload.name)
         self.optimizer.step()
         self.optimizer.zero_grad()
         self.losses.record(losses.detach(), number)

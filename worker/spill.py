@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from packtune.spilling import Unspillable, plan_shards
 from packtune.workloads.base import Workload
 from worker.fused_forward import Forward, bmm_forward, bmm_plan, single_forward, vmap_forward
-from worker.fused_group import DeviceLosses, Group, HostLosses, Stack, full
+from worker.fused_group import DeviceLosses, Group, HostLosses, Stack, backward, full
 from worker.module_state import kept_python_state
 from worker.optim import StackedOptimizer
 from worker.rng import GLOBAL_RNG
@@ -299,7 +299,7 @@ class SpilledGroup(Group):
         self._return_buffers(shards[last], buffers)
         after = self._rng_state() if self.stochastic else None
         losses = self._losses(full(out), y, workload, self.stack.stacked)
-        losses.sum().backward()
+        backward(losses, workload.name)
         self._gradients_home(leaves)
         grad = h.grad
         del params, buffers, leaves, out

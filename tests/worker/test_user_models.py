@@ -568,3 +568,172 @@ def test_a_loss_overridden_below_a_batched_one_is_the_loss_trained() -> None:
     reports = train(array, 2 * array.steps_per_epoch)
     for key, cfg in members:
         compare(array, reports, key, cfg, 1e-5)
+
+
+class _ListRef(nn.Module):
+    """Reads its weights through a Python container or a plain attribute, not the registered
+    ones (``how``)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        f64 = torch.float64  # built so: .double() would give the buffer a new tensor
+        self.fc1, self.fc2 = nn.Linear(8, 6, dtype=f64), nn.Linear(6, 3, dtype=f64)
+        self.register_buffer("scale", torch.ones(6, dtype=f64))
+        self.how = how
+        if how == "list":
+            self.weights = [self.fc1.weight, self.fc2.weight]
+        elif how == "dict":
+            self.weights = {"layers": (self.fc1.weight, self.fc2.weight)}
+        elif how == "attribute":  # a buffer under another name: not registered again
+            self.gain = self.scale
+        elif how == "view":  # the parameter's storage, which plain torch trains with it
+            self.rows = self.fc1.weight.detach()[:3]
+        elif how == "closure":
+            weight = self.fc1.weight
+            self.first = lambda x: torch.nn.functional.linear(x, weight, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how in ("list", "dict"):
+            w1, w2 = self.weights if self.how == "list" else self.weights["layers"]
+            h = torch.relu(torch.nn.functional.linear(x, w1, self.fc1.bias))
+            return torch.nn.functional.linear(h, w2, self.fc2.bias)
+        if self.how == "closure":
+            return self.fc2(torch.relu(self.first(x) + self.fc1.bias))
+        if self.how == "attribute":
+            return self.fc2(torch.relu(self.fc1(x)) * self.gain)
+        return self.fc2(torch.relu(self.fc1(x))) + self.rows.sum()
+
+
+class _WeightsElsewhere(TinyMLP):
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def build_model(self, config: dict[str, Any]) -> nn.Module:
+        return _ListRef(self.how)
+
+
+@pytest.mark.parametrize(
+    ("how", "named"),
+    [
+        ("list", r"parameter 'fc1.weight' in 'weights\[0\]'"),
+        ("dict", r"parameter 'fc1.weight' in \"weights\['layers'\]\[0\]\""),
+        ("attribute", r"buffer 'scale' in 'gain'"),
+        ("view", r"parameter 'fc1.weight' in 'rows'"),
+        ("closure", r"parameter 'fc1.weight' in 'first \(closure of"),
+    ],
+)
+def test_weights_read_outside_their_registered_attribute_are_refused_by_name(
+    how: str, named: str
+) -> None:
+    """A forward reading a parameter through a Python list (``self.ws = [self.w1]``) read
+    the template's initial tensor, never the member's stacked one: those weights never
+    trained, alone and packed alike (0 change against 2.4 in plain torch). Now it is an
+    error naming the place, the parameter and the fix."""
+    with pytest.raises(ValueError, match=named + r".*nn.ParameterList"):
+        FusedArray(_WeightsElsewhere(how), member_configs("sgd", {})[:1])
+
+
+def test_torchs_own_bookkeeping_of_registered_tensors_is_not_refused() -> None:
+    """An RNN's flat weights, parametrizations and attention layers hold registered tensors
+    in lists or attributes of their own, which torch keeps up to date: they build."""
+    from torch.nn.utils import parametrizations
+
+    from packtune.workloads import get_workload
+    from worker.model_rules import refuse_unsupported
+
+    models = [
+        nn.LSTM(4, 8, 2), nn.GRU(4, 8, bidirectional=True),
+        parametrizations.weight_norm(nn.Linear(4, 4)), parametrizations.orthogonal(nn.Linear(4, 4)),
+        nn.MultiheadAttention(8, 2), nn.TransformerEncoderLayer(8, 2, 16),
+    ]  # fmt: skip
+    for name in ("digits-mlp", "digits-cnn", "resnet-cifar", "synthetic-mlp"):
+        workload = get_workload(name)
+        models.append(workload.build_model(workload.resolve({"seed": 0, "data_seed": 0})))
+    for model in models:
+        refuse_unsupported("m", model)
+
+
+class _Hooked(TinyMLP):
+    def build_model(self, config: dict[str, Any]) -> nn.Module:
+        model = super().build_model(config)
+        mask = torch.ones(model[0].weight.shape[0], 1, dtype=torch.float64)
+        mask[:4] = 0  # rows frozen
+        model[0].weight.register_hook(lambda g: g * mask)
+        return model
+
+
+def test_a_gradient_hook_on_a_parameter_is_refused() -> None:
+    """A hook ``build_model`` registers on a parameter (freezing rows) stayed on the built
+    tensor: the stacked one trained without it (frozen rows moved by 8e-3 against 0 in plain
+    torch). Now it is an error saying so and what to write instead."""
+    with pytest.raises(ValueError, match=r"hook on its parameter '0.weight'.*in forward"):
+        FusedArray(_Hooked(), member_configs("sgd", {})[:1])
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh())
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return self.head(checkpoint(self.block, x, use_reentrant=False))
+
+
+class _Sparse(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4, sparse=True)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb((x.abs() * 3).long().clamp(max=9)).mean(1))
+
+
+class _Lazy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.LazyLinear(6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class _Unsupported(TinyMLP):
+    def __init__(self, model: type[nn.Module]) -> None:
+        self.model = model
+
+    def build_model(self, config: dict[str, Any]) -> nn.Module:
+        return self.model().double()
+
+
+@pytest.mark.parametrize("mode", ["serial", "vmap"])
+def test_a_checkpointed_forward_is_a_trial_error_naming_it(mode: str) -> None:
+    """torch.utils.checkpoint runs the block again in backward, on the template, after the
+    members' tensors were swapped out: it failed with "Tensor on device meta is not on the
+    expected device cpu!". Now the trial's error names the cause and the fix."""
+    from worker.execute import TrialError
+
+    array = FusedArray(_Unsupported(_Checkpointed), member_configs("sgd", {})[:2], mode=mode)
+    with pytest.raises(ValueError, match=r"torch.utils.checkpoint.*remove") as caught:
+        train(array, 1)
+    assert TrialError(caught.value).text.startswith("ValueError: tiny-mlp's model runs part")
+
+
+@pytest.mark.parametrize(
+    ("model", "named"),
+    [
+        (_Sparse, r"'emb' \(Embedding\) with sparse=True.*use sparse=False"),
+        (_Lazy, r"'fc1' \(LazyLinear\), whose 'weight', 'bias' are not initialised.*in_features"),
+    ],
+)
+def test_a_sparse_embedding_or_a_lazy_module_is_refused_by_name(
+    model: type[nn.Module], named: str
+) -> None:
+    """Both failed in packtune's own code ("Could not run 'aten::select_backward' ...
+    SparseCPU" in backward; "Can't access the shape of an uninitialized parameter" in the
+    fusion guard), alone too. Now each is an error naming the module and the fix."""
+    with pytest.raises(ValueError, match=named):
+        FusedArray(_Unsupported(model), member_configs("sgd", {})[:1])
