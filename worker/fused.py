@@ -319,6 +319,14 @@ def _split_warning(
 ) -> str:
     causes = split_causes(configs, parts)
     groups = "; ".join(", ".join(str(keys[i]) for i in part) for part in parts)
+    if causes == ["seed"]:  # no parameter to name: the model depends on the trial itself
+        return (
+            f"{workload.name}: members build models that differ in more than tensor values, "
+            "in something build_model makes per trial (an architecture drawn from the seed, "
+            "a tensor kept outside the registered parameters and buffers, an object made per "
+            f"model), so they are trained as {len(parts)} separate stacks ({groups}), not "
+            "fused; `packtune check` shows what differs"
+        )
     return (
         f"{workload.name}: members build models that differ in more than tensor values "
         f"(parameter {', '.join(repr(c) for c in causes)}), so they are trained as "

@@ -29,6 +29,7 @@ import functools
 import hashlib
 import sys
 import types
+import weakref
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
@@ -68,7 +69,13 @@ class _Opaque:
 
 def model_signature(model: nn.Module) -> Hashable:
     """Everything about ``model`` that a fused array's shared template must agree on."""
-    names = {id(m): name for name, m in model.named_modules()}
+    names: dict[int, Any] = {id(m): name for name, m in model.named_modules()}
+    # a registered tensor held elsewhere too (an RNN's flat weights) is stacked per member
+    # like any: by its name, not its values (which differ between members)
+    for kind, tensors in (("parameter", model.named_parameters(remove_duplicate=False)),
+                          ("buffer", model.named_buffers(remove_duplicate=False))):  # fmt: skip
+        for name, tensor in tensors:
+            names.setdefault(id(tensor), (kind, name))
     rows: list[Hashable] = []
     for name, module in model.named_modules():
         attrs = tuple(
@@ -108,7 +115,7 @@ def _value(value: Any, names: Mapping[int, str], depth: int) -> Hashable:
     if isinstance(value, float | complex):
         return (type(value), repr(value))  # nan == nan, and -0.0 != 0.0
     if isinstance(value, torch.Tensor):
-        return _tensor(value)
+        return ("registered", names[id(value)]) if id(value) in names else _tensor(value)
     if isinstance(value, nn.Module):
         # another module of the tree by its name; one outside the tree by its own signature
         return ("module", names[id(value)]) if id(value) in names else ("free", _opaque_or(value))
@@ -130,6 +137,8 @@ def _value(value: Any, names: Mapping[int, str], depth: int) -> Hashable:
         return ("method", deeper(value.__func__), me)
     if isinstance(value, functools.partial):
         return ("partial", deeper(value.func), deeper(value.args), deeper(value.keywords))
+    if isinstance(value, weakref.ref):  # an RNN's to its parameters: what it refers to
+        return ("weakref", deeper(value()))
     if isinstance(value, types.BuiltinFunctionType | types.ModuleType):
         return ("same", value)  # torch.relu, math.sqrt, a module: one object per process
     return _opaque_or(value)

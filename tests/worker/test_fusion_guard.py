@@ -431,3 +431,54 @@ def test_a_forward_vmap_cannot_run_in_eval_mode_evaluates_its_members_one_at_a_t
         for got, want in zip(reports, alone, strict=True):
             assert got.metrics[key] == pytest.approx(want.metrics[key], rel=1e-5), key
     assert_as_alone(workload, array, members)
+
+
+class _Recurrent(nn.Module):
+    """The 64 pixels as 8 steps of 8, an LSTM over them, its last output to a head."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(8, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(x.view(-1, 8, 8))
+        return self.head(out[:, -1])
+
+
+class _RecurrentMLP(HiddenActMLP):
+    name = "recurrent-digits"
+
+    def build_model(self, config: Mapping[str, Any]) -> Any:
+        return _Recurrent(int(self.resolve(config)["hidden"]))
+
+
+def test_an_lstm_is_one_model_for_the_guard_whatever_its_weights() -> None:
+    """An LSTM keeps its parameters in a list too (``_flat_weights``), which the guard read
+    by value, a different one per member: every member was a model apart, and the warning
+    blamed parameter 'seed', to be declared structural. They are one model now: vmap, which
+    cannot batch an LSTM, fails its first step, and they go on one at a time with a note
+    saying so, as alone."""
+    workload = _RecurrentMLP()
+    members = [member(f"r{i}", 40 + i, lr=0.02 * (i + 1)) for i in range(3)]
+    array = trained(workload, members)
+    assert array.warning is None, array.warning
+    assert any("vmap could not run" in note for note in array.notes), array.notes
+    assert_as_alone(workload, array, members)
+
+
+def test_members_that_differ_by_their_seed_alone_are_not_told_to_declare_it() -> None:
+    """A model drawn from the seed (its width): the warning says what differs, not
+    "parameter 'seed' ... declare the parameter structural", which no one can act on."""
+
+    class Drawn(HiddenActMLP):
+        name = "drawn-width"
+
+        def build_model(self, config: Mapping[str, Any]) -> Any:
+            width = 16 + 8 * (int(self.resolve(config)["seed"]) % 2)
+            return nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, 10))
+
+    array = FusedArray(Drawn(), [member(f"d{i}", 50 + i) for i in range(2)])
+    assert array.warning is not None
+    assert "in something build_model makes per trial" in array.warning
+    assert "Declare the parameter" not in array.warning
