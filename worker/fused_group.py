@@ -186,20 +186,20 @@ def validation_values(workload: Workload, out: Tensor, y: Tensor) -> dict[str, f
 
 
 def member_losses(
-    out: Tensor, y: Tensor, workload: Workload, stacked: bool, on_host: bool
+    out: Tensor, y: Tensor, workload: Workload, stacked: bool, on_host: bool, batched: bool
 ) -> Tensor:
     """The members' ``[k]`` losses from their outputs ``out`` (``[k, B, ...]``, float32): the
     workload's batched form where it has one, for one member too (a member's loss must not
     depend on how many share its array: ``F.cross_entropy``'s mean and the batched form's
     per-example mean round apart in the last bits); ``stacked``: each member's targets are
-    its own (``y[i]``)."""
+    its own (``y[i]``); ``batched``: its ``stacked_loss`` was written for its ``loss``
+    (:func:`written_for_loss`, asked outside a compiled step)."""
     k, loss = out.shape[0], workload.loss
     if stacked:
         return torch.stack([loss(o, t) for o, t in zip(out.unbind(0), y.unbind(0), strict=True)])
-    fits = written_for_loss(type(workload), "stacked_loss")
-    batched = workload.stacked_loss(out, y) if fits else None
-    if batched is not None:
-        return batched
+    losses = workload.stacked_loss(out, y) if batched else None
+    if losses is not None:
+        return losses
     if k == 1:
         return loss(out[0], y).unsqueeze(0)
     if k <= LOOP_LOSS_MAX and on_host:
@@ -215,6 +215,7 @@ def losses_function(
     """``(params, buffers, batch) -> [k]``: the training losses of ``stack``'s members on a
     batch (float32, not bf16; autograd), the function a compiled step compiles."""
     on_host = device.type == "cpu"
+    batched = written_for_loss(type(workload), "stacked_loss")
 
     def losses(params: dict[str, Tensor], buffers: dict[str, Tensor], batch: Any) -> Tensor:
         if stack.losses is not None:
@@ -224,7 +225,7 @@ def losses_function(
         forward = stack.train_forward or stack.forward
         with autocast(precision, device):
             out = forward(params, buffers, x)
-        return member_losses(full(out), y, workload, stack.stacked, on_host)
+        return member_losses(full(out), y, workload, stack.stacked, on_host, batched)
 
     return losses
 
@@ -310,7 +311,8 @@ class Group:
         return self._eager(self.params, self.buffers, batch)
 
     def _losses(self, out: Tensor, y: Tensor, workload: Workload, stacked: bool) -> Tensor:
-        return member_losses(out, y, workload, stacked, self.on_host)
+        batched = written_for_loss(type(workload), "stacked_loss")
+        return member_losses(out, y, workload, stacked, self.on_host, batched)
 
     def settled(self, batch: Any) -> bool:
         """Whether a step on ``batch`` runs code that has run before: a vmap stack's first
