@@ -103,6 +103,7 @@ from worker.module_state import (
     put,
     python_state,
     restore,
+    restore_object_state,
     restore_python_state,
     set_python_state,
 )
@@ -499,6 +500,9 @@ class FusedArray:
         self.probe_keys: dict[Hashable, Hashable] = {}
         #: the probes that ran on no batch (streamed data whose loader gave none)
         self.unprobed: set[Hashable] = set()
+        #: the optimizer scales each gradient to a full step (all but SGD, which steps by a
+        #: gradient of float rounding, ~1e-8 of the weights, and nothing shows)
+        self.scales_gradients = str(self.config.get("optimizer", "sgd")) != "sgd"
         for part in parts:
             template = meta_template(models[part[0]])
             for i in part:
@@ -575,8 +579,7 @@ class FusedArray:
             # stack's batched value under vmap, which no member can hold or save: apart
             apart = (probed.mutates or bool(drifted) or bool(probed.workload_state)
                      or bool(probed.tensor_state))  # fmt: skip
-            # SGD steps by such a gradient (~1e-8 of the weights): nothing shows
-            rounding = bool(probed.noise) and self.config.get("optimizer", "sgd") != "sgd"
+            rounding = bool(probed.noise) and self.scales_gradients
             stacks = _forwards(workload, template, part, mode, stochastic, self.precision,
                                apart=apart, rounding=rounding)  # fmt: skip
             if mode == "auto" and len(stacks) > 1 and not apart:  # say why, as for the rest
@@ -758,7 +761,7 @@ class FusedArray:
             for n, b in held.buffers.items():
                 group.buffers[n].copy_(b)
         restore_python_state(group.template, held.python)
-        restore(workload, held.workload, changed_state(held.workload, object_state(workload)))
+        restore_object_state(workload, held.workload)
 
     def _rounding_noise(self, group: Group, batch: Any) -> tuple[str, ...]:
         """Before the first step of a vmap stack that no probe ran on (streamed data whose
@@ -773,7 +776,7 @@ class FusedArray:
             or group.mode != "vmap"
             or group.proven
             or self.probe_keys[group.keys[0]] not in self.unprobed
-            or str(self.config.get("optimizer", "sgd")) == "sgd"
+            or not self.scales_gradients
         ):
             return ()
         workload = self.workload_of(group)
@@ -784,7 +787,7 @@ class FusedArray:
         def losses(params: dict[str, Tensor]) -> Tensor:
             # each run from the same state: a step counter on a module or on the workload
             # object moved by the first would make the second's gradient another one
-            restore(workload, held, changed_state(held, object_state(workload)))
+            restore_object_state(workload, held)
             own = copy.deepcopy(group.template)
             single = stack_of(workload, own, "serial", group.stochastic)
             run = losses_function(single, workload, self.precision, self.device)
@@ -793,14 +796,15 @@ class FusedArray:
         try:
             names = rounding_noise(losses, {n: p[0:1] for n, p in group.params.items()})
         finally:
-            restore(workload, held, changed_state(held, object_state(workload)))
+            restore_object_state(workload, held)
         if names:
             learn_noise(self.probe_keys[group.keys[0]], names)
         return names
 
     def _split_per_member(self, group: Group) -> list[Group]:
-        """``group``'s members as one stack each: the same tensors, optimizer state and epoch
-        loss so far, trained one at a time from here on."""
+        """``group``'s members as one stack each, in its place among the array's groups: the
+        same tensors, optimizer state and epoch loss so far, trained one at a time from here
+        on."""
         singles = [
             self._group(
                 [key],
@@ -824,6 +828,8 @@ class FusedArray:
         sums, bad = group.losses.totals(), group.losses.bad_steps()
         for i, single in enumerate(singles):
             single.losses.carry(0, sums[i], bad[i])
+        at = self.groups.index(group)
+        self.groups[at : at + 1] = singles
         return singles
 
     def spill_notes(self) -> list[str]:
@@ -1048,11 +1054,7 @@ class FusedArray:
         noise = self._rounding_noise(group, batch)
         if noise:
             self.notes.append(self._rounding_note(noise))
-            singles = self._split_per_member(group)
-            at = self.groups.index(group)
-            self.groups[at : at + 1] = singles
-            for single in singles:
-                self._step_group(single, _member_batch(batch, group, single))
+            self._step_alone(group, self._split_per_member(group), batch)
             return
         workload = self.workload_of(group)
         held = self._hold(group, workload)
@@ -1094,11 +1096,13 @@ class FusedArray:
                 self._compile(group)  # with fixed shapes, or eager
                 self._step_group(group, batch)
                 return
-            singles = self._vmap_failed(group, exc)
-            at = self.groups.index(group)
-            self.groups[at : at + 1] = singles
-            for single in singles:
-                self._step_group(single, _member_batch(batch, group, single))
+            self._step_alone(group, self._vmap_failed(group, exc), batch)
+
+    def _step_alone(self, group: Group, singles: list[Group], batch: Any) -> None:
+        """The step of ``group``'s members, split off it (:meth:`_split_per_member`), each on
+        its part of ``group``'s training ``batch``."""
+        for single in singles:
+            self._step_group(single, _member_batch(batch, group, single))
 
     def epoch_inputs(self, epoch: int, skip: int, count: int) -> Iterator[Any]:
         """What :meth:`train_step` takes for steps ``skip`` to ``skip + count`` of
@@ -1232,8 +1236,6 @@ class FusedArray:
             if group.compiled is not None:  # its members' steps are eager from here on
                 self.step_keys.pop(id(group), None)
             singles = self._vmap_failed(group, exc, "evaluation")
-            at = self.groups.index(group)
-            self.groups[at : at + 1] = singles
             values = []
             for single in singles:
                 single.template.eval()  # the first is the stack's own, the others copies
@@ -1245,7 +1247,7 @@ class FusedArray:
     def _probe_batches(self) -> list[Any]:
         """Streamed data's batch to probe a model on (:mod:`worker.probe`) before it trains:
         the first validation batch (its training batches are the epochs' own, and each
-        training batch it draws is a step). None where the loader cannot give one: the
+        training batch it draws is a step). Nothing where the loader cannot give one: the
         probe then sees nothing, and training finds what it can."""
         batches = self._validation_batches()
         try:

@@ -99,6 +99,14 @@ def restore_python_state(model: nn.Module, held: dict[str, Any]) -> list[str]:
     return changed
 
 
+def restore_object_state(obj: Any, held: dict[str, Any]) -> list[str]:
+    """Put ``obj``'s own attributes back to ``held`` (an :func:`object_state` reading of it);
+    the names that had changed."""
+    changed = changed_state(held, object_state(obj))
+    restore(obj, held, changed)
+    return changed
+
+
 #: a tensor attribute of a workload object up to this many elements is compared by value
 #: (a counter kept as a tensor, changed in place); larger ones are data, by identity
 SMALL_TENSOR = 4096

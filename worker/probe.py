@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from packtune.workloads.base import Workload
 from worker.batches import tensors, tree_map
 from worker.fused_forward import model_function
-from worker.module_state import changed_state, object_state, python_state, restore
+from worker.module_state import changed_state, object_state, python_state, restore_object_state
 from worker.rng import draws_random
 
 log = logging.getLogger(__name__)
@@ -186,8 +186,7 @@ def _probe_batch(workload: Workload, model: nn.Module, batch: Any, noise: bool =
         deterministic = not (drew.torch or drew.host or mutates)
         rounding = model_noise(workload, model, own_batch) if deterministic and noise else ()
     finally:  # the probe's own changes to the workload object are undone
-        changed = changed_state(held, object_state(workload))
-        restore(workload, held, changed)
+        changed = restore_object_state(workload, held)
     after = python_state(trial)
     changed_model = changed_state(own, after)
     return Probed(
