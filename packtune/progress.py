@@ -55,12 +55,14 @@ def _best(summary: dict[str, Any], metric: str) -> str:
     return f"best: trial {best['id']} {escape(metric)}={shown}"
 
 
-def _failed(progress: dict[str, Any]) -> str:
-    """`` (3 failed)`` after the units, where trials failed: their last units count as done
-    (the bar reaches its total however its trials end), and "6/6 units" alone read as a
-    study whose trials all trained."""
-    failed = progress.get("failed") or 0
-    return f" [red]({failed} failed)[/]" if failed else ""
+def failed_text(failed: int, markup: bool = False) -> str:
+    """`` (3 failed)``, said after a study's units done where ``failed`` of its trials
+    failed (in red with ``markup``): their last units count as done (the bar reaches its
+    total however its trials end), and "6/6 units" alone read as a study whose trials all
+    trained; nothing where none did."""
+    if not failed:
+        return ""
+    return f" [red]({failed} failed)[/]" if markup else f" ({failed} failed)"
 
 
 def budget_text(summary: dict[str, Any]) -> str:
@@ -124,7 +126,7 @@ def watch(
                 task,
                 total=progress.get("total"),
                 completed=progress.get("done", 0),
-                failed=_failed(progress),
+                failed=failed_text(progress.get("failed") or 0, markup=True),
                 packs=summary.get("packs_running", 0),
                 best=_best(summary, metric),
                 budget=budget_text(summary),

@@ -68,14 +68,9 @@ def connected(url: str, token: str | None) -> Iterator[Client]:
         _fail(f"unexpected answer from {url} ({type(exc).__name__}: {exc}): is it packtune?")
 
 
-def _failed(study: Study) -> str:
-    """`` (3 failed)``, said after its units done where any of its trials failed: ``6/6``
-    alone read as a study whose trials all trained (a failed trial's last unit counts as
-    done); nothing where none did."""
-    return f" ({study.failed_trials} failed)" if study.failed_trials else ""
-
-
 def _line(study: Study) -> str:
+    from packtune.progress import failed_text
+
     done, total = study.progress
     best = ""
     if study.best_metrics is not None:
@@ -83,7 +78,8 @@ def _line(study: Study) -> str:
         value = study.best_metrics.get(study.metric)
         best += f"{value:.4g}" if isinstance(value, int | float) else "?"
     head = f"study {study.id} {study.name} ({study.workload})"
-    return f"{head}: {study.status}, {done}/{total} units{_failed(study)}{best}"
+    failed = failed_text(study.failed_trials)
+    return f"{head}: {study.status}, {done}/{total} units{failed}{best}"
 
 
 def register(app: typer.Typer) -> None:
@@ -142,7 +138,7 @@ def register(app: typer.Typer) -> None:
         _need_stdout("the studies")
         from rich.table import Table
 
-        from packtune.progress import output_console
+        from packtune.progress import failed_text, output_console
 
         with connected(url, token) as client:
             rows, count = client.studies_page(status, limit or None, offset)
@@ -152,7 +148,7 @@ def register(app: typer.Typer) -> None:
             value = (study.best_metrics or {}).get(study.metric)
             shown = f"{study.metric}={value:.4g}" if isinstance(value, int | float) else "-"
             share = f"{study.share:.0%}" if study.share is not None else "-"
-            units = f"{done}/{total}" + (f"[red]{_failed(study)}[/]" if study.failed_trials else "")
+            units = f"{done}/{total}{failed_text(study.failed_trials, markup=True)}"
             table.add_row(str(study.id), escape(study.name), escape(study.workload),
                           study.status, units, escape(shown), share,
                           escape(study.owner or "-"))  # fmt: skip
