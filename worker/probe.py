@@ -137,14 +137,15 @@ def _run_probe(workload: Workload, model: nn.Module, batches: Sequence[Any]) -> 
         except Exception as exc:
             error = exc
     if seen:
+
+        def union(field: str) -> tuple[str, ...]:  # every batch's names, in order, once
+            return tuple(dict.fromkeys(n for p in seen for n in getattr(p, field)))
+
         return Probed(
             draws=any(p.draws for p in seen), host_draws=any(p.host_draws for p in seen),
-            mutates=any(p.mutates for p in seen),
-            reassigned=tuple(dict.fromkeys(n for p in seen for n in p.reassigned)),
-            workload_state=tuple(dict.fromkeys(n for p in seen for n in p.workload_state)),
-            model_state=tuple(dict.fromkeys(n for p in seen for n in p.model_state)),
-            tensor_state=tuple(dict.fromkeys(n for p in seen for n in p.tensor_state)),
-            noise=tuple(dict.fromkeys(n for p in seen for n in p.noise)),
+            mutates=any(p.mutates for p in seen), reassigned=union("reassigned"),
+            workload_state=union("workload_state"), model_state=union("model_state"),
+            tensor_state=union("tensor_state"), noise=union("noise"),
         )  # fmt: skip
     note = (
         f"{workload.name}: could not tell whether training draws random numbers (a training "
