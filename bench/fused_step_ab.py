@@ -9,11 +9,13 @@ each, back to back. Reported: the per-pair ratio (plain time / fused time,
 i.e. fused trial-steps/s over serial trial-steps/s) and its median.
 
     python -m bench.fused_step_ab --workload synthetic-mlp --k 8 --pairs 15
+    python -m bench.fused_step_ab --workload digits-mlp --config dropout=0.2  # stochastic
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -31,9 +33,26 @@ from worker.fused import FusedArray
 CLOCK = time.thread_time
 
 
-def measure(name: str, k: int, steps: int, pairs: int) -> list[tuple[float, float]]:
+def config_values(pairs: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs as workload config values (VALUE read as JSON where it is JSON:
+    ``dropout=0.2`` is a float, ``activation=tanh`` a string)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--config {pair}: not KEY=VALUE")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def measure(
+    name: str, k: int, steps: int, pairs: int, config: dict[str, Any] | None = None
+) -> list[tuple[float, float]]:
     """``pairs`` (fused seconds per step, plain seconds per trial-step) samples."""
-    base: dict[str, Any] = CONFIGS.get(name, {}).get("cpu", {})
+    base: dict[str, Any] = {**CONFIGS.get(name, {}).get("cpu", {}), **(config or {})}
     workload = get_workload(name)
     array = FusedArray(workload, [(j, member_config(base, j, k)) for j in range(k)])
     batches = list(workload.batch_indices(array.config, 0))
@@ -77,16 +96,25 @@ def main(argv: list[str] | None = None) -> None:
         "--threads", type=int, default=None, help="torch threads (default: cores - 1, as workers)"
     )
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a workload config value of every member (e.g. dropout=0.2); repeatable",
+    )
     args = parser.parse_args(argv)
     global CLOCK
     CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
-    samples = measure(args.workload, args.k, args.steps, args.pairs)
+    config = config_values(args.config)
+    samples = measure(args.workload, args.k, args.steps, args.pairs, config)
     ratios = [k * plain / fused for fused, plain in samples for k in [args.k]]
     fused_ms = statistics.median(f for f, _ in samples) * 1e3
     plain_ms = statistics.median(p for _, p in samples) * 1e3
     print(
-        f"{args.workload} k={args.k}: fused step {fused_ms:.3f} ms, plain step "
+        f"{args.workload}{''.join(f' {key}={value}' for key, value in config.items())} "
+        f"k={args.k}: fused step {fused_ms:.3f} ms, plain step "
         f"{plain_ms:.3f} ms; fused/serial median {statistics.median(ratios):.2f}x "
         f"(per pair {min(ratios):.2f}-{max(ratios):.2f}x: "
         + " ".join(f"{r:.2f}" for r in ratios)

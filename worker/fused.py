@@ -130,6 +130,7 @@ from worker.rng import (
     host_state,
     same_states,
     seed_host,
+    seed_torch,
     set_host_state,
     torch_states,
 )
@@ -186,7 +187,7 @@ def _build_model(
     workload: Workload, config: Mapping[str, Any], state: Mapping[str, Any] | None
 ) -> nn.Module:
     """One member's model, initialised exactly as a plain run of ``config`` would be."""
-    torch.manual_seed(int(config["seed"]))
+    seed_torch(int(config["seed"]))
     try:
         model = workload.build_model(config)
     except Exception as exc:  # name what was asked for: the trial's error says it
@@ -931,7 +932,7 @@ class FusedArray:
         for key in group.keys:
             draw = int(torch.randint(0, 2**62, (1,), generator=self.generators[key]))
             seed = (seed * _RNG_MIX + draw) % 2**63
-        torch.manual_seed(seed)
+        seed_torch(seed)
 
     def train_step(self, batch: Any) -> None:
         """One step of every member on ``batch``: indices into the train split (in-memory

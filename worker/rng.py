@@ -16,6 +16,7 @@ hung in ``torch.cuda._lazy_call``).
 
 from __future__ import annotations
 
+import functools
 import random
 import sys
 import threading
@@ -143,7 +144,7 @@ def draws_random(run: Callable[[], object], device: torch.device | None = None) 
     host = host_state()
     try:
         with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(0)
+            seed_torch(0)
             before = _states(devices)
             run()
             drew = not same_states(before, _states(devices))
@@ -187,6 +188,32 @@ def decode_host(saved: dict[str, Any]) -> HostState:
         kind, keys, pos, has_gauss, cached = saved["numpy"]
         np_state = (kind, numpy.array(keys, dtype=numpy.uint32), pos, has_gauss, cached)
     return (version, tuple(internal), gauss), np_state
+
+
+@functools.cache
+def _accelerator_present() -> bool:
+    """Whether this process has a generator beyond the CPU's for ``torch.manual_seed`` to seed
+    (CUDA, MPS, XPU, MTIA, or a registered out-of-tree backend); fixed for a process's life."""
+    optional = [getattr(torch, name, None) for name in ("xpu", "mtia")]
+    return bool(
+        torch.cuda.is_available()
+        or torch.backends.mps.is_available()
+        or any(module is not None and module.is_available() for module in optional)
+        or hasattr(torch, torch._C._get_privateuse1_backend_name())
+    )
+
+
+def seed_torch(seed: int) -> None:
+    """``torch.manual_seed(seed)``: the same generators left in the same states.
+
+    Where no accelerator can start in this process (a CPU host), the CPU generator alone,
+    which is all ``manual_seed`` seeds there: it also queues lazy CUDA, XPU and MTIA seeds, each
+    with a copy of the caller's stack (``traceback.format_stack``), ~0.6 ms a call at a
+    worker's depth, and a stochastic array reseeds before each member's step."""
+    if _accelerator_present():
+        torch.manual_seed(seed)
+    else:
+        torch.default_generator.manual_seed(int(seed))
 
 
 def seed_host(seed: int) -> None:
