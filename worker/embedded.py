@@ -104,10 +104,12 @@ def _warm_up(workload: str | None) -> str:
     started = time.perf_counter()
     try:
         import torch
+        from sqlalchemy.orm import configure_mappers
 
         from packtune.workloads import get_workload
         from worker.jobs import pick_device
 
+        configure_mappers()  # the models' (~0.1 s on a CPU): else at the first pack's claim
         device = pick_device()
         torch.zeros(1, device=device)  # on a GPU: the CUDA context, seconds
         chosen = get_workload(workload) if workload is not None else None

@@ -43,6 +43,16 @@ def runners(pid: int) -> list[int]:
     return out
 
 
+def mappers_configured() -> bool:
+    """In a runner: whether the models' mappers are configured (SQLAlchemy does it at a
+    session's first query: ~0.1 s on a CPU, which the first pack's claim paid)."""
+    from sqlalchemy import inspect
+
+    from service.models import Trial
+
+    return bool(inspect(Trial).configured)
+
+
 def test_start_spawns_and_warms_the_runner_before_any_pack(clean_env: pytest.MonkeyPatch) -> None:
     dispatcher = EmbeddedDispatcher(get_settings())
     began = time.monotonic()
@@ -59,6 +69,7 @@ def test_start_spawns_and_warms_the_runner_before_any_pack(clean_env: pytest.Mon
         # torch's objects frozen out of the collector's way: the first pack's memory probe
         # collects in milliseconds, not the ~0.12 s a full collection of them takes
         assert dispatcher._executor().submit(gc.get_freeze_count).result(timeout=60) > 100_000
+        assert dispatcher._executor().submit(mappers_configured).result(timeout=60)
     finally:
         dispatcher.close()
     assert all(gone(k) for k in kids)
