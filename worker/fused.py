@@ -31,9 +31,13 @@ eval mode runs), from that evaluation on.
 
 Randomness (dropout, or draws seen in a probe forward: :func:`worker.probe.is_stochastic`): each
 member owns a CPU ``torch.Generator`` seeded from its trial seed; its state is part of
-the member's exported state. Before each step of a stack the global generator is
+the member's exported state. A hand-fusable model whose only draws are its ``nn.Dropout``
+modules' (:attr:`worker.probe.Probed.dropout_only`) stacks ``bmm``: before each step every
+member's stream seeds a generator of its own that draws its masks
+(:class:`worker.fused_forward.MemberStreams`), the same in a stack of one as in any.
+Otherwise, before each step of a stack the global generator is
 reseeded from one draw of each of its members' generators, and the stack's ops draw
-from it. In ``auto`` mode a stochastic model runs ``serial`` (a stack of one), so each
+from it. In ``auto`` mode such a model runs ``serial`` (a stack of one), so each
 trial's draws come from its own stream alone: the same as when it trains unpacked,
 whoever it is packed with. (Forced ``bmm``/``vmap`` stacks share one draw; with
 ``vmap(randomness="different")`` each member still gets different masks, reproducible
@@ -79,6 +83,7 @@ from worker.batches import (
 )
 from worker.decoupled_group import decoupled_group, decoupled_problem, segment_names
 from worker.fused_forward import (
+    MemberStreams,
     bmm_forward,
     bmm_plan,
     custom_losses,
@@ -246,13 +251,23 @@ def _stack(
     return params, buffers
 
 
-def stack_of(workload: Workload, template: nn.Module, mode: str, stochastic: bool) -> Stack:
-    """How a stack of ``template``'s members runs in ``mode`` (``bmm``, ``vmap``, ``serial``)."""
+def stack_of(
+    workload: Workload,
+    template: nn.Module,
+    mode: str,
+    stochastic: bool,
+    streams: MemberStreams | None = None,
+) -> Stack:
+    """How a stack of ``template``'s members runs in ``mode`` (``bmm``, ``vmap``, ``serial``).
+    With ``streams`` (a ``bmm`` or ``serial`` stack of a model whose only draws are its
+    Dropout modules'), the hand-fused forward, each member's masks from its own stream:
+    a stack of one then draws what it would in any stack."""
     stacked = workload.per_member_batches
-    if mode == "bmm":
-        plan = bmm_plan(template, convs=True)
+    if mode == "bmm" or streams is not None:
+        plan = bmm_plan(template, convs=mode == "bmm")
         assert plan is not None
-        forward, train_forward = bmm_forward(plan), bmm_forward(plan, stacked=True)
+        forward = bmm_forward(plan, streams=streams)
+        train_forward = bmm_forward(plan, stacked=True, streams=streams)
     elif mode == "vmap":
         forward, train_forward = vmap_forward(template), vmap_forward(template, stacked=True)
     else:
@@ -262,7 +277,7 @@ def stack_of(workload: Workload, template: nn.Module, mode: str, stochastic: boo
         losses = custom_losses(workload.training_loss, template, mode == "serial", stacked)
     return Stack(
         forward, template, stochastic, mode, stacked=stacked,
-        train_forward=train_forward if stacked else None, losses=losses,
+        train_forward=train_forward if stacked else None, losses=losses, streams=streams,
     )  # fmt: skip
 
 
@@ -275,6 +290,7 @@ def _forwards(
     precision: str = "fp32",
     apart: bool = False,
     rounding: bool = False,
+    dropout_only: bool = False,
 ) -> list[tuple[list[int], Stack]]:
     """The stacks a part of equal models runs as: ``(member indices, stack)``.
 
@@ -288,9 +304,20 @@ def _forwards(
     (:func:`worker.probe.rounding_noise`): through vmap, whose batched kernels round
     otherwise, each member would end apart from its unpacked run, so it runs ``serial``.
     Stacks of one member each have a template of their own: Python state a forward keeps on
-    its module (a step counter) is then each member's, as unpacked.
+    its module (a step counter) is then each member's, as unpacked. ``dropout_only``: the
+    model's only draws are its ``nn.Dropout`` modules' (:attr:`worker.probe.Probed.dropout_only`):
+    a hand-fusable one then stacks ``bmm`` (or ``serial``, ``apart``) with each member's masks
+    from its own stream, the same masks in any stack (:class:`MemberStreams`).
     """
     plan = None if workload.custom_step else bmm_plan(template, convs=mode == "bmm")
+    own_masks = (dropout_only and stochastic and plan is not None and not workload.stochastic
+                 and mode in ("auto", "bmm", "serial"))  # fmt: skip
+    if own_masks:
+        mode = "serial" if apart or mode == "serial" else "bmm"
+        if mode == "serial":
+            return [([i], stack_of(workload, own_copy(template, n), mode, False, MemberStreams()))
+                    for n, i in enumerate(part)]  # fmt: skip
+        return [(list(part), stack_of(workload, template, mode, False, MemberStreams()))]
     if mode == "auto":
         if stochastic or apart:
             mode = "serial"  # each member draws from its own stream alone, as when unpacked
@@ -581,8 +608,10 @@ class FusedArray:
             apart = (probed.mutates or bool(drifted) or bool(probed.workload_state)
                      or bool(probed.tensor_state))  # fmt: skip
             rounding = bool(probed.noise) and self.scales_gradients
+            # a spilled stack's recompute redraws masks from torch's generator (worker.spill)
+            own_masks = probed.dropout_only and spill_budget is None
             stacks = _forwards(workload, template, part, mode, stochastic, self.precision,
-                               apart=apart, rounding=rounding)  # fmt: skip
+                               apart=apart, rounding=rounding, dropout_only=own_masks)  # fmt: skip
             if mode == "auto" and len(stacks) > 1 and not apart:  # say why, as for the rest
                 why = (
                     "draws random numbers (dropout, or a draw in its forward): fused, its "
@@ -661,7 +690,8 @@ class FusedArray:
 
     def _compile(self, group: Group) -> None:
         """Give ``group`` its compiled step (:mod:`worker.compiled`) where one applies."""
-        if type(group) is not Group or group.stochastic or self.workload_state:
+        if (type(group) is not Group or group.stochastic or group.stack.streams is not None
+                or self.workload_state):  # fmt: skip
             # spilled and decoupled stacks, random draws, and steps that change the workload
             # object (its compiled step would hold one frozen copy of it) stay eager
             return
@@ -820,6 +850,7 @@ class FusedArray:
                     own_copy(group.template, i),
                     "serial",
                     group.stochastic,
+                    MemberStreams() if group.stack.streams is not None else None,
                 ),
             )  # fmt: skip
             for i, key in enumerate(group.keys)
@@ -934,6 +965,14 @@ class FusedArray:
             seed = (seed * _RNG_MIX + draw) % 2**63
         seed_torch(seed)
 
+    def _seed_streams(self, group: Group) -> None:
+        """Seed a stack's per-member dropout streams, each from one draw of its member's own."""
+        streams = group.stack.streams
+        if streams is not None:
+            seeds = [int(torch.randint(0, 2**62, (1,), generator=self.generators[key]))
+                     for key in group.keys]  # fmt: skip
+            streams.seed(seeds, self.device)
+
     def train_step(self, batch: Any) -> None:
         """One step of every member on ``batch``: indices into the train split (in-memory
         data), or one item of :meth:`epoch_inputs` (streamed data).
@@ -1044,6 +1083,7 @@ class FusedArray:
         if group.settled(batch):
             if group.stochastic:
                 self._reseed(group)
+            self._seed_streams(group)
             group.step(batch, self.workload_of(group), self.step + 1)
             return
         # A vmap stack's first step (vmap may be unable to batch the model's code), or a
@@ -1064,6 +1104,7 @@ class FusedArray:
         try:
             if group.stochastic:
                 self._reseed(group)
+            self._seed_streams(group)
             if group.compiled is not None:
                 with compiled.COMPILING:  # one array's first step at a time: its check too
                     own = compiled.template_of(self.step_keys[id(group)])

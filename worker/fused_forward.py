@@ -253,9 +253,48 @@ class _StackedLinear(torch.autograd.Function):
         return grad_h, grad_w, grad_b
 
 
-def bmm_forward(plan: list[tuple[str, nn.Module, str]], stacked: bool = False) -> Forward:
+class MemberStreams:
+    """Each member's own dropout stream in a hand-fused stack: a generator per member on
+    the stack's device, seeded before each step from one draw of the member's own stream
+    (:meth:`seed`). A member's masks then depend on its stream alone, whoever it is stacked
+    with and whatever the stack's size: fused or alone, it draws the same masks."""
+
+    def __init__(self) -> None:
+        self.generators: list[torch.Generator] = []
+        self._device: torch.device | None = None
+
+    def seed(self, seeds: list[int], device: torch.device) -> None:
+        if self._device != device:
+            self.generators, self._device = [], device
+        while len(self.generators) < len(seeds):
+            self.generators.append(torch.Generator(device))
+        del self.generators[len(seeds) :]
+        for generator, seed in zip(self.generators, seeds, strict=True):
+            generator.manual_seed(seed)
+
+
+def member_dropout(h: Tensor, p: float, streams: MemberStreams) -> Tensor:
+    """Inverted dropout of ``[k, ...]``, member j's mask drawn from its own generator: each
+    member's slice is what ``h[j] * mask / (1 - p)`` gives alone (element-wise, so exact)."""
+    if p >= 1.0:
+        return h * 0.0
+    keep = 1.0 - p
+    masks = torch.stack([
+        torch.empty(h.shape[1:], dtype=h.dtype, device=h.device).bernoulli_(keep, generator=g)
+        for g in streams.generators
+    ])  # fmt: skip
+    return h * masks / keep
+
+
+def bmm_forward(
+    plan: list[tuple[str, nn.Module, str]],
+    stacked: bool = False,
+    streams: MemberStreams | None = None,
+) -> Forward:
     """Forward of a stack following ``plan``: shared ``[B, ...]`` (or with ``stacked``, the
-    members' own ``[k, B, ...]``) in, ``[k, B, ...]`` out."""
+    members' own ``[k, B, ...]``) in, ``[k, B, ...]`` out. With ``streams``, Dropout layers
+    in training mode draw each member's mask from its own stream (:class:`MemberStreams`);
+    without, from torch's global generator, one draw for the stack."""
 
     def forward(params: dict[str, Tensor], buffers: dict[str, Tensor], x: Tensor) -> Tensor:
         k = next(iter(params.values())).shape[0]
@@ -279,6 +318,8 @@ def bmm_forward(plan: list[tuple[str, nn.Module, str]], stacked: bool = False) -
                 h = _stacked_conv(h, module, params, pre)
             elif kind == "pool":  # over each of the k*C channels alone
                 h = _members_of(module(_channels_of_all(h)), k)
+            elif streams is not None and type(module) is nn.Dropout and module.training:
+                h = member_dropout(h, float(module.p), streams) if module.p > 0 else h
             else:
                 h = module(h)
         return h.expand(k, *h.shape) if shared else h

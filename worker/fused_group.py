@@ -27,7 +27,7 @@ from torch.func import vmap
 from packtune.tuning import LOOP_LOSS_MAX
 from packtune.workloads.base import Workload
 from worker.batches import batch_size, tensors
-from worker.fused_forward import Forward, Losses, model_function
+from worker.fused_forward import Forward, Losses, MemberStreams, model_function
 from worker.model_rules import recomputed_error
 from worker.optim import StackedOptimizer
 
@@ -115,6 +115,9 @@ class Stack:
     stacked: bool = False
     train_forward: Forward | None = None
     losses: Losses | None = None
+    #: each member's own dropout stream (``bmm``/``serial`` stacks of a model whose only
+    #: draws are its Dropout modules'), seeded before each step
+    streams: MemberStreams | None = None
 
 
 def metric_values(workload: Workload, method: str, values: Any) -> dict[str, float]:

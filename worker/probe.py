@@ -59,6 +59,10 @@ class Probed:
     tensor_state: tuple[str, ...] = ()
     #: parameters whose training gradient is float rounding (:func:`rounding_noise`)
     noise: tuple[str, ...] = ()
+    #: every draw from torch's generators was a ``nn.Dropout`` module's: with their ``p`` at 0
+    #: the forwards drew nothing (a hand-fused stack then draws each member's masks from its
+    #: own stream: :class:`worker.fused_forward.MemberStreams`)
+    dropout_only: bool = False
     note: str | None = None
 
 
@@ -84,9 +88,12 @@ def probe(
     if learned is None:
         return _PROBED[key]
     seen = _PROBED[key]
+    # a draw training showed the probe had not seen is not a Dropout module's, whatever the
+    # probe saw of those
     return replace(seen, draws=seen.draws or learned.draws,
                    host_draws=seen.host_draws or learned.host_draws,
-                   noise=seen.noise or learned.noise)  # fmt: skip
+                   noise=seen.noise or learned.noise,
+                   dropout_only=seen.dropout_only and not learned.draws)  # fmt: skip
 
 
 def probed_already(workload: Workload, signature: Hashable) -> bool:
@@ -146,6 +153,8 @@ def _run_probe(workload: Workload, model: nn.Module, batches: Sequence[Any]) -> 
             mutates=any(p.mutates for p in seen), reassigned=union("reassigned"),
             workload_state=union("workload_state"), model_state=union("model_state"),
             tensor_state=union("tensor_state"), noise=union("noise"),
+            dropout_only=any(p.draws for p in seen)
+            and all(p.dropout_only for p in seen if p.draws),
         )  # fmt: skip
     note = (
         f"{workload.name}: could not tell whether training draws random numbers (a training "
@@ -183,16 +192,29 @@ def _probe_batch(workload: Workload, model: nn.Module, batch: Any, noise: bool =
         reassigned = tuple(n for n, b in buffers.items()
                            if now.get(n) is not b and n not in caches)  # fmt: skip
         _evaluate(workload, trial, tree_map(torch.clone, own_batch))  # what only eval changes
-        # (a model that draws trains one member per stack anyway, and would seem noisy)
-        deterministic = not (drew.torch or drew.host or mutates)
-        rounding = model_noise(workload, model, own_batch) if deterministic and noise else ()
+        # draws that stop with every Dropout module's p at 0 were theirs alone
+        quiet = without_dropout(model) if drew.torch and not drew.host else None
+        if quiet is not None:
+
+            def run_quiet(trial: nn.Module = copy.deepcopy(quiet).train()) -> None:
+                for _ in range(PROBE_FORWARDS):
+                    _training_loss(workload, trial, tree_map(torch.clone, own_batch))
+
+            dropout_only = not draws_random(run_quiet, device).torch
+        else:
+            dropout_only = False
+        # (a model that draws trains one member per stack, and would seem noisy; one whose
+        # draws are its Dropout modules' is looked at without them)
+        deterministic = not (drew.host or mutates) and (not drew.torch or dropout_only)
+        looked_at = quiet if dropout_only and quiet is not None else model
+        rounding = model_noise(workload, looked_at, own_batch) if deterministic and noise else ()
     finally:  # the probe's own changes to the workload object are undone
         changed = restore_object_state(workload, held)
     after = python_state(trial)
     changed_model = changed_state(own, after)
     return Probed(
         draws=drew.torch, host_draws=drew.host, mutates=mutates, reassigned=reassigned,
-        workload_state=tuple(changed),
+        dropout_only=dropout_only, workload_state=tuple(changed),
         model_state=tuple(changed_model), tensor_state=tuple(
             n for n in changed_model if isinstance(after.get(n), Tensor)),
         noise=rounding,
@@ -256,6 +278,18 @@ def rounding_noise(
         if int(changed.sum()) >= max(1, NOISE_SHARE * grad.numel()):
             noisy.append(name)
     return tuple(noisy)
+
+
+def without_dropout(model: nn.Module) -> nn.Module | None:
+    """A copy of ``model`` with every ``nn.Dropout`` module's ``p`` at 0 (they then draw
+    nothing), or None where it has no active one."""
+    if not any(type(m) is nn.Dropout and m.p > 0 for m in model.modules()):
+        return None
+    quiet = copy.deepcopy(model)
+    for module in quiet.modules():
+        if type(module) is nn.Dropout:
+            module.p = 0.0
+    return quiet
 
 
 def model_noise(workload: Workload, model: nn.Module, batch: Any) -> tuple[str, ...]:

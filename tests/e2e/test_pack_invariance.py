@@ -1,10 +1,11 @@
 """A study's results never depend on how its trials were packed (real ``packtune serve``).
 
 For every built-in workload, for a study of schedules, clipping and other optimizers, for a
-bf16 (autocast) study, for nine plugin workloads that set fusion traps
-(``tests/support/plugins/trap_workloads.py``: a parameter missing from ``structural``, one
-declared fusible but built as a Python value, one declared fusible and carried as a buffer,
-a step counter on the model's module, one on the workload object, random draws a probe does
+bf16 (autocast) study, for a dropout MLP (fused, each trial's masks its own), for nine
+plugin workloads that set fusion traps (``tests/support/plugins/trap_workloads.py``: a
+parameter missing from ``structural``, one declared fusible but built as a Python value,
+one declared fusible and carried as a buffer, a step counter on the model's module, one on
+the workload object, random draws a probe does
 not see, gradients that are float rounding under Adam), and for four plugins beyond
 in-memory tensors (``tests/support/plugins/stream_workloads.py``: a DataLoader over image
 files the test writes, batches augmented per trial, a custom step on dict batches with two
@@ -94,6 +95,8 @@ SPACES: dict[str, dict[str, Any]] = {
     },
     # mixed precision: the forward under bf16 autocast, batch norm included
     "bf16": {"lr": LR, "batch_norm": fixed(True), "precision": fixed("bf16")},
+    # Dropout modules: fused, each member's masks from its own stream
+    "dropout": {"lr": LR, "hidden": fixed(32), "dropout": fixed(0.3)},
     # streamed from files through DataLoaders (the built-in and a plugin's own folder)
     "digits-files": {"lr": LR, "augment": fixed(True), "loader_workers": fixed(1)},
     "folder-images": {"lr": LR, "root": "IMAGES"},
@@ -103,7 +106,7 @@ SPACES: dict[str, dict[str, Any]] = {
     "unbatchable": {"lr": TRAP_LR},
 }  # fmt: skip
 #: the workload of a case that is not named after its workload
-WORKLOAD_OF = {"schedules": "digits-mlp", "bf16": "digits-mlp"}
+WORKLOAD_OF = {"schedules": "digits-mlp", "bf16": "digits-mlp", "dropout": "digits-mlp"}
 HYPERBAND = {"max_resource": 9, "min_resource": 1, "eta": 3}
 #: The full Hyperband above (17 trials, three rungs, trials resumed twice beside others) is
 #: run by the cases about the training contract across rungs, on the cheap digits MLP. The
@@ -336,3 +339,18 @@ def test_gradients_of_float_rounding_under_adam_trained_their_members_one_at_a_t
     assert any(len(a["trials"]) > 1 for a in arrays), arrays
     assert all(s["mode"] == "serial" for a in arrays for s in a["stacks"]), arrays
     assert any("are float rounding" in n for a in arrays for n in a["notes"]), arrays
+
+
+def test_dropout_trials_were_fused_each_with_masks_of_its_own(
+    results: dict[tuple[str, bool], dict[str, Any]],
+) -> None:
+    """Not vacuous: the dropout study's packed trials trained in hand-fused stacks of
+    several (each member's masks from its own stream), where before each trained alone; and
+    equal to their unpacked twins above."""
+    result = results["dropout", True]
+    mine = {t["id"] for t in result["trials"]}
+    stacks = [
+        s for p in result["packs"] for a in p["arrays"] or [] for s in a["stacks"]
+        if set(s["trials"]) <= mine
+    ]  # fmt: skip
+    assert any(s["mode"] == "bmm" and len(s["trials"]) > 1 for s in stacks), stacks

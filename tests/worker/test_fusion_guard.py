@@ -147,11 +147,38 @@ def test_a_fusible_parameter_carried_as_a_buffer_fuses_exactly() -> None:
 
 
 def test_dropout_trials_train_as_if_alone_in_auto_mode() -> None:
-    """A stochastic member draws from its own stream only, whoever it is packed with."""
+    """A member of a hand-fusable model whose only draws are its Dropout modules' draws its
+    masks from its own stream, in one fused stack: exactly what it draws alone."""
     workload = TinyMLP()
     members = [member(k, i, dropout=0.5) for i, k in enumerate("abc")]
     array = trained(workload, members)
+    assert array.mode == "bmm" and not array.stochastic
+    assert all(group.stack.streams is not None for group in array.groups)
+    assert_as_alone(workload, array, members)
+    assert not [n for n in array.notes if "draws random numbers" in n]
+
+
+class _NoisyDropoutMLP(TinyMLP):
+    """Dropout modules and noise added to the input in the workload's own step."""
+
+    def training_loss(self, model: Any, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return self.loss(model(x + 0.5 * torch.randn_like(x)), y)
+
+    def validation_metrics(self, model: Any, batch: Any) -> dict[str, Any]:
+        x, y = batch
+        return {"val_loss": self.loss(model(x), y)}
+
+
+def test_dropout_beside_other_draws_trains_one_member_per_stack() -> None:
+    """Draws beside the Dropout modules' (noise in the loss) come from torch's generator,
+    which a fused stack's members would share: one member per stack, as unpacked, and
+    the note says why."""
+    workload = _NoisyDropoutMLP()
+    members = [member(k, i, dropout=0.5) for i, k in enumerate("abc")]
+    array = trained(workload, members)
     assert array.mode == "serial" and array.stochastic
+    assert all(group.stack.streams is None for group in array.groups)
     assert_as_alone(workload, array, members)
     # and says why (docs/workloads.md: `serial x1; ...`, "the warning says which")
     (note,) = [n for n in array.notes if "draws random numbers" in n]
@@ -482,3 +509,37 @@ def test_members_that_differ_by_their_seed_alone_are_not_told_to_declare_it() ->
     assert array.warning is not None
     assert "in something build_model makes per trial" in array.warning
     assert "Declare the parameter" not in array.warning
+
+
+class _DropoutAndFunctional(nn.Module):
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(self.body(x), 0.2, self.training)
+
+
+def test_the_probe_tells_dropout_modules_draws_from_others() -> None:
+    """Draws that stop with every nn.Dropout's p at 0 were theirs; a functional dropout
+    beside them is not, and neither is a draw training showed after the probe (else the
+    pack that learned it would fuse again, and again)."""
+    from worker.probe import _LEARNED, learn_draws, probe, probe_key
+
+    workload = TinyMLP()
+    config = workload.resolve({"seed": 1, "data_seed": 0, "dropout": 0.5})
+    train_split = workload.data(config, torch.device("cpu"))[0]
+    batches = [(train_split.x[:n], train_split.y[:n]) for n in (4, 16)]
+    model = workload.build_model(config)
+    assert probe(workload, model, "dropout-only", batches).dropout_only
+    both = _DropoutAndFunctional(workload.build_model(config))
+    seen = probe(workload, both, "dropout-and-functional", batches)
+    assert seen.draws and not seen.dropout_only
+    plain = workload.build_model(workload.resolve({"seed": 1, "data_seed": 0}))
+    assert not probe(workload, plain, "no-dropout", batches).dropout_only  # draws nothing
+    key = probe_key(workload, "dropout-only")
+    try:
+        learn_draws(key, torch_draws=True, host_draws=False)
+        assert not probe(workload, model, "dropout-only", batches).dropout_only
+    finally:
+        _LEARNED.pop(key, None)
