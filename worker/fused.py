@@ -608,8 +608,9 @@ class FusedArray:
             apart = (probed.mutates or bool(drifted) or bool(probed.workload_state)
                      or bool(probed.tensor_state))  # fmt: skip
             rounding = bool(probed.noise) and self.scales_gradients
-            # a spilled stack's recompute redraws masks from torch's generator (worker.spill)
-            own_masks = probed.dropout_only and spill_budget is None
+            # spilled and decoupled stacks run their layers in shards (worker.spill), whose
+            # masks come from torch's generator (a spilled one's recompute redraws them)
+            own_masks = probed.dropout_only and spill_budget is None and self.decoupled is None
             stacks = _forwards(workload, template, part, mode, stochastic, self.precision,
                                apart=apart, rounding=rounding, dropout_only=own_masks)  # fmt: skip
             if mode == "auto" and len(stacks) > 1 and not apart:  # say why, as for the rest

@@ -223,3 +223,20 @@ def test_merging_needs_every_segment_at_one_step() -> None:
     with pytest.raises(ValueError, match="one state per segment"):
         merge_segments([{**part, "segment": 0, "steps_done": 3},
                         {**part, "segment": 2, "steps_done": 3}])  # fmt: skip
+
+
+def test_a_decoupled_dropout_array_keeps_one_member_per_reseeded_stack() -> None:
+    """Decoupled segments run their layers through the spill path's forwards, which draw
+    masks from torch's generator: their members stay on the stochastic path (one member per
+    stack, reseeded), never the hand-fused own-mask one, whose step would see a draw its
+    probe ruled out (UnseenDraws: the pack trained again) and train as alone."""
+    mlp = TinyMLP()
+    extra = {"dropout": 0.3}
+    together = FusedArray(mlp, tiny_members(3, extra), training=DECOUPLED)
+    assert together.stochastic
+    assert all(group.stack.streams is None for group in together.groups)
+    train(together, 14)
+    for key, config in tiny_members(3, extra):
+        alone = FusedArray(mlp, [(key, config)], training=DECOUPLED)
+        train(alone, 14)
+        assert_member_states_close(alone.member_state(key), together.member_state(key))
