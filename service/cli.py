@@ -179,6 +179,27 @@ def summary_reader(factory: sessionmaker[Session], study_id: int) -> Callable[[]
     return fetch
 
 
+def in_thread(target: Callable[[], object]) -> threading.Event:
+    """Run ``target`` in a daemon thread; the event is set when it returns or raises.
+
+    Waited on instead of ``Thread.join``: a join that Ctrl-C interrupts while the thread
+    lives marks it stopped (CPython 3.11's bpo-45274 clean-up in ``_wait_for_tstate_lock``
+    releases the lock the living thread holds), so the next join returns at once. packtune
+    run's scheduler.close() then stopped the study's clock while a tick still ran, and that
+    tick's resume_studies started it again: the time the study sat stopped counted against
+    its max_seconds (resumed later, it failed at serve's first tick)."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            target()
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return done
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where Ctrl-C's KeyboardInterrupt is."""
 
@@ -263,16 +284,10 @@ def run(
     )
 
     started = time.monotonic()
-    thread = threading.Thread(
-        target=scheduler.run, kwargs={"stop": stop, "until_study": study_id}, daemon=True
-    )
-    thread.start()
+    done = in_thread(lambda: scheduler.run(stop=stop, until_study=study_id))
     try:
         summary = watch(
-            summary_reader(factory, study_id),
-            console=console,
-            until=lambda: not thread.is_alive(),
-            sleep=thread.join,
+            summary_reader(factory, study_id), console=console, until=done.is_set, sleep=done.wait
         )
     except KeyboardInterrupt as exc:
         stop.set()
@@ -280,7 +295,7 @@ def run(
         fail("interrupted; the study can be resumed with `packtune serve`", code)
     finally:
         stop.set()
-        thread.join()
+        done.wait()
         scheduler.close()
     if unusable:
         fail(f"{unusable[0]} (study {study_id} is kept: `packtune serve` resumes it)")
