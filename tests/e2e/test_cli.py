@@ -1231,14 +1231,15 @@ def test_ctrl_c_stops_the_study_s_clock_and_gives_the_lease_up(
     """Each of a few `packtune run`s stopped by Ctrl-C while they train leaves its study's
     clock stopped (interrupted_at) and no scheduler lease: none of its ticks ran after it
     closed. Before, about one in ten had a tick run on (its thread marked stopped by the
-    interrupted join), which started the clock again and took the lease back."""
+    interrupted join), which started the clock again and took the lease back (seen at the
+    fifth; the mechanism itself: test_the_wait_for_run_s_scheduler_thread_outlasts_a_ctrl_c)."""
     import signal
     import time
 
     spec = write(tmp_path / "budget.yaml", {**SMALL, "hyperband": {"max_resource": 9, "eta": 3},
                                             "budget": {"max_seconds": 60}})  # fmt: skip
     fast = {**env, "PACKTUNE_SCHEDULER_INTERVAL": "0.02"}
-    for attempt in range(8):
+    for attempt in range(6):
         db = tmp_path / f"run{attempt}.db"
         proc = subprocess.Popen(
             [sys.executable, "-m", "service", "run", str(spec)],
