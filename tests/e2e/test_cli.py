@@ -1111,6 +1111,35 @@ def test_a_failure_with_its_output_reader_gone_still_exits_1(
         assert conn.execute(sa.text("select status from studies")).scalar() == "failed"
 
 
+def run_then_ctrl_c(spec: Path, env: dict[str, str], db: Path, cwd: Path) -> tuple[int, str]:
+    """``packtune run spec`` (its database ``db``) stopped by Ctrl-C once it trains (a
+    measurement written): its exit code and what it printed."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service", "run", str(spec)], env=env, cwd=cwd,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.02)
+            if not db.exists():  # connecting would create it
+                continue
+            try:
+                with sa.create_engine(f"sqlite:///{db}").connect() as conn:
+                    if conn.execute(sa.text("select count(*) from measurements")).scalar():
+                        break  # it trains
+            except sa.exc.OperationalError:
+                continue
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    return proc.returncode, out + err
+
+
 def test_a_time_budget_does_not_count_the_time_an_interrupted_study_sat_stopped(
     env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -1118,35 +1147,18 @@ def test_a_time_budget_does_not_count_the_time_an_interrupted_study_sat_stopped(
     resumed later than its max_seconds after its start, it ended at serve's first tick
     (completed with what it had, or failed with no trial at max_resource) having trained
     for a few seconds of its budget. The time no scheduler ran it is not its time now."""
-    import signal
     import time
 
     spec = write(tmp_path / "budget.yaml", {**SMALL, "hyperband": {"max_resource": 9, "eta": 3},
                                             "budget": {"max_seconds": 20}})  # fmt: skip
     db = tmp_path / "packtune.db"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "service", "run", str(spec)], env=env, cwd=tmp_path,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
 
     def count(query: str) -> Any:
         with sa.create_engine(f"sqlite:///{db}").connect() as conn:
             return conn.execute(sa.text(query)).scalar()
 
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.05)
-            try:
-                if db.exists() and count("select count(*) from measurements"):
-                    break  # it trains
-            except sa.exc.OperationalError:
-                continue
-        os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130, out + err
+    code, said = run_then_ctrl_c(spec, env, db, tmp_path)
+    assert code == 130, said
     time.sleep(21)  # longer than the whole budget
     stopped = count("select count(*) from measurements")
     with serving(env, tmp_path / "serve.log") as url:
@@ -1232,35 +1244,16 @@ def test_ctrl_c_stops_the_study_s_clock_and_gives_the_lease_up(
     clock stopped (interrupted_at) and no scheduler lease: none of its ticks ran after it
     closed. Before, about one in ten had a tick run on (its thread marked stopped by the
     interrupted join), which started the clock again and took the lease back (seen at the
-    fifth; the mechanism itself: test_the_wait_for_run_s_scheduler_thread_outlasts_a_ctrl_c)."""
-    import signal
-    import time
+    fifth; the mechanism alone: test_the_wait_for_run_s_scheduler_thread_outlasts_a_ctrl_c)."""
 
     spec = write(tmp_path / "budget.yaml", {**SMALL, "hyperband": {"max_resource": 9, "eta": 3},
                                             "budget": {"max_seconds": 60}})  # fmt: skip
     fast = {**env, "PACKTUNE_SCHEDULER_INTERVAL": "0.02"}
     for attempt in range(6):
         db = tmp_path / f"run{attempt}.db"
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "service", "run", str(spec)],
-            env={**fast, "PACKTUNE_DATABASE_URL": f"sqlite:///{db}"}, cwd=tmp_path,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        )  # fmt: skip
-        try:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and proc.poll() is None:
-                time.sleep(0.02)
-                try:
-                    with sa.create_engine(f"sqlite:///{db}").connect() as conn:
-                        if conn.execute(sa.text("select count(*) from measurements")).scalar():
-                            break  # it trains
-                except sa.exc.OperationalError:
-                    continue
-            os.killpg(proc.pid, signal.SIGINT)
-            out, err = proc.communicate(timeout=60)
-        finally:
-            proc.kill()
-        assert proc.returncode == 130, out + err
+        env_here = {**fast, "PACKTUNE_DATABASE_URL": f"sqlite:///{db}"}
+        code, said = run_then_ctrl_c(spec, env_here, db, tmp_path)
+        assert code == 130, said
         with sa.create_engine(f"sqlite:///{db}").connect() as conn:
             stopped = conn.execute(sa.text("select interrupted_at from studies")).scalar()
             leases = conn.execute(sa.text("select holder from leases")).all()
