@@ -331,17 +331,26 @@ def test_beyond_in_memory_tensors_the_packs_really_were_streamed_fused_or_split(
 def test_gradients_of_float_rounding_under_adam_trained_their_members_one_at_a_time(
     results: dict[tuple[str, bool], dict[str, Any]],
 ) -> None:
-    """Not vacuous: the BatchNorm model's arrays held several trials, which trained one at a
-    time (fused through vmap under Adam, each ended up to 3% apart from its unpacked run)."""
+    """Not vacuous: the BatchNorm model's packs held several of its trials, and every stack
+    of them trained one at a time (fused through vmap under Adam, each ended up to 3% apart
+    from its unpacked run); an array of several says why. Whether the planner gave them one
+    array or one each (its measured curve shows a serial array gaining nothing) depends on
+    when the first pack was planned: both are right."""
     result = results["batch-norm-mlp", True]
     mine = {t["id"] for t in result["trials"]}
     arrays = [
         a for p in result["packs"] for a in p["arrays"] or []
         if set(a["trials"]) <= mine  # a pack may hold other studies' arrays too
     ]  # fmt: skip
-    assert any(len(a["trials"]) > 1 for a in arrays), arrays
-    assert all(s["mode"] == "serial" for a in arrays for s in a["stacks"]), arrays
-    assert any("are float rounding" in n for a in arrays for n in a["notes"]), arrays
+    together = [
+        p for p in result["packs"]
+        if len({t for a in p["arrays"] or [] for t in a["trials"] if t in mine}) > 1
+    ]  # fmt: skip
+    assert together, arrays
+    assert all(s["mode"] == "serial" and len(s["trials"]) == 1
+               for a in arrays for s in a["stacks"]), arrays  # fmt: skip
+    several = [a for a in arrays if len(a["trials"]) > 1]
+    assert all(any("are float rounding" in n for n in a["notes"]) for a in several), several
 
 
 def test_dropout_trials_were_fused_each_with_masks_of_its_own(
