@@ -312,13 +312,9 @@ def _forwards(
     plan = None if workload.custom_step else bmm_plan(template, convs=mode == "bmm")
     own_masks = (dropout_only and stochastic and plan is not None and not workload.stochastic
                  and mode in ("auto", "bmm", "serial"))  # fmt: skip
-    if own_masks:
-        mode = "serial" if apart or mode == "serial" else "bmm"
-        if mode == "serial":
-            return [([i], stack_of(workload, own_copy(template, n), mode, False, MemberStreams()))
-                    for n, i in enumerate(part)]  # fmt: skip
-        return [(list(part), stack_of(workload, template, mode, False, MemberStreams()))]
-    if mode == "auto":
+    if own_masks:  # its draws are each member's own, no longer the stack's
+        mode, stochastic = ("serial" if apart or mode == "serial" else "bmm"), False
+    elif mode == "auto":
         if stochastic or apart:
             mode = "serial"  # each member draws from its own stream alone, as when unpacked
         elif plan is not None:
@@ -328,10 +324,13 @@ def _forwards(
             mode = "serial" if alike else "vmap"
     if mode == "bmm" and plan is None:
         raise ValueError(f"{workload.name}'s model is not a hand-fusable Sequential")
+
+    def stack(own: nn.Module) -> Stack:
+        return stack_of(workload, own, mode, stochastic, MemberStreams() if own_masks else None)
+
     if mode == "serial":
-        return [([i], stack_of(workload, own_copy(template, n), mode, stochastic))
-                for n, i in enumerate(part)]  # fmt: skip
-    return [(list(part), stack_of(workload, template, mode, stochastic))]
+        return [([i], stack(own_copy(template, n))) for n, i in enumerate(part)]
+    return [(list(part), stack(template))]
 
 
 def own_copy(template: nn.Module, n: int) -> nn.Module:
@@ -958,21 +957,22 @@ class FusedArray:
                 return group, group.keys.index(key)
         raise KeyError(f"{key!r} is not an active member of this array")
 
-    def _reseed(self, group: Group) -> None:
-        """Seed the global generator from one draw of each member's own stream."""
-        seed = 0
-        for key in group.keys:
-            draw = int(torch.randint(0, 2**62, (1,), generator=self.generators[key]))
-            seed = (seed * _RNG_MIX + draw) % 2**63
-        seed_torch(seed)
+    def _member_draws(self, group: Group) -> list[int]:
+        """One draw of each of ``group``'s members' own streams, in order."""
+        return [int(torch.randint(0, 2**62, (1,), generator=self.generators[key]))
+                for key in group.keys]  # fmt: skip
 
-    def _seed_streams(self, group: Group) -> None:
-        """Seed a stack's per-member dropout streams, each from one draw of its member's own."""
-        streams = group.stack.streams
-        if streams is not None:
-            seeds = [int(torch.randint(0, 2**62, (1,), generator=self.generators[key]))
-                     for key in group.keys]  # fmt: skip
-            streams.seed(seeds, self.device)
+    def _seed_step(self, group: Group) -> None:
+        """Before a step of ``group``: a stochastic stack reseeds torch's global generator
+        from one draw of each member's own stream; one with per-member dropout streams seeds
+        each of them from its member's draw; any other draws nothing."""
+        if group.stochastic:
+            seed = 0
+            for draw in self._member_draws(group):
+                seed = (seed * _RNG_MIX + draw) % 2**63
+            seed_torch(seed)
+        elif group.stack.streams is not None:
+            group.stack.streams.seed(self._member_draws(group), self.device)
 
     def train_step(self, batch: Any) -> None:
         """One step of every member on ``batch``: indices into the train split (in-memory
@@ -1082,9 +1082,7 @@ class FusedArray:
         if group.compiled is not None and compiled.template_of(self.step_keys[id(group)]) is None:
             self._recompile(group)  # its key was dropped, or went eager, in another array
         if group.settled(batch):
-            if group.stochastic:
-                self._reseed(group)
-            self._seed_streams(group)
+            self._seed_step(group)
             group.step(batch, self.workload_of(group), self.step + 1)
             return
         # A vmap stack's first step (vmap may be unable to batch the model's code), or a
@@ -1103,9 +1101,7 @@ class FusedArray:
         streams = {key: self.generators[key].get_state() for key in group.keys}
         began = time.perf_counter()
         try:
-            if group.stochastic:
-                self._reseed(group)
-            self._seed_streams(group)
+            self._seed_step(group)
             if group.compiled is not None:
                 with compiled.COMPILING:  # one array's first step at a time: its check too
                     own = compiled.template_of(self.step_keys[id(group)])
