@@ -99,8 +99,9 @@ def _registered(model: nn.Module) -> dict[Hashable, tuple[str, str]]:
     for kind, named in (("buffer", model.named_buffers()), ("parameter", model.named_parameters())):
         for n, t in named:
             out[id(t)] = (kind, n)
-            if _memory(t) is not None:
-                out[_memory(t)] = (kind, n)
+            memory = _memory(t)
+            if memory is not None:
+                out[memory] = (kind, n)
     return out
 
 
