@@ -51,7 +51,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from contextlib import nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -72,6 +72,7 @@ from packtune.workloads.base import (
     epoch_seed,
 )
 from worker import compiled
+from worker import outside_state as outside
 from worker.batches import (
     batch_size,
     epoch_batches,
@@ -454,10 +455,23 @@ class FusedArray:
         #: the workload object's attributes after each member's build_model, which may keep
         #: values on it that its loss reads (:func:`worker.fusion_guard.workload_differences`)
         built: dict[Hashable, dict[str, Any]] = {}
+        #: where the workload may keep values outside its model and its workload object
+        #: (module globals, class attributes: :mod:`worker.outside_state`), and each member's
+        #: values there after its build, put back before its stack's steps and evaluations
+        self.outside_spaces: list[outside.Namespace] = []
+        self.outside_built: dict[Hashable, outside.Reading] = {}
+        #: the members whose outside values the namespaces hold within a hold of the lock
+        #: (:meth:`_outside_held`), or None: outside one
+        self._outside_on: list[Hashable] | None = None
         for key, config, state in zip(keys, configs, states, strict=True):
             restore(workload, base, sorted(restored))  # another member's resumed values
             seed_host(int(config["seed"]))
+            before = outside.reading(outside.namespaces(workload))
             model = _build_model(workload, config, state)
+            spaces = outside.namespaces(workload, model)
+            self.outside_built[key] = outside.reading(spaces)
+            outside.learn(before, self.outside_built[key])
+            self.outside_spaces += [s for s in spaces if s not in self.outside_spaces]
             saved_python = state.get("python") if state else None
             if saved_python:
                 set_python_state(model, saved_python.get("model", {}))
@@ -474,6 +488,10 @@ class FusedArray:
             self.host_streams[key] = decode_host(saved) if saved else host_state()
         set_host_state(host)
         drifted = workload_differences(list(built.values()))
+        outside_names = outside.kept(self.outside_spaces)
+        kept_apart = (
+            outside.differing(self.outside_built.values(), outside_names) if outside_names else []
+        )
         #: each member's values of the attributes its build_model set differently per trial,
         #: put back on the workload before its stack's steps and evaluation (one per stack)
         self.member_values = {
@@ -499,6 +517,18 @@ class FusedArray:
             )
         #: what the array did that its caller should know (a vmap stack split per member)
         self.notes: list[str] = []
+        if kept_apart:
+            shown = ", ".join(repr(n) for n in kept_apart[:3]) + (
+                ", ..." if len(kept_apart) > 3 else ""
+            )
+            self.notes.append(
+                f"{workload.name}: build_model set {shown} outside the model (a module global "
+                "or a class attribute), differently per trial, and every model in a process "
+                "reads the last value set there; its members train one at a time, each with "
+                "its own values put back, as unpacked. Keep per-trial values in the model (a "
+                "buffer) for them to be fused"
+            )
+            log.warning("%s", self.notes[-1])
         if drifted:
             self.notes.append(
                 f"{workload.name}: build_model set {', '.join(repr(a) for a in drifted)} on the "
@@ -538,6 +568,7 @@ class FusedArray:
                 probes = self._probe_batches()
                 if not probes:  # the first step looks at what it can (_rounding_noise)
                     self.unprobed.add(self.probe_keys[keys[part[0]]])
+            self._put_outside(keys[part[0]])
             probed = probe(
                 self._with_values(keys[part[0]]), models[part[0]], signatures[part[0]], probes
             )
@@ -604,8 +635,8 @@ class FusedArray:
                     else segment_names(template, self.decoupled.segments, segment))  # fmt: skip
             # a tensor a forward keeps on its module (not a buffer: self.ema = ...) holds a
             # stack's batched value under vmap, which no member can hold or save: apart
-            apart = (probed.mutates or bool(drifted) or bool(probed.workload_state)
-                     or bool(probed.tensor_state))  # fmt: skip
+            apart = (probed.mutates or bool(drifted) or bool(kept_apart)
+                     or bool(probed.workload_state) or bool(probed.tensor_state))  # fmt: skip
             rounding = bool(probed.noise) and self.scales_gradients
             # spilled and decoupled stacks run their layers in shards (worker.spill), whose
             # masks come from torch's generator (a spilled one's recompute redraws them)
@@ -908,8 +939,50 @@ class FusedArray:
     def workload_of(self, group: Group) -> Workload:
         """The workload ``group`` trains and is measured with: with its (first) member's own
         values of what build_model set per trial put back on it (members of a stack have
-        equal ones)."""
+        equal ones), and its values kept outside the model (:meth:`_put_outside`)."""
+        if self._outside_on is not None:
+            self._carry_outside()
+            self._outside_on = list(group.keys)
+        self._put_outside(group.keys[0])
         return self._with_values(group.keys[0])
+
+    def _outside_values(self, key: Hashable) -> dict[outside.Namespace, dict[str, Any]]:
+        """``key``'s values of the names kept outside the model (none for most workloads)."""
+        if not self.outside_spaces:
+            return {}
+        names = outside.kept(self.outside_spaces)
+        return outside.values_of(self.outside_built[key], names) if names else {}
+
+    def _put_outside(self, key: Hashable) -> None:
+        """``key``'s values kept outside the model (module globals, class attributes that
+        its build_model set) put back where its forward reads them."""
+        values = self._outside_values(key)
+        if values:
+            outside.put_back(values)
+
+    def _carry_outside(self) -> None:
+        """What the members whose values are out now made of them (a counter a forward
+        keeps in a module global): theirs from here on."""
+        for key in self._outside_on or ():
+            values = self._outside_values(key)
+            for space, held in outside.now(values).items():
+                self.outside_built[key].setdefault(space, {}).update(held)
+
+    def _keeps_outside(self) -> bool:
+        """Whether the members keep values outside the model: their steps and evaluations
+        hold the process's lock alone (another array's would put its own values back)."""
+        return bool(self.outside_spaces) and bool(outside.kept(self.outside_spaces))
+
+    @contextmanager
+    def _outside_held(self) -> Iterator[None]:
+        """Within a hold of the lock: the values the members' steps leave outside the
+        model carried back to them at each switch and at the end."""
+        self._outside_on = []
+        try:
+            yield
+        finally:
+            self._carry_outside()
+            self._outside_on = None
 
     def _with_values(self, key: Hashable) -> Workload:
         active = self._active
@@ -989,13 +1062,17 @@ class FusedArray:
             versions = [t._version for t in shared]
             # a step that draws from the global generators holds them; one that must not
             # shares them with its like, and is checked
-            exclusive = group.stochastic or self.host_random
-            with GLOBAL_RNG if exclusive else GLOBAL_RNG.shared() as held:
+            keeps = self._keeps_outside()
+            exclusive = group.stochastic or self.host_random or keeps
+            with GLOBAL_RNG if exclusive else GLOBAL_RNG.shared() as held, ExitStack() as hold:
+                if not exclusive and self._keeps_outside():  # another array's build just now
+                    keeps = hold.enter_context(GLOBAL_RNG) is not None
                 before = self._generators(group)
-                if self.host_random:
-                    self._host_step(group, own)
-                else:
-                    self._step_group(group, own)
+                with self._outside_held() if keeps else nullcontext():
+                    if self.host_random:
+                        self._host_step(group, own)
+                    else:
+                        self._step_group(group, own)
                 if not isinstance(held, Shared) or held.undisturbed():  # else others' draws mix in
                     self._no_unseen_draws(group, before)
             if [t._version for t in shared] != versions:
@@ -1225,7 +1302,11 @@ class FusedArray:
             # one segment is not the trial's model: the composed one is evaluated once
             # every segment has ended the span (worker.segment_units)
             return {key: {} for key in self.keys}
-        with GLOBAL_RNG if self.stochastic else nullcontext():  # a model may draw in eval too
+        # a model may draw in eval too; one reading values kept outside it has its own put back
+        if self.stochastic or self._keeps_outside():
+            with GLOBAL_RNG, self._outside_held() if self.outside_spaces else nullcontext():
+                return self._evaluate_members()
+        with GLOBAL_RNG.shared() if self.outside_spaces else nullcontext():
             return self._evaluate_members()
 
     def _evaluate_members(self) -> dict[Hashable, dict[str, float]]:

@@ -37,6 +37,7 @@ from packtune.spec import TrainingSettings
 from packtune.workloads.base import Split, Workload, data_splits
 from worker.batches import tensors
 from worker.fused import FusedArray, StackMode
+from worker.rng import GLOBAL_RNG
 
 
 @dataclass(frozen=True)
@@ -146,13 +147,17 @@ def probe(
             torch.cuda.synchronize(device)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-        array = FusedArray(workload, members, device=device, mode=mode, data=data,
-                           training=training, segment=segment)  # fmt: skip
+        # its builds seed torch's generator and may set values kept outside the model,
+        # which arrays trained at once in other threads read: as an array's build is
+        with GLOBAL_RNG:
+            array = FusedArray(workload, members, device=device, mode=mode, data=data,
+                               training=training, segment=segment)  # fmt: skip
         throughput[k] = k / _step_seconds(array, workload, steps)
         if cuda:
             peaks[k] = int(torch.cuda.max_memory_allocated(device))
         else:
-            peaks[k] = _cpu_peak(array, next(array.epoch_inputs(0, 0, 1)))
+            with GLOBAL_RNG:  # its forwards may draw, as a stochastic array's steps do
+                peaks[k] = _cpu_peak(array, next(array.epoch_inputs(0, 0, 1)))
         del array
     (k1, p1), (k2, p2) = sorted(peaks.items())[:2]
     per_trial = max(1, round((p2 - p1) / (k2 - k1)))

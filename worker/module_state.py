@@ -187,6 +187,16 @@ def checkpointable(value: Any, depth: int = 0) -> bool:
 _TORCH_OWN = frozenset(vars(nn.Module()))
 
 
+def held_plain(value: Any) -> Any:
+    """A copy of a plain value (compared by value), anything else itself (by identity)."""
+    return copy.deepcopy(value) if _plain(value) else value
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Whether two held values are the same (:func:`changed_state`'s comparison)."""
+    return _same(a, b)
+
+
 def _plain(value: Any, depth: int = 0) -> bool:
     if isinstance(value, _PLAIN):
         return True

@@ -73,6 +73,8 @@ SPACES: dict[str, dict[str, Any]] = {
     "hidden-act-mlp": {"lr": TRAP_LR, "act": ACT},
     "misdeclared-mlp": {"lr": TRAP_LR, "act": ACT},
     "scaled-mlp": {"lr": TRAP_LR, "scale": {"type": "uniform", "low": 0.25, "high": 2.0}},
+    "global-scaled-mlp": {"lr": TRAP_LR,
+                          "scale": {"type": "uniform", "low": 0.25, "high": 2.0}},
     # Python state a step changes: a counter on the model's module, one on the workload object
     "counting-mlp": {"lr": TRAP_LR},
     "annealed-loss-mlp": {"lr": TRAP_LR},
@@ -133,6 +135,7 @@ FULL_HYPERBAND = ("digits-mlp", "schedules", "bf16")
 #: below, set for 9, leave a wide margin for other machines' kernels.
 REL = {
     "digits-cnn": 1e-3, "resnet-cifar": 1e-3, "misdeclared-mlp": 1e-3, "scaled-mlp": 1e-3,
+    "global-scaled-mlp": 1e-3,
     "multi-task": 1e-3, "counting-mlp": 1e-3,
 }  # fmt: skip
 #: the folder of images the streaming plugins read (written once per test module)
@@ -166,6 +169,7 @@ def plugin_path(tmp_path_factory: pytest.TempPathFactory) -> str:
         "hidden": "trap_workloads:HiddenActMLP",
         "misdeclared": "trap_workloads:MisdeclaredMLP",
         "scaled": "trap_workloads:ScaledMLP",
+        "global-scaled": "trap_workloads:GlobalScaledMLP",
         "counting": "trap_workloads:CountingMLP",
         "annealed": "trap_workloads:AnnealedLossMLP",
         "late-noise": "trap_workloads:LateNoiseMLP",
@@ -366,3 +370,21 @@ def test_dropout_trials_were_fused_each_with_masks_of_its_own(
         if set(s["trials"]) <= mine
     ]  # fmt: skip
     assert any(s["mode"] == "bmm" and len(s["trials"]) > 1 for s in stacks), stacks
+
+
+def test_a_value_kept_in_a_module_global_was_each_members_own(
+    results: dict[tuple[str, bool], dict[str, Any]],
+) -> None:
+    """Not vacuous: the global-scaled packs held arrays of several trials with different
+    scales (before, each read the scale of the last one built), trained one per stack,
+    and the array said why."""
+    result = results["global-scaled-mlp", True]
+    mine = {t["id"] for t in result["trials"]}
+    arrays = [
+        a for p in result["packs"] for a in p["arrays"] or []
+        if set(a["trials"]) <= mine and len(a["trials"]) > 1
+    ]  # fmt: skip
+    assert arrays, result["packs"]
+    assert all(len(s["trials"]) == 1 for a in arrays for s in a["stacks"]), arrays
+    said = "build_model set 'trap_workloads.SCALE' outside the model"
+    assert all(any(said in n for n in a["notes"]) for a in arrays), arrays

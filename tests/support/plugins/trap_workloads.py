@@ -13,6 +13,9 @@
   studies of different ``max_resource`` may share an array, so ``packtune check`` must fail it.
 - ``undeclared-mlp`` does not declare the metrics it reports (``reports = None``): a study
   may name any objective for it, and one it never reports fails its trials saying so.
+- ``global-scaled-mlp`` declares ``scale`` fusible but keeps it in a module global that its
+  forward reads (``SCALE``): every model in a worker process reads the last value built, so
+  packed members must each have their own value put back, and train apart.
 - ``data-scaled-mlp`` declares ``input_scale`` fusible but scales the data with it: members
   with different scales must not share batches (the worker trains them as arrays apart).
 - ``counting-mlp`` keeps a step counter on its module, ``annealed-loss-mlp`` one on the
@@ -131,6 +134,39 @@ class ScaledMLP(_DigitsPlugin):
                 return self.fc2(torch.relu(self.fc1(x)) * self.scale)
 
         return Scaled()
+
+
+#: set per trial by GlobalScaledMLP.build_model, read by _GlobalScaled.forward
+SCALE = 1.0
+
+
+def _global_scaled(hidden: int) -> Any:
+    import torch
+    from torch import nn
+
+    class GlobalScaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(64, hidden), nn.Linear(hidden, N_CLASSES)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc2(torch.relu(self.fc1(x)) * SCALE)
+
+    return GlobalScaled()
+
+
+class GlobalScaledMLP(_DigitsPlugin):
+    """MLP that declares ``scale`` fusible yet keeps it in the module global ``SCALE``."""
+
+    name = "global-scaled-mlp"
+    params: Mapping[str, Any] = {**_DigitsPlugin.params, "scale": 1.0}
+    fusible = frozenset({"scale"})
+
+    def build_model(self, config: Mapping[str, Any]) -> Any:
+        global SCALE
+        cfg = self.resolve(config)
+        SCALE = float(cfg["scale"])
+        return _global_scaled(int(cfg["hidden"]))
 
 
 class HorizonOrderMLP(_DigitsPlugin):

@@ -1,0 +1,155 @@
+"""Values a workload keeps outside its model and its workload object: globals of the
+modules its classes and its model's come from, and those classes' own attributes
+(``SCALE = cfg["scale"]`` or ``Net.scale = cfg["scale"]`` in ``build_model``, read in a
+forward). A worker process has one of each, which every model in it reads: packed, a trial
+would train with the value of the last trial built.
+
+Each member's build is read before and after (:func:`reading`). A name some build in this
+process changed is *kept outside* from then on (:func:`learn`, :func:`kept`): each member
+holds its own value of it, put back (:func:`put_back`) before each of its stack's steps and
+evaluations while no other array of the process steps (the exclusive side of
+``worker.rng.GLOBAL_RNG``), and members whose values differ train one per stack. Values are
+compared as :mod:`worker.module_state` compares a model's attributes: plain ones (numbers,
+strings, containers of them) by value, anything else by identity, so a dict changed in
+place is not seen. Modules and classes of torch and of packtune itself are not read.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from torch import nn
+
+from worker.module_state import MISSING, changed_state, held_plain, same_value
+
+#: top-level packages whose modules and classes are not read (their state is their own)
+_NOT_READ = frozenset({"builtins", "torch", "packtune", "worker", "service", "abc", "typing"})
+#: what a class holds that is code, not a value
+_CODE = (types.FunctionType, staticmethod, classmethod, property)
+
+Namespace = type | types.ModuleType
+#: each namespace's names and their values at one moment (plain values copied)
+Reading = dict[Namespace, dict[str, Any]]
+
+#: the names that builds in this process changed, per namespace
+_KEPT: weakref.WeakKeyDictionary[Namespace, frozenset[str]] = weakref.WeakKeyDictionary()
+#: each namespace as the last build in this process left it
+_LAST: weakref.WeakKeyDictionary[Namespace, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def _read(module_name: str) -> bool:
+    return module_name.split(".")[0] not in _NOT_READ
+
+
+def namespaces(workload: Any, model: nn.Module | None = None) -> list[Namespace]:
+    """Where ``workload`` (and ``model``) may keep values: the classes of the workload and
+    of the model's modules and their bases, the modules that define them, and the classes
+    those modules define (``Knobs.scale``), torch's and packtune's left out."""
+    roots = (
+        [type(workload), *(type(m) for m in model.modules())]
+        if model is not None
+        else [type(workload)]
+    )
+    classes = {cls: None for root in roots for cls in root.__mro__ if _read(cls.__module__)}
+    modules: dict[types.ModuleType, None] = {}
+    for cls in list(classes):
+        module = sys.modules.get(cls.__module__)
+        if module is None or module in modules:
+            continue
+        modules[module] = None
+        for value in list(vars(module).values()):
+            if isinstance(value, type) and value.__module__ == module.__name__:
+                classes.setdefault(value, None)
+    return [*modules, *classes]
+
+
+def reading(spaces: Iterable[Namespace]) -> Reading:
+    """Every value of ``spaces`` now (dunder names and a class's methods left out)."""
+    return {
+        space: {
+            name: held_plain(value)
+            for name, value in list(vars(space).items())
+            if not (name.startswith("__") and name.endswith("__"))
+            and not (isinstance(space, type) and isinstance(value, _CODE))
+        }
+        for space in spaces
+    }
+
+
+def learn(before: Reading, after: Reading) -> None:
+    """Note what a build changed: the names whose values ``after`` it differ from those
+    ``before`` it, or from those the last build in this process left."""
+    for space, values in after.items():
+        changed: set[str] = set()
+        for earlier in (before.get(space), _LAST.get(space)):
+            if earlier is not None:
+                changed.update(changed_state(earlier, values))
+        if changed:
+            _KEPT[space] = _KEPT.get(space, frozenset()) | changed
+        _LAST[space] = values
+
+
+def kept(spaces: Iterable[Namespace]) -> dict[Namespace, frozenset[str]]:
+    """The names of ``spaces`` a build in this process changed (another array's build may
+    add to them at any time)."""
+    return {space: names for space in spaces if (names := _KEPT.get(space))}
+
+
+def values_of(
+    built: Reading, names: Mapping[Namespace, frozenset[str]]
+) -> dict[Namespace, dict[str, Any]]:
+    """A member's values (``built``: its reading after its build) of the kept ``names``."""
+    return {
+        space: {name: built[space].get(name, MISSING) for name in sorted(spaces_names)}
+        for space, spaces_names in names.items()
+        if space in built
+    }
+
+
+def differing(readings: Iterable[Reading], names: Mapping[Namespace, frozenset[str]]) -> list[str]:
+    """The kept ``names`` whose values differ between members (``readings``: each one's
+    after its build), as ``module.NAME`` or ``module.Class.name``."""
+    first, *rest = list(readings)
+    return [
+        label(space, name)
+        for space, space_names in names.items()
+        for name in sorted(space_names)
+        if any(
+            not same_value(
+                first.get(space, {}).get(name, MISSING), r.get(space, {}).get(name, MISSING)
+            )
+            for r in rest
+        )
+    ]
+
+
+def label(space: Namespace, name: str) -> str:
+    where = (
+        space.__name__
+        if isinstance(space, types.ModuleType)
+        else (f"{space.__module__}.{space.__qualname__}")
+    )
+    return f"{where}.{name}"
+
+
+def put_back(values: Mapping[Namespace, Mapping[str, Any]]) -> None:
+    """Set each namespace's names to ``values`` (:data:`MISSING`: deleted)."""
+    for space, names in values.items():
+        for name, value in names.items():
+            if value is MISSING:
+                if name in vars(space):
+                    delattr(space, name)
+            elif vars(space).get(name, MISSING) is not value:
+                setattr(space, name, value)
+
+
+def now(values: Mapping[Namespace, Mapping[str, Any]]) -> dict[Namespace, dict[str, Any]]:
+    """The current values of the names of ``values`` (what training made of them)."""
+    return {
+        space: {name: held_plain(vars(space).get(name, MISSING)) for name in names}
+        for space, names in values.items()
+    }
