@@ -149,6 +149,8 @@ _T = TypeVar("_T")
 log = logging.getLogger(__name__)
 
 _RNG_MIX = 6364136223846793005  # Knuth's MMIX multiplier, to fold member draws into one seed
+#: folded into an evaluation's seed, so that it is not the next training step's
+_EVAL_SALT = 0x5EED_E7A1
 #: workloads whose vmap step failed and split per member in this process (logged once)
 _SPLIT_LOGGED: set[str] = set()
 
@@ -1047,6 +1049,21 @@ class FusedArray:
         elif group.stack.streams is not None:
             group.stack.streams.seed(self._member_draws(group), self.device)
 
+    def _seed_evaluation(self, group: Group, part: int) -> None:
+        """Before ``group``'s evaluation of validation batch ``part`` (0: the whole split in
+        memory): a stochastic stack (a model or loss that draws, in eval mode too) reseeds
+        torch's generator from its members' streams, read without being advanced, so a
+        member draws the same in evaluation alone as in any pack, and its training draws
+        are those of a run without evaluation."""
+        if not group.stochastic:
+            return
+        seed = _EVAL_SALT
+        for key in group.keys:
+            peek = torch.Generator()
+            peek.set_state(self.generators[key].get_state())
+            seed = (seed * _RNG_MIX + int(torch.randint(0, 2**62, (1,), generator=peek))) % 2**63
+        seed_torch((seed * _RNG_MIX + part) % 2**63)
+
     def train_step(self, batch: Any) -> None:
         """One step of every member on ``batch``: indices into the train split (in-memory
         data), or one item of :meth:`epoch_inputs` (streamed data).
@@ -1302,12 +1319,26 @@ class FusedArray:
             # one segment is not the trial's model: the composed one is evaluated once
             # every segment has ended the span (worker.segment_units)
             return {key: {} for key in self.keys}
-        # a model may draw in eval too; one reading values kept outside it has its own put back
+        # a model that draws, draws in eval too (each stack reseeded: _seed_evaluation); one
+        # reading values kept outside it has its own put back
         if self.stochastic or self._keeps_outside():
             with GLOBAL_RNG, self._outside_held() if self.outside_spaces else nullcontext():
                 return self._evaluate_members()
-        with GLOBAL_RNG.shared() if self.outside_spaces else nullcontext():
-            return self._evaluate_members()
+        # members taken to draw nothing are evaluated in the shared hold, and checked: a draw
+        # in eval mode only (noise under no_grad) is none a probe of training forwards sees
+        with GLOBAL_RNG.shared() as held:
+            before = torch_states(self.device)
+            values = self._evaluate_members()
+            if held.undisturbed() and not same_states(before, torch_states(self.device)):
+                for key in self.keys:
+                    learn_draws(self.probe_keys[key], torch_draws=True, host_draws=False)
+                raise UnseenDraws(
+                    f"{self.workload.name}: evaluation drew from torch's generators, which its "
+                    "probe had not seen (a draw in eval mode only): its members shared one "
+                    "stream, so the pack trains again from its checkpoints, each member "
+                    "evaluated from its own, as unpacked"
+                )
+            return values
 
     def _evaluate_members(self) -> dict[Hashable, dict[str, float]]:
         templates = {id(group.template): group.template for group in self.groups}
@@ -1328,6 +1359,7 @@ class FusedArray:
 
             for group in list(self.groups):  # a stack may split per member (_evaluated)
                 workload = self.workload_of(group)
+                self._seed_evaluation(group, 0)
                 for key, out in zip(group.keys, self._evaluated(group, outputs), strict=True):
                     results[key] = validation_values(workload, out, y.clone() if own else y)
             return results
@@ -1390,10 +1422,11 @@ class FusedArray:
     def _evaluate_batches(self) -> dict[Hashable, dict[str, float]]:
         sums: dict[Hashable, dict[str, float]] = {key: {} for key in self.keys}
         examples = 0
-        for batch in self._validation_batches():
+        for part, batch in enumerate(self._validation_batches()):
             examples += batch_size(batch)
             for group in list(self.groups):  # a stack may split per member (_evaluated)
                 own = tree_map(torch.clone, batch) if self.copies_batches else batch
+                self._seed_evaluation(group, part)
 
                 def evaluate(g: Group, own: Any = own) -> list[dict[str, float]]:
                     return g.batch_metrics(own, self.workload_of(g))
