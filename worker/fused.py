@@ -1054,7 +1054,8 @@ class FusedArray:
         memory): a stochastic stack (a model or loss that draws, in eval mode too) reseeds
         torch's generator from its members' streams, read without being advanced, so a
         member draws the same in evaluation alone as in any pack, and its training draws
-        are those of a run without evaluation."""
+        are those of a run without evaluation. The host's generators too (Python's
+        ``random``, NumPy's), where the model draws from them."""
         if not group.stochastic:
             return
         seed = _EVAL_SALT
@@ -1062,7 +1063,10 @@ class FusedArray:
             peek = torch.Generator()
             peek.set_state(self.generators[key].get_state())
             seed = (seed * _RNG_MIX + int(torch.randint(0, 2**62, (1,), generator=peek))) % 2**63
-        seed_torch((seed * _RNG_MIX + part) % 2**63)
+        seed = (seed * _RNG_MIX + part) % 2**63
+        seed_torch(seed)
+        if self.host_random:  # its steps draw from each member's own host stream
+            seed_host(seed)
 
     def train_step(self, batch: Any) -> None:
         """One step of every member on ``batch``: indices into the train split (in-memory
@@ -1327,16 +1331,19 @@ class FusedArray:
         # members taken to draw nothing are evaluated in the shared hold, and checked: a draw
         # in eval mode only (noise under no_grad) is none a probe of training forwards sees
         with GLOBAL_RNG.shared() as held:
-            before = torch_states(self.device)
+            before, host_before = torch_states(self.device), host_fingerprint()
             values = self._evaluate_members()
-            if held.undisturbed() and not same_states(before, torch_states(self.device)):
+            drew = not same_states(before, torch_states(self.device))
+            host_drew = host_before != host_fingerprint()
+            if held.undisturbed() and (drew or host_drew):
                 for key in self.keys:
-                    learn_draws(self.probe_keys[key], torch_draws=True, host_draws=False)
+                    learn_draws(self.probe_keys[key], torch_draws=drew, host_draws=host_drew)
+                where = "torch's generators" if drew else "Python's or NumPy's generator"
                 raise UnseenDraws(
-                    f"{self.workload.name}: evaluation drew from torch's generators, which its "
-                    "probe had not seen (a draw in eval mode only): its members shared one "
-                    "stream, so the pack trains again from its checkpoints, each member "
-                    "evaluated from its own, as unpacked"
+                    f"{self.workload.name}: evaluation drew from {where}, which its probe had "
+                    "not seen (a draw in eval mode only): its members shared one stream, so "
+                    "the pack trains again from its checkpoints, each member evaluated from "
+                    "its own, as unpacked"
                 )
             return values
 

@@ -12,6 +12,7 @@ evaluation is checked, as a step is, and the pack trains again knowing it.
 from __future__ import annotations
 
 import copy
+import random
 from collections.abc import Hashable
 from typing import Any
 
@@ -33,6 +34,15 @@ class NoisyLoss(TinyMLP):
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return super().loss(outputs, targets) * (1 + 0.2 * torch.rand(()))
+
+
+class CoinLoss(TinyMLP):
+    """A loss that draws from Python's ``random``, in training and in evaluation alike."""
+
+    name = "coin-eval-loss"
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return super().loss(outputs, targets) * (1 + 0.2 * random.random())
 
 
 class StreamedNoisyLoss(NoisyLoss):
@@ -62,7 +72,7 @@ def members(n: int = 3) -> list[tuple[Hashable, dict[str, Any]]]:
             for i in range(n)]  # fmt: skip
 
 
-@pytest.mark.parametrize("workload", [NoisyLoss, StreamedNoisyLoss], ids=lambda w: w.name)
+@pytest.mark.parametrize("workload", [NoisyLoss, CoinLoss, StreamedNoisyLoss], ids=lambda w: w.name)
 def test_a_member_s_evaluation_draws_the_same_alone_as_in_a_pack(workload: type[TinyMLP]) -> None:
     w = workload()
     array = FusedArray(copy.copy(w), members())
@@ -106,11 +116,28 @@ class EvalOnlyNoise(TinyMLP):
         return super().loss(outputs, targets) * (1 + noise)
 
 
-def test_a_draw_in_eval_mode_only_is_caught_and_the_pack_trains_again_drawing_its_own() -> None:
-    w = EvalOnlyNoise()
+class EvalOnlyCoin(TinyMLP):
+    """The same, from Python's ``random``."""
+
+    name = "eval-only-coin"
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        noise = 0.0 if torch.is_grad_enabled() else 0.2 * random.random()
+        return super().loss(outputs, targets) * (1 + noise)
+
+
+@pytest.mark.parametrize(
+    ("workload", "source"),
+    [(EvalOnlyNoise, "torch's generators"), (EvalOnlyCoin, "Python's or NumPy's generator")],
+    ids=["torch", "host"],
+)
+def test_a_draw_in_eval_mode_only_is_caught_and_the_pack_trains_again_drawing_its_own(
+    workload: type[TinyMLP], source: str
+) -> None:
+    w = workload()
     first = FusedArray(copy.copy(w), members())
     assert not first.stochastic  # its probe saw training forwards draw nothing
-    with pytest.raises(UnseenDraws, match="evaluation drew from torch's generators"):
+    with pytest.raises(UnseenDraws, match=f"evaluation drew from {source}"):
         train(first, first.steps_per_epoch)
     array = FusedArray(copy.copy(w), members())  # the pack again, in the same process
     assert array.stochastic
