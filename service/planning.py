@@ -372,6 +372,8 @@ def _withdraw(s: Session, pack: Pack) -> None:
     claim); its trials are ready again."""
     members = [m.trial_id for m in store.unfinished_members(s, pack, (TrialStatus.queued,))]
     reason = "withdrawn before it started: the slot went to a study with a better fair share"
+    if pack.error:  # put back after a failed attempt: what failed is still worth reading
+        reason += f" (its last attempt: {pack.error})"
     if store.move_pack(s, pack, PackStatus.cancelled, only_from=(PackStatus.queued,),
                        error=reason):  # fmt: skip
         store.move_trials(s, members, TrialStatus.pending, only_from=(TrialStatus.queued,))

@@ -684,3 +684,24 @@ def test_a_cancelled_study_waited_for_what_it_waited_for_not_less(either_db: str
     expected = (end - start).total_seconds() - busy
     assert expected > 0.01
     assert waited == pytest.approx(expected, abs=2e-3)
+
+
+def test_a_pack_withdrawn_after_a_failed_attempt_keeps_that_attempt_s_error(
+    db: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pack put back after a failed attempt, then withdrawn before its next start (its
+    slot went to a better-served study), kept only the withdrawal's reason: the failure,
+    which the study's packs show, was lost."""
+    _, _, sched, _ = big_study(monkeypatch, "fair")
+    sched.tick()
+    waiting = next(p for p in all_packs() if p.status == PackStatus.queued)
+    with session_scope(get_sessionmaker()) as s:
+        pack = store.get_pack(s, waiting.id)
+        assert store.retry_pack(s, pack, error="RuntimeError: worker lost", fault=True, backoff=0)
+        assert store.move_pack(s, pack, PackStatus.queued, only_from=(PackStatus.pending,))
+        planning._withdraw(s, pack)
+    with session_scope(get_sessionmaker()) as s:
+        pack = store.get_pack(s, waiting.id)
+        assert pack.status == PackStatus.cancelled
+        assert pack.error is not None and pack.error.startswith("withdrawn before it started")
+        assert "RuntimeError: worker lost" in pack.error, pack.error
