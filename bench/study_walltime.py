@@ -42,6 +42,19 @@ def _shown(path: Path) -> Path:
     return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
 
 
+#: the study of bench b's figures in RESULTS.md; a run of another spec is named after it
+DEFAULT_SPEC = ROOT / "examples" / "digits-mlp.yaml"
+
+
+def result_name(spec_file: Path, kind: str, settings: dict[str, str]) -> str:
+    """The JSON result's name: ``study_walltime_<device kind>``, then the spec's name where
+    it is not the default one, then the settings of ``--set``."""
+    name = f"study_walltime_{kind}"
+    if spec_file.resolve() != DEFAULT_SPEC.resolve():
+        name += f"_{spec_file.stem}"
+    return name + "".join(f"_{key}-{value}" for key, value in sorted(settings.items()))
+
+
 def run_one(mode: str, spec: dict[str, Any], workdir: Path, device: str) -> StudyRun:
     if mode == "embedded":
         return run_embedded(spec, workdir, device)
@@ -150,7 +163,7 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> tuple[list[str], dict[st
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", type=Path, default=ROOT / "examples" / "digits-mlp.yaml")
+    parser.add_argument("--spec", type=Path, default=DEFAULT_SPEC)
     parser.add_argument("--modes", nargs="+", default=["embedded", "rq:1", "rq:2"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda (the workers')")
@@ -184,12 +197,10 @@ def run(args: argparse.Namespace, settings: dict[str, str]) -> None:
     print("\n".join(body))
     if args.quick and args.out_dir is None:
         return
-    kind = recording.device_kind(info)
-    kind += "".join(f"_{key}-{value}" for key, value in sorted(settings.items()))
-    recording.save_json(f"study_walltime_{kind}", {
+    recording.save_json(result_name(args.spec, recording.device_kind(info), settings), {
         "machine": info, "date": recording.now(), "command": recording.command_line(),
-        "spec": spec, "settings": settings, "summary": summary, "runs": runs},
-        args.out_dir)  # fmt: skip
+        "spec_file": str(_shown(args.spec.resolve())), "spec": spec, "settings": settings,
+        "summary": summary, "runs": runs}, args.out_dir)  # fmt: skip
     if not (args.quick or args.no_append):
         recording.append_section(
             f"b. Study wall time, packed vs unpacked — {info['device']}",

@@ -15,7 +15,7 @@ import argparse
 import json
 import statistics
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,8 @@ from typing import Any
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"
 RESULTS_MD = BENCH / "RESULTS.md"
+#: bench b's study (``bench.study_walltime``'s default spec): runs of another are left out
+DEFAULT_STUDY = "examples/digits-mlp.yaml"
 
 
 @dataclass(frozen=True)
@@ -36,14 +38,18 @@ class Row:
 
 
 def newest(
-    pattern: str, where: Path = RESULTS, plain: bool = False
+    pattern: str,
+    where: Path | None = None,
+    plain: bool = False,
+    keep: Callable[[dict[str, Any]], bool] = lambda data: True,
 ) -> dict[str, tuple[Path, dict[str, Any]]]:
     """The newest result matching ``pattern`` per device: ``{device: (path, data)}``;
-    ``plain``: only runs at the default settings (no ``--set``)."""
+    ``plain``: only runs at the default settings (no ``--set``); ``keep``: only results
+    it accepts."""
     found: dict[str, tuple[Path, dict[str, Any]]] = {}
-    for path in sorted(where.rglob(pattern)):
+    for path in sorted((where or RESULTS).rglob(pattern)):
         data = json.loads(path.read_text())
-        if plain and data.get("settings"):
+        if (plain and data.get("settings")) or not keep(data):
             continue
         device = data["machine"]["device"]
         if device not in found or data["date"] > found[device][1]["date"]:
@@ -86,7 +92,12 @@ def fused_rows() -> Iterator[Row]:
 
 def study_rows() -> Iterator[Row]:
     """Packed over unpacked study wall time, per way of running it."""
-    for device, (path, data) in sorted(newest("study_walltime_*.json", plain=True).items()):
+
+    def default_study(data: dict[str, Any]) -> bool:  # older results name no spec file
+        return data.get("spec_file", DEFAULT_STUDY) == DEFAULT_STUDY
+
+    results = newest("study_walltime_*.json", plain=True, keep=default_study)
+    for device, (path, data) in sorted(results.items()):
         target = 3.0 if device == "cpu" else 5.0
         for mode, summary in sorted(data["summary"].items()):
             ratio = summary["ratio_of_medians"]

@@ -1,0 +1,52 @@
+"""Which result files make bench b's row of RESULTS.md.
+
+``bench.study_walltime --spec other.yaml`` saved its JSON under the default study's name
+(``study_walltime_cpu.json``), and ``bench.summary`` took the newest file as bench b's
+figure: a run of another study (a dropout model, say) replaced the row of the study the
+target is set for. Such a run is now named after its spec and left out of the row.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import study_walltime, summary
+
+
+def test_a_run_of_another_spec_is_named_after_it() -> None:
+    default, other = study_walltime.DEFAULT_SPEC, Path("examples/digits-mlp-dropout.yaml")
+    assert study_walltime.result_name(default, "cpu", {}) == "study_walltime_cpu"
+    assert study_walltime.result_name(other, "cpu", {}) == "study_walltime_cpu_digits-mlp-dropout"
+    assert (
+        study_walltime.result_name(other, "cpu", {"torch_threads": "1"})
+        == "study_walltime_cpu_digits-mlp-dropout_torch_threads-1"
+    )
+
+
+def _result(folder: Path, name: str, date: str, ratio: float, spec_file: str | None) -> None:
+    data = {
+        "machine": {"device": "cpu", "cpu": "AMD EPYC", "cores": 2, "torch": "2.13.0+cpu"},
+        "date": date, "command": "python -m bench.study_walltime", "settings": {},
+        "summary": {"serve": {"ratio_of_medians": ratio, "unpacked_wall": 10.0 * ratio,
+                              "packed_wall": 10.0, "best_agree": True}},
+        **({"spec_file": spec_file} if spec_file is not None else {}),
+    }  # fmt: skip
+    (folder / f"{name}.json").write_text(json.dumps(data))
+
+
+def test_bench_b_s_row_is_the_default_study_s_newest_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(summary, "RESULTS", tmp_path)
+    _result(tmp_path, "study_walltime_cpu", "2026-11-28 10:00 UTC", 2.5, None)  # before spec_file
+    _result(tmp_path, "study_walltime_cpu_digits-mlp-dropout", "2026-11-29 10:00 UTC", 2.4,
+            "examples/digits-mlp-dropout.yaml")  # fmt: skip
+    [row] = summary.study_rows()
+    assert row.value.startswith("2.50x"), row
+    _result(tmp_path, "study_walltime_cpu_again", "2026-11-29 11:00 UTC", 2.7,
+            summary.DEFAULT_STUDY)  # fmt: skip
+    [row] = summary.study_rows()
+    assert row.value.startswith("2.70x"), row
