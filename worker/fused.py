@@ -153,6 +153,8 @@ _RNG_MIX = 6364136223846793005  # Knuth's MMIX multiplier, to fold member draws 
 _EVAL_SALT = 0x5EED_E7A1
 #: workloads whose vmap step failed and split per member in this process (logged once)
 _SPLIT_LOGGED: set[str] = set()
+#: (workload, values) kept outside the model that split arrays in this process (logged once)
+_OUTSIDE_LOGGED: set[tuple[str, tuple[str, ...]]] = set()
 
 
 def hyper_tensors(configs: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
@@ -530,7 +532,10 @@ class FusedArray:
                 "its own values put back, as unpacked. Keep per-trial values in the model (a "
                 "buffer) for them to be fused"
             )
-            log.warning("%s", self.notes[-1])
+            said = (workload.name, tuple(kept_apart))
+            if said not in _OUTSIDE_LOGGED:  # every pack of the workload would say it again
+                _OUTSIDE_LOGGED.add(said)
+                log.warning("%s (said once per process)", self.notes[-1])
         if drifted:
             self.notes.append(
                 f"{workload.name}: build_model set {', '.join(repr(a) for a in drifted)} on the "
