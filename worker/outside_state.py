@@ -16,6 +16,7 @@ place is not seen. Modules and classes of torch and of packtune itself are not r
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 import weakref
@@ -47,8 +48,9 @@ def _read(module_name: str) -> bool:
 
 def namespaces(workload: Any, model: nn.Module | None = None) -> list[Namespace]:
     """Where ``workload`` (and ``model``) may keep values: the classes of the workload and
-    of the model's modules and their bases, the modules that define them, and the classes
-    those modules define (``Knobs.scale``), torch's and packtune's left out."""
+    of the model's modules and their bases, the modules that define them and the modules of
+    theirs those import (``from my_plugin import knobs``: the same package, or beside them),
+    and the classes these modules define (``Knobs.scale``), torch's and packtune's left out."""
     roots = (
         [type(workload), *(type(m) for m in model.modules())]
         if model is not None
@@ -58,13 +60,37 @@ def namespaces(workload: Any, model: nn.Module | None = None) -> list[Namespace]
     modules: dict[types.ModuleType, None] = {}
     for cls in list(classes):
         module = sys.modules.get(cls.__module__)
-        if module is None or module in modules:
-            continue
-        modules[module] = None
+        if module is not None and module not in modules:
+            modules[module] = None
+            modules.update(dict.fromkeys(_own_imports(module)))
+    for module in modules:
         for value in list(vars(module).values()):
             if isinstance(value, type) and value.__module__ == module.__name__:
                 classes.setdefault(value, None)
     return [*modules, *classes]
+
+
+def _own_imports(module: types.ModuleType) -> list[types.ModuleType]:
+    """The modules ``module`` holds as globals that are the user's as it is: of its top-level
+    package, or files in its folder (a plugin of single files)."""
+    package = module.__name__.split(".")[0]
+    folder = _folder(module)
+    return [
+        value
+        for value in list(vars(module).values())
+        if isinstance(value, types.ModuleType)
+        and value is not module
+        and _read(value.__name__)
+        and (
+            (package != "__main__" and value.__name__.split(".")[0] == package)
+            or (folder is not None and _folder(value) == folder)
+        )
+    ]
+
+
+def _folder(module: types.ModuleType) -> str | None:
+    path = getattr(module, "__file__", None)
+    return os.path.dirname(os.path.abspath(path)) if isinstance(path, str) else None
 
 
 def reading(spaces: Iterable[Namespace]) -> Reading:

@@ -17,6 +17,8 @@ import pytest
 import torch
 from torch import nn
 
+from tests.support import knobs
+from tests.support.knob_workload import ImportedScaled
 from tests.support.tiny_workloads import TinyMLP
 from worker.fused import FusedArray, train
 from worker.outside_state import kept, namespaces
@@ -83,7 +85,7 @@ class KnobScaled(GlobalScaled):
         return _KnobScaled().double()
 
 
-WORKLOADS = [GlobalScaled, ClassScaled, KnobScaled]
+WORKLOADS = [GlobalScaled, ClassScaled, KnobScaled, ImportedScaled]
 
 
 def members(scales: list[float], first: int = 0) -> list[tuple[Hashable, dict[str, Any]]]:
@@ -124,8 +126,9 @@ def test_members_with_their_own_values_end_as_trained_alone(workload: type[TinyM
     assert [len(keys) for keys, _ in array.stacks] == [1, 1, 1]
     (note,) = [n for n in array.notes if "outside the model" in n]
     name = {"global-scaled": "SCALE", "class-scaled": "_ClassScaled.factor",
-            "knob-scaled": "Knobs.scale"}[w.name]  # fmt: skip
-    assert f"{__name__}.{name}" in note and "one at a time" in note, note
+            "knob-scaled": "Knobs.scale", "imported-scaled": "SCALE"}[w.name]  # fmt: skip
+    where = knobs.__name__ if w.name == "imported-scaled" else __name__
+    assert f"{where}.{name}" in note and "one at a time" in note, note
 
 
 @pytest.mark.parametrize("workload", WORKLOADS, ids=lambda w: w.name)
