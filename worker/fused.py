@@ -71,7 +71,7 @@ from packtune.workloads.base import (
     data_splits,
     epoch_seed,
 )
-from worker import compiled
+from worker import compiled, own_masks
 from worker import outside_state as outside
 from worker.batches import (
     batch_size,
@@ -264,15 +264,20 @@ def stack_of(
     streams: MemberStreams | None = None,
 ) -> Stack:
     """How a stack of ``template``'s members runs in ``mode`` (``bmm``, ``vmap``, ``serial``).
-    With ``streams`` (a ``bmm`` or ``serial`` stack of a model whose only draws are its
-    Dropout modules'), the hand-fused forward, each member's masks from its own stream:
-    a stack of one then draws what it would in any stack."""
+    With ``streams`` (a stack of a model whose only draws are its Dropout modules'), each
+    member's masks come from its own stream, so a stack of one draws what it would in any
+    stack: through the hand-fused forward (``bmm``, or ``serial`` of a hand-fusable model), or
+    with the template's Dropout modules taking the stack's masks (:mod:`worker.own_masks`)."""
     stacked = workload.per_member_batches
-    if mode == "bmm" or streams is not None:
-        plan = bmm_plan(template, convs=mode == "bmm")
+    plan = bmm_plan(template, convs=mode == "bmm") if mode == "bmm" or streams else None
+    if mode == "bmm" or (plan is not None and streams is not None and mode != "vmap"):
         assert plan is not None
         forward = bmm_forward(plan, streams=streams)
         train_forward = bmm_forward(plan, stacked=True, streams=streams)
+    elif streams is not None:
+        own_masks.enable(template)
+        of = own_masks.vmap_forward if mode == "vmap" else own_masks.single_forward
+        forward, train_forward = of(template, streams), of(template, streams, stacked=True)
     elif mode == "vmap":
         forward, train_forward = vmap_forward(template), vmap_forward(template, stacked=True)
     else:
@@ -315,10 +320,16 @@ def _forwards(
     from its own stream, the same masks in any stack (:class:`MemberStreams`).
     """
     plan = None if workload.custom_step else bmm_plan(template, convs=mode == "bmm")
-    own_masks = (dropout_only and stochastic and plan is not None and not workload.stochastic
-                 and mode in ("auto", "bmm", "serial"))  # fmt: skip
-    if own_masks:  # its draws are each member's own, no longer the stack's
-        mode, stochastic = ("serial" if apart or mode == "serial" else "bmm"), False
+    # a model of its own (vmap) in bf16 keeps one member per stack, as bf16 vmap stacks do
+    own = (dropout_only and stochastic and not workload.stochastic and not workload.custom_step
+           and (plan is not None or precision != "bf16"))  # fmt: skip
+    if own:  # its draws are each member's own, no longer the stack's
+        stochastic = False
+        if plan is not None and mode != "vmap":
+            mode = "serial" if apart or mode == "serial" else "bmm"
+        elif mode == "auto":
+            alike = apart or len(part) == 1 or rounding
+            mode = "serial" if alike else "vmap"
     elif mode == "auto":
         if stochastic or apart:
             mode = "serial"  # each member draws from its own stream alone, as when unpacked
@@ -330,8 +341,8 @@ def _forwards(
     if mode == "bmm" and plan is None:
         raise ValueError(f"{workload.name}'s model is not a hand-fusable Sequential")
 
-    def stack(own: nn.Module) -> Stack:
-        return stack_of(workload, own, mode, stochastic, MemberStreams() if own_masks else None)
+    def stack(template: nn.Module) -> Stack:
+        return stack_of(workload, template, mode, stochastic, MemberStreams() if own else None)
 
     if mode == "serial":
         return [([i], stack(own_copy(template, n))) for n, i in enumerate(part)]

@@ -97,8 +97,9 @@ SPACES: dict[str, dict[str, Any]] = {
     },
     # mixed precision: the forward under bf16 autocast, batch norm included
     "bf16": {"lr": LR, "batch_norm": fixed(True), "precision": fixed("bf16")},
-    # Dropout modules: fused, each member's masks from its own stream
+    # Dropout modules: fused, each member's masks from its own stream (hand-fused; vmap)
     "dropout": {"lr": LR, "hidden": fixed(32), "dropout": fixed(0.3)},
+    "dropout-net-mlp": {"lr": TRAP_LR},
     # streamed from files through DataLoaders (the built-in and a plugin's own folder)
     "digits-files": {"lr": LR, "augment": fixed(True), "loader_workers": fixed(1)},
     "folder-images": {"lr": LR, "root": "IMAGES"},
@@ -135,7 +136,7 @@ FULL_HYPERBAND = ("digits-mlp", "schedules", "bf16")
 #: below, set for 9, leave a wide margin for other machines' kernels.
 REL = {
     "digits-cnn": 1e-3, "resnet-cifar": 1e-3, "misdeclared-mlp": 1e-3, "scaled-mlp": 1e-3,
-    "global-scaled-mlp": 1e-3,
+    "global-scaled-mlp": 1e-3, "dropout-net-mlp": 1e-3,
     "multi-task": 1e-3, "counting-mlp": 1e-3,
 }  # fmt: skip
 #: the folder of images the streaming plugins read (written once per test module)
@@ -170,6 +171,7 @@ def plugin_path(tmp_path_factory: pytest.TempPathFactory) -> str:
         "misdeclared": "trap_workloads:MisdeclaredMLP",
         "scaled": "trap_workloads:ScaledMLP",
         "global-scaled": "trap_workloads:GlobalScaledMLP",
+        "dropout-net": "trap_workloads:DropoutNetMLP",
         "counting": "trap_workloads:CountingMLP",
         "annealed": "trap_workloads:AnnealedLossMLP",
         "late-noise": "trap_workloads:LateNoiseMLP",
@@ -361,8 +363,9 @@ def test_dropout_trials_were_fused_each_with_masks_of_its_own(
     results: dict[tuple[str, bool], dict[str, Any]],
 ) -> None:
     """Not vacuous: the dropout study's packed trials trained in hand-fused stacks of
-    several (each member's masks from its own stream), where before each trained alone; and
-    equal to their unpacked twins above."""
+    several (each member's masks from its own stream), and the dropout MLP class of a
+    plugin's in vmap stacks of several, where before each trained alone; and equal to their
+    unpacked twins above."""
     result = results["dropout", True]
     mine = {t["id"] for t in result["trials"]}
     stacks = [
@@ -370,6 +373,13 @@ def test_dropout_trials_were_fused_each_with_masks_of_its_own(
         if set(s["trials"]) <= mine
     ]  # fmt: skip
     assert any(s["mode"] == "bmm" and len(s["trials"]) > 1 for s in stacks), stacks
+    result = results["dropout-net-mlp", True]
+    mine = {t["id"] for t in result["trials"]}
+    stacks = [
+        s for p in result["packs"] for a in p["arrays"] or [] for s in a["stacks"]
+        if set(s["trials"]) <= mine
+    ]  # fmt: skip
+    assert any(s["mode"] == "vmap" and len(s["trials"]) > 1 for s in stacks), stacks
 
 
 def test_a_value_kept_in_a_module_global_was_each_members_own(

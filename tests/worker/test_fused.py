@@ -156,37 +156,22 @@ def test_diverged_member_leaves_and_the_others_are_unchanged(mode):
         compare(array, reports, key, cfg, 1e-10)
 
 
-def test_forced_bmm_dropout_masks_are_each_members_own() -> None:
-    """A forced bmm stack draws each member's masks from its own stream: members of one
-    seed train alike, another seed's otherwise, and again the same."""
+@pytest.mark.parametrize("mode", ["bmm", "vmap"])
+def test_forced_dropout_masks_are_each_members_own(mode: str) -> None:
+    """A forced bmm or vmap stack draws each member's masks from its own stream: members of
+    one seed train alike, another seed's otherwise, and again the same."""
     workload = TinyMLP()
     members = [(key, {"seed": seed, "data_seed": 3, "dropout": 0.5})
                for key, seed in (("a", 5), ("b", 5), ("c", 6))]  # fmt: skip
     runs = []
     for _ in range(2):
-        array = FusedArray(workload, members, mode="bmm")
+        array = FusedArray(workload, members, mode=mode)
+        assert array.mode == mode
         runs.append((array, train(array, array.steps_per_epoch)))
     (array, reports), (_, reports_again) = runs
     weights = [array.member_state(key)["params"]["0.weight"] for key in ("a", "b", "c")]
     assert torch.equal(weights[0], weights[1]) and not torch.equal(weights[1], weights[2])
     assert reports == reports_again
-    assert array.evaluate() == array.evaluate()  # eval mode: dropout off
-
-
-@pytest.mark.parametrize("mode", ["vmap"])
-def test_dropout_differs_per_member_and_is_reproducible(mode):
-    workload = TinyMLP()
-    same = {"seed": 5, "data_seed": 3, "dropout": 0.5}
-    members = [(key, dict(same)) for key in ("a", "b", "c")]
-    runs = []
-    for _ in range(2):
-        array = FusedArray(workload, members, mode=mode)
-        reports = train(array, array.steps_per_epoch)
-        runs.append((array, reports))
-    (array, reports), (again, reports_again) = runs
-    weights = [array.member_state(key)["params"]["0.weight"] for key in ("a", "b", "c")]
-    assert not torch.equal(weights[0], weights[1]) and not torch.equal(weights[1], weights[2])
-    assert reports == reports_again  # same stream, same companions: same results
     assert array.evaluate() == array.evaluate()  # eval mode: dropout off
 
 

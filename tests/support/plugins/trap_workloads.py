@@ -16,6 +16,8 @@
 - ``global-scaled-mlp`` declares ``scale`` fusible but keeps it in a module global that its
   forward reads (``SCALE``): every model in a worker process reads the last value built, so
   packed members must each have their own value put back, and train apart.
+- ``dropout-net-mlp`` is an MLP class of its own with an ``nn.Dropout``: not a hand-fusable
+  Sequential, its members stack through vmap, each member's masks its own stream's.
 - ``data-scaled-mlp`` declares ``input_scale`` fusible but scales the data with it: members
   with different scales must not share batches (the worker trains them as arrays apart).
 - ``counting-mlp`` keeps a step counter on its module, ``annealed-loss-mlp`` one on the
@@ -167,6 +169,32 @@ class GlobalScaledMLP(_DigitsPlugin):
         cfg = self.resolve(config)
         SCALE = float(cfg["scale"])
         return _global_scaled(int(cfg["hidden"]))
+
+
+class DropoutNetMLP(_DigitsPlugin):
+    """MLP of its own class whose hidden layer goes through ``nn.Dropout``."""
+
+    name = "dropout-net-mlp"
+    params: Mapping[str, Any] = {**_DigitsPlugin.params, "dropout": 0.3}
+    structural = frozenset({"hidden", "dropout", "batch_size", "optimizer", "nesterov"})
+
+    def build_model(self, config: Mapping[str, Any]) -> Any:
+        import torch
+        from torch import nn
+
+        cfg = self.resolve(config)
+        hidden, p = int(cfg["hidden"]), float(cfg["dropout"])
+
+        class DropoutNet(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.fc1, self.fc2 = nn.Linear(64, hidden), nn.Linear(hidden, N_CLASSES)
+                self.drop = nn.Dropout(p)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+        return DropoutNet()
 
 
 class HorizonOrderMLP(_DigitsPlugin):
