@@ -39,7 +39,7 @@ X_SHAPE = {
 }
 STRUCTURAL = {
     "digits-mlp": {"hidden", "layers", "batch_norm", "dropout", "activation", "batch_size"},
-    "digits-cnn": {"channels", "batch_norm", "batch_size"},
+    "digits-cnn": {"channels", "batch_norm", "dropout", "batch_size"},
     "synthetic-mlp": {
         "input_dim",
         "hidden",
@@ -513,3 +513,15 @@ def test_a_workload_without_batch_size_is_refused_saying_why() -> None:
         params = {**NoBatch.params, "batch_size": 4}
 
     assert WithBatch().interface_problem() is None
+
+
+def test_digits_cnn_has_a_dropout_layer_only_above_0() -> None:
+    """Before its head; at 0 (the default) the model is the one it was without the
+    parameter, so studies that did not ask for it build and draw as before."""
+    w = workloads.get_workload("digits-cnn")
+    kinds = [type(m).__name__ for m in w.build_model(w.resolve({"channels": 4}))]
+    assert "Dropout" not in kinds
+    kinds = [type(m).__name__ for m in w.build_model(w.resolve({"channels": 4, "dropout": 0.2}))]
+    assert kinds[-3:] == ["Flatten", "Dropout", "Linear"]
+    with pytest.raises(ValueError, match="dropout must be in"):
+        w.build_model(w.resolve({"dropout": 1.0}))

@@ -165,19 +165,24 @@ class DigitsCNN(ClassificationWorkload):
     """Small CNN on the digits as 1x8x8 images.
 
     conv3x3(1->channels) -> [bn] -> relu -> conv3x3(channels->2*channels) ->
-    [bn] -> relu -> maxpool2 -> linear(2*channels*4*4 -> 10), as one
-    ``nn.Sequential``.
+    [bn] -> relu -> maxpool2 -> [dropout] -> linear(2*channels*4*4 -> 10), as one
+    ``nn.Sequential``. ``dropout`` is structural, its Dropout layer present only above 0.
     """
 
     name = "digits-cnn"
     params: Mapping[str, Any] = {
         "channels": 16,
         "batch_norm": False,
+        "dropout": 0.0,
         "batch_size": 64,
         **OPTIMIZER_PARAMS,
     }
-    structural = frozenset({"channels", "batch_norm", "batch_size"}) | OPTIMIZER_STRUCTURAL
-    bounds: Mapping[str, tuple[float, float]] = {"channels": (1, 4096), "batch_size": (1, N_TRAIN)}
+    structural = (
+        frozenset({"channels", "batch_norm", "dropout", "batch_size"}) | OPTIMIZER_STRUCTURAL
+    )
+    bounds: Mapping[str, tuple[float, float]] = {
+        "channels": (1, 4096), "dropout": (0, 0.999), "batch_size": (1, N_TRAIN),
+    }  # fmt: skip
 
     def build_model(self, config: Mapping[str, Any]) -> nn.Module:
         from torch import nn
@@ -185,6 +190,9 @@ class DigitsCNN(ClassificationWorkload):
         cfg = self.resolve(config)
         channels = positive_int(cfg, "channels")
         bn = bool(cfg["batch_norm"])
+        dropout = float(cfg["dropout"])
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), not {dropout}")
 
         def conv_block(c_in: int, c_out: int) -> list[nn.Module]:
             block: list[nn.Module] = [nn.Conv2d(c_in, c_out, 3, padding=1)]
@@ -198,6 +206,7 @@ class DigitsCNN(ClassificationWorkload):
             *conv_block(channels, 2 * channels),
             nn.MaxPool2d(2),
             nn.Flatten(),
+            *([nn.Dropout(dropout)] if dropout > 0 else []),
             nn.Linear(2 * channels * 4 * 4, N_CLASSES),
         )
 
