@@ -580,7 +580,9 @@ def run_array(
             f"gave the device up {steps} steps into its unit: that progress was dropped "
             "(cheaper than checkpointing it); its trials go on from their checkpoints"
         )
-        return [{"trials": [m.trial_id for m in todo], "stacks": [], "notes": [note],
+        # with what the array said of how its members stacked (it was built), as a kept run's
+        said = [*([array.warning] if array.warning else []), *array.notes]
+        return [{"trials": [m.trial_id for m in todo], "stacks": [], "notes": [*said, note],
                  "failed": [], "gave_up": True, "dropped": True}]  # fmt: skip
     except Unspillable as exc:
         if spill_share > 1 and array.step == from_step:

@@ -355,7 +355,8 @@ def test_gradients_of_float_rounding_under_adam_trained_their_members_one_at_a_t
     assert together, arrays
     assert all(s["mode"] == "serial" and len(s["trials"]) == 1
                for a in arrays for s in a["stacks"]), arrays  # fmt: skip
-    several = [a for a in arrays if len(a["trials"]) > 1]
+    # an array whose training was dropped (its pack gave the device up at once) says that
+    several = [a for a in arrays if len(a["trials"]) > 1 and not a.get("dropped")]
     assert all(any("are float rounding" in n for n in a["notes"]) for a in several), several
 
 
@@ -392,7 +393,7 @@ def test_a_value_kept_in_a_module_global_was_each_members_own(
     mine = {t["id"] for t in result["trials"]}
     arrays = [
         a for p in result["packs"] for a in p["arrays"] or []
-        if set(a["trials"]) <= mine and len(a["trials"]) > 1
+        if set(a["trials"]) <= mine and len(a["trials"]) > 1 and not a.get("dropped")
     ]  # fmt: skip
     assert arrays, result["packs"]
     assert all(len(s["trials"]) == 1 for a in arrays for s in a["stacks"]), arrays
