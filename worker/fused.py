@@ -1136,19 +1136,31 @@ class FusedArray:
         (the probe saw no draw: one that begins after a warm-up, or at another batch size).
         Another array's step in the shared hold of :data:`GLOBAL_RNG` at once may be the one
         that drew: both learn it (safe: they train one at a time, as unpacked)."""
+        self._unseen(group.keys, before, f"training drew from {{where}} at step {self.step + 1}, "
+                     "which its probe had not seen (a draw after a warm-up, or at another batch "
+                     "size)")  # fmt: skip
+
+    def _unseen(
+        self,
+        keys: Sequence[Hashable],
+        before: tuple[list[Tensor] | None, Fingerprint | None],
+        what: str,
+    ) -> None:
+        """Raise :class:`UnseenDraws` (``what`` happened, ``{where}`` naming the generator)
+        where torch's or the host's generators moved since ``before`` (None: not watched),
+        once ``keys``' probes have learned that their model draws."""
         torch_before, host_before = before
         drew = torch_before is not None and not same_states(torch_before, torch_states(self.device))
         host_drew = host_before is not None and host_before != host_fingerprint()
         if not (drew or host_drew):
             return
-        for key in group.keys:
+        for key in keys:
             learn_draws(self.probe_keys[key], torch_draws=drew, host_draws=host_drew)
         where = "torch's generators" if drew else "Python's or NumPy's generator"
         raise UnseenDraws(
-            f"{self.workload.name}: training drew from {where} at step {self.step + 1}, which "
-            "its probe had not seen (a draw after a warm-up, or at another batch size): its "
-            "members shared one stream, so the pack trains again from its checkpoints, each "
-            "member from its own, as unpacked"
+            f"{self.workload.name}: {what.format(where=where)}: its members shared one stream, "
+            "so the pack trains again from its checkpoints, each member from its own, as "
+            "unpacked"
         )
 
     def _shares(self, groups: int, group: Group, batch: Any) -> list[Tensor]:
@@ -1347,20 +1359,11 @@ class FusedArray:
         # members taken to draw nothing are evaluated in the shared hold, and checked: a draw
         # in eval mode only (noise under no_grad) is none a probe of training forwards sees
         with GLOBAL_RNG.shared() as held:
-            before, host_before = torch_states(self.device), host_fingerprint()
+            before = torch_states(self.device), host_fingerprint()
             values = self._evaluate_members()
-            drew = not same_states(before, torch_states(self.device))
-            host_drew = host_before != host_fingerprint()
-            if held.undisturbed() and (drew or host_drew):
-                for key in self.keys:
-                    learn_draws(self.probe_keys[key], torch_draws=drew, host_draws=host_drew)
-                where = "torch's generators" if drew else "Python's or NumPy's generator"
-                raise UnseenDraws(
-                    f"{self.workload.name}: evaluation drew from {where}, which its probe had "
-                    "not seen (a draw in eval mode only): its members shared one stream, so "
-                    "the pack trains again from its checkpoints, each member evaluated from "
-                    "its own, as unpacked"
-                )
+            if held.undisturbed():
+                self._unseen(self.keys, before, "evaluation drew from {where}, which its probe "
+                             "had not seen (a draw in eval mode only)")  # fmt: skip
             return values
 
     def _evaluate_members(self) -> dict[Hashable, dict[str, float]]:

@@ -367,20 +367,14 @@ def test_dropout_trials_were_fused_each_with_masks_of_its_own(
     several (each member's masks from its own stream), and the dropout MLP class of a
     plugin's in vmap stacks of several, where before each trained alone; and equal to their
     unpacked twins above."""
-    result = results["dropout", True]
-    mine = {t["id"] for t in result["trials"]}
-    stacks = [
-        s for p in result["packs"] for a in p["arrays"] or [] for s in a["stacks"]
-        if set(s["trials"]) <= mine
-    ]  # fmt: skip
-    assert any(s["mode"] == "bmm" and len(s["trials"]) > 1 for s in stacks), stacks
-    result = results["dropout-net-mlp", True]
-    mine = {t["id"] for t in result["trials"]}
-    stacks = [
-        s for p in result["packs"] for a in p["arrays"] or [] for s in a["stacks"]
-        if set(s["trials"]) <= mine
-    ]  # fmt: skip
-    assert any(s["mode"] == "vmap" and len(s["trials"]) > 1 for s in stacks), stacks
+    for workload, mode in (("dropout", "bmm"), ("dropout-net-mlp", "vmap")):
+        result = results[workload, True]
+        mine = {t["id"] for t in result["trials"]}
+        stacks = [
+            s for p in result["packs"] for a in p["arrays"] or [] for s in a["stacks"]
+            if set(s["trials"]) <= mine
+        ]  # fmt: skip
+        assert any(s["mode"] == mode and len(s["trials"]) > 1 for s in stacks), stacks
 
 
 def test_a_value_kept_in_a_module_global_was_each_members_own(
