@@ -1106,10 +1106,13 @@ class FusedArray:
                     keeps = hold.enter_context(GLOBAL_RNG) is not None
                 before = self._generators(group)
                 with self._outside_held() if keeps else nullcontext():
-                    if self.host_random:
-                        self._host_step(group, own)
-                    else:
-                        self._step_group(group, own)
+                    try:
+                        if self.host_random:
+                            self._host_step(group, own)
+                        else:
+                            self._step_group(group, own)
+                    except own_masks.MaskMismatch as exc:
+                        self._masks_mismatched(group, exc)
                 if not isinstance(held, Shared) or held.undisturbed():  # else others' draws mix in
                     self._no_unseen_draws(group, before)
             if [t._version for t in shared] != versions:
@@ -1122,6 +1125,19 @@ class FusedArray:
         self.step += 1
         if self.step % self.check_every == 0:
             self.check_divergence()
+
+    def _masks_mismatched(self, group: Group, exc: own_masks.MaskMismatch) -> None:
+        """``group``'s forward called its dropout modules otherwise than its reading of them
+        (a call that depends on a Python counter, say): this process learns that its model
+        draws, and the pack trains again from its checkpoints, one member per stack."""
+        for key in group.keys:
+            learn_draws(self.probe_keys[key], torch_draws=True, host_draws=False)
+        raise UnseenDraws(
+            f"{self.workload.name}: its forward called its dropout modules otherwise than "
+            f"before at step {self.step + 1} ({exc}): each member's masks cannot be drawn "
+            "ahead, so the pack trains again from its checkpoints, one member per stack, "
+            "each from its own stream"
+        ) from exc
 
     def _generators(self, group: Group) -> tuple[list[Tensor] | None, Fingerprint | None]:
         """The global generators ``group``'s step must leave alone: torch's unless it draws

@@ -10,8 +10,9 @@ reaches the module; a ``vmap`` stack draws them all before the forward, each mem
 its own generator, in the order and shapes one member's forward calls its modules (read once
 per input shape by a forward of member 0 that changes nothing), and hands each member its
 own. So a member draws the same masks in any stack, of any size. A forward that calls its
-modules otherwise than that reading (a call that depends on the data) raises
-:class:`MaskMismatch`, and the stack trains one member per stack instead.
+modules otherwise than that reading (a call a Python counter decides) raises
+:class:`MaskMismatch`: the array learns that the model draws, and its pack trains again,
+one member per stack (``FusedArray._masks_mismatched``).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from torch import nn
 
 from tests.support.tiny_workloads import Ramp, TinyMLP
 from worker.fused import FusedArray, train
+from worker.probe import UnseenDraws
 from worker.rng import torch_states
 
 EPOCHS = 2
@@ -119,3 +120,51 @@ def test_the_masks_are_dropout_s_own_masks() -> None:
     )
     assert not torch.equal(a0, q0)
     assert torch.equal(a0, a1)
+
+
+class _EveryOtherStep(nn.Module):
+    """Applies its dropout on odd training steps only (a Python counter decides): its
+    dropout calls differ from step to step, which a reading of one forward cannot know."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.drop, self.calls = (
+            nn.Linear(8, 16),
+            nn.Linear(16, 3),
+            nn.Dropout(p),
+            0,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc1(x))
+        if self.training:
+            self.calls += 1
+            if self.calls % 2:
+                h = self.drop(h)
+        return self.fc2(h)
+
+
+class EveryOtherStep(DropoutNet):
+    name = "every-other-step-dropout"
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        return _EveryOtherStep(float(self.resolve(config)["dropout"])).double()
+
+
+def test_a_forward_that_calls_its_dropout_otherwise_trains_again_one_member_per_stack() -> None:
+    """Its vmap stack's second step found a mask it did not use: the trial failed with a
+    MaskMismatch. Now the process learns the model draws otherwise, and the pack trains
+    again (UnseenDraws, as for any draw a probe missed), one member per stack."""
+    w = EveryOtherStep()
+    array = FusedArray(copy.copy(w), members())
+    assert array.stacks == [(["t0", "t1", "t2"], "vmap")]
+    with pytest.raises(UnseenDraws, match="called its dropout modules otherwise"):
+        train(array, array.steps_per_epoch)
+    again = FusedArray(copy.copy(w), members())
+    assert [mode for _, mode in again.stacks] == ["serial"] * 3
+    train(again, EPOCHS * again.steps_per_epoch)
+    for key, config in members():
+        solo = FusedArray(copy.copy(w), [(key, config)])
+        train(solo, EPOCHS * solo.steps_per_epoch)
+        for name, tensor in solo.member_state(key)["params"].items():
+            assert torch.equal(again.member_state(key)["params"][name], tensor), (key, name)
