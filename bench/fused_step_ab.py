@@ -10,6 +10,10 @@ i.e. fused trial-steps/s over serial trial-steps/s) and its median.
 
     python -m bench.fused_step_ab --workload synthetic-mlp --k 8 --pairs 15
     python -m bench.fused_step_ab --workload digits-mlp --config dropout=0.2  # stochastic
+
+It prints its figures; with ``--out-dir DIR`` it also writes them to
+``DIR/fused_step_ab_<workload>_k<k>.json`` (``bench/ab.sh`` passes ``--out-dir`` and
+``--no-append``; this benchmark appends nothing to HISTORY.md either way).
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ import json
 import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench import recording
 from bench._plain import PlainRun, cycle
 from bench.fused_throughput import CONFIGS, member_config
 from packtune.workloads import get_workload
@@ -103,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
         metavar="KEY=VALUE",
         help="a workload config value of every member (e.g. dropout=0.2); repeatable",
     )
+    parser.add_argument("--out-dir", type=Path, default=None, help="write the figures here")
+    parser.add_argument("--no-append", action="store_true", help="(it never appends)")
     args = parser.parse_args(argv)
     global CLOCK
     CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
@@ -120,6 +128,13 @@ def main(argv: list[str] | None = None) -> None:
         + " ".join(f"{r:.2f}" for r in ratios)
         + ")"
     )
+    if args.out_dir is not None:
+        recording.save_json(f"fused_step_ab_{args.workload}_k{args.k}", {
+            "machine": recording.machine("cpu"), "date": recording.now(),
+            "command": recording.command_line(), "workload": args.workload, "k": args.k,
+            "config": config, "threads": torch.get_num_threads(), "clock": args.clock,
+            "fused_ms": fused_ms, "plain_ms": plain_ms, "ratios": ratios,
+        }, args.out_dir)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -50,3 +50,16 @@ def test_bench_b_s_row_is_the_default_study_s_newest_run(
             summary.DEFAULT_STUDY)  # fmt: skip
     [row] = summary.study_rows()
     assert row.value.startswith("2.70x"), row
+
+
+def test_fused_step_ab_takes_what_ab_sh_passes_and_writes_its_figures(tmp_path: Path) -> None:
+    """``bench/ab.sh`` adds ``--out-dir DIR --no-append`` to its command: fused_step_ab
+    refused both ('unrecognized arguments'), so an A/B of it had to be run by hand."""
+    from bench import fused_step_ab
+
+    fused_step_ab.main(["--workload", "synthetic-mlp", "--k", "2", "--steps", "2",
+                        "--pairs", "2", "--threads", "1", "--out-dir", str(tmp_path),
+                        "--no-append"])  # fmt: skip
+    data = json.loads((tmp_path / "fused_step_ab_synthetic-mlp_k2.json").read_text())
+    assert data["k"] == 2 and len(data["ratios"]) == 2 and data["fused_ms"] > 0
+    assert data["machine"]["device"] == "cpu" and data["commit"]
