@@ -151,10 +151,15 @@ log = logging.getLogger(__name__)
 _RNG_MIX = 6364136223846793005  # Knuth's MMIX multiplier, to fold member draws into one seed
 #: folded into an evaluation's seed, so that it is not the next training step's
 _EVAL_SALT = 0x5EED_E7A1
-#: workloads whose vmap step failed and split per member in this process (logged once)
-_SPLIT_LOGGED: set[str] = set()
-#: (workload, values) kept outside the model that split arrays in this process (logged once)
-_OUTSIDE_LOGGED: set[tuple[str, tuple[str, ...]]] = set()
+#: what arrays of this process said once in the log (every pack of a workload would say
+#: it again): a workload's vmap step split per member, its values kept outside the model
+_LOGGED: set[Hashable] = set()
+
+
+def _warn_once(said: Hashable, message: str) -> None:
+    if said not in _LOGGED:
+        _LOGGED.add(said)
+        log.warning("%s (said once per process)", message)
 
 
 def hyper_tensors(configs: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
@@ -269,7 +274,7 @@ def stack_of(
     stack: through the hand-fused forward (``bmm``, or ``serial`` of a hand-fusable model), or
     with the template's Dropout modules taking the stack's masks (:mod:`worker.own_masks`)."""
     stacked = workload.per_member_batches
-    plan = bmm_plan(template, convs=mode == "bmm") if mode == "bmm" or streams else None
+    plan = bmm_plan(template, convs=mode == "bmm") if mode == "bmm" or streams is not None else None
     if mode == "bmm" or (plan is not None and streams is not None and mode != "vmap"):
         assert plan is not None
         forward = bmm_forward(plan, streams=streams)
@@ -543,10 +548,7 @@ class FusedArray:
                 "its own values put back, as unpacked. Keep per-trial values in the model (a "
                 "buffer) for them to be fused"
             )
-            said = (workload.name, tuple(kept_apart))
-            if said not in _OUTSIDE_LOGGED:  # every pack of the workload would say it again
-                _OUTSIDE_LOGGED.add(said)
-                log.warning("%s (said once per process)", self.notes[-1])
+            _warn_once(("outside", workload.name, tuple(kept_apart)), self.notes[-1])
         if drifted:
             self.notes.append(
                 f"{workload.name}: build_model set {', '.join(repr(a) for a in drifted)} on the "
@@ -811,9 +813,7 @@ class FusedArray:
             + ("train one at a time instead" if what == "step" else
                "are evaluated and train one at a time from here on")
         )  # fmt: skip
-        if self.workload.name not in _SPLIT_LOGGED:  # every pack would say it again
-            _SPLIT_LOGGED.add(self.workload.name)
-            log.warning("%s (said once per process)", note)
+        _warn_once(("split", self.workload.name), note)
         self.notes.append(note)
         return self._split_per_member(group)
 
@@ -1130,14 +1130,11 @@ class FusedArray:
         """``group``'s forward called its dropout modules otherwise than its reading of them
         (a call that depends on a Python counter, say): this process learns that its model
         draws, and the pack trains again from its checkpoints, one member per stack."""
-        for key in group.keys:
-            learn_draws(self.probe_keys[key], torch_draws=True, host_draws=False)
-        raise UnseenDraws(
-            f"{self.workload.name}: its forward called its dropout modules otherwise than "
-            f"before at step {self.step + 1} ({exc}): each member's masks cannot be drawn "
-            "ahead, so the pack trains again from its checkpoints, one member per stack, "
-            "each from its own stream"
-        ) from exc
+        raise self._draws_learned(
+            group.keys, True, False,
+            f"its forward called its dropout modules otherwise than before at step "
+            f"{self.step + 1} ({exc}): each member's masks cannot be drawn ahead",
+        ) from exc  # fmt: skip
 
     def _generators(self, group: Group) -> tuple[list[Tensor] | None, Fingerprint | None]:
         """The global generators ``group``'s step must leave alone: torch's unless it draws
@@ -1170,13 +1167,21 @@ class FusedArray:
         host_drew = host_before is not None and host_before != host_fingerprint()
         if not (drew or host_drew):
             return
-        for key in keys:
-            learn_draws(self.probe_keys[key], torch_draws=drew, host_draws=host_drew)
         where = "torch's generators" if drew else "Python's or NumPy's generator"
-        raise UnseenDraws(
-            f"{self.workload.name}: {what.format(where=where)}: its members shared one stream, "
-            "so the pack trains again from its checkpoints, each member from its own, as "
-            "unpacked"
+        raise self._draws_learned(
+            keys, drew, host_drew, f"{what.format(where=where)}: its members shared one stream"
+        )
+
+    def _draws_learned(
+        self, keys: Sequence[Hashable], torch_draws: bool, host_draws: bool, why: str
+    ) -> UnseenDraws:
+        """``keys``' probes learn that their model draws (``why``); the fault that has their
+        pack train again from its checkpoints, each member from its own stream."""
+        for key in keys:
+            learn_draws(self.probe_keys[key], torch_draws=torch_draws, host_draws=host_draws)
+        return UnseenDraws(
+            f"{self.workload.name}: {why}, so the pack trains again from its checkpoints, each "
+            "member from its own, as unpacked"
         )
 
     def _shares(self, groups: int, group: Group, batch: Any) -> list[Tensor]:

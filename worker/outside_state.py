@@ -116,7 +116,7 @@ def learn(before: Reading, after: Reading) -> None:
                 changed.update(changed_state(earlier, values))
         if changed:
             _KEPT[space] = _KEPT.get(space, frozenset()) | changed
-        _LAST[space] = values
+        _LAST[space] = dict(values)  # not the member's reading, which its training updates
 
 
 def kept(spaces: Iterable[Namespace]) -> dict[Namespace, frozenset[str]]:
