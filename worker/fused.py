@@ -162,6 +162,13 @@ def _warn_once(said: Hashable, message: str) -> None:
         log.warning("%s (said once per process)", message)
 
 
+def _folded(seed: int, draws: Sequence[int]) -> int:
+    """``draws`` folded into ``seed``, one after another (:data:`_RNG_MIX`)."""
+    for draw in draws:
+        seed = (seed * _RNG_MIX + draw) % 2**63
+    return seed
+
+
 def hyper_tensors(configs: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
     """The fusible optimizer hyperparameters of ``configs`` as ``[k]`` float64 tensors (the
     schedule's aside: :func:`schedules`)."""
@@ -1048,20 +1055,24 @@ class FusedArray:
                 return group, group.keys.index(key)
         raise KeyError(f"{key!r} is not an active member of this array")
 
-    def _member_draws(self, group: Group) -> list[int]:
-        """One draw of each of ``group``'s members' own streams, in order."""
-        return [int(torch.randint(0, 2**62, (1,), generator=self.generators[key]))
-                for key in group.keys]  # fmt: skip
+    def _member_draws(self, group: Group, peek: bool = False) -> list[int]:
+        """One draw of each of ``group``'s members' own streams, in order; ``peek``: from
+        copies of them (the streams are not advanced)."""
+        draws = []
+        for key in group.keys:
+            generator = self.generators[key]
+            if peek:
+                generator = torch.Generator()
+                generator.set_state(self.generators[key].get_state())
+            draws.append(int(torch.randint(0, 2**62, (1,), generator=generator)))
+        return draws
 
     def _seed_step(self, group: Group) -> None:
         """Before a step of ``group``: a stochastic stack reseeds torch's global generator
         from one draw of each member's own stream; one with per-member dropout streams seeds
         each of them from its member's draw; any other draws nothing."""
         if group.stochastic:
-            seed = 0
-            for draw in self._member_draws(group):
-                seed = (seed * _RNG_MIX + draw) % 2**63
-            seed_torch(seed)
+            seed_torch(_folded(0, self._member_draws(group)))
         elif group.stack.streams is not None:
             group.stack.streams.seed(self._member_draws(group), self.device)
 
@@ -1074,12 +1085,7 @@ class FusedArray:
         ``random``, NumPy's), where the model draws from them."""
         if not group.stochastic:
             return
-        seed = _EVAL_SALT
-        for key in group.keys:
-            peek = torch.Generator()
-            peek.set_state(self.generators[key].get_state())
-            seed = (seed * _RNG_MIX + int(torch.randint(0, 2**62, (1,), generator=peek))) % 2**63
-        seed = (seed * _RNG_MIX + part) % 2**63
+        seed = _folded(_EVAL_SALT, [*self._member_draws(group, peek=True), part])
         seed_torch(seed)
         if self.host_random:  # its steps draw from each member's own host stream
             seed_host(seed)
