@@ -30,7 +30,7 @@ member's plain call), which returns the ``[k]`` losses directly.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -273,16 +273,24 @@ class MemberStreams:
             generator.manual_seed(seed)
 
 
+def member_mask(
+    shape: Sequence[int], dtype: torch.dtype, device: torch.device, keep: float,
+    generator: torch.Generator,
+) -> Tensor:  # fmt: skip
+    """One member's dropout mask (1 with probability ``keep``) from its own ``generator``:
+    every stack draws a member's masks with it, so a member draws alike in any stack."""
+    return torch.empty(shape, dtype=dtype, device=device).bernoulli_(keep, generator=generator)
+
+
 def member_dropout(h: Tensor, p: float, streams: MemberStreams) -> Tensor:
     """Inverted dropout of ``[k, ...]``, member j's mask drawn from its own generator: each
     member's slice is what ``h[j] * mask / (1 - p)`` gives alone (element-wise, so exact)."""
     if p >= 1.0:
         return h * 0.0
     keep = 1.0 - p
-    masks = torch.stack([
-        torch.empty(h.shape[1:], dtype=h.dtype, device=h.device).bernoulli_(keep, generator=g)
-        for g in streams.generators
-    ])  # fmt: skip
+    masks = torch.stack(
+        [member_mask(h.shape[1:], h.dtype, h.device, keep, g) for g in streams.generators]
+    )
     return h * masks / keep
 
 
@@ -338,7 +346,8 @@ def vmap_forward(template: nn.Module, stacked: bool = False) -> Forward:
     return vmap(one, in_dims=dims, randomness="different")  # type: ignore[no-any-return]
 
 
-def _member(params: dict[str, Tensor], buffers: dict[str, Tensor]) -> tuple[dict, dict]:
+def member(params: dict[str, Tensor], buffers: dict[str, Tensor]) -> tuple[dict, dict]:
+    """Member 0's parameters and buffers, of stacked ones."""
     return {n: p[0] for n, p in params.items()}, {n: b[0] for n, b in buffers.items()}
 
 
@@ -352,7 +361,7 @@ def single_forward(template: nn.Module, stacked: bool = False) -> Forward:
 
     def forward(params: dict[str, Tensor], buffers: dict[str, Tensor], x: Tensor) -> Tensor:
         return functional_call(
-            template, _member(params, buffers), (x[0] if stacked else x,)
+            template, member(params, buffers), (x[0] if stacked else x,)
         ).unsqueeze(0)
 
     return forward
@@ -385,7 +394,7 @@ def custom_losses(
     if serial:
 
         def single(params: dict[str, Tensor], buffers: dict[str, Tensor], batch: Any) -> Tensor:
-            return one(*_member(params, buffers), _first(batch) if stacked else batch).reshape(1)
+            return one(*member(params, buffers), _first(batch) if stacked else batch).reshape(1)
 
         return single
     dims = (0, 0, 0 if stacked else None)

@@ -27,10 +27,9 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
-from worker.fused_forward import MemberStreams
+from worker.fused_forward import Forward, MemberStreams, member, member_mask
 from worker.module_state import kept_python_state
 
-Forward = Callable[[dict[str, Tensor], dict[str, Tensor], Any], Tensor]
 #: one dropout call of a member's forward: its input's shape and dtype, and ``p``
 Call = tuple[tuple[int, ...], torch.dtype, float]
 
@@ -66,8 +65,7 @@ def _dropout(self: nn.Dropout, x: Tensor) -> Tensor:
         raise RuntimeError("a Dropout of a stack's template ran outside the stack's forward")
     keep = 1.0 - float(self.p)
     if run.generator is not None:
-        mask = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        mask.bernoulli_(keep, generator=run.generator)
+        mask = member_mask(x.shape, x.dtype, x.device, keep, run.generator)
     elif run.masks is not None:
         if run.at >= len(run.masks) or run.masks[run.at].shape != x.shape:
             raise MaskMismatch(
@@ -100,8 +98,8 @@ def _running(run: _Run, call: Callable[[], Tensor]) -> Tensor:
 def single_forward(template: nn.Module, streams: MemberStreams, stacked: bool = False) -> Forward:
     """One member's plain call (a stack of one), its masks drawn from its generator."""
 
-    def forward(params: dict[str, Tensor], buffers: dict[str, Tensor], x: Any) -> Tensor:
-        own = ({n: p[0] for n, p in params.items()}, {n: b[0] for n, b in buffers.items()})
+    def forward(params: dict[str, Tensor], buffers: dict[str, Tensor], x: Tensor) -> Tensor:
+        own = member(params, buffers)
         run = _Run(generator=streams.generators[0] if template.training else None)
         out = _running(run, lambda: functional_call(template, own, (x[0] if stacked else x,)))
         return out.unsqueeze(0)
@@ -133,7 +131,7 @@ class _Calls:
 def vmap_forward(template: nn.Module, streams: MemberStreams, stacked: bool = False) -> Forward:
     """``vmap`` of ``functional_call`` over the members, each handed its own masks."""
 
-    def one(params: dict[str, Tensor], buffers: dict[str, Tensor], x: Any,
+    def one(params: dict[str, Tensor], buffers: dict[str, Tensor], x: Tensor,
             masks: tuple[Tensor, ...]) -> Tensor:  # fmt: skip
         run = _Run(masks=list(masks))
         out = _running(run, lambda: functional_call(template, (params, buffers), (x,)))
@@ -148,7 +146,7 @@ def vmap_forward(template: nn.Module, streams: MemberStreams, stacked: bool = Fa
     batched = vmap(one, in_dims=dims, randomness="different")
     calls = _Calls()
 
-    def forward(params: dict[str, Tensor], buffers: dict[str, Tensor], x: Any) -> Tensor:
+    def forward(params: dict[str, Tensor], buffers: dict[str, Tensor], x: Tensor) -> Tensor:
         k = next(iter(params.values())).shape[0]
         if not template.training:  # no masks: each module returns its input
             return batched(params, buffers, x, ())  # type: ignore[no-any-return]
@@ -156,8 +154,7 @@ def vmap_forward(template: nn.Module, streams: MemberStreams, stacked: bool = Fa
         device = first.device
         masks = tuple(
             torch.stack([
-                torch.empty(shape, dtype=dtype, device=device).bernoulli_(1.0 - p, generator=g)
-                for g in streams.generators[:k]
+                member_mask(shape, dtype, device, 1.0 - p, g) for g in streams.generators[:k]
             ])
             for shape, dtype, p in calls.of(template, params, buffers, first)
         )  # fmt: skip
