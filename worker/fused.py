@@ -364,7 +364,7 @@ def _forwards(
 def own_copy(template: nn.Module, n: int) -> nn.Module:
     """The template of a stack's ``n``-th one-member stack: the first takes ``template``,
     each other one a copy of it (meta tensors: no memory)."""
-    return template if n == 0 else copy.deepcopy(template)
+    return template if n == 0 else outside.copy_model(template)
 
 
 def _split_warning(
@@ -588,7 +588,7 @@ class FusedArray:
         #: gradient of float rounding, ~1e-8 of the weights, and nothing shows)
         self.scales_gradients = str(self.config.get("optimizer", "sgd")) != "sgd"
         for part in parts:
-            template = meta_template(models[part[0]])
+            template = meta_template(models[part[0]], outside.copy_model)
             for i in part:
                 self.probe_keys[keys[i]] = probe_key(workload, signatures[part[0]])
             if self.streaming and not probes and not probed_already(workload, signatures[part[0]]):
@@ -749,9 +749,11 @@ class FusedArray:
     def _compile(self, group: Group) -> None:
         """Give ``group`` its compiled step (:mod:`worker.compiled`) where one applies."""
         if (type(group) is not Group or group.stochastic or group.stack.streams is not None
-                or self.workload_state):  # fmt: skip
-            # spilled and decoupled stacks, random draws, and steps that change the workload
-            # object (its compiled step would hold one frozen copy of it) stay eager
+                or self.workload_state or self._keeps_outside()):  # fmt: skip
+            # spilled and decoupled stacks, random draws, steps that change the workload
+            # object (its compiled step would hold one frozen copy of it), and values kept
+            # outside the model (put back per member, which a compiled step may have frozen)
+            # stay eager
             return
         device, precision = self.device, self.precision
         # this stack's values put back, frozen in a copy of the workload for its compiled
@@ -875,7 +877,7 @@ class FusedArray:
             # each run from the same state: a step counter on a module or on the workload
             # object moved by the first would make the second's gradient another one
             restore_object_state(workload, held)
-            own = copy.deepcopy(group.template)
+            own = outside.copy_model(group.template)
             single = stack_of(workload, own, "serial", group.stochastic)
             run = losses_function(single, workload, self.precision, self.device)
             return run(params, {n: b.clone() for n, b in buffers.items()}, first)

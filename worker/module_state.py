@@ -115,25 +115,34 @@ SMALL_TENSOR = 4096
 def object_state(obj: Any) -> dict[str, Any]:
     """``obj``'s own attributes (a workload object's): a copy of each plain value and of each
     small tensor (compared by value), anything else itself (compared by identity)."""
-    return {name: _held(value) for name, value in vars(obj).items()}
+    return {name: held_value(value) for name, value in vars(obj).items()}
 
 
-def _held(value: Any) -> Any:
+def held_value(value: Any) -> Any:
+    """``value`` held at this moment: a copy of a plain value, a :class:`Snapshot` of a small
+    tensor (both compared by value), anything else itself (compared by identity)."""
     if _plain(value):
         return copy.deepcopy(value)
     if isinstance(value, torch.Tensor) and value.numel() <= SMALL_TENSOR and not value.is_meta:
-        return _Snapshot(value.detach().clone())
+        return Snapshot(value.detach().clone())
     return value
 
 
-class _Snapshot:
+class Held:
+    """A value held at a moment that compares itself (:func:`same_value`) with another."""
+
+    def same_as(self, other: Any) -> bool:
+        raise NotImplementedError
+
+
+class Snapshot(Held):
     """A small tensor's value at a moment (:func:`object_state`), compared by value."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
 
     def same_as(self, other: Any) -> bool:
-        value = other.tensor if isinstance(other, _Snapshot) else other
+        value = other.tensor if isinstance(other, Snapshot) else other
         return (
             isinstance(value, torch.Tensor)
             and value.shape == self.tensor.shape
@@ -142,6 +151,15 @@ class _Snapshot:
             and bool(torch.equal(value.detach(), self.tensor))
         )
 
+    def fill(self, current: Any) -> bool:
+        """Put the value back into ``current`` in place, whoever holds it seeing it back, if
+        ``current`` is a tensor of the same shape; whether it was."""
+        if not (isinstance(current, torch.Tensor) and current.shape == self.tensor.shape):
+            return False
+        with torch.no_grad():
+            current.copy_(self.tensor)
+        return True
+
 
 def restore(obj: Any, held: dict[str, Any], names: list[str]) -> None:
     """Put ``names`` of ``obj`` back to their values in ``held`` (:func:`object_state` or
@@ -149,11 +167,9 @@ def restore(obj: Any, held: dict[str, Any], names: list[str]) -> None:
     is removed."""
     for name in names:
         value = held.get(name, MISSING)
-        if isinstance(value, _Snapshot):
+        if isinstance(value, Snapshot):
             current = vars(obj).get(name)
-            if isinstance(current, torch.Tensor) and current.shape == value.tensor.shape:
-                with torch.no_grad():
-                    current.copy_(value.tensor)  # in place: whoever holds it sees it back
+            if value.fill(current):
                 continue
             value = value.tensor.clone()
         put(obj, name, copy.deepcopy(value) if _plain(value) else value)
@@ -212,9 +228,9 @@ def _plain(value: Any, depth: int = 0) -> bool:
 def _same(a: Any, b: Any) -> bool:
     if a is b:
         return True
-    if isinstance(a, _Snapshot):
+    if isinstance(a, Held):
         return a.same_as(b)
-    if isinstance(b, _Snapshot):
+    if isinstance(b, Held):
         return b.same_as(a)
     if not (_plain(a) and _plain(b)) or type(a) is not type(b):
         return False  # another object in its place

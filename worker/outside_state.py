@@ -9,13 +9,14 @@ process changed is *kept outside* from then on (:func:`learn`, :func:`kept`): ea
 holds its own value of it, put back (:func:`put_back`) before each of its stack's steps and
 evaluations while no other array of the process steps (the exclusive side of
 ``worker.rng.GLOBAL_RNG``), and members whose values differ train one per stack. Values are
-compared as :mod:`worker.module_state` compares a model's attributes: plain ones (numbers,
-strings, containers of them) by value, anything else by identity, so a dict changed in
-place is not seen. Modules and classes of torch and of packtune itself are not read.
+held and put back as :mod:`worker.outside_values` says: by value, a settings object or a
+dict changed in place included, and put back in place; a copy of the model keeps holding
+them (:func:`copy_model`). Modules and classes of torch and of packtune itself are not read.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import types
@@ -25,7 +26,8 @@ from typing import Any
 
 from torch import nn
 
-from worker.module_state import MISSING, changed_state, held_plain, same_value
+from worker.module_state import MISSING, changed_state, same_value
+from worker.outside_values import Fields, Own, hold, put
 
 #: top-level packages whose modules and classes are not read (their state is their own)
 _NOT_READ = frozenset({"builtins", "torch", "packtune", "worker", "service", "abc", "typing"})
@@ -40,6 +42,9 @@ Reading = dict[Namespace, dict[str, Any]]
 _KEPT: weakref.WeakKeyDictionary[Namespace, frozenset[str]] = weakref.WeakKeyDictionary()
 #: each namespace as the last build in this process left it
 _LAST: weakref.WeakKeyDictionary[Namespace, dict[str, Any]] = weakref.WeakKeyDictionary()
+#: the objects each namespace held as last read that a model may hold too (a dict, a list,
+#: a settings object): a copy of the model keeps them shared (:func:`copy_model`)
+_SHARED: weakref.WeakKeyDictionary[Namespace, list[Any]] = weakref.WeakKeyDictionary()
 
 
 def _read(module_name: str) -> bool:
@@ -73,19 +78,21 @@ def namespaces(workload: Any, model: nn.Module | None = None) -> list[Namespace]
 def _own_imports(module: types.ModuleType) -> list[types.ModuleType]:
     """The modules ``module`` holds as globals that are the user's as it is: of its top-level
     package, or files in its folder (a plugin of single files)."""
-    package = module.__name__.split(".")[0]
-    folder = _folder(module)
     return [
         value
         for value in list(vars(module).values())
-        if isinstance(value, types.ModuleType)
-        and value is not module
-        and _read(value.__name__)
-        and (
-            (package != "__main__" and value.__name__.split(".")[0] == package)
-            or (folder is not None and _folder(value) == folder)
-        )
+        if isinstance(value, types.ModuleType) and value is not module and _home(module, value)
     ]
+
+
+def _home(module: types.ModuleType, other: types.ModuleType) -> bool:
+    """Whether ``other`` is the user's as ``module`` is: of its top-level package, or a file
+    in its folder (a plugin of single files)."""
+    package, folder = module.__name__.split(".")[0], _folder(module)
+    return _read(other.__name__) and (
+        (package != "__main__" and other.__name__.split(".")[0] == package)
+        or (folder is not None and _folder(other) == folder)
+    )
 
 
 def _folder(module: types.ModuleType) -> str | None:
@@ -95,15 +102,42 @@ def _folder(module: types.ModuleType) -> str | None:
 
 def reading(spaces: Iterable[Namespace]) -> Reading:
     """Every value of ``spaces`` now (dunder names and a class's methods left out)."""
-    return {
-        space: {
-            name: held_plain(value)
+    out: Reading = {}
+    for space in spaces:
+        own = _own(space)
+        values = {
+            name: value
             for name, value in list(vars(space).items())
             if not (name.startswith("__") and name.endswith("__"))
             and not (isinstance(space, type) and isinstance(value, _CODE))
         }
-        for space in spaces
-    }
+        out[space] = {name: hold(value, own) for name, value in values.items()}
+        _SHARED[space] = [
+            value
+            for name, value in values.items()
+            if isinstance(value, dict | list | set) or isinstance(out[space][name], Fields)
+        ]
+    return out
+
+
+def _own(space: Namespace) -> Own:
+    """Whether a class is the user's as ``space`` is (:func:`_home`): its instances are
+    settings, held field by field."""
+    module = space if isinstance(space, types.ModuleType) else sys.modules.get(space.__module__)
+
+    def own(cls: type) -> bool:
+        home = sys.modules.get(cls.__module__)
+        return module is not None and home is not None and _home(module, home)
+
+    return own
+
+
+def copy_model(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` that still holds the objects of the namespaces read in this
+    process (``self.settings = SETTINGS``): what :func:`put_back` puts into them, its
+    forward reads, as the model's own does."""
+    memo = {id(obj): obj for objs in list(_SHARED.values()) for obj in objs}
+    return copy.deepcopy(model, memo)
 
 
 def learn(before: Reading, after: Reading) -> None:
@@ -163,19 +197,23 @@ def label(space: Namespace, name: str) -> str:
 
 
 def put_back(values: Mapping[Namespace, Mapping[str, Any]]) -> None:
-    """Set each namespace's names to ``values`` (:data:`MISSING`: deleted)."""
+    """Set each namespace's names to ``values`` (:data:`MISSING`: deleted), in place where
+    the object there can take them (:func:`worker.outside_values.put`)."""
     for space, names in values.items():
         for name, value in names.items():
+            current = vars(space).get(name, MISSING)
             if value is MISSING:
-                if name in vars(space):
+                if current is not MISSING:
                     delattr(space, name)
-            elif vars(space).get(name, MISSING) is not value:
-                setattr(space, name, value)
+                continue
+            new = put(current, value)
+            if new is not current:
+                setattr(space, name, new)
 
 
 def now(values: Mapping[Namespace, Mapping[str, Any]]) -> dict[Namespace, dict[str, Any]]:
     """The current values of the names of ``values`` (what training made of them)."""
     return {
-        space: {name: held_plain(vars(space).get(name, MISSING)) for name in names}
+        space: {name: hold(vars(space).get(name, MISSING), _own(space)) for name in names}
         for space, names in values.items()
     }

@@ -16,7 +16,7 @@ first names (:func:`worker.fused._stack`), so
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 from torch import Tensor, nn
@@ -54,9 +54,12 @@ def reused_modules(model: nn.Module) -> bool:
     return False
 
 
-def meta_template(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` on the meta device (structure only), its ties kept."""
-    template = copy.deepcopy(model)
+def meta_template(
+    model: nn.Module, copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy
+) -> nn.Module:
+    """A copy of ``model`` (by ``copy_model``) on the meta device (structure only), its ties
+    kept."""
+    template = copy_model(model)
     ties = aliases(template)
     template.to("meta")
     for alias, canonical in ties.items():

@@ -75,6 +75,7 @@ SPACES: dict[str, dict[str, Any]] = {
     "scaled-mlp": {"lr": TRAP_LR, "scale": {"type": "uniform", "low": 0.25, "high": 2.0}},
     "global-scaled-mlp": {"lr": TRAP_LR,
                           "scale": {"type": "uniform", "low": 0.25, "high": 2.0}},
+    "settings-mlp": {"lr": TRAP_LR, "scale": {"type": "uniform", "low": 0.25, "high": 2.0}},
     # Python state a step changes: a counter on the model's module, one on the workload object
     "counting-mlp": {"lr": TRAP_LR},
     "annealed-loss-mlp": {"lr": TRAP_LR},
@@ -136,7 +137,7 @@ FULL_HYPERBAND = ("digits-mlp", "schedules", "bf16")
 #: below, set for 9, leave a wide margin for other machines' kernels.
 REL = {
     "digits-cnn": 1e-3, "resnet-cifar": 1e-3, "misdeclared-mlp": 1e-3, "scaled-mlp": 1e-3,
-    "global-scaled-mlp": 1e-3, "dropout-net-mlp": 1e-3,
+    "global-scaled-mlp": 1e-3, "settings-mlp": 1e-3, "dropout-net-mlp": 1e-3,
     "multi-task": 1e-3, "counting-mlp": 1e-3,
 }  # fmt: skip
 #: the folder of images the streaming plugins read (written once per test module)
@@ -171,6 +172,7 @@ def plugin_path(tmp_path_factory: pytest.TempPathFactory) -> str:
         "misdeclared": "trap_workloads:MisdeclaredMLP",
         "scaled": "trap_workloads:ScaledMLP",
         "global-scaled": "trap_workloads:GlobalScaledMLP",
+        "settings": "trap_workloads:SettingsMLP",
         "dropout-net": "trap_workloads:DropoutNetMLP",
         "counting": "trap_workloads:CountingMLP",
         "annealed": "trap_workloads:AnnealedLossMLP",
@@ -377,13 +379,17 @@ def test_dropout_trials_were_fused_each_with_masks_of_its_own(
         assert any(s["mode"] == mode and len(s["trials"]) > 1 for s in stacks), stacks
 
 
+@pytest.mark.parametrize(
+    ("workload", "name"),
+    [("global-scaled-mlp", "trap_workloads.SCALE"), ("settings-mlp", "trap_workloads.SETTINGS")],
+)
 def test_a_value_kept_in_a_module_global_was_each_members_own(
-    results: dict[tuple[str, bool], dict[str, Any]],
+    results: dict[tuple[str, bool], dict[str, Any]], workload: str, name: str
 ) -> None:
-    """Not vacuous: the global-scaled packs held arrays of several trials with different
-    scales (before, each read the scale of the last one built), trained one per stack,
-    and the array said why."""
-    result = results["global-scaled-mlp", True]
+    """Not vacuous: the packs held arrays of several trials with different scales (before,
+    each read the scale of the last one built: set anew in a global, or in place on a
+    settings object the model holds), trained one per stack, and the array said why."""
+    result = results[workload, True]
     mine = {t["id"] for t in result["trials"]}
     arrays = [
         a for p in result["packs"] for a in p["arrays"] or []
@@ -391,5 +397,5 @@ def test_a_value_kept_in_a_module_global_was_each_members_own(
     ]  # fmt: skip
     assert arrays, result["packs"]
     assert all(len(s["trials"]) == 1 for a in arrays for s in a["stacks"]), arrays
-    said = "build_model set 'trap_workloads.SCALE' outside the model"
+    said = f"build_model set '{name}' outside the model"
     assert all(any(said in n for n in a["notes"]) for a in arrays), arrays

@@ -1,4 +1,6 @@
-"""Values ``build_model`` keeps outside the model: a module global and a class attribute.
+"""Values ``build_model`` keeps outside the model: a module global, a class attribute, and
+(:mod:`tests.support.held_workloads`) objects changed in place: a dict the model holds, a
+settings object, a namespace, a small tensor, a dict of tensors.
 
 Each worker process has one of each, and every model in it reads them: before, an array's
 members all trained with the value of the last one built (declared fusible or not, fused or
@@ -17,7 +19,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.support import knobs
+from tests.support import held_workloads, knobs
+from tests.support.held_workloads import HELD
 from tests.support.knob_workload import ImportedScaled
 from tests.support.tiny_workloads import TinyMLP
 from worker.fused import FusedArray, train
@@ -85,7 +88,19 @@ class KnobScaled(GlobalScaled):
         return _KnobScaled().double()
 
 
-WORKLOADS = [GlobalScaled, ClassScaled, KnobScaled, ImportedScaled]
+WORKLOADS = [GlobalScaled, ClassScaled, KnobScaled, ImportedScaled, *HELD]
+#: the name each workload's note gives its value by
+KEPT_AS = {
+    "global-scaled": f"{__name__}.SCALE",
+    "class-scaled": f"{__name__}._ClassScaled.factor",
+    "knob-scaled": f"{__name__}.Knobs.scale",
+    "imported-scaled": f"{knobs.__name__}.SCALE",
+    "dict-in-place": f"{held_workloads.__name__}.CONFIG",
+    "settings-object": f"{held_workloads.__name__}.SETTINGS",
+    "options-namespace": f"{held_workloads.__name__}.OPTIONS",
+    "factor-tensor": f"{held_workloads.__name__}.FACTOR",
+    "parts-dict": f"{held_workloads.__name__}.PARTS",
+}
 
 
 def members(scales: list[float], first: int = 0) -> list[tuple[Hashable, dict[str, Any]]]:
@@ -125,10 +140,7 @@ def test_members_with_their_own_values_end_as_trained_alone(workload: type[TinyM
         assert_as_alone(got, want[key], key)
     assert [len(keys) for keys, _ in array.stacks] == [1, 1, 1]
     (note,) = [n for n in array.notes if "outside the model" in n]
-    name = {"global-scaled": "SCALE", "class-scaled": "_ClassScaled.factor",
-            "knob-scaled": "Knobs.scale", "imported-scaled": "SCALE"}[w.name]  # fmt: skip
-    where = knobs.__name__ if w.name == "imported-scaled" else __name__
-    assert f"{where}.{name}" in note and "one at a time" in note, note
+    assert KEPT_AS[w.name] in note and "one at a time" in note, note
 
 
 @pytest.mark.parametrize("workload", WORKLOADS, ids=lambda w: w.name)
@@ -190,7 +202,9 @@ class NoisyLoss(TinyMLP):
         return super().loss(outputs, targets) * (1 + noise)
 
 
-@pytest.mark.parametrize("workload", [GlobalScaled, NoisyLoss], ids=lambda w: w.name)
+@pytest.mark.parametrize(
+    "workload", [GlobalScaled, held_workloads.DictInPlace, NoisyLoss], ids=lambda w: w.name
+)
 def test_a_memory_probe_beside_a_training_array_leaves_it_alone(workload: type[TinyMLP]) -> None:
     """A pack's array whose fusion key is new probes its memory and speed while the pack's
     other arrays train in other threads. The probe's builds seeded torch's generator (and

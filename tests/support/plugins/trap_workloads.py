@@ -16,6 +16,9 @@
 - ``global-scaled-mlp`` declares ``scale`` fusible but keeps it in a module global that its
   forward reads (``SCALE``): every model in a worker process reads the last value built, so
   packed members must each have their own value put back, and train apart.
+- ``settings-mlp`` does the same through a settings object (``SETTINGS.scale = ...``, a
+  dataclass instance changed in place) that its model holds (``self.settings``): each
+  member's value must be put back into that object, which every copy of the model shares.
 - ``dropout-net-mlp`` is an MLP class of its own with an ``nn.Dropout``: not a hand-fusable
   Sequential, its members stack through vmap, each member's masks its own stream's.
 - ``data-scaled-mlp`` declares ``input_scale`` fusible but scales the data with it: members
@@ -45,6 +48,7 @@ All train on the digits (64 features, 10 classes) with a one-hidden-layer MLP.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from packtune.workloads.base import OPTIMIZER_PARAMS, Split
@@ -169,6 +173,45 @@ class GlobalScaledMLP(_DigitsPlugin):
         cfg = self.resolve(config)
         SCALE = float(cfg["scale"])
         return _global_scaled(int(cfg["hidden"]))
+
+
+@dataclass
+class Settings:
+    scale: float = 1.0
+
+
+#: changed in place per trial by SettingsMLP.build_model; its model holds it
+SETTINGS = Settings()
+
+
+def _settings_scaled(hidden: int, settings: Settings) -> Any:
+    import torch
+    from torch import nn
+
+    class SettingsScaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(64, hidden), nn.Linear(hidden, N_CLASSES)
+            self.settings = settings
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc2(torch.relu(self.fc1(x)) * self.settings.scale)
+
+    return SettingsScaled()
+
+
+class SettingsMLP(_DigitsPlugin):
+    """MLP that declares ``scale`` fusible yet sets it on the settings object ``SETTINGS``,
+    which its model holds."""
+
+    name = "settings-mlp"
+    params: Mapping[str, Any] = {**_DigitsPlugin.params, "scale": 1.0}
+    fusible = frozenset({"scale"})
+
+    def build_model(self, config: Mapping[str, Any]) -> Any:
+        cfg = self.resolve(config)
+        SETTINGS.scale = float(cfg["scale"])
+        return _settings_scaled(int(cfg["hidden"]), SETTINGS)
 
 
 class DropoutNetMLP(_DigitsPlugin):

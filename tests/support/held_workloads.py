@@ -1,0 +1,124 @@
+"""Workloads whose ``build_model`` changes, in place, a value kept outside the model: a dict
+the model holds too, a settings object, a namespace, a small tensor, a dict of tensors."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tests.support.tiny_workloads import TinyMLP
+
+#: a settings dict changed in place per trial; the model holds it as ``self.config`` too
+CONFIG: dict[str, float] = {"scale": 1.0}
+
+
+@dataclass
+class Settings:
+    scale: float = 1.0
+
+
+#: a settings object changed per trial (``SETTINGS.scale = ...``)
+SETTINGS = Settings()
+#: a namespace of settings
+OPTIONS = types.SimpleNamespace(scale=1.0)
+#: a small tensor filled per trial
+FACTOR = torch.ones((), dtype=torch.float64)
+#: a dict of tensors (not a plain value): its entry set per trial
+PARTS: dict[str, Any] = {"scale": torch.ones((), dtype=torch.float64)}
+
+
+class _Base(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 3)
+
+    def scale(self) -> Any:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)) * self.scale())
+
+
+class _FromDict(_Base):
+    def __init__(self, config: dict[str, float]) -> None:
+        super().__init__()
+        self.config = config
+
+    def scale(self) -> Any:
+        return self.config["scale"]
+
+
+class _FromSettings(_Base):
+    def scale(self) -> Any:
+        return SETTINGS.scale
+
+
+class _FromOptions(_Base):
+    def scale(self) -> Any:
+        return OPTIONS.scale
+
+
+class _FromFactor(_Base):
+    def scale(self) -> Any:
+        return FACTOR
+
+
+class _FromParts(_Base):
+    def scale(self) -> Any:
+        return PARTS["scale"]
+
+
+class _Scaled(TinyMLP):
+    params = {**TinyMLP.params, "scale": 1.0}
+    fusible = frozenset({"scale"})
+
+    def scale(self, config: Mapping[str, Any]) -> float:
+        return float(self.resolve(config)["scale"])
+
+
+class DictInPlace(_Scaled):
+    name = "dict-in-place"
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        CONFIG["scale"] = self.scale(config)
+        return _FromDict(CONFIG).double()
+
+
+class SettingsObject(_Scaled):
+    name = "settings-object"
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        SETTINGS.scale = self.scale(config)
+        return _FromSettings().double()
+
+
+class OptionsNamespace(_Scaled):
+    name = "options-namespace"
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        OPTIONS.scale = self.scale(config)
+        return _FromOptions().double()
+
+
+class FactorTensor(_Scaled):
+    name = "factor-tensor"
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        FACTOR.fill_(self.scale(config))
+        return _FromFactor().double()
+
+
+class PartsDict(_Scaled):
+    name = "parts-dict"
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        PARTS["scale"] = torch.tensor(self.scale(config), dtype=torch.float64)
+        return _FromParts().double()
+
+
+HELD = [DictInPlace, SettingsObject, OptionsNamespace, FactorTensor, PartsDict]

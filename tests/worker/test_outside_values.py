@@ -1,0 +1,89 @@
+"""How a value kept outside the model is held and put back (:mod:`worker.outside_values`):
+by value even where it is changed in place, and put back into the object that is there, so
+that whoever else holds that object sees it."""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from worker.module_state import Snapshot, same_value
+from worker.outside_values import MAX_FIELDS, Fields, hold, put
+
+
+@dataclass
+class Settings:
+    scale: float = 1.0
+    sizes: list[int] = field(default_factory=lambda: [8, 16])
+
+
+def own(cls: type) -> bool:
+    return cls.__module__ == __name__
+
+
+def test_a_settings_object_changed_in_place_is_held_by_value_and_put_back_in_place() -> None:
+    settings = Settings()
+    before = hold(settings, own)
+    settings.scale = 2.0
+    settings.sizes.append(32)
+    after = hold(settings, own)
+    assert isinstance(before, Fields) and before.obj is settings
+    assert not same_value(before, after)
+    assert same_value(after, hold(settings, own))
+    sizes = settings.sizes  # held by the model too
+    assert put(settings, before) is settings
+    assert settings.scale == 1.0 and settings.sizes == [8, 16] and settings.sizes is sizes
+    settings.extra = 3  # type: ignore[attr-defined]  # set since: gone again
+    put(settings, before)
+    assert not hasattr(settings, "extra")
+
+
+def test_a_dict_is_put_back_into_the_dict_that_is_there() -> None:
+    config: dict[str, Any] = {"scale": 1.0, "inner": {"depth": 2}}
+    inner = config["inner"]
+    held = hold(config, own)
+    assert held is not config and held == config  # a plain dict: a copy
+    config["scale"] = 5.0
+    config["inner"]["depth"] = 7
+    config["new"] = 1
+    assert put(config, held) is config
+    assert config == {"scale": 1.0, "inner": {"depth": 2}} and config["inner"] is inner
+
+
+def test_a_dict_of_tensors_and_a_small_tensor() -> None:
+    small, large = torch.ones(3), torch.zeros(MAX_FIELDS * 10)
+    parts: dict[str, Any] = {"scale": small, "data": large}
+    held = hold(parts, own)
+    assert isinstance(held, Fields) and isinstance(held.fields["scale"], Snapshot)
+    assert held.fields["data"] is large  # data, by identity
+    small.fill_(4.0)
+    parts["data"] = torch.zeros(2)
+    assert not same_value(held, hold(parts, own))
+    put(parts, held)
+    assert parts["scale"] is small and torch.equal(small, torch.ones(3))
+    assert parts["data"] is large
+
+
+def test_what_is_not_settings_is_held_as_itself() -> None:
+    big = list(range(MAX_FIELDS + 1)) + [object()]
+    assert hold(big, own) is big
+    module = nn.Linear(2, 2)
+    assert hold(module, own) is module
+    assert hold(types, own) is types
+
+    class Foreign:  # not the user's class: by identity
+        pass
+
+    foreign = Foreign()
+    assert hold(foreign, lambda cls: False) is foreign
+    assert isinstance(hold(types.SimpleNamespace(a=1), lambda cls: False), Fields)
+
+
+def test_a_value_set_anew_is_put_back_as_a_copy() -> None:
+    held = hold([1, 2], own)
+    assert put(("another", "type"), held) == [1, 2]
+    assert put(3, hold(1.5, own)) == 1.5

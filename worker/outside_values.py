@@ -1,0 +1,131 @@
+"""How :mod:`worker.outside_state` holds a value kept outside the model at a moment, and puts
+it back.
+
+A value changed *in place* is held by value, not only one set anew: a settings object
+(``SETTINGS.scale = ...``: a dataclass, a ``SimpleNamespace``), a dict or list whose entries
+are set (``CONFIG["scale"] = ...``), a small tensor filled (``FACTOR.fill_(...)``). And it is
+put back in place, into the object that is there, so that whoever else holds that object (a
+model that keeps ``self.config = CONFIG``) reads the member's value too.
+
+- a plain value (numbers, strings, containers of them): a copy, compared by value;
+- a small tensor: a :class:`~worker.module_state.Snapshot` of it, compared by value;
+- a dict or list of other things, and an object of the user's own classes (or a
+  ``SimpleNamespace``, an ``argparse.Namespace``): :class:`Fields`, the object itself
+  (compared by identity) and each of its entries or attributes held in turn, a few levels
+  deep; one of more than :data:`MAX_FIELDS` is data, not settings, and held as itself;
+- anything else itself, compared by identity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from worker.module_state import MISSING, Held, Snapshot, held_plain, held_value, same_value
+
+#: an object or container with more fields than this is data, not settings: held as itself
+MAX_FIELDS = 1024
+#: how deep objects within objects are held field by field
+MAX_DEPTH = 3
+_NAMESPACES = (types.SimpleNamespace, argparse.Namespace)
+_NOT_SETTINGS = (type, types.ModuleType, types.FunctionType, types.MethodType, nn.Module)
+
+#: whether a class is the user's own (its instances held field by field)
+Own = Callable[[type], bool]
+
+
+class Fields(Held):
+    """An object and its fields at a moment: a settings object's attributes, or the entries
+    of a dict or list. Compared by the object's identity and each field's value."""
+
+    def __init__(self, obj: Any, fields: dict[Any, Any]) -> None:
+        self.obj, self.fields = obj, fields
+
+    def same_as(self, other: Any) -> bool:
+        return (
+            isinstance(other, Fields)
+            and other.obj is self.obj
+            and other.fields.keys() == self.fields.keys()
+            and all(same_value(v, other.fields[k]) for k, v in self.fields.items())
+        )
+
+    def put(self) -> Any:
+        """The object, its fields set back to these values (in place)."""
+        obj = self.obj
+        if isinstance(obj, dict):
+            _fill_dict(obj, self.fields)
+        elif isinstance(obj, list):
+            obj[:] = [put(obj[i] if i < len(obj) else MISSING, v) for i, v in self.fields.items()]
+        else:
+            own = vars(obj)
+            for name in [n for n in own if n not in self.fields]:
+                delattr(obj, name)
+            for name, held in self.fields.items():
+                current = own.get(name, MISSING)
+                value = put(current, held)
+                if value is not current:
+                    setattr(obj, name, value)
+        return obj
+
+
+def hold(value: Any, own: Own, depth: int = 0) -> Any:
+    """``value`` as it is now, to compare (:func:`~worker.module_state.same_value`) and to put
+    back (:func:`put`); ``own``: whether a class is the user's."""
+    held = held_value(value)
+    if held is not value or depth >= MAX_DEPTH:
+        return held  # plain: a copy; a small tensor: a snapshot
+    if isinstance(value, dict | list) and len(value) <= MAX_FIELDS:
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        return Fields(value, {k: hold(v, own, depth + 1) for k, v in items})
+    if _settings(value, own) and len(vars(value)) <= MAX_FIELDS:
+        return Fields(value, {k: hold(v, own, depth + 1) for k, v in vars(value).items()})
+    return value
+
+
+def _settings(value: Any, own: Own) -> bool:
+    if isinstance(value, _NAMESPACES):
+        return True
+    return (
+        own(type(value))
+        and hasattr(value, "__dict__")
+        and not isinstance(value, _NOT_SETTINGS)
+        and not isinstance(value, torch.Tensor)
+    )
+
+
+def put(current: Any, held: Any) -> Any:
+    """What to set where ``current`` is for it to hold ``held`` again: ``current`` itself,
+    changed in place, where it can be (the same settings object, a dict, list or set of the
+    same type, a tensor of the same shape), so that whoever else holds it sees the value."""
+    if isinstance(held, Fields):
+        return held.put()
+    if isinstance(held, Snapshot):
+        return current if held.fill(current) else held.tensor.clone()
+    if type(current) is type(held):
+        if isinstance(held, dict):
+            _fill_dict(current, held)
+            return current
+        if isinstance(held, list):
+            current[:] = [put(current[i] if i < len(current) else MISSING, v)
+                          for i, v in enumerate(held)]  # fmt: skip
+            return current
+        if isinstance(held, set):
+            current.clear()
+            current.update(held)
+            return current
+    return held_plain(held)  # a copy of a plain value (its training changes the copy)
+
+
+def _fill_dict(target: dict[Any, Any], held: dict[Any, Any]) -> None:
+    for key in [k for k in target if k not in held]:
+        del target[key]
+    for key, value in held.items():
+        current = target.get(key, MISSING)
+        new = put(current, value)
+        if new is not current:
+            target[key] = new
