@@ -156,8 +156,8 @@ def merge_segments(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 def _merged_python(ordered: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """The Python state training changed (``python`` of each segment's state: each holds the
     whole model's): a module's attributes from the segment that trains it (holds its
-    weights or buffers; the first that has them otherwise), the workload object's from the
-    last segment (whose loss is the trial's)."""
+    weights or buffers; the first that has them otherwise), the workload object's and the
+    values kept outside the model from the last segment (whose loss is the trial's)."""
     model: dict[str, Any] = {}
     owned: dict[str, Any] = {}
     for part in ordered:
@@ -171,7 +171,8 @@ def _merged_python(ordered: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, 
     out: dict[str, dict[str, Any]] = {}
     if model:
         out["model"] = {**model, **owned}
-    workload = ordered[-1].get("python", {}).get("workload")
-    if workload:
-        out["workload"] = dict(workload)
+    for kind in ("workload", "outside"):  # the last segment's (whose loss is the trial's)
+        values = ordered[-1].get("python", {}).get(kind)
+        if values:
+            out[kind] = dict(values)
     return out

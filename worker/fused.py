@@ -500,6 +500,8 @@ class FusedArray:
             outside.learn(before, self.outside_built[key])
             self.outside_spaces += [s for s in spaces if s not in self.outside_spaces]
             saved_python = state.get("python") if state else None
+            if saved_python and saved_python.get("outside"):
+                outside.resume(self.outside_built[key], saved_python["outside"])
             if saved_python:
                 set_python_state(model, saved_python.get("model", {}))
                 for name, value in saved_python.get("workload", {}).items():
@@ -1032,8 +1034,11 @@ class FusedArray:
 
     def python_values(self, key: Hashable) -> dict[str, dict[str, Any]]:
         """``key``'s values of the Python state training changes (:attr:`workload_state`,
-        :attr:`model_state`) that a checkpoint can hold; empty when training changes none."""
+        :attr:`model_state`) and of those kept outside the model (:mod:`worker.outside_state`)
+        that a checkpoint can hold; empty when there are none."""
         out: dict[str, dict[str, Any]] = {}
+        if self._keeps_outside() and (kept_outside := outside.saved(self._outside_values(key))):
+            out["outside"] = kept_outside
         if self.workload_state:
             now = self._trained_values() if key == self._active else self.member_values[key]
             out["workload"] = {

@@ -26,7 +26,14 @@ from typing import Any
 
 from torch import nn
 
-from worker.module_state import MISSING, changed_state, same_value
+from worker.module_state import (
+    MISSING,
+    Snapshot,
+    changed_state,
+    checkpointable,
+    held_value,
+    same_value,
+)
 from worker.outside_values import Fields, Own, hold, put
 
 #: top-level packages whose modules and classes are not read (their state is their own)
@@ -217,3 +224,43 @@ def now(values: Mapping[Namespace, Mapping[str, Any]]) -> dict[Namespace, dict[s
         space: {name: hold(vars(space).get(name, MISSING), _own(space)) for name in names}
         for space, names in values.items()
     }
+
+
+def saved(values: Mapping[Namespace, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """A member's ``values`` of the kept names as its checkpoint holds them, by
+    :func:`label`: ``{"value": v}`` (a number, string, container of them, small tensor) or
+    ``{"fields": {...}}`` (a settings object's or dict's such fields); what a checkpoint
+    cannot hold is left out (a trial resumed starts it from build_model's value)."""
+    out: dict[str, dict[str, Any]] = {}
+    for space, names in values.items():
+        for name, held in names.items():
+            if isinstance(held, Fields):
+                fields = {k: v for k, f in held.fields.items() if (v := _savable(f)) is not MISSING}
+                if fields and all(isinstance(k, str) for k in fields):
+                    out[label(space, name)] = {"fields": fields}
+            elif (value := _savable(held)) is not MISSING:
+                out[label(space, name)] = {"value": value}
+    return out
+
+
+def _savable(held: Any) -> Any:
+    if isinstance(held, Snapshot):
+        return held.tensor.detach().to("cpu", copy=True)
+    return copy.deepcopy(held) if held is not MISSING and checkpointable(held) else MISSING
+
+
+def resume(reading: Reading, saved: Mapping[str, Mapping[str, Any]]) -> None:
+    """A resumed member's ``reading`` after its build, with the values its checkpoint saved
+    (:func:`saved`) in place of the build's, their names kept from now on."""
+    for space, values in reading.items():
+        for name in list(values):
+            entry = saved.get(label(space, name))
+            if entry is None:
+                continue
+            held = values[name]
+            if "value" in entry:
+                values[name] = held_value(entry["value"])
+            elif isinstance(held, Fields):
+                fields = {k: held_value(v) for k, v in entry["fields"].items()}
+                values[name] = Fields(held.obj, {**held.fields, **fields})
+            _KEPT[space] = _KEPT.get(space, frozenset()) | {name}

@@ -1,11 +1,13 @@
 """Python state a training step changes is each member's own and survives a resume.
 
 A counter a workload's loss (or metrics) keeps on the workload object, one kept as a small
-tensor, one counted only with gradients on, and a step counter a model's forward keeps on
-its module: an array of three members, cut at epoch boundaries and mid-epoch (each cut a
-real checkpoint written and read back, as a rung or a give-up does), ends with each member
-exactly where it ends trained alone, straight through. Spilled and decoupled arrays too,
-whose shape passes on the meta device run a forward of their own.
+tensor, one counted only with gradients on, a step counter a model's forward keeps on its
+module, and a value outside the model (a module global, a settings object's attribute)
+that build_model sets and each step changes: an array of three members, cut at epoch
+boundaries and mid-epoch (each cut a real checkpoint written and read back, as a rung or a
+give-up does), ends with each member exactly where it ends trained alone, straight through.
+Spilled and decoupled arrays too, whose shape passes on the meta device run a forward of
+their own.
 """
 
 from __future__ import annotations
@@ -96,6 +98,53 @@ class RampModel(TinyMLP):
         return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), Ramp(40), nn.Linear(16, 3)).double()
 
 
+#: set by GlobalTemperature.build_model per trial, cooled by each of its training steps
+TEMPERATURE = 1.0
+
+
+class GlobalTemperature(TinyMLP):
+    """A value kept outside the model (a module global) that build_model sets per trial and
+    each training step changes: each member's own, and saved with its checkpoint."""
+
+    name = "global-temperature"
+
+    def build_model(self, config: Any) -> nn.Module:
+        global TEMPERATURE
+        TEMPERATURE = 2.0 + config["lr"]
+        return _mlp()
+
+    def loss(self, outputs: Any, targets: Any) -> Any:
+        global TEMPERATURE
+        if torch.is_grad_enabled():
+            TEMPERATURE *= 0.97
+        return F.cross_entropy(outputs, targets) * TEMPERATURE
+
+
+class Schedule:
+    """A settings object of the user's (held field by field)."""
+
+    temperature = 1.0
+
+
+#: its temperature set per trial by SettingsTemperature.build_model, cooled by each step
+SCHEDULE = Schedule()
+
+
+class SettingsTemperature(GlobalTemperature):
+    """The same, kept on a settings object changed in place."""
+
+    name = "settings-temperature"
+
+    def build_model(self, config: Any) -> nn.Module:
+        SCHEDULE.temperature = 2.0 + config["lr"]
+        return _mlp()
+
+    def loss(self, outputs: Any, targets: Any) -> Any:
+        if torch.is_grad_enabled():
+            SCHEDULE.temperature *= 0.97
+        return F.cross_entropy(outputs, targets) * SCHEDULE.temperature
+
+
 def members(n: int = 3) -> list[tuple[Hashable, dict[str, Any]]]:
     return [
         (f"t{i}", {"seed": 20 + i, "data_seed": 4, "lr": 0.05 * (i + 1), "dtype": "float64"})
@@ -127,8 +176,12 @@ def final(array: FusedArray) -> dict[Hashable, dict[str, Any]]:
 
 
 @pytest.mark.parametrize(
-    "workload", [LossCounter, GradOnlyCounter, EvalCounter, TensorCounter, RampModel]
-)
+    "workload",
+    [
+        LossCounter, GradOnlyCounter, EvalCounter, TensorCounter, RampModel, GlobalTemperature,
+        SettingsTemperature,
+    ],
+)  # fmt: skip
 @pytest.mark.parametrize("cut", ["epochs", "mid-epoch"])
 def test_a_member_cut_and_resumed_in_an_array_ends_as_one_trained_alone_straight_through(
     workload: type[TinyMLP], cut: str, tmp_path: Path
@@ -177,7 +230,8 @@ def test_a_shape_pass_of_a_spilled_or_decoupled_array_is_no_training_step(
         array = resumed(array, w, tmp_path, **kw)
     train(array, EPOCHS * spe)
     (want,), (got,) = final(straight).values(), final(array).values()
-    assert got["python"] == want["python"] == {"model": {"2.calls": EPOCHS * spe}}
+    assert got["python"] == want["python"]
+    assert want["python"]["model"] == {"2.calls": EPOCHS * spe}
     for name, tensor in want["params"].items():
         torch.testing.assert_close(got["params"][name], tensor, rtol=0, atol=1e-12)
 
@@ -195,10 +249,11 @@ def test_a_trials_merged_segments_keep_each_modules_python_state_from_its_segmen
     merged = merge_segments([
         segment(0, ["0.weight"], {"model": {"1.calls": 12, "2.calls": 0}}),
         segment(1, ["2.weight"], {"model": {"1.calls": 0, "2.calls": 12},
-                                  "workload": {"calls": 24}}),
+                                  "workload": {"calls": 24}, "outside": {"m.T": {"value": 0.5}}}),
     ])  # fmt: skip
     # module 1 holds no weights: the first segment's (where it runs, before module 2)
-    assert merged["python"] == {"model": {"1.calls": 12, "2.calls": 12}, "workload": {"calls": 24}}
+    assert merged["python"] == {"model": {"1.calls": 12, "2.calls": 12}, "workload": {"calls": 24},
+                                "outside": {"m.T": {"value": 0.5}}}  # fmt: skip
 
 
 def test_a_metric_is_a_number_not_a_string_of_one() -> None:
