@@ -490,6 +490,8 @@ class FusedArray:
         #: the members whose outside values the namespaces hold within a hold of the lock
         #: (:meth:`_outside_held`), or None: outside one
         self._outside_on: list[Hashable] | None = None
+        #: the names kept outside that changed by these members' builds (or since the last)
+        seeded: set[tuple[outside.Namespace, str]] = set()
         for key, config, state in zip(keys, configs, states, strict=True):
             restore(workload, base, sorted(restored))  # another member's resumed values
             seed_host(int(config["seed"]))
@@ -497,7 +499,7 @@ class FusedArray:
             model = _build_model(workload, config, state)
             spaces = outside.namespaces(workload, model)
             self.outside_built[key] = outside.reading(spaces)
-            outside.learn(before, self.outside_built[key])
+            seeded |= outside.learn(before, self.outside_built[key])
             self.outside_spaces += [s for s in spaces if s not in self.outside_spaces]
             saved_python = state.get("python") if state else None
             if saved_python and saved_python.get("outside"):
@@ -519,7 +521,9 @@ class FusedArray:
         drifted = workload_differences(list(built.values()))
         outside_names = outside.kept(self.outside_spaces)
         kept_apart = (
-            outside.differing(self.outside_built.values(), outside_names) if outside_names else []
+            outside.differing(self.outside_built.values(), outside_names, seeded)
+            if outside_names
+            else []
         )
         #: each member's values of the attributes its build_model set differently per trial,
         #: put back on the workload before its stack's steps and evaluation (one per stack)

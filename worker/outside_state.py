@@ -21,7 +21,7 @@ import os
 import sys
 import types
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from typing import Any
 
 from torch import nn
@@ -34,7 +34,7 @@ from worker.module_state import (
     held_value,
     same_value,
 )
-from worker.outside_values import Fields, Own, hold, put
+from worker.outside_values import Fields, Own, RandomState, hold, put
 
 #: top-level packages whose modules and classes are not read (their state is their own)
 _NOT_READ = frozenset({"builtins", "torch", "packtune", "worker", "service", "abc", "typing"})
@@ -147,9 +147,10 @@ def copy_model(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def learn(before: Reading, after: Reading) -> None:
+def learn(before: Reading, after: Reading) -> set[tuple[Namespace, str]]:
     """Note what a build changed: the names whose values ``after`` it differ from those
-    ``before`` it, or from those the last build in this process left."""
+    ``before`` it, or from those the last build in this process left (returned)."""
+    out: set[tuple[Namespace, str]] = set()
     for space, values in after.items():
         changed: set[str] = set()
         for earlier in (before.get(space), _LAST.get(space)):
@@ -157,7 +158,9 @@ def learn(before: Reading, after: Reading) -> None:
                 changed.update(changed_state(earlier, values))
         if changed:
             _KEPT[space] = _KEPT.get(space, frozenset()) | changed
+            out.update((space, name) for name in changed)
         _LAST[space] = dict(values)  # not the member's reading, which its training updates
+    return out
 
 
 def kept(spaces: Iterable[Namespace]) -> dict[Namespace, frozenset[str]]:
@@ -177,21 +180,28 @@ def values_of(
     }
 
 
-def differing(readings: Iterable[Reading], names: Mapping[Namespace, frozenset[str]]) -> list[str]:
+def differing(
+    readings: Iterable[Reading],
+    names: Mapping[Namespace, frozenset[str]],
+    seeded: Container[tuple[Namespace, str]] = (),
+) -> list[str]:
     """The kept ``names`` whose values differ between members (``readings``: each one's
-    after its build), as ``module.NAME`` or ``module.Class.name``."""
+    after its build), as ``module.NAME`` or ``module.Class.name``. A random generator that
+    the members' builds changed (``seeded``: ``GEN.manual_seed(...)``, or draws since the
+    last build) differs even at equal states: each member alone draws from its own copy of
+    the state, which members stacked together would share."""
     first, *rest = list(readings)
     return [
         label(space, name)
         for space, space_names in names.items()
         for name in sorted(space_names)
         if any(
-            not same_value(
-                first.get(space, {}).get(name, MISSING), r.get(space, {}).get(name, MISSING)
-            )
+            not same_value(value := first.get(space, {}).get(name, MISSING),
+                           r.get(space, {}).get(name, MISSING))
+            or (isinstance(value, RandomState) and (space, name) in seeded)
             for r in rest
         )
-    ]
+    ]  # fmt: skip
 
 
 def label(space: Namespace, name: str) -> str:
@@ -228,9 +238,10 @@ def now(values: Mapping[Namespace, Mapping[str, Any]]) -> dict[Namespace, dict[s
 
 def saved(values: Mapping[Namespace, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """A member's ``values`` of the kept names as its checkpoint holds them, by
-    :func:`label`: ``{"value": v}`` (a number, string, container of them, small tensor) or
-    ``{"fields": {...}}`` (a settings object's or dict's such fields); what a checkpoint
-    cannot hold is left out (a trial resumed starts it from build_model's value)."""
+    :func:`label`: ``{"value": v}`` (a number, string, container of them, small tensor),
+    ``{"fields": {...}}`` (a settings object's or dict's such fields) or ``{"rng": state}``
+    (a torch or Python random generator's); what a checkpoint cannot hold is left out (a
+    trial resumed starts it from build_model's value)."""
     out: dict[str, dict[str, Any]] = {}
     for space, names in values.items():
         for name, held in names.items():
@@ -238,6 +249,9 @@ def saved(values: Mapping[Namespace, Mapping[str, Any]]) -> dict[str, dict[str, 
                 fields = {k: v for k, f in held.fields.items() if (v := _savable(f)) is not MISSING}
                 if fields and all(isinstance(k, str) for k in fields):
                     out[label(space, name)] = {"fields": fields}
+            elif isinstance(held, RandomState):
+                if (state := held.saved()) is not None:
+                    out[label(space, name)] = {"rng": state}
             elif (value := _savable(held)) is not MISSING:
                 out[label(space, name)] = {"value": value}
     return out
@@ -260,6 +274,8 @@ def resume(reading: Reading, saved: Mapping[str, Mapping[str, Any]]) -> None:
             held = values[name]
             if "value" in entry:
                 values[name] = held_value(entry["value"])
+            elif "rng" in entry and isinstance(held, RandomState):
+                values[name] = held.resumed(entry["rng"])
             elif isinstance(held, Fields):
                 fields = {k: held_value(v) for k, v in entry["fields"].items()}
                 values[name] = Fields(held.obj, {**held.fields, **fields})

@@ -7,6 +7,9 @@ are set (``CONFIG["scale"] = ...``), a small tensor filled (``FACTOR.fill_(...)`
 put back in place, into the object that is there, so that whoever else holds that object (a
 model that keeps ``self.config = CONFIG``) reads the member's value too.
 
+- a random generator (a ``torch.Generator``, a ``random.Random``, NumPy's ``RandomState``
+  or ``Generator``; ``GEN.manual_seed(seed)`` in ``build_model``): :class:`RandomState`,
+  its state, put back with the generator's own setter;
 - a plain value (numbers, strings, containers of them): a copy, compared by value;
 - a small tensor: a :class:`~worker.module_state.Snapshot` of it, compared by value;
 - a dict or list of other things, and an object of the user's own classes (or a
@@ -19,6 +22,9 @@ model that keeps ``self.config = CONFIG``) reads the member's value too.
 from __future__ import annotations
 
 import argparse
+import copy
+import random
+import sys
 import types
 from collections.abc import Callable
 from typing import Any
@@ -73,9 +79,97 @@ class Fields(Held):
         return obj
 
 
+class RandomState(Held):
+    """A random generator and its state at a moment."""
+
+    def __init__(self, generator: Any, state: Any) -> None:
+        self.generator, self.state = generator, state
+
+    def same_as(self, other: Any) -> bool:
+        return (
+            isinstance(other, RandomState)
+            and other.generator is self.generator
+            and _same_state(self.state, other.state)
+        )
+
+    def put(self) -> Any:
+        """The generator, its state set back to this one."""
+        _set_state(self.generator, self.state)
+        return self.generator
+
+    def saved(self) -> Any:
+        """The state as a checkpoint holds it (a tensor, lists of numbers), or None."""
+        if isinstance(self.generator, torch.Generator):
+            return self.state.clone()
+        if isinstance(self.generator, random.Random):
+            version, internal, gauss = self.state
+            return [version, list(internal), gauss]
+        return None  # NumPy's: not saved
+
+    def resumed(self, saved: Any) -> RandomState:
+        """This generator at a ``saved`` state (:meth:`saved`)."""
+        if isinstance(self.generator, random.Random):
+            version, internal, gauss = saved
+            return RandomState(self.generator, (version, tuple(internal), gauss))
+        return RandomState(self.generator, saved.clone())
+
+
+def generator(value: Any) -> bool:
+    """Whether ``value`` is a random generator :class:`RandomState` holds."""
+    if isinstance(value, torch.Generator | random.Random):
+        return True
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(
+        value, numpy.random.RandomState | numpy.random.Generator
+    )
+
+
+def _state(gen: Any) -> Any:
+    if isinstance(gen, torch.Generator):
+        return gen.get_state()
+    if isinstance(gen, random.Random):
+        return gen.getstate()
+    if hasattr(gen, "bit_generator"):  # NumPy's Generator
+        return copy.deepcopy(gen.bit_generator.state)
+    return gen.get_state(legacy=False)  # NumPy's RandomState
+
+
+def _set_state(gen: Any, state: Any) -> None:
+    if isinstance(gen, torch.Generator):
+        gen.set_state(state)
+    elif isinstance(gen, random.Random):
+        gen.setstate(state)
+    elif hasattr(gen, "bit_generator"):
+        gen.bit_generator.state = copy.deepcopy(state)
+    else:
+        gen.set_state(copy.deepcopy(state))
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and bool(torch.equal(a, b))
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict)
+            and a.keys() == b.keys()
+            and all(_same_state(v, b[k]) for k, v in a.items())
+        )
+    if isinstance(a, list | tuple):
+        return (
+            isinstance(b, list | tuple)
+            and len(a) == len(b)
+            and all(_same_state(x, y) for x, y in zip(a, b, strict=True))
+        )
+    if hasattr(a, "shape") and hasattr(a, "tolist"):  # a NumPy array
+        return hasattr(b, "tolist") and bool(a.tolist() == b.tolist())
+    return bool(a == b)
+
+
 def hold(value: Any, own: Own, depth: int = 0) -> Any:
     """``value`` as it is now, to compare (:func:`~worker.module_state.same_value`) and to put
     back (:func:`put`); ``own``: whether a class is the user's."""
+    if generator(value):
+        return RandomState(value, _state(value))
     held = held_value(value)
     if held is not value or depth >= MAX_DEPTH:
         return held  # plain: a copy; a small tensor: a snapshot
@@ -102,7 +196,7 @@ def put(current: Any, held: Any) -> Any:
     """What to set where ``current`` is for it to hold ``held`` again: ``current`` itself,
     changed in place, where it can be (the same settings object, a dict, list or set of the
     same type, a tensor of the same shape), so that whoever else holds it sees the value."""
-    if isinstance(held, Fields):
+    if isinstance(held, Fields | RandomState):
         return held.put()
     if isinstance(held, Snapshot):
         return current if held.fill(current) else held.tensor.clone()

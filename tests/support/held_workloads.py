@@ -1,8 +1,11 @@
 """Workloads whose ``build_model`` changes, in place, a value kept outside the model: a dict
-the model holds too, a settings object, a namespace, a small tensor, a dict of tensors."""
+the model holds too, a settings object, a namespace, a small tensor, a dict of tensors, and
+random generators seeded per trial (torch's and Python's) that the training forward draws
+from."""
 
 from __future__ import annotations
 
+import random
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,6 +33,12 @@ OPTIONS = types.SimpleNamespace(scale=1.0)
 FACTOR = torch.ones((), dtype=torch.float64)
 #: a dict of tensors (not a plain value): its entry set per trial
 PARTS: dict[str, Any] = {"scale": torch.ones((), dtype=torch.float64)}
+
+
+#: seeded per trial by build_model, drawn from by the training forward (noise)
+NOISE = torch.Generator()
+#: the same, Python's
+COIN = random.Random()
 
 
 class _Base(nn.Module):
@@ -71,6 +80,18 @@ class _FromFactor(_Base):
 class _FromParts(_Base):
     def scale(self) -> Any:
         return PARTS["scale"]
+
+
+class _FromNoise(_Base):
+    def scale(self) -> Any:
+        if not self.training:
+            return 1.0
+        return 1.0 + 0.3 * torch.randn(16, generator=NOISE, dtype=torch.float64)
+
+
+class _FromCoin(_Base):
+    def scale(self) -> Any:
+        return 1.0 + 0.3 * COIN.random() if self.training else 1.0
 
 
 class _Scaled(TinyMLP):
@@ -121,4 +142,21 @@ class PartsDict(_Scaled):
         return _FromParts().double()
 
 
-HELD = [DictInPlace, SettingsObject, OptionsNamespace, FactorTensor, PartsDict]
+class SeededNoise(_Scaled):
+    name = "seeded-noise"
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        NOISE.manual_seed(int(config["seed"]))
+        return _FromNoise().double()
+
+
+class SeededCoin(_Scaled):
+    name = "seeded-coin"
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        COIN.seed(int(config["seed"]))
+        return _FromCoin().double()
+
+
+HELD = [DictInPlace, SettingsObject, OptionsNamespace, FactorTensor, PartsDict, SeededNoise,
+        SeededCoin]  # fmt: skip

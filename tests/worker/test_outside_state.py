@@ -1,6 +1,6 @@
 """Values ``build_model`` keeps outside the model: a module global, a class attribute, and
 (:mod:`tests.support.held_workloads`) objects changed in place: a dict the model holds, a
-settings object, a namespace, a small tensor, a dict of tensors.
+settings object, a namespace, a small tensor, a dict of tensors, random generators.
 
 Each worker process has one of each, and every model in it reads them: before, an array's
 members all trained with the value of the last one built (declared fusible or not, fused or
@@ -100,6 +100,8 @@ KEPT_AS = {
     "options-namespace": f"{held_workloads.__name__}.OPTIONS",
     "factor-tensor": f"{held_workloads.__name__}.FACTOR",
     "parts-dict": f"{held_workloads.__name__}.PARTS",
+    "seeded-noise": f"{held_workloads.__name__}.NOISE",
+    "seeded-coin": f"{held_workloads.__name__}.COIN",
 }
 
 
@@ -143,7 +145,13 @@ def test_members_with_their_own_values_end_as_trained_alone(workload: type[TinyM
     assert KEPT_AS[w.name] in note and "one at a time" in note, note
 
 
-@pytest.mark.parametrize("workload", WORKLOADS, ids=lambda w: w.name)
+#: workloads whose values are random generators, which never fuse
+SEEDED = [held_workloads.SeededNoise, held_workloads.SeededCoin]
+
+
+@pytest.mark.parametrize(
+    "workload", [w for w in WORKLOADS if w not in SEEDED], ids=lambda w: w.name
+)
 def test_equal_values_still_fuse(workload: type[TinyMLP]) -> None:
     w = workload()
     FusedArray(copy.copy(w), members([3.0]))  # a build of another value first: seen as kept
@@ -152,6 +160,29 @@ def test_equal_values_still_fuse(workload: type[TinyMLP]) -> None:
     array = FusedArray(copy.copy(w), group)
     assert [len(keys) for keys, _ in array.stacks] == [3]
     FusedArray(copy.copy(w), members([4.0], first=9))  # another array built since
+    train(array, EPOCHS * array.steps_per_epoch)
+    for key, got in results(array).items():
+        assert_as_alone(got, want[key], key)
+
+
+class ConstantNoise(held_workloads.SeededNoise):
+    """Seeds its generator alike for every trial: each member alone draws the same noise,
+    which members stacked together would share (k draws of one stream)."""
+
+    name = "constant-noise"
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        model = super().build_model({**config, "seed": 7})
+        return model
+
+
+def test_a_generator_at_equal_states_still_trains_one_member_per_stack() -> None:
+    w = ConstantNoise()
+    FusedArray(copy.copy(w), members([3.0]))  # a build before: the generator is seen as kept
+    group = members([1.5, 1.5, 1.5])
+    want = {key: alone(w, (key, config)) for key, config in group}
+    array = FusedArray(copy.copy(w), group)
+    assert [len(keys) for keys, _ in array.stacks] == [1, 1, 1]
     train(array, EPOCHS * array.steps_per_epoch)
     for key, got in results(array).items():
         assert_as_alone(got, want[key], key)

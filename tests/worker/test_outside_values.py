@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from worker.module_state import Snapshot, same_value
-from worker.outside_values import MAX_FIELDS, Fields, hold, put
+from worker.outside_values import MAX_FIELDS, Fields, RandomState, hold, put
 
 
 @dataclass
@@ -87,3 +87,16 @@ def test_a_value_set_anew_is_put_back_as_a_copy() -> None:
     held = hold([1, 2], own)
     assert put(("another", "type"), held) == [1, 2]
     assert put(3, hold(1.5, own)) == 1.5
+
+
+def test_a_generator_is_held_by_its_state_and_resumed_from_a_checkpoints() -> None:
+    gen = torch.Generator().manual_seed(3)
+    held = hold(gen, own)
+    assert isinstance(held, RandomState) and same_value(held, hold(gen, own))
+    first = torch.rand(4, generator=gen)
+    assert not same_value(held, hold(gen, own))
+    assert put(gen, held) is gen and torch.equal(torch.rand(4, generator=gen), first)
+    saved = hold(gen, own).saved()  # where the draws stood, as a checkpoint holds it
+    later = torch.rand(4, generator=gen)
+    put(gen, held.resumed(saved))
+    assert torch.equal(torch.rand(4, generator=gen), later)

@@ -13,6 +13,7 @@ their own.
 from __future__ import annotations
 
 import copy
+import random
 import threading
 from collections.abc import Hashable
 from pathlib import Path
@@ -145,6 +146,25 @@ class SettingsTemperature(GlobalTemperature):
         return F.cross_entropy(outputs, targets) * SCHEDULE.temperature
 
 
+#: seeded per trial by SeededCoin.build_model, drawn from by each training step
+COIN = random.Random()
+
+
+class SeededCoin(GlobalTemperature):
+    """A random generator kept outside the model, seeded per trial: where its draws stood
+    goes into the checkpoint."""
+
+    name = "seeded-coin"
+
+    def build_model(self, config: Any) -> nn.Module:
+        COIN.seed(int(config["seed"]))
+        return _mlp()
+
+    def loss(self, outputs: Any, targets: Any) -> Any:
+        scale = 1.0 + COIN.random() if torch.is_grad_enabled() else 1.0
+        return F.cross_entropy(outputs, targets) * scale
+
+
 def members(n: int = 3) -> list[tuple[Hashable, dict[str, Any]]]:
     return [
         (f"t{i}", {"seed": 20 + i, "data_seed": 4, "lr": 0.05 * (i + 1), "dtype": "float64"})
@@ -179,7 +199,7 @@ def final(array: FusedArray) -> dict[Hashable, dict[str, Any]]:
     "workload",
     [
         LossCounter, GradOnlyCounter, EvalCounter, TensorCounter, RampModel, GlobalTemperature,
-        SettingsTemperature,
+        SettingsTemperature, SeededCoin,
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("cut", ["epochs", "mid-epoch"])
