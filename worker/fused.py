@@ -434,6 +434,7 @@ class FusedArray:
         # the array's own workload object: what build_model keeps on it (a value its loss
         # reads) is then this array's, not another array's trained beside it in a thread
         workload = copy.copy(workload)
+        outside.share(workload)
         states = list(states) if states is not None else [None] * len(members)
         keys = [key for key, _ in members]
         if len(set(keys)) != len(keys) or len(states) != len(keys):
@@ -492,11 +493,19 @@ class FusedArray:
         self._outside_on: list[Hashable] | None = None
         #: the names kept outside that changed by these members' builds (or since the last)
         seeded: set[tuple[outside.Namespace, str]] = set()
+        #: each member's workload attributes that a build may change in place, held after it
+        held_attributes: dict[Hashable, dict[str, Any]] = {}
+        self.workload_held: list[str] = []
+        #: the member whose workload_held values the workload holds within a hold of the lock
+        self._attributes_on: Hashable | None = None
         for key, config, state in zip(keys, configs, states, strict=True):
             restore(workload, base, sorted(restored))  # another member's resumed values
             seed_host(int(config["seed"]))
             before = outside.reading(outside.namespaces(workload))
+            objects, before_attributes = dict(vars(workload)), outside.attributes(workload)
             model = _build_model(workload, config, state)
+            held_attributes[key] = outside.attributes(workload)
+            outside.learn_attributes(workload, objects, before_attributes, held_attributes[key])
             spaces = outside.namespaces(workload, model)
             self.outside_built[key] = outside.reading(spaces)
             seeded |= outside.learn(before, self.outside_built[key])
@@ -518,7 +527,16 @@ class FusedArray:
             saved = state.get("host_rng") if state else None
             self.host_streams[key] = decode_host(saved) if saved else host_state()
         set_host_state(host)
-        drifted = workload_differences(list(built.values()))
+        #: the workload's attributes builds change in place (a settings object, a generator),
+        #: each member's own: put back before its steps, carried after them
+        self.workload_held = sorted(
+            name
+            for name in outside.kept_attributes(workload)
+            if any(name in held for held in held_attributes.values())
+        )
+        drifted = sorted(set(workload_differences(list(built.values()))) | set(self.workload_held))
+        for key, attrs in held_attributes.items():
+            built[key].update({name: attrs[name] for name in self.workload_held if name in attrs})
         outside_names = outside.kept(self.outside_spaces)
         kept_apart = (
             outside.differing(self.outside_built.values(), outside_names, seeded)
@@ -1000,11 +1018,20 @@ class FusedArray:
             values = self._outside_values(key)
             for space, held in outside.now(values).items():
                 self.outside_built[key].setdefault(space, {}).update(held)
+        if self._attributes_on is not None:  # a settings object, a generator of the workload
+            now = outside.attributes(self.workload)
+            self.member_values[self._attributes_on].update(
+                {name: now[name] for name in self.workload_held if name in now}
+            )
+            self._attributes_on = None
 
     def _keeps_outside(self) -> bool:
-        """Whether the members keep values outside the model: their steps and evaluations
-        hold the process's lock alone (another array's would put its own values back)."""
-        return bool(self.outside_spaces) and bool(outside.kept(self.outside_spaces))
+        """Whether the members keep values outside the model (or change the workload object's
+        in place): their steps and evaluations hold the process's lock alone (another
+        array's would put its own values back)."""
+        return bool(self.workload_held) or (
+            bool(self.outside_spaces) and bool(outside.kept(self.outside_spaces))
+        )
 
     @contextmanager
     def _outside_held(self) -> Iterator[None]:
@@ -1019,12 +1046,20 @@ class FusedArray:
 
     def _with_values(self, key: Hashable) -> Workload:
         active = self._active
+        values = self.member_values.get(key, {})
+        if self.workload_held:  # objects every array's workload shares: put back each time
+            outside.put_attributes(
+                self.workload, {n: values[n] for n in self.workload_held if n in values}
+            )
+            if self._outside_on is not None:  # carried back at the hold's end or next switch
+                self._attributes_on = key
         if active == key and self.workload_state:
             return self.workload  # it holds this member's values, as its training left them
         if self.workload_state and active is not None:
             self.member_values[active].update(self._trained_values())  # what it made of them
-        for name, value in self.member_values.get(key, {}).items():
-            put(self.workload, name, value)
+        for name, value in values.items():
+            if name not in self.workload_held:
+                put(self.workload, name, value)
         self._active = key
         return self.workload
 
@@ -1392,7 +1427,8 @@ class FusedArray:
         # a model that draws, draws in eval too (each stack reseeded: _seed_evaluation); one
         # reading values kept outside it has its own put back
         if self.stochastic or self._keeps_outside():
-            with GLOBAL_RNG, self._outside_held() if self.outside_spaces else nullcontext():
+            keeps = bool(self.outside_spaces or self.workload_held)
+            with GLOBAL_RNG, self._outside_held() if keeps else nullcontext():
                 return self._evaluate_members()
         # members taken to draw nothing are evaluated in the shared hold, and checked: a draw
         # in eval mode only (noise under no_grad) is none a probe of training forwards sees

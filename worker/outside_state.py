@@ -52,6 +52,8 @@ _LAST: weakref.WeakKeyDictionary[Namespace, dict[str, Any]] = weakref.WeakKeyDic
 #: the objects each namespace held as last read that a model may hold too (a dict, a list,
 #: a settings object): a copy of the model keeps them shared (:func:`copy_model`)
 _SHARED: weakref.WeakKeyDictionary[Namespace, list[Any]] = weakref.WeakKeyDictionary()
+#: the workload objects of the arrays alive (a model may hold one: a bound method of it)
+_WORKLOADS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
 
 def _read(module_name: str) -> bool:
@@ -141,10 +143,20 @@ def _own(space: Namespace) -> Own:
 
 def copy_model(model: nn.Module) -> nn.Module:
     """A deep copy of ``model`` that still holds the objects of the namespaces read in this
-    process (``self.settings = SETTINGS``): what :func:`put_back` puts into them, its
-    forward reads, as the model's own does."""
+    process (``self.settings = SETTINGS``) and the arrays' workload objects (a model holding
+    ``workload.noise``, a bound method): what :func:`put_back` and :func:`put_attributes`
+    put into them, its forward reads, as the model's own does."""
     memo = {id(obj): obj for objs in list(_SHARED.values()) for obj in objs}
+    memo.update(_WORKLOADS.items())
     return copy.deepcopy(model, memo)
+
+
+def share(workload: Any) -> None:
+    """Keep ``workload`` (an array's workload object) shared by :func:`copy_model`."""
+    try:
+        _WORKLOADS[id(workload)] = workload
+    except TypeError:  # no weak reference to it (__slots__): copies of models copy it
+        pass
 
 
 def learn(before: Reading, after: Reading) -> set[tuple[Namespace, str]]:
@@ -280,3 +292,58 @@ def resume(reading: Reading, saved: Mapping[str, Mapping[str, Any]]) -> None:
                 fields = {k: held_value(v) for k, v in entry["fields"].items()}
                 values[name] = Fields(held.obj, {**held.fields, **fields})
             _KEPT[space] = _KEPT.get(space, frozenset()) | {name}
+
+
+# -- the workload object's own attributes, changed in place ------------------------------
+#
+# A workload object's attributes set anew per trial (``self.smoothing = ...``) are each
+# member's own already (:func:`worker.fusion_guard.workload_differences`). One changed in
+# place (``self.settings.scale = ...``, ``self.gen.manual_seed(...)``) is the same object in
+# every member, and in every array of the process (each array's workload is a shallow copy
+# of one): such attributes are held and put back as the values above are.
+
+#: per workload class, the attributes that builds in this process changed in place
+_KEPT_ATTRIBUTES: weakref.WeakKeyDictionary[type, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
+def attributes(workload: Any) -> dict[str, Any]:
+    """``workload``'s attributes that a build may change in place (a settings object, a
+    random generator, a dict, list or set), held."""
+    own = _own(type(workload))
+    out: dict[str, Any] = {}
+    for name, value in list(vars(workload).items()):
+        held = hold(value, own)
+        if isinstance(held, Fields | RandomState) or isinstance(value, dict | list | set):
+            out[name] = held
+    return out
+
+
+def learn_attributes(
+    workload: Any, objects: Mapping[str, Any], before: Mapping[str, Any], after: Mapping[str, Any]
+) -> None:
+    """Note the attributes a build of ``workload`` changed in place: the same object as
+    before it (``objects``: its ``vars()`` then), held (:func:`attributes`) differently.
+    One set anew is :func:`worker.fusion_guard.workload_differences`' to compare."""
+    now = vars(workload)
+    changed = {
+        name
+        for name in changed_state(dict(before), dict(after))
+        if name in objects and now.get(name, MISSING) is objects[name]
+    }
+    if changed:
+        cls = type(workload)
+        _KEPT_ATTRIBUTES[cls] = _KEPT_ATTRIBUTES.get(cls, frozenset()) | changed
+
+
+def kept_attributes(workload: Any) -> frozenset[str]:
+    """The attributes of ``workload`` that builds in this process changed in place."""
+    return _KEPT_ATTRIBUTES.get(type(workload), frozenset())
+
+
+def put_attributes(workload: Any, values: Mapping[str, Any]) -> None:
+    """Set ``workload``'s attributes to held ``values``, in place where they can take them."""
+    for name, value in values.items():
+        current = vars(workload).get(name, MISSING)
+        new = put(current, value)
+        if new is not current:
+            setattr(workload, name, new)
