@@ -170,6 +170,8 @@ def hold(value: Any, own: Own, depth: int = 0) -> Any:
     back (:func:`put`); ``own``: whether a class is the user's."""
     if generator(value):
         return RandomState(value, _state(value))
+    if isinstance(value, dict | list | set | tuple) and len(value) > MAX_FIELDS:
+        return value  # data (a list of files, a vocabulary), not settings: not copied
     held = held_value(value)
     if held is not value or depth >= MAX_DEPTH:
         return held  # plain: a copy; a small tensor: a snapshot

@@ -100,3 +100,9 @@ def test_a_generator_is_held_by_its_state_and_resumed_from_a_checkpoints() -> No
     later = torch.rand(4, generator=gen)
     put(gen, held.resumed(saved))
     assert torch.equal(torch.rand(4, generator=gen), later)
+
+
+def test_a_large_container_is_data_held_as_itself() -> None:
+    files = [f"image-{i}.png" for i in range(MAX_FIELDS + 1)]
+    assert hold(files, own) is files  # not copied at every build
+    assert hold(files[:MAX_FIELDS], own) == files[:MAX_FIELDS]
