@@ -171,7 +171,8 @@ def _merged_python(ordered: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, 
     out: dict[str, dict[str, Any]] = {}
     if model:
         out["model"] = {**model, **owned}
-    for kind in ("workload", "outside"):  # the last segment's (whose loss is the trial's)
+    # the last segment's (whose loss is the trial's)
+    for kind in ("workload", "outside", "workload_held"):
         values = ordered[-1].get("python", {}).get(kind)
         if values:
             out[kind] = dict(values)

@@ -506,6 +506,13 @@ class FusedArray:
             model = _build_model(workload, config, state)
             held_attributes[key] = outside.attributes(workload)
             outside.learn_attributes(workload, objects, before_attributes, held_attributes[key])
+            saved_held = state.get("python", {}).get("workload_held") if state else None
+            for name, entry in (saved_held or {}).items():  # what its training had made of them
+                if name in held_attributes[key]:
+                    held_attributes[key][name] = outside.resumed_value(
+                        held_attributes[key][name], entry
+                    )
+                    outside.keep_attribute(workload, name)
             spaces = outside.namespaces(workload, model)
             self.outside_built[key] = outside.reading(spaces)
             seeded |= outside.learn(before, self.outside_built[key])
@@ -1073,11 +1080,21 @@ class FusedArray:
 
     def python_values(self, key: Hashable) -> dict[str, dict[str, Any]]:
         """``key``'s values of the Python state training changes (:attr:`workload_state`,
-        :attr:`model_state`) and of those kept outside the model (:mod:`worker.outside_state`)
+        :attr:`model_state`), of those kept outside the model (:mod:`worker.outside_state`)
+        and of the workload's objects its build changed in place (:attr:`workload_held`)
         that a checkpoint can hold; empty when there are none."""
         out: dict[str, dict[str, Any]] = {}
         if self._keeps_outside() and (kept_outside := outside.saved(self._outside_values(key))):
             out["outside"] = kept_outside
+        if self.workload_held:
+            values = self.member_values.get(key, {})
+            held = {
+                name: entry
+                for name in self.workload_held
+                if name in values and (entry := outside.saved_value(values[name])) is not None
+            }
+            if held:
+                out["workload_held"] = held
         if self.workload_state:
             now = self._trained_values() if key == self._active else self.member_values[key]
             out["workload"] = {

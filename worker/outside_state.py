@@ -250,23 +250,29 @@ def now(values: Mapping[Namespace, Mapping[str, Any]]) -> dict[Namespace, dict[s
 
 def saved(values: Mapping[Namespace, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """A member's ``values`` of the kept names as its checkpoint holds them, by
-    :func:`label`: ``{"value": v}`` (a number, string, container of them, small tensor),
-    ``{"fields": {...}}`` (a settings object's or dict's such fields) or ``{"rng": state}``
-    (a torch or Python random generator's); what a checkpoint cannot hold is left out (a
-    trial resumed starts it from build_model's value)."""
-    out: dict[str, dict[str, Any]] = {}
-    for space, names in values.items():
-        for name, held in names.items():
-            if isinstance(held, Fields):
-                fields = {k: v for k, f in held.fields.items() if (v := _savable(f)) is not MISSING}
-                if fields and all(isinstance(k, str) for k in fields):
-                    out[label(space, name)] = {"fields": fields}
-            elif isinstance(held, RandomState):
-                if (state := held.saved()) is not None:
-                    out[label(space, name)] = {"rng": state}
-            elif (value := _savable(held)) is not MISSING:
-                out[label(space, name)] = {"value": value}
-    return out
+    :func:`label` (:func:`saved_value`)."""
+    return {
+        label(space, name): entry
+        for space, names in values.items()
+        for name, held in names.items()
+        if (entry := saved_value(held)) is not None
+    }
+
+
+def saved_value(held: Any) -> dict[str, Any] | None:
+    """A held value as a checkpoint holds it: ``{"value": v}`` (a number, string, container
+    of them, small tensor), ``{"fields": {...}}`` (a settings object's or dict's such
+    fields) or ``{"rng": state}`` (a torch or Python random generator's); None where a
+    checkpoint cannot hold it (a trial resumed starts it from build_model's value)."""
+    if isinstance(held, Fields):
+        fields = {k: v for k, f in held.fields.items() if (v := _savable(f)) is not MISSING}
+        ok = fields and all(isinstance(k, str) for k in fields)
+        return {"fields": fields} if ok else None
+    if isinstance(held, RandomState):
+        state = held.saved()
+        return {"rng": state} if state is not None else None
+    value = _savable(held)
+    return {"value": value} if value is not MISSING else None
 
 
 def _savable(held: Any) -> Any:
@@ -275,23 +281,28 @@ def _savable(held: Any) -> Any:
     return copy.deepcopy(held) if held is not MISSING and checkpointable(held) else MISSING
 
 
+def resumed_value(held: Any, entry: Mapping[str, Any]) -> Any:
+    """``held`` (a value after a resumed member's build) with its checkpoint's ``entry``
+    (:func:`saved_value`) in place of the build's."""
+    if "value" in entry:
+        return held_value(entry["value"])
+    if "rng" in entry and isinstance(held, RandomState):
+        return held.resumed(entry["rng"])
+    if "fields" in entry and isinstance(held, Fields):
+        fields = {k: held_value(v) for k, v in entry["fields"].items()}
+        return Fields(held.obj, {**held.fields, **fields})
+    return held
+
+
 def resume(reading: Reading, saved: Mapping[str, Mapping[str, Any]]) -> None:
     """A resumed member's ``reading`` after its build, with the values its checkpoint saved
     (:func:`saved`) in place of the build's, their names kept from now on."""
     for space, values in reading.items():
         for name in list(values):
             entry = saved.get(label(space, name))
-            if entry is None:
-                continue
-            held = values[name]
-            if "value" in entry:
-                values[name] = held_value(entry["value"])
-            elif "rng" in entry and isinstance(held, RandomState):
-                values[name] = held.resumed(entry["rng"])
-            elif isinstance(held, Fields):
-                fields = {k: held_value(v) for k, v in entry["fields"].items()}
-                values[name] = Fields(held.obj, {**held.fields, **fields})
-            _KEPT[space] = _KEPT.get(space, frozenset()) | {name}
+            if entry is not None:
+                values[name] = resumed_value(values[name], entry)
+                _KEPT[space] = _KEPT.get(space, frozenset()) | {name}
 
 
 # -- the workload object's own attributes, changed in place ------------------------------
@@ -333,6 +344,12 @@ def learn_attributes(
     if changed:
         cls = type(workload)
         _KEPT_ATTRIBUTES[cls] = _KEPT_ATTRIBUTES.get(cls, frozenset()) | changed
+
+
+def keep_attribute(workload: Any, name: str) -> None:
+    """Hold ``name`` of ``workload`` as changed in place from now on (a resumed member's)."""
+    cls = type(workload)
+    _KEPT_ATTRIBUTES[cls] = _KEPT_ATTRIBUTES.get(cls, frozenset()) | {name}
 
 
 def kept_attributes(workload: Any) -> frozenset[str]:

@@ -165,6 +165,24 @@ class SeededCoin(GlobalTemperature):
         return F.cross_entropy(outputs, targets) * scale
 
 
+class CoinOnWorkload(SeededCoin):
+    """The same generator on the workload object, made once and seeded per trial in place."""
+
+    name = "coin-on-workload"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.coin = random.Random()
+
+    def build_model(self, config: Any) -> nn.Module:
+        self.coin.seed(int(config["seed"]))
+        return _mlp()
+
+    def loss(self, outputs: Any, targets: Any) -> Any:
+        scale = 1.0 + self.coin.random() if torch.is_grad_enabled() else 1.0
+        return F.cross_entropy(outputs, targets) * scale
+
+
 def members(n: int = 3) -> list[tuple[Hashable, dict[str, Any]]]:
     return [
         (f"t{i}", {"seed": 20 + i, "data_seed": 4, "lr": 0.05 * (i + 1), "dtype": "float64"})
@@ -199,7 +217,7 @@ def final(array: FusedArray) -> dict[Hashable, dict[str, Any]]:
     "workload",
     [
         LossCounter, GradOnlyCounter, EvalCounter, TensorCounter, RampModel, GlobalTemperature,
-        SettingsTemperature, SeededCoin,
+        SettingsTemperature, SeededCoin, CoinOnWorkload,
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("cut", ["epochs", "mid-epoch"])
