@@ -125,6 +125,17 @@ def alone(workload: Any, member: tuple[Hashable, dict[str, Any]]) -> Any:
     return results(solo)[member[0]]
 
 
+def trained_as_alone(w: Any, scales: list[float]) -> FusedArray:
+    """An array of members of ``scales`` trained: each ends as it ends trained alone."""
+    group = members(scales)
+    want = {key: alone(w, (key, config)) for key, config in group}
+    array = FusedArray(copy.copy(w), group)
+    train(array, EPOCHS * array.steps_per_epoch)
+    for key, got in results(array).items():
+        assert_as_alone(got, want[key], key)
+    return array
+
+
 def assert_as_alone(got: Any, want: Any, key: Hashable) -> None:
     for name, tensor in want[0].items():
         torch.testing.assert_close(got[0][name], tensor, rtol=0, atol=1e-12, msg=f"{key} {name}")
@@ -134,12 +145,7 @@ def assert_as_alone(got: Any, want: Any, key: Hashable) -> None:
 @pytest.mark.parametrize("workload", WORKLOADS, ids=lambda w: w.name)
 def test_members_with_their_own_values_end_as_trained_alone(workload: type[TinyMLP]) -> None:
     w = workload()
-    group = members([0.5, 1.0, 2.0])
-    want = {key: alone(w, (key, config)) for key, config in group}
-    array = FusedArray(copy.copy(w), group)
-    train(array, EPOCHS * array.steps_per_epoch)
-    for key, got in results(array).items():
-        assert_as_alone(got, want[key], key)
+    array = trained_as_alone(w, [0.5, 1.0, 2.0])
     assert [len(keys) for keys, _ in array.stacks] == [1, 1, 1]
     (note,) = [n for n in array.notes if "outside the model" in n]
     assert KEPT_AS[w.name] in note and "one at a time" in note, note
@@ -192,10 +198,14 @@ def test_a_generator_at_equal_states_still_trains_one_member_per_stack() -> None
 def test_two_arrays_trained_at_once_each_read_their_own_values(workload: type[TinyMLP]) -> None:
     """Each array's members agree, the arrays do not: the second's build changed the value
     the first one's forward reads, and the two train in threads at once, as a pack's do."""
-    w = workload()
-    first, second = members([0.5, 0.5]), members([2.0, 2.0], first=2)
-    want = {key: alone(w, (key, config)) for key, config in first + second}
-    arrays = [FusedArray(copy.copy(w), group) for group in (first, second)]
+    at_once_as_alone(workload(), [members([0.5, 0.5]), members([2.0, 2.0], first=2)])
+
+
+def at_once_as_alone(w: Any, groups: list[list[tuple[Hashable, dict[str, Any]]]]) -> None:
+    """Arrays of ``groups`` (copies of workload ``w``) trained in threads at once, as a
+    pack's are: each member ends as it ends trained alone."""
+    want = {key: alone(w, (key, config)) for group in groups for key, config in group}
+    arrays = [FusedArray(copy.copy(w), group) for group in groups]
     threads = [
         threading.Thread(target=train, args=(array, EPOCHS * array.steps_per_epoch))
         for array in arrays

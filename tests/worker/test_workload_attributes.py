@@ -8,8 +8,6 @@ ends trained alone."""
 
 from __future__ import annotations
 
-import copy
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,8 +17,7 @@ import torch
 from torch import nn
 
 from tests.support.tiny_workloads import TinyMLP
-from tests.worker.test_outside_state import EPOCHS, alone, assert_as_alone, members, results
-from worker.fused import FusedArray, train
+from tests.worker.test_outside_state import at_once_as_alone, members, trained_as_alone
 
 
 class _Net(nn.Module):
@@ -99,13 +96,7 @@ WORKLOADS = [SeededOnWorkload, SettingsOnWorkload, ScaleOnWorkload]
 
 @pytest.mark.parametrize("workload", WORKLOADS, ids=lambda w: w.name)
 def test_members_end_as_trained_alone(workload: type[TinyMLP]) -> None:
-    w = workload()
-    group = members([0.5, 1.0, 2.0])
-    want = {key: alone(w, (key, config)) for key, config in group}
-    array = FusedArray(copy.copy(w), group)
-    train(array, EPOCHS * array.steps_per_epoch)
-    for key, got in results(array).items():
-        assert_as_alone(got, want[key], key)
+    array = trained_as_alone(workload(), [0.5, 1.0, 2.0])
     assert [len(keys) for keys, _ in array.stacks] == [1, 1, 1]
 
 
@@ -113,18 +104,4 @@ def test_members_end_as_trained_alone(workload: type[TinyMLP]) -> None:
 def test_two_arrays_trained_at_once_each_read_their_own_values(workload: type[TinyMLP]) -> None:
     """The arrays' workload objects are shallow copies of one: the settings object or the
     generator is the same object in both."""
-    w = workload()
-    first, second = members([0.5]), members([2.0], first=2)
-    want = {key: alone(w, (key, config)) for key, config in first + second}
-    arrays = [FusedArray(copy.copy(w), group) for group in (first, second)]
-    threads = [
-        threading.Thread(target=train, args=(array, EPOCHS * array.steps_per_epoch))
-        for array in arrays
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    for array in arrays:
-        for key, got in results(array).items():
-            assert_as_alone(got, want[key], key)
+    at_once_as_alone(workload(), [members([0.5]), members([2.0], first=2)])
