@@ -184,18 +184,19 @@ def set_python_state(model: nn.Module, values: dict[str, Any]) -> None:
 
 def checkpointable(value: Any, depth: int = 0) -> bool:
     """Whether ``value`` can go into a checkpoint (``torch.load(weights_only=True)`` reads it
-    back): numbers, strings, None, and lists, tuples and string-keyed dicts of them; a small
-    tensor."""
-    if value is None or isinstance(value, bool | int | float | str):
+    back): numbers, strings, None, and lists, tuples and string-keyed dicts of them, of
+    exactly these types (a NumPy float, an Enum member or a defaultdict is not read back);
+    a small tensor."""
+    if value is None or type(value) in (bool, int, float, str):  # not NumPy's, an Enum
         return True
     if isinstance(value, torch.Tensor):  # a small one: a counter kept as a tensor
         return depth == 0 and value.numel() <= SMALL_TENSOR and not value.is_meta
     if depth >= 3:
         return False
-    if isinstance(value, list | tuple):
+    if type(value) in (list, tuple):
         return all(checkpointable(v, depth + 1) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and checkpointable(v, depth + 1) for k, v in value.items())
+    if type(value) is dict:
+        return all(type(k) is str and checkpointable(v, depth + 1) for k, v in value.items())
     return False
 
 

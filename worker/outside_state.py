@@ -24,7 +24,7 @@ import weakref
 from collections.abc import Container, Iterable, Mapping
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 from worker.module_state import (
     MISSING,
@@ -285,7 +285,10 @@ def resumed_value(held: Any, entry: Mapping[str, Any]) -> Any:
     """``held`` (a value after a resumed member's build) with its checkpoint's ``entry``
     (:func:`saved_value`) in place of the build's."""
     if "value" in entry:
-        return held_value(entry["value"])
+        value = entry["value"]
+        if isinstance(value, Tensor) and isinstance(held, Snapshot):
+            value = value.to(held.tensor.device)  # saved on the CPU
+        return held_value(value)
     if "rng" in entry and isinstance(held, RandomState):
         return held.resumed(entry["rng"])
     if "fields" in entry and isinstance(held, Fields):

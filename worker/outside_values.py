@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import enum
 import random
 import sys
 import types
@@ -39,7 +40,9 @@ MAX_FIELDS = 1024
 #: how deep objects within objects are held field by field
 MAX_DEPTH = 3
 _NAMESPACES = (types.SimpleNamespace, argparse.Namespace)
-_NOT_SETTINGS = (type, types.ModuleType, types.FunctionType, types.MethodType, nn.Module)
+_NOT_SETTINGS = (
+    type, types.ModuleType, types.FunctionType, types.MethodType, nn.Module, enum.Enum
+)  # fmt: skip
 
 #: whether a class is the user's own (its instances held field by field)
 Own = Callable[[type], bool]
@@ -67,16 +70,28 @@ class Fields(Held):
             _fill_dict(obj, self.fields)
         elif isinstance(obj, list):
             obj[:] = [put(obj[i] if i < len(obj) else MISSING, v) for i, v in self.fields.items()]
-        else:
+        else:  # through its __dict__, as read: a frozen dataclass's too (a cached_property)
             own = vars(obj)
             for name in [n for n in own if n not in self.fields]:
-                delattr(obj, name)
+                del own[name]
             for name, held in self.fields.items():
                 current = own.get(name, MISSING)
                 value = put(current, held)
                 if value is not current:
-                    setattr(obj, name, value)
+                    own[name] = value
         return obj
+
+
+class Same(Held):
+    """A dict, list or set held as itself (data: more than :data:`MAX_FIELDS` entries, or
+    deeper than :data:`MAX_DEPTH`): compared by identity, put back by setting it again,
+    never by filling another one with it."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def same_as(self, other: Any) -> bool:
+        return isinstance(other, Same) and other.obj is self.obj
 
 
 class RandomState(Held):
@@ -116,6 +131,8 @@ class RandomState(Held):
 
 def generator(value: Any) -> bool:
     """Whether ``value`` is a random generator :class:`RandomState` holds."""
+    if isinstance(value, random.SystemRandom):
+        return False  # no state (the OS's): held as itself
     if isinstance(value, torch.Generator | random.Random):
         return True
     numpy = sys.modules.get("numpy")
@@ -170,17 +187,19 @@ def hold(value: Any, own: Own, depth: int = 0) -> Any:
     back (:func:`put`); ``own``: whether a class is the user's."""
     if generator(value):
         return RandomState(value, _state(value))
-    if isinstance(value, dict | list | set | tuple) and len(value) > MAX_FIELDS:
-        return value  # data (a list of files, a vocabulary), not settings: not copied
+    if isinstance(value, dict | list | set | tuple | frozenset) and len(value) > MAX_FIELDS:
+        # data (a list of files, a vocabulary), not settings: not copied
+        return Same(value) if isinstance(value, dict | list | set) else value
     held = held_value(value)
-    if held is not value or depth >= MAX_DEPTH:
+    if held is not value:
         return held  # plain: a copy; a small tensor: a snapshot
-    if isinstance(value, dict | list) and len(value) <= MAX_FIELDS:
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        return Fields(value, {k: hold(v, own, depth + 1) for k, v in items})
-    if _settings(value, own) and len(vars(value)) <= MAX_FIELDS:
-        return Fields(value, {k: hold(v, own, depth + 1) for k, v in vars(value).items()})
-    return value
+    if depth < MAX_DEPTH:
+        if isinstance(value, dict | list):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            return Fields(value, {k: hold(v, own, depth + 1) for k, v in items})
+        if _settings(value, own) and len(vars(value)) <= MAX_FIELDS:
+            return Fields(value, {k: hold(v, own, depth + 1) for k, v in vars(value).items()})
+    return Same(value) if isinstance(value, dict | list | set) else value
 
 
 def _settings(value: Any, own: Own) -> bool:
@@ -200,6 +219,8 @@ def put(current: Any, held: Any) -> Any:
     same type, a tensor of the same shape), so that whoever else holds it sees the value."""
     if isinstance(held, Fields | RandomState):
         return held.put()
+    if isinstance(held, Same):
+        return held.obj
     if isinstance(held, Snapshot):
         return current if held.fill(current) else held.tensor.clone()
     if type(current) is type(held):

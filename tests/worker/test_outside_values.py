@@ -4,15 +4,21 @@ that whoever else holds that object sees it."""
 
 from __future__ import annotations
 
+import collections
+import enum
+import functools
+import random
 import types
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from worker.module_state import Snapshot, same_value
-from worker.outside_values import MAX_FIELDS, Fields, RandomState, hold, put
+from worker.outside_state import saved_value
+from worker.outside_values import MAX_FIELDS, Fields, RandomState, Same, hold, put
 
 
 @dataclass
@@ -70,7 +76,7 @@ def test_a_dict_of_tensors_and_a_small_tensor() -> None:
 
 def test_what_is_not_settings_is_held_as_itself() -> None:
     big = list(range(MAX_FIELDS + 1)) + [object()]
-    assert hold(big, own) is big
+    assert isinstance(held := hold(big, own), Same) and held.obj is big
     module = nn.Linear(2, 2)
     assert hold(module, own) is module
     assert hold(types, own) is types
@@ -104,5 +110,72 @@ def test_a_generator_is_held_by_its_state_and_resumed_from_a_checkpoints() -> No
 
 def test_a_large_container_is_data_held_as_itself() -> None:
     files = [f"image-{i}.png" for i in range(MAX_FIELDS + 1)]
-    assert hold(files, own) is files  # not copied at every build
+    assert isinstance(held := hold(files, own), Same) and held.obj is files  # not copied
     assert hold(files[:MAX_FIELDS], own) == files[:MAX_FIELDS]
+
+
+def test_a_container_held_as_itself_is_set_back_not_filled() -> None:
+    """A vocabulary built per trial (more entries than settings have): putting member A's
+    back rebinds A's, and leaves B's as it is; a large set inside a settings dict is not
+    emptied by putting the dict back."""
+    mine = {f"w{i}": i for i in range(MAX_FIELDS + 1)}
+    theirs = {f"v{i}": -i for i in range(MAX_FIELDS + 1)}
+    held = hold(mine, own)
+    assert put(theirs, held) is mine
+    assert theirs == {f"v{i}": -i for i in range(MAX_FIELDS + 1)}
+    vocab = set(range(MAX_FIELDS + 1))
+    settings = {"vocab": vocab, "act": torch.relu, "scale": 1.0}
+    held = hold(settings, own)
+    settings["scale"] = 2.0
+    put(settings, held)
+    assert settings["vocab"] is vocab and len(vocab) == MAX_FIELDS + 1
+    assert settings["scale"] == 1.0
+
+
+@dataclass(frozen=True)
+class Frozen:
+    heads: int = 4
+    width: int = 64
+
+    @functools.cached_property
+    def head_width(self) -> int:
+        return self.width // self.heads
+
+
+def test_a_frozen_settings_object_is_put_back_through_its_dict() -> None:
+    """A cached_property computed since the object was held (by a forward) is no field of
+    it: put back, it is dropped (computed again), not a FrozenInstanceError."""
+    config = Frozen()
+    held = hold(config, own)
+    assert config.head_width == 16
+    assert put(config, held) is config
+    assert "head_width" not in vars(config) and config.head_width == 16
+
+
+def test_values_a_checkpoint_cannot_read_back_are_not_saved(tmp_path: Path) -> None:
+    """torch.load(weights_only=True) refuses a NumPy float, an Enum member and a
+    defaultdict: saved, they failed the resumed trial."""
+    import numpy
+
+    class Kind(enum.StrEnum):
+        A = "a"
+
+    for value in (numpy.float64(2.0), Kind.A, collections.defaultdict(int, a=1)):
+        assert saved_value(hold(value, own)) is None, value
+    entries = {
+        name: saved_value(hold(value, own))
+        for name, value in {
+            "scale": 0.5, "sizes": [8, 16], "factor": torch.ones(3),
+            "settings": Settings(), "gen": torch.Generator().manual_seed(1),
+            "coin": random.Random(2),
+        }.items()
+    }  # fmt: skip
+    torch.save(entries, tmp_path / "c.pt")
+    loaded = torch.load(tmp_path / "c.pt", weights_only=True)
+    assert loaded["settings"] == {"fields": {"scale": 1.0, "sizes": [8, 16]}}
+    assert loaded["scale"] == {"value": 0.5}
+
+
+def test_a_generator_without_state_is_held_as_itself() -> None:
+    system = random.SystemRandom()
+    assert hold(system, own) is system
