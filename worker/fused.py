@@ -495,8 +495,10 @@ class FusedArray:
         seeded: set[tuple[outside.Namespace, str]] = set()
         #: each member's workload attributes that a build may change in place, held after it
         held_attributes: dict[Hashable, dict[str, Any]] = {}
-        self.workload_held: list[str] = []
-        #: the member whose workload_held values the workload holds within a hold of the lock
+        #: the workload's attributes these members' builds changed in place
+        changed_attributes: set[str] = set()
+        #: the member whose held workload attributes the workload holds within a hold of the
+        #: lock (:meth:`_workload_held`)
         self._attributes_on: Hashable | None = None
         for key, config, state in zip(keys, configs, states, strict=True):
             restore(workload, base, sorted(restored))  # another member's resumed values
@@ -505,7 +507,9 @@ class FusedArray:
             objects, before_attributes = dict(vars(workload)), outside.attributes(workload)
             model = _build_model(workload, config, state)
             held_attributes[key] = outside.attributes(workload)
-            outside.learn_attributes(workload, objects, before_attributes, held_attributes[key])
+            changed_attributes |= outside.learn_attributes(
+                workload, objects, before_attributes, held_attributes[key]
+            )
             saved_held = state.get("python", {}).get("workload_held") if state else None
             for name, entry in (saved_held or {}).items():  # what its training had made of them
                 if name in held_attributes[key]:
@@ -536,14 +540,14 @@ class FusedArray:
         set_host_state(host)
         #: the workload's attributes builds change in place (a settings object, a generator),
         #: each member's own: put back before its steps, carried after them
-        self.workload_held = sorted(
-            name
-            for name in outside.kept_attributes(workload)
-            if any(name in held for held in held_attributes.values())
+        #: each member's workload attributes that a build may change in place (a settings
+        #: object, a generator), held; those some build in this process changed
+        #: (:meth:`_workload_held`) are put back before its steps and carried after them
+        self.attributes_built = held_attributes
+        drifted = sorted(
+            set(workload_differences(list(built.values())))
+            | set(outside.differing_attributes(held_attributes.values(), changed_attributes))
         )
-        drifted = sorted(set(workload_differences(list(built.values()))) | set(self.workload_held))
-        for key, attrs in held_attributes.items():
-            built[key].update({name: attrs[name] for name in self.workload_held if name in attrs})
         outside_names = outside.kept(self.outside_spaces)
         kept_apart = (
             outside.differing(self.outside_built.values(), outside_names, seeded)
@@ -1027,16 +1031,25 @@ class FusedArray:
                 self.outside_built[key].setdefault(space, {}).update(held)
         if self._attributes_on is not None:  # a settings object, a generator of the workload
             now = outside.attributes(self.workload)
-            self.member_values[self._attributes_on].update(
-                {name: now[name] for name in self.workload_held if name in now}
+            self.attributes_built[self._attributes_on].update(
+                {name: now[name] for name in self._workload_held() if name in now}
             )
             self._attributes_on = None
+
+    def _workload_held(self) -> list[str]:
+        """The workload's attributes that builds in this process changed in place (another
+        array's build may add to them at any time)."""
+        kept = outside.kept_attributes(self.workload)
+        if not kept:
+            return []
+        built = self.attributes_built.values()
+        return [name for name in sorted(kept) if any(name in held for held in built)]
 
     def _keeps_outside(self) -> bool:
         """Whether the members keep values outside the model (or change the workload object's
         in place): their steps and evaluations hold the process's lock alone (another
         array's would put its own values back)."""
-        return bool(self.workload_held) or (
+        return bool(self._workload_held()) or (
             bool(self.outside_spaces) and bool(outside.kept(self.outside_spaces))
         )
 
@@ -1054,10 +1067,10 @@ class FusedArray:
     def _with_values(self, key: Hashable) -> Workload:
         active = self._active
         values = self.member_values.get(key, {})
-        if self.workload_held:  # objects every array's workload shares: put back each time
-            outside.put_attributes(
-                self.workload, {n: values[n] for n in self.workload_held if n in values}
-            )
+        held = self._workload_held()
+        if held:  # objects every array's workload shares: put back each time
+            own = self.attributes_built.get(key, {})
+            outside.put_attributes(self.workload, {n: own[n] for n in held if n in own})
             if self._outside_on is not None:  # carried back at the hold's end or next switch
                 self._attributes_on = key
         if active == key and self.workload_state:
@@ -1065,7 +1078,7 @@ class FusedArray:
         if self.workload_state and active is not None:
             self.member_values[active].update(self._trained_values())  # what it made of them
         for name, value in values.items():
-            if name not in self.workload_held:
+            if name not in held:
                 put(self.workload, name, value)
         self._active = key
         return self.workload
@@ -1081,16 +1094,16 @@ class FusedArray:
     def python_values(self, key: Hashable) -> dict[str, dict[str, Any]]:
         """``key``'s values of the Python state training changes (:attr:`workload_state`,
         :attr:`model_state`), of those kept outside the model (:mod:`worker.outside_state`)
-        and of the workload's objects its build changed in place (:attr:`workload_held`)
+        and of the workload's objects builds changed in place (:meth:`_workload_held`)
         that a checkpoint can hold; empty when there are none."""
         out: dict[str, dict[str, Any]] = {}
         if self._keeps_outside() and (kept_outside := outside.saved(self._outside_values(key))):
             out["outside"] = kept_outside
-        if self.workload_held:
-            values = self.member_values.get(key, {})
+        if names := self._workload_held():
+            values = self.attributes_built.get(key, {})
             held = {
                 name: entry
-                for name in self.workload_held
+                for name in names
                 if name in values and (entry := outside.saved_value(values[name])) is not None
             }
             if held:
@@ -1444,7 +1457,7 @@ class FusedArray:
         # a model that draws, draws in eval too (each stack reseeded: _seed_evaluation); one
         # reading values kept outside it has its own put back
         if self.stochastic or self._keeps_outside():
-            keeps = bool(self.outside_spaces or self.workload_held)
+            keeps = bool(self.outside_spaces or self._workload_held())
             with GLOBAL_RNG, self._outside_held() if keeps else nullcontext():
                 return self._evaluate_members()
         # members taken to draw nothing are evaluated in the shared hold, and checked: a draw

@@ -143,11 +143,16 @@ def _own(space: Namespace) -> Own:
 
 def copy_model(model: nn.Module) -> nn.Module:
     """A deep copy of ``model`` that still holds the objects of the namespaces read in this
-    process (``self.settings = SETTINGS``) and the arrays' workload objects (a model holding
-    ``workload.noise``, a bound method): what :func:`put_back` and :func:`put_attributes`
-    put into them, its forward reads, as the model's own does."""
+    process (``self.settings = SETTINGS``) and the arrays' workload objects and their
+    attributes' (a model holding ``workload.noise``, a bound method, or
+    ``workload.settings``): what :func:`put_back` and :func:`put_attributes` put into them,
+    its forward reads, as the model's own does."""
     memo = {id(obj): obj for objs in list(_SHARED.values()) for obj in objs}
-    memo.update(_WORKLOADS.items())
+    for workload in list(_WORKLOADS.values()):
+        memo[id(workload)] = workload
+        for value in list(vars(workload).values()):  # its settings object, its generator
+            if not isinstance(value, Tensor | nn.Module):  # those a copy must not share
+                memo[id(value)] = value
     return copy.deepcopy(model, memo)
 
 
@@ -334,10 +339,11 @@ def attributes(workload: Any) -> dict[str, Any]:
 
 def learn_attributes(
     workload: Any, objects: Mapping[str, Any], before: Mapping[str, Any], after: Mapping[str, Any]
-) -> None:
-    """Note the attributes a build of ``workload`` changed in place: the same object as
-    before it (``objects``: its ``vars()`` then), held (:func:`attributes`) differently.
-    One set anew is :func:`worker.fusion_guard.workload_differences`' to compare."""
+) -> set[str]:
+    """Note the attributes a build of ``workload`` changed in place (returned): the same
+    object as before it (``objects``: its ``vars()`` then), held (:func:`attributes`)
+    differently. One set anew is :func:`worker.fusion_guard.workload_differences`' to
+    compare."""
     now = vars(workload)
     changed = {
         name
@@ -347,6 +353,25 @@ def learn_attributes(
     if changed:
         cls = type(workload)
         _KEPT_ATTRIBUTES[cls] = _KEPT_ATTRIBUTES.get(cls, frozenset()) | changed
+    return changed
+
+
+def differing_attributes(
+    readings: Iterable[Mapping[str, Any]], changed: Container[str]
+) -> list[str]:
+    """The attributes (``readings``: each member's :func:`attributes` after its build) that
+    builds changed in place whose values differ between members, or that are a random
+    generator (which members stacked together would share)."""
+    first, *rest = list(readings)
+    return sorted(
+        name
+        for name in {n for r in [first, *rest] for n in r}
+        if name in changed
+        and (
+            isinstance(first.get(name), RandomState)
+            or any(not same_value(first.get(name, MISSING), r.get(name, MISSING)) for r in rest)
+        )
+    )
 
 
 def keep_attribute(workload: Any, name: str) -> None:

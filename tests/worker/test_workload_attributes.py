@@ -8,6 +8,8 @@ ends trained alone."""
 
 from __future__ import annotations
 
+import copy
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +19,16 @@ import torch
 from torch import nn
 
 from tests.support.tiny_workloads import TinyMLP
-from tests.worker.test_outside_state import at_once_as_alone, members, trained_as_alone
+from tests.worker.test_outside_state import (
+    EPOCHS,
+    alone,
+    assert_as_alone,
+    at_once_as_alone,
+    members,
+    results,
+    trained_as_alone,
+)
+from worker.fused import FusedArray, train
 
 
 class _Net(nn.Module):
@@ -105,3 +116,80 @@ def test_two_arrays_trained_at_once_each_read_their_own_values(workload: type[Ti
     """The arrays' workload objects are shallow copies of one: the settings object or the
     generator is the same object in both."""
     at_once_as_alone(workload(), [members([0.5]), members([2.0], first=2)])
+
+
+def test_an_array_built_before_another_changed_the_object_reads_its_own_value() -> None:
+    """The first array's build left the settings object as it was (its member's value is
+    the default), so it learned nothing; the second's build changed it in place. The first
+    array then read the second's value while both trained at once."""
+
+    class Late(SettingsOnWorkload):
+        name = "late-settings"  # a class of its own: nothing learned of it yet
+
+    w = Late()
+    groups = [members([1.0]), members([2.0], first=2)]
+    arrays = [FusedArray(copy.copy(w), group) for group in groups]
+    want = {key: alone(w, (key, config)) for group in groups for key, config in group}
+    threads = [
+        threading.Thread(target=train, args=(array, EPOCHS * array.steps_per_epoch))
+        for array in arrays
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for array in arrays:
+        for key, got in results(array).items():
+            assert_as_alone(got, want[key], key)
+
+
+class _HoldsSettings(nn.Module):
+    """Holds the workload's settings object itself (the same object for every member)."""
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 3)
+        self.settings = settings
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)) * self.settings.scale)
+
+
+class SettingsHeldByModel(SettingsOnWorkload):
+    name = "settings-held-by-model"
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        self.settings.scale = float(self.resolve(config)["scale"])
+        return _HoldsSettings(self.settings).double()
+
+
+def test_a_model_holding_the_workloads_settings_object_reads_each_members_value() -> None:
+    """Copies of the model (its stacks' templates) copied the settings object, frozen at
+    the last build's value."""
+    array = trained_as_alone(SettingsHeldByModel(), [0.5, 1.0, 2.0])
+    assert [len(keys) for keys, _ in array.stacks] == [1, 1, 1]
+
+
+class LossSettings(SettingsOnWorkload):
+    """Its loss reads the settings object (the model is a plain MLP, which fuses)."""
+
+    name = "loss-settings"
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        self.settings.scale = float(self.resolve(config)["scale"])
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)).double()
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return super().loss(outputs, targets) * self.settings.scale
+
+
+def test_a_loss_reading_the_settings_object_trains_each_members_value() -> None:
+    array = trained_as_alone(LossSettings(), [0.5, 1.0, 2.0])
+    assert [len(keys) for keys, _ in array.stacks] == [1, 1, 1]
+
+
+def test_equal_values_changed_in_place_still_fuse() -> None:
+    w = LossSettings()
+    FusedArray(copy.copy(w), members([3.0]))  # a build of another value first: learned
+    array = trained_as_alone(w, [1.5, 1.5, 1.5])
+    assert [len(keys) for keys, _ in array.stacks] == [3]
