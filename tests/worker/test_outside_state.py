@@ -201,11 +201,15 @@ def test_two_arrays_trained_at_once_each_read_their_own_values(workload: type[Ti
     at_once_as_alone(workload(), [members([0.5, 0.5]), members([2.0, 2.0], first=2)])
 
 
-def at_once_as_alone(w: Any, groups: list[list[tuple[Hashable, dict[str, Any]]]]) -> None:
+def at_once_as_alone(
+    w: Any, groups: list[list[tuple[Hashable, dict[str, Any]]]], built_first: bool = False
+) -> None:
     """Arrays of ``groups`` (copies of workload ``w``) trained in threads at once, as a
-    pack's are: each member ends as it ends trained alone."""
+    pack's are: each member ends as it ends trained alone (``built_first``: the arrays
+    built before the members alone are)."""
+    arrays = [FusedArray(copy.copy(w), group) for group in groups] if built_first else []
     want = {key: alone(w, (key, config)) for group in groups for key, config in group}
-    arrays = [FusedArray(copy.copy(w), group) for group in groups]
+    arrays = arrays or [FusedArray(copy.copy(w), group) for group in groups]
     threads = [
         threading.Thread(target=train, args=(array, EPOCHS * array.steps_per_epoch))
         for array in arrays

@@ -9,7 +9,6 @@ ends trained alone."""
 from __future__ import annotations
 
 import copy
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,15 +19,11 @@ from torch import nn
 
 from tests.support.tiny_workloads import TinyMLP
 from tests.worker.test_outside_state import (
-    EPOCHS,
-    alone,
-    assert_as_alone,
     at_once_as_alone,
     members,
-    results,
     trained_as_alone,
 )
-from worker.fused import FusedArray, train
+from worker.fused import FusedArray
 
 
 class _Net(nn.Module):
@@ -126,48 +121,7 @@ def test_an_array_built_before_another_changed_the_object_reads_its_own_value() 
     class Late(SettingsOnWorkload):
         name = "late-settings"  # a class of its own: nothing learned of it yet
 
-    w = Late()
-    groups = [members([1.0]), members([2.0], first=2)]
-    arrays = [FusedArray(copy.copy(w), group) for group in groups]
-    want = {key: alone(w, (key, config)) for group in groups for key, config in group}
-    threads = [
-        threading.Thread(target=train, args=(array, EPOCHS * array.steps_per_epoch))
-        for array in arrays
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    for array in arrays:
-        for key, got in results(array).items():
-            assert_as_alone(got, want[key], key)
-
-
-class _HoldsSettings(nn.Module):
-    """Holds the workload's settings object itself (the same object for every member)."""
-
-    def __init__(self, settings: Settings) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 3)
-        self.settings = settings
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x)) * self.settings.scale)
-
-
-class SettingsHeldByModel(SettingsOnWorkload):
-    name = "settings-held-by-model"
-
-    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
-        self.settings.scale = float(self.resolve(config)["scale"])
-        return _HoldsSettings(self.settings).double()
-
-
-def test_a_model_holding_the_workloads_settings_object_reads_each_members_value() -> None:
-    """Copies of the model (its stacks' templates) copied the settings object, frozen at
-    the last build's value."""
-    array = trained_as_alone(SettingsHeldByModel(), [0.5, 1.0, 2.0])
-    assert [len(keys) for keys, _ in array.stacks] == [1, 1, 1]
+    at_once_as_alone(Late(), [members([1.0]), members([2.0], first=2)], built_first=True)
 
 
 class LossSettings(SettingsOnWorkload):
