@@ -267,7 +267,7 @@ def saved(values: Mapping[Namespace, Mapping[str, Any]]) -> dict[str, dict[str, 
 def saved_value(held: Any) -> dict[str, Any] | None:
     """A held value as a checkpoint holds it: ``{"value": v}`` (a number, string, container
     of them, small tensor), ``{"fields": {...}}`` (a settings object's or dict's such
-    fields) or ``{"rng": state}`` (a torch or Python random generator's); None where a
+    fields) or ``{"rng": state}`` (a random generator's); None where a
     checkpoint cannot hold it (a trial resumed starts it from build_model's value)."""
     if isinstance(held, Fields):
         fields = {k: v for k, f in held.fields.items() if (v := _savable(f)) is not MISSING}

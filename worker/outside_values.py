@@ -113,20 +113,45 @@ class RandomState(Held):
         return self.generator
 
     def saved(self) -> Any:
-        """The state as a checkpoint holds it (a tensor, lists of numbers), or None."""
+        """The state as a checkpoint holds it: a tensor (torch's), lists and dicts of plain
+        numbers (Python's, NumPy's)."""
         if isinstance(self.generator, torch.Generator):
             return self.state.clone()
         if isinstance(self.generator, random.Random):
             version, internal, gauss = self.state
             return [version, list(internal), gauss]
-        return None  # NumPy's: not saved
+        return _plain(self.state)  # NumPy's: a dict of numbers and arrays
 
     def resumed(self, saved: Any) -> RandomState:
         """This generator at a ``saved`` state (:meth:`saved`)."""
         if isinstance(self.generator, random.Random):
             version, internal, gauss = saved
             return RandomState(self.generator, (version, tuple(internal), gauss))
-        return RandomState(self.generator, saved.clone())
+        if isinstance(self.generator, torch.Generator):
+            return RandomState(self.generator, saved.clone())
+        return RandomState(self.generator, _like(saved, self.state))
+
+
+def _plain(state: Any) -> Any:
+    """A NumPy generator's state with its arrays and NumPy numbers as lists and numbers."""
+    if isinstance(state, dict):
+        return {k: _plain(v) for k, v in state.items()}
+    return state.tolist() if hasattr(state, "tolist") else state
+
+
+def _like(saved: Any, built: Any) -> Any:
+    """``saved`` (:func:`_plain`) with arrays where ``built`` (a state) has them."""
+    if isinstance(built, dict) and isinstance(saved, dict):
+        return {k: _like(v, built.get(k)) for k, v in saved.items()}
+    if hasattr(built, "shape") and hasattr(built, "dtype"):  # a NumPy array
+        return _array(saved, built)
+    return saved
+
+
+def _array(values: Any, like: Any) -> Any:
+    import numpy
+
+    return numpy.asarray(values, dtype=like.dtype)
 
 
 def generator(value: Any) -> bool:

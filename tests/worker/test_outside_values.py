@@ -179,3 +179,20 @@ def test_values_a_checkpoint_cannot_read_back_are_not_saved(tmp_path: Path) -> N
 def test_a_generator_without_state_is_held_as_itself() -> None:
     system = random.SystemRandom()
     assert hold(system, own) is system
+
+
+def test_numpy_generators_are_resumed_from_a_checkpoints(tmp_path: Path) -> None:
+    import numpy
+
+    for gen in (numpy.random.RandomState(5), numpy.random.default_rng(5)):
+        held = hold(gen, own)
+        draw = gen.random_sample if isinstance(gen, numpy.random.RandomState) else gen.random
+        draw(3)
+        entry = saved_value(hold(gen, own))
+        assert entry is not None
+        torch.save(entry, tmp_path / "g.pt")
+        later = draw(3)
+        loaded = torch.load(tmp_path / "g.pt", weights_only=True)
+        assert isinstance(held, RandomState)
+        put(gen, held.resumed(loaded["rng"]))
+        assert (draw(3) == later).all(), type(gen)
