@@ -511,12 +511,8 @@ class FusedArray:
                 workload, objects, before_attributes, held_attributes[key]
             )
             saved_held = state.get("python", {}).get("workload_held") if state else None
-            for name, entry in (saved_held or {}).items():  # what its training had made of them
-                if name in held_attributes[key]:
-                    held_attributes[key][name] = outside.resumed_value(
-                        held_attributes[key][name], entry
-                    )
-                    outside.keep_attribute(workload, name)
+            if saved_held:  # what its training had made of them
+                outside.resume_attributes(workload, held_attributes[key], saved_held)
             spaces = outside.namespaces(workload, model)
             self.outside_built[key] = outside.reading(spaces)
             seeded |= outside.learn(before, self.outside_built[key])
@@ -538,8 +534,6 @@ class FusedArray:
             saved = state.get("host_rng") if state else None
             self.host_streams[key] = decode_host(saved) if saved else host_state()
         set_host_state(host)
-        #: the workload's attributes builds change in place (a settings object, a generator),
-        #: each member's own: put back before its steps, carried after them
         #: each member's workload attributes that a build may change in place (a settings
         #: object, a generator), held; those some build in this process changed
         #: (:meth:`_workload_held`) are put back before its steps and carried after them

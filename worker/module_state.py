@@ -50,7 +50,7 @@ def python_state(model: nn.Module) -> dict[str, Any]:
             if name in _TORCH_OWN or isinstance(value, nn.Module):
                 continue
             full = f"{prefix}.{name}" if prefix else name
-            state[full] = copy.deepcopy(value) if _plain(value) else value
+            state[full] = held_plain(value)
     return state
 
 
@@ -71,7 +71,7 @@ def copy_state(source: nn.Module, target: nn.Module, names: list[str]) -> None:
         src, dst = source.get_submodule(prefix), target.get_submodule(prefix)
         if hasattr(src, name):
             value = getattr(src, name)
-            setattr(dst, name, copy.deepcopy(value) if _plain(value) else value)
+            setattr(dst, name, held_plain(value))
         elif hasattr(dst, name):
             delattr(dst, name)
 
@@ -172,7 +172,7 @@ def restore(obj: Any, held: dict[str, Any], names: list[str]) -> None:
             if value.fill(current):
                 continue
             value = value.tensor.clone()
-        put(obj, name, copy.deepcopy(value) if _plain(value) else value)
+        put(obj, name, held_plain(value))
 
 
 def set_python_state(model: nn.Module, values: dict[str, Any]) -> None:

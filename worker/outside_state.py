@@ -174,10 +174,18 @@ def learn(before: Reading, after: Reading) -> set[tuple[Namespace, str]]:
             if earlier is not None:
                 changed.update(changed_state(earlier, values))
         if changed:
-            _KEPT[space] = _KEPT.get(space, frozenset()) | changed
+            _keep(_KEPT, space, changed)
             out.update((space, name) for name in changed)
         _LAST[space] = dict(values)  # not the member's reading, which its training updates
     return out
+
+
+def _keep(
+    table: weakref.WeakKeyDictionary[Any, frozenset[str]], key: Any, names: Iterable[str]
+) -> None:
+    """Add ``names`` to ``key``'s kept names in ``table`` (:data:`_KEPT`, or the workload
+    attributes')."""
+    table[key] = table.get(key, frozenset()) | frozenset(names)
 
 
 def kept(spaces: Iterable[Namespace]) -> dict[Namespace, frozenset[str]]:
@@ -234,15 +242,21 @@ def put_back(values: Mapping[Namespace, Mapping[str, Any]]) -> None:
     """Set each namespace's names to ``values`` (:data:`MISSING`: deleted), in place where
     the object there can take them (:func:`worker.outside_values.put`)."""
     for space, names in values.items():
-        for name, value in names.items():
-            current = vars(space).get(name, MISSING)
-            if value is MISSING:
-                if current is not MISSING:
-                    delattr(space, name)
-                continue
-            new = put(current, value)
-            if new is not current:
-                setattr(space, name, new)
+        _put_into(space, names)
+
+
+def _put_into(obj: Any, values: Mapping[str, Any]) -> None:
+    """Set ``obj``'s attributes to held ``values`` (:data:`MISSING`: deleted), in place where
+    the object there can take them."""
+    for name, value in values.items():
+        current = vars(obj).get(name, MISSING)
+        if value is MISSING:
+            if current is not MISSING:
+                delattr(obj, name)
+            continue
+        new = put(current, value)
+        if new is not current:
+            setattr(obj, name, new)
 
 
 def now(values: Mapping[Namespace, Mapping[str, Any]]) -> dict[Namespace, dict[str, Any]]:
@@ -310,7 +324,7 @@ def resume(reading: Reading, saved: Mapping[str, Mapping[str, Any]]) -> None:
             entry = saved.get(label(space, name))
             if entry is not None:
                 values[name] = resumed_value(values[name], entry)
-                _KEPT[space] = _KEPT.get(space, frozenset()) | {name}
+                _keep(_KEPT, space, {name})
 
 
 # -- the workload object's own attributes, changed in place ------------------------------
@@ -351,8 +365,7 @@ def learn_attributes(
         if name in objects and now.get(name, MISSING) is objects[name]
     }
     if changed:
-        cls = type(workload)
-        _KEPT_ATTRIBUTES[cls] = _KEPT_ATTRIBUTES.get(cls, frozenset()) | changed
+        _keep(_KEPT_ATTRIBUTES, type(workload), changed)
     return changed
 
 
@@ -374,10 +387,16 @@ def differing_attributes(
     )
 
 
-def keep_attribute(workload: Any, name: str) -> None:
-    """Hold ``name`` of ``workload`` as changed in place from now on (a resumed member's)."""
-    cls = type(workload)
-    _KEPT_ATTRIBUTES[cls] = _KEPT_ATTRIBUTES.get(cls, frozenset()) | {name}
+def resume_attributes(
+    workload: Any, held: dict[str, Any], saved: Mapping[str, Mapping[str, Any]]
+) -> None:
+    """A resumed member's ``held`` attributes (:func:`attributes`, after its build) with the
+    values its checkpoint saved (``python.workload_held``) in place of the build's, their
+    names held from now on (as :func:`resume` does for values kept outside)."""
+    for name, entry in saved.items():
+        if name in held:
+            held[name] = resumed_value(held[name], entry)
+            _keep(_KEPT_ATTRIBUTES, type(workload), {name})
 
 
 def kept_attributes(workload: Any) -> frozenset[str]:
@@ -387,8 +406,4 @@ def kept_attributes(workload: Any) -> frozenset[str]:
 
 def put_attributes(workload: Any, values: Mapping[str, Any]) -> None:
     """Set ``workload``'s attributes to held ``values``, in place where they can take them."""
-    for name, value in values.items():
-        current = vars(workload).get(name, MISSING)
-        new = put(current, value)
-        if new is not current:
-            setattr(workload, name, new)
+    _put_into(workload, values)

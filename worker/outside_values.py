@@ -66,19 +66,10 @@ class Fields(Held):
     def put(self) -> Any:
         """The object, its fields set back to these values (in place)."""
         obj = self.obj
-        if isinstance(obj, dict):
-            _fill_dict(obj, self.fields)
-        elif isinstance(obj, list):
-            obj[:] = [put(obj[i] if i < len(obj) else MISSING, v) for i, v in self.fields.items()]
-        else:  # through its __dict__, as read: a frozen dataclass's too (a cached_property)
-            own = vars(obj)
-            for name in [n for n in own if n not in self.fields]:
-                del own[name]
-            for name, held in self.fields.items():
-                current = own.get(name, MISSING)
-                value = put(current, held)
-                if value is not current:
-                    own[name] = value
+        if isinstance(obj, list):
+            _fill_list(obj, list(self.fields.values()))
+        else:  # an object through its __dict__, as read: a frozen dataclass's too
+            _fill_dict(obj if isinstance(obj, dict) else vars(obj), self.fields)
         return obj
 
 
@@ -253,14 +244,17 @@ def put(current: Any, held: Any) -> Any:
             _fill_dict(current, held)
             return current
         if isinstance(held, list):
-            current[:] = [put(current[i] if i < len(current) else MISSING, v)
-                          for i, v in enumerate(held)]  # fmt: skip
+            _fill_list(current, held)
             return current
         if isinstance(held, set):
             current.clear()
             current.update(held)
             return current
     return held_plain(held)  # a copy of a plain value (its training changes the copy)
+
+
+def _fill_list(target: list[Any], held: list[Any]) -> None:
+    target[:] = [put(target[i] if i < len(target) else MISSING, v) for i, v in enumerate(held)]
 
 
 def _fill_dict(target: dict[Any, Any], held: dict[Any, Any]) -> None:
