@@ -12,6 +12,7 @@ wrong (a difference beyond float rounding) or impossible (members the guard stac
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 import warnings
@@ -25,6 +26,7 @@ from packtune.errors import PacktuneError
 from packtune.space import parse_space, sample_config, trial_seed
 from packtune.workloads import get_workload
 from packtune.workloads.base import ConfigReads, Workload, data_splits, varying_reads
+from worker import outside_state as outside
 from worker.decoupled_group import decoupled_problem
 from worker.fused import FusedArray, train
 from worker.model_rules import refuse_unsupported
@@ -177,7 +179,10 @@ def check(
             "trains such members as separate arrays; declare it structural to say so"
         )
     torch.manual_seed(0)
-    model = workload.build_model(workload.resolve(configs[0]))
+    # read before any build (what every member's build then starts from), and built on a
+    # copy: what this build sets, on the workload or outside it, is not the arrays' below
+    outside.fresh(outside.namespaces(workload))
+    model = copy.copy(workload).build_model(workload.resolve(configs[0]))
     refuse_unsupported(workload.name, model)  # as the arrays below would, before its template
     template = meta_template(model)
     report.spill_problem = spill_problem(workload, template)

@@ -108,7 +108,6 @@ from worker.module_state import (
     object_state,
     put,
     python_state,
-    restore,
     restore_object_state,
     restore_python_state,
     set_python_state,
@@ -227,6 +226,18 @@ def _build_model(
         # by every name of a tied tensor, as the model's own state_dict has it
         model.load_state_dict(with_aliases({**state["params"], **state["buffers"]}, aliases(model)))
     return model.train()
+
+
+def _start_from(workload: Any, base: Mapping[str, Any]) -> None:
+    """Put ``workload``'s attributes back to the objects of ``base`` (its ``vars()`` before
+    any member's build): what an earlier member's build or resumed state set on it (a value
+    its build sets only for some trials) is gone, as in a fresh process."""
+    now = vars(workload)
+    for name in [n for n in now if n not in base]:
+        delattr(workload, name)
+    for name, value in base.items():
+        if now.get(name, MISSING) is not value:
+            setattr(workload, name, value)
 
 
 def _member_generator(
@@ -476,8 +487,9 @@ class FusedArray:
         self.workload_state: set[str] = set()
         self.model_state: set[str] = set()
         self._active: Hashable | None = None  # whose values the workload object holds
-        base = object_state(workload)  # before any member's build_model or resumed values
-        restored: set[str] = set()
+        #: the workload object before any member's build_model or resumed values: each
+        #: member's build starts from it, as a fresh process's would
+        base = dict(vars(workload))
         #: each member's own host random stream (used by an array that draws from it)
         self.host_streams: dict[Hashable, HostState] = {}
         #: the workload object's attributes after each member's build_model, which may keep
@@ -501,10 +513,10 @@ class FusedArray:
         #: lock (:meth:`_workload_held`)
         self._attributes_on: Hashable | None = None
         for key, config, state in zip(keys, configs, states, strict=True):
-            restore(workload, base, sorted(restored))  # another member's resumed values
+            _start_from(workload, base)  # not another member's build or resumed values
             seed_host(int(config["seed"]))
-            before = outside.reading(outside.namespaces(workload))
-            objects, before_attributes = dict(vars(workload)), outside.attributes(workload)
+            before = outside.fresh(outside.namespaces(workload))
+            objects, before_attributes = dict(vars(workload)), outside.fresh_attributes(workload)
             model = _build_model(workload, config, state)
             held_attributes[key] = outside.attributes(workload)
             changed_attributes |= outside.learn_attributes(
@@ -527,7 +539,6 @@ class FusedArray:
                     if isinstance(value, Tensor) and isinstance(built_value, Tensor):
                         value = value.to(built_value.device)  # saved on the CPU
                     setattr(workload, name, copy.deepcopy(value))
-                    restored.add(name)
             models.append(model)
             built[key] = dict(vars(workload))
             # resumed: where the stream stood at the checkpoint (an array drawing from it saves it)
@@ -549,9 +560,10 @@ class FusedArray:
             else []
         )
         #: each member's values of the attributes its build_model set differently per trial,
-        #: put back on the workload before its stack's steps and evaluation (one per stack)
+        #: put back on the workload before its stack's steps and evaluation (one per stack;
+        #: :data:`MISSING`: its build set none, and the class's value shows)
         self.member_values = {
-            key: {name: values[name] for name in drifted if name in values}
+            key: {name: values.get(name, MISSING) for name in drifted}
             for key, values in built.items()
         }
         #: each member's tied tensors' other names (:mod:`worker.ties`), for its exported state

@@ -8,7 +8,10 @@ Each member's build is read before and after (:func:`reading`). A name some buil
 process changed is *kept outside* from then on (:func:`learn`, :func:`kept`): each member
 holds its own value of it, put back (:func:`put_back`) before each of its stack's steps and
 evaluations while no other array of the process steps (the exclusive side of
-``worker.rng.GLOBAL_RNG``), and members whose values differ train one per stack. Values are
+``worker.rng.GLOBAL_RNG``), and members whose values differ train one per stack. Each
+member's build starts from the values before the process's first build (:func:`fresh`), as
+a fresh process's would: a value a build sets for some trials only is, for the others, the
+module's own, not the last build's. Values are
 held and put back as :mod:`worker.outside_values` says: by value, a settings object or a
 dict changed in place included, and put back in place; a copy of the model keeps holding
 them (:func:`copy_model`). Modules and classes of torch and of packtune itself are not read.
@@ -49,6 +52,9 @@ Reading = dict[Namespace, dict[str, Any]]
 _KEPT: weakref.WeakKeyDictionary[Namespace, frozenset[str]] = weakref.WeakKeyDictionary()
 #: each namespace as the last build in this process left it
 _LAST: weakref.WeakKeyDictionary[Namespace, dict[str, Any]] = weakref.WeakKeyDictionary()
+#: each namespace's values before any build in this process changed them (read before the
+#: first build that reads it): where a fresh process's build starts from (:func:`fresh`)
+_START: weakref.WeakKeyDictionary[Namespace, dict[str, Any]] = weakref.WeakKeyDictionary()
 #: the objects each namespace held as last read that a model may hold too (a dict, a list,
 #: a settings object): a copy of the model keeps them shared (:func:`copy_model`)
 _SHARED: weakref.WeakKeyDictionary[Namespace, list[Any]] = weakref.WeakKeyDictionary()
@@ -85,13 +91,21 @@ def namespaces(workload: Any, model: nn.Module | None = None) -> list[Namespace]
 
 
 def _own_imports(module: types.ModuleType) -> list[types.ModuleType]:
-    """The modules ``module`` holds as globals that are the user's as it is: of its top-level
-    package, or files in its folder (a plugin of single files)."""
-    return [
-        value
-        for value in list(vars(module).values())
-        if isinstance(value, types.ModuleType) and value is not module and _home(module, value)
-    ]
+    """The modules of the user's as ``module`` is (of its top-level package, or files in its
+    folder: a plugin of single files) that it imports: as modules (``from my_plugin import
+    knobs``), or a class or function of theirs (``from my_plugin.models import make_net``:
+    a module whose globals the factory may set before its first build is read)."""
+    out: dict[types.ModuleType, None] = {}
+    for value in list(vars(module).values()):
+        if isinstance(value, types.ModuleType):
+            other: types.ModuleType | None = value
+        elif isinstance(value, type | types.FunctionType):
+            other = sys.modules.get(getattr(value, "__module__", None) or "")
+        else:
+            continue
+        if other is not None and other is not module and _home(module, other):
+            out[other] = None
+    return list(out)
 
 
 def _home(module: types.ModuleType, other: types.ModuleType) -> bool:
@@ -126,6 +140,24 @@ def reading(spaces: Iterable[Namespace]) -> Reading:
             for name, value in values.items()
             if isinstance(value, dict | list | set) or isinstance(out[space][name], Fields)
         ]
+    return out
+
+
+def fresh(spaces: Iterable[Namespace]) -> Reading:
+    """Put the kept names of ``spaces`` (:func:`kept`) back to their values before any build
+    in this process, and read the spaces (:func:`reading`): a member's build then starts
+    from what a fresh process's would, not from what an earlier build set (a value its
+    build sets only for some trials). A namespace first read after a build (not read
+    before any: its values then unknown) is left as it is."""
+    spaces = list(spaces)
+    for space in spaces:
+        start, names = _START.get(space), _KEPT.get(space)
+        if start is not None and names:
+            _put_into(space, {name: start.get(name, MISSING) for name in names})
+    out = reading(spaces)
+    for space, values in out.items():
+        if space not in _START and space not in _LAST:
+            _START[space] = dict(values)
     return out
 
 
@@ -337,6 +369,29 @@ def resume(reading: Reading, saved: Mapping[str, Mapping[str, Any]]) -> None:
 
 #: per workload class, the attributes that builds in this process changed in place
 _KEPT_ATTRIBUTES: weakref.WeakKeyDictionary[type, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
+#: the objects of workload attributes (:func:`attributes`) as first held, before any build
+#: in this process changed them, by the object's ``id`` (the object kept with it, so that
+#: the id is not another's): where a fresh process's build finds them
+_START_OBJECTS: dict[int, tuple[Any, Any]] = {}
+
+
+def fresh_attributes(workload: Any) -> dict[str, Any]:
+    """Put ``workload``'s attributes that builds changed in place (:func:`kept_attributes`)
+    back to where they stood before any build in this process, and hold them
+    (:func:`attributes`): a member's build starts from what a fresh process's would."""
+    now = vars(workload)
+    for name in kept_attributes(workload):
+        start = _START_OBJECTS.get(id(now.get(name)))
+        if start is not None and start[0] is now.get(name):
+            _put_into(workload, {name: start[1]})
+    held = attributes(workload)
+    for name, value in held.items():
+        obj = now[name]
+        if id(obj) not in _START_OBJECTS:
+            _START_OBJECTS[id(obj)] = (obj, value)
+    return held
 
 
 def attributes(workload: Any) -> dict[str, Any]:

@@ -233,10 +233,12 @@ def results(
             base = f"{urls[server]}/api/studies/{study_id}"
             summary = wait_finished(urls[server], study_id, timeout=600, log=logs[server])
             get = lambda p, b=base: http.get(f"{b}/{p}", timeout=30).json()  # noqa: E731
+            curves = get("curves")["data"]
             out[workload, packed] = {
                 "summary": summary,
                 "trials": get("trials?limit=500")["data"],
-                "curves": final_metrics(get("curves")["data"], "val_loss"),
+                "curves": final_metrics(curves, "val_loss"),
+                "scale_seen": final_metrics(curves, "scale_seen"),
                 "packs": get("packs?limit=500")["data"],
                 "server": server,
             }
@@ -399,3 +401,25 @@ def test_a_value_kept_in_a_module_global_was_each_members_own(
     assert all(len(s["trials"]) == 1 for a in arrays for s in a["stacks"]), arrays
     said = f"build_model set '{name}' outside the model"
     assert all(any(said in n for n in a["notes"]) for a in arrays), arrays
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
+def test_a_trial_that_sets_no_global_read_the_modules_own_value(
+    results: dict[tuple[str, bool], dict[str, Any]], packed: bool
+) -> None:
+    """global-scaled-mlp sets ``SCALE`` for trials of scale below 0.5 only: every other
+    trial's model read the module's 1.0 at every measurement, as in a fresh process, not the
+    value a trial built before it in the same process (the same array, or an earlier pack)
+    left there. Not vacuous: both kinds of trial were in the study, and packed together."""
+    result = results["global-scaled-mlp", packed]
+    scales = {t["id"]: t["config"]["scale"] for t in result["trials"]}
+    assert min(scales.values()) < 0.5 <= max(scales.values()), scales
+    for trial, seen in result["scale_seen"].items():
+        want = scales[trial] if scales[trial] < 0.5 else 1.0
+        assert seen and all(v == pytest.approx(want) for v in seen.values()), (trial, want, seen)
+    if packed:
+        mixed = [
+            a for p in result["packs"] for a in p["arrays"] or []
+            if len({scales[t] < 0.5 for t in a["trials"] if t in scales}) == 2
+        ]  # fmt: skip
+        assert mixed, result["packs"]

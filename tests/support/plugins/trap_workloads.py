@@ -15,7 +15,9 @@
   may name any objective for it, and one it never reports fails its trials saying so.
 - ``global-scaled-mlp`` declares ``scale`` fusible but keeps it in a module global that its
   forward reads (``SCALE``): every model in a worker process reads the last value built, so
-  packed members must each have their own value put back, and train apart.
+  packed members must each have their own value put back, and train apart. It sets the
+  global only for trials whose scale is below 0.5 (the others read the module's 1.0): a member
+  built after another must find the module's value, not the other's.
 - ``settings-mlp`` does the same through a settings object (``SETTINGS.scale = ...``, a
   dataclass instance changed in place) that its model holds (``self.settings``): each
   member's value must be put back into that object, which every copy of the model shares.
@@ -167,12 +169,18 @@ class GlobalScaledMLP(_DigitsPlugin):
     name = "global-scaled-mlp"
     params: Mapping[str, Any] = {**_DigitsPlugin.params, "scale": 1.0}
     fusible = frozenset({"scale"})
+    #: ``scale_seen``: the global's value when the trial is evaluated (its model's to read)
+    reports: Mapping[str, str] | None = {"val_accuracy": "max", "scale_seen": "max"}
 
     def build_model(self, config: Mapping[str, Any]) -> Any:
         global SCALE
         cfg = self.resolve(config)
-        SCALE = float(cfg["scale"])
+        if cfg["scale"] < 0.5:  # set for these trials only: the others read the module's 1.0
+            SCALE = float(cfg["scale"])
         return _global_scaled(int(cfg["hidden"]))
+
+    def metrics(self, outputs: Any, targets: Any) -> dict[str, float]:
+        return {**super().metrics(outputs, targets), "scale_seen": SCALE}
 
 
 @dataclass

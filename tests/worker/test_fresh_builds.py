@@ -1,0 +1,240 @@
+"""Values ``build_model`` sets for some trials only (``if cfg["scale"] != 1: SCALE = ...``),
+keeping the value it found for the others: a module global, a class attribute, a settings
+object changed in place, an attribute of the workload object (set anew or changed in place).
+
+A trial run alone in a fresh process builds from the values its modules start with. Before,
+a member built after another (in the same array, or in an array built after another in the
+same process) found the other's value still there, and trained with it. Each member's build
+now starts where a fresh process's would, and each member ends exactly as it ends trained
+alone from the values its modules start with."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tests.support.factory_workload import FactoryGlobal
+from tests.support.tiny_workloads import TinyMLP
+from tests.worker.test_outside_state import EPOCHS, assert_as_alone, members, results
+from worker.fused import FusedArray, train
+
+#: set by ConditionalGlobal.build_model for trials whose scale is not 1
+SCALE = 1.0
+
+
+@dataclass
+class Settings:
+    scale: float = 1.0
+
+
+#: changed in place by ConditionalSettings.build_model for trials whose scale is not 1
+SETTINGS = Settings()
+
+
+class _Net(nn.Module):
+    def __init__(self, read: Callable[[], Any]) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 3)
+        self.read = read
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)) * self.read())
+
+
+class _ClassNet(_Net):
+    factor = 1.0  # set on the class by ConditionalClass.build_model for some trials
+
+
+class _Conditional(TinyMLP):
+    params = {**TinyMLP.params, "scale": 1.0}
+    fusible = frozenset({"scale"})
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        scale = float(self.resolve(config)["scale"])
+        if scale != 1.0:  # the default: nothing to set
+            self.set(scale)
+        return self.net().double()
+
+    def set(self, scale: float) -> None:
+        raise NotImplementedError
+
+    def net(self) -> nn.Module:
+        raise NotImplementedError
+
+    def fresh(self) -> None:
+        """Put the value where a fresh process has it."""
+        raise NotImplementedError
+
+
+class ConditionalGlobal(_Conditional):
+    name = "conditional-global"
+
+    def set(self, scale: float) -> None:
+        global SCALE
+        SCALE = scale
+
+    def net(self) -> nn.Module:
+        return _Net(lambda: SCALE)
+
+    def fresh(self) -> None:
+        global SCALE
+        SCALE = 1.0
+
+
+class ConditionalClass(_Conditional):
+    name = "conditional-class"
+
+    def set(self, scale: float) -> None:
+        _ClassNet.factor = scale
+
+    def net(self) -> nn.Module:
+        return _ClassNet(lambda: _ClassNet.factor)
+
+    def fresh(self) -> None:
+        _ClassNet.factor = 1.0
+
+
+class ConditionalSettings(_Conditional):
+    name = "conditional-settings"
+
+    def set(self, scale: float) -> None:
+        SETTINGS.scale = scale
+
+    def net(self) -> nn.Module:
+        return _Net(lambda: SETTINGS.scale)
+
+    def fresh(self) -> None:
+        SETTINGS.scale = 1.0
+
+
+class _LossScaled(_Conditional):
+    """Scales its loss by a value kept on its own object (its model is a plain MLP, which
+    fuses)."""
+
+    def net(self) -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return super().loss(outputs, targets) * self.read()
+
+    def read(self) -> Any:
+        raise NotImplementedError
+
+
+class ConditionalAttribute(_LossScaled):
+    """Sets an attribute of its own object (the class gives the default)."""
+
+    name = "conditional-attribute"
+    scale = 1.0
+
+    def set(self, scale: float) -> None:
+        self.scale = scale
+
+    def read(self) -> Any:
+        return self.scale
+
+    def fresh(self) -> None:
+        vars(self).pop("scale", None)
+
+
+class ConditionalHeld(_LossScaled):
+    """Changes a settings object it made once in place."""
+
+    name = "conditional-held"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.settings = Settings()
+
+    def set(self, scale: float) -> None:
+        self.settings.scale = scale
+
+    def read(self) -> Any:
+        return self.settings.scale
+
+    def fresh(self) -> None:
+        self.settings.scale = 1.0
+
+
+WORKLOADS = [
+    ConditionalGlobal,
+    ConditionalClass,
+    ConditionalSettings,
+    ConditionalAttribute,
+    ConditionalHeld,
+]
+#: built first in a test (the other tests build it after): nothing of it read yet
+FIRST_BUILT: list[Any] = [FactoryGlobal]
+
+
+#: their members with different values fuse (each stack's loss reads its member's)
+LOSS_SCALED = (ConditionalAttribute, ConditionalHeld)
+
+
+def fresh_alone(w: Any, member: tuple[Hashable, dict[str, Any]]) -> Any:
+    """``member`` trained alone from the values a fresh process starts with."""
+    w.fresh()
+    solo = FusedArray(copy.copy(w), [member])
+    train(solo, EPOCHS * solo.steps_per_epoch)
+    return results(solo)[member[0]]
+
+
+@pytest.mark.parametrize("workload", WORKLOADS, ids=lambda w: w.name)
+def test_a_member_that_sets_nothing_trains_with_the_starting_value(
+    workload: type[_Conditional],
+) -> None:
+    w = workload()
+    group = members([2.0, 1.0, 3.0])
+    want = {key: fresh_alone(w, (key, config)) for key, config in group}
+    w.fresh()
+    array = FusedArray(copy.copy(w), group)
+    train(array, EPOCHS * array.steps_per_epoch)
+    for key, got in results(array).items():
+        assert_as_alone(got, want[key], key)
+    assert len(array.stacks) == 3 or workload in LOSS_SCALED
+
+
+@pytest.mark.parametrize("workload", WORKLOADS, ids=lambda w: w.name)
+def test_an_array_built_after_another_starts_from_the_starting_value(
+    workload: type[_Conditional],
+) -> None:
+    """The first array's build left its value behind in the process; the second array's
+    member sets nothing."""
+    w = workload()
+    want = fresh_alone(w, members([1.0], first=5)[0])
+    w.fresh()
+    FusedArray(copy.copy(w), members([3.0]))
+    array = FusedArray(copy.copy(w), members([1.0], first=5))
+    train(array, EPOCHS * array.steps_per_epoch)
+    assert_as_alone(results(array)["t5"], want, "t5")
+
+
+@pytest.mark.parametrize("workload", WORKLOADS, ids=lambda w: w.name)
+def test_members_that_set_nothing_still_fuse(workload: type[_Conditional]) -> None:
+    """Starting each build from the starting value keeps equal members equal."""
+    w = workload()
+    w.fresh()
+    FusedArray(copy.copy(w), members([3.0]))
+    array = FusedArray(copy.copy(w), members([1.0, 1.0, 1.0], first=3))
+    assert [len(keys) for keys, _ in array.stacks] == [3]
+
+
+@pytest.mark.parametrize("workload", FIRST_BUILT, ids=lambda w: w.name)
+def test_the_first_build_in_the_process_starts_from_the_starting_value(workload: Any) -> None:
+    """The module the value is kept in (its model's, whose factory the workload's module
+    imports) is read before the process's first build of the workload: its value then is
+    known, and put back before each later build."""
+    w = workload()
+    group = members([2.0, 1.0])
+    w.fresh()
+    array = FusedArray(copy.copy(w), group)  # the first build in the process
+    train(array, EPOCHS * array.steps_per_epoch)
+    got = results(array)
+    for key, config in group:
+        assert_as_alone(got[key], fresh_alone(w, (key, config)), key)
