@@ -27,6 +27,7 @@ from packtune.space import parse_space, sample_config, trial_seed
 from packtune.workloads import get_workload
 from packtune.workloads.base import ConfigReads, Workload, data_splits, varying_reads
 from worker import outside_state as outside
+from worker import torch_settings
 from worker.decoupled_group import decoupled_problem
 from worker.fused import FusedArray, train
 from worker.model_rules import refuse_unsupported
@@ -180,9 +181,12 @@ def check(
         )
     torch.manual_seed(0)
     # read before any build (what every member's build then starts from), and built on a
-    # copy: what this build sets, on the workload or outside it, is not the arrays' below
+    # copy: what this build sets, on the workload, outside it or in torch's settings, is not
+    # the arrays' below
     outside.fresh(outside.namespaces(workload))
+    settings = torch_settings.read()
     model = copy.copy(workload).build_model(workload.resolve(configs[0]))
+    torch_settings.put(settings)
     refuse_unsupported(workload.name, model)  # as the arrays below would, before its template
     template = meta_template(model)
     report.spill_problem = spill_problem(workload, template)

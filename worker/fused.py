@@ -71,7 +71,7 @@ from packtune.workloads.base import (
     data_splits,
     epoch_seed,
 )
-from worker import compiled, own_masks
+from worker import compiled, own_masks, torch_settings
 from worker import outside_state as outside
 from worker.batches import (
     batch_size,
@@ -512,12 +512,18 @@ class FusedArray:
         #: the member whose held workload attributes the workload holds within a hold of the
         #: lock (:meth:`_workload_held`)
         self._attributes_on: Hashable | None = None
+        #: the process's torch settings (the default dtype, ...), which each member's build
+        #: starts from, and each member's after its build
+        self.torch_base = torch_settings.read()
+        torch_after: dict[Hashable, torch_settings.Settings] = {}
         for key, config, state in zip(keys, configs, states, strict=True):
             _start_from(workload, base)  # not another member's build or resumed values
+            torch_settings.put(self.torch_base)
             seed_host(int(config["seed"]))
             before = outside.fresh(outside.namespaces(workload))
             objects, before_attributes = dict(vars(workload)), outside.fresh_attributes(workload)
             model = _build_model(workload, config, state)
+            torch_after[key] = torch_settings.read()
             held_attributes[key] = outside.attributes(workload)
             changed_attributes |= outside.learn_attributes(
                 workload, objects, before_attributes, held_attributes[key]
@@ -545,6 +551,12 @@ class FusedArray:
             saved = state.get("host_rng") if state else None
             self.host_streams[key] = decode_host(saved) if saved else host_state()
         set_host_state(host)
+        torch_settings.put(self.torch_base)  # the process's own between its steps
+        #: each member's torch settings that some member's build changed, put back around
+        #: its stack's steps and evaluations (:meth:`_put_outside`), the process's after them
+        self.torch_own, changed_torch, torch_apart = torch_settings.members_own(
+            self.torch_base, torch_after
+        )
         #: each member's workload attributes that a build may change in place (a settings
         #: object, a generator), held; those some build in this process changed
         #: (:meth:`_workload_held`) are put back before its steps and carried after them
@@ -597,6 +609,14 @@ class FusedArray:
                 "buffer) for them to be fused"
             )
             _warn_once(("outside", workload.name, tuple(kept_apart)), self.notes[-1])
+        if changed_torch:
+            self.notes.append(
+                f"{workload.name}: build_model set {', '.join(changed_torch)}, which every "
+                "model in a process computes under; each member's build starts from the "
+                "process's settings, and its own are in force around its steps and "
+                "evaluations only" + (", one member at a time, as unpacked" if torch_apart else "")
+            )
+            _warn_once(("torch", workload.name, tuple(changed_torch)), self.notes[-1])
         if drifted:
             self.notes.append(
                 f"{workload.name}: build_model set {', '.join(repr(a) for a in drifted)} on the "
@@ -640,6 +660,7 @@ class FusedArray:
             probed = probe(
                 self._with_values(keys[part[0]]), models[part[0]], signatures[part[0]], probes
             )
+            torch_settings.put(self.torch_base)  # its own were in force for its probe only
             if probed.reassigned:
                 names = ", ".join(repr(n) for n in probed.reassigned)
                 raise ValueError(
@@ -703,7 +724,7 @@ class FusedArray:
                     else segment_names(template, self.decoupled.segments, segment))  # fmt: skip
             # a tensor a forward keeps on its module (not a buffer: self.ema = ...) holds a
             # stack's batched value under vmap, which no member can hold or save: apart
-            apart = (probed.mutates or bool(drifted) or bool(kept_apart)
+            apart = (probed.mutates or bool(drifted) or bool(kept_apart) or bool(torch_apart)
                      or bool(probed.workload_state) or bool(probed.tensor_state))  # fmt: skip
             rounding = bool(probed.noise) and self.scales_gradients
             # spilled and decoupled stacks run their layers in shards (worker.spill), whose
@@ -1027,6 +1048,8 @@ class FusedArray:
         values = self._outside_values(key)
         if values:
             outside.put_back(values)
+        if self.torch_own:
+            torch_settings.put(self.torch_own[key])
 
     def _carry_outside(self) -> None:
         """What the members whose values are out now made of them (a counter a forward
@@ -1055,8 +1078,10 @@ class FusedArray:
         """Whether the members keep values outside the model (or change the workload object's
         in place): their steps and evaluations hold the process's lock alone (another
         array's would put its own values back)."""
-        return bool(self._workload_held()) or (
-            bool(self.outside_spaces) and bool(outside.kept(self.outside_spaces))
+        return (
+            bool(self._workload_held())
+            or bool(self.torch_own)
+            or (bool(self.outside_spaces) and bool(outside.kept(self.outside_spaces)))
         )
 
     @contextmanager
@@ -1069,6 +1094,8 @@ class FusedArray:
         finally:
             self._carry_outside()
             self._outside_on = None
+            if self.torch_own:
+                torch_settings.put(self.torch_base)
 
     def _with_values(self, key: Hashable) -> Workload:
         active = self._active
@@ -1463,7 +1490,7 @@ class FusedArray:
         # a model that draws, draws in eval too (each stack reseeded: _seed_evaluation); one
         # reading values kept outside it has its own put back
         if self.stochastic or self._keeps_outside():
-            keeps = bool(self.outside_spaces or self._workload_held())
+            keeps = bool(self.outside_spaces or self._workload_held() or self.torch_own)
             with GLOBAL_RNG, self._outside_held() if keeps else nullcontext():
                 return self._evaluate_members()
         # members taken to draw nothing are evaluated in the shared hold, and checked: a draw

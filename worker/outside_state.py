@@ -50,6 +50,10 @@ Reading = dict[Namespace, dict[str, Any]]
 
 #: the names that builds in this process changed, per namespace
 _KEPT: weakref.WeakKeyDictionary[Namespace, frozenset[str]] = weakref.WeakKeyDictionary()
+#: the names that builds in this process changed within a build (read before and after it),
+#: per namespace: those :func:`fresh` puts back (not a name the program itself changed
+#: between builds: a notebook's or a script's own variable)
+_BUILT: weakref.WeakKeyDictionary[Namespace, frozenset[str]] = weakref.WeakKeyDictionary()
 #: each namespace as the last build in this process left it
 _LAST: weakref.WeakKeyDictionary[Namespace, dict[str, Any]] = weakref.WeakKeyDictionary()
 #: each namespace's values before any build in this process changed them (read before the
@@ -144,14 +148,14 @@ def reading(spaces: Iterable[Namespace]) -> Reading:
 
 
 def fresh(spaces: Iterable[Namespace]) -> Reading:
-    """Put the kept names of ``spaces`` (:func:`kept`) back to their values before any build
+    """Put the names of ``spaces`` that builds changed back to their values before any build
     in this process, and read the spaces (:func:`reading`): a member's build then starts
     from what a fresh process's would, not from what an earlier build set (a value its
     build sets only for some trials). A namespace first read after a build (not read
     before any: its values then unknown) is left as it is."""
     spaces = list(spaces)
     for space in spaces:
-        start, names = _START.get(space), _KEPT.get(space)
+        start, names = _START.get(space), _BUILT.get(space)
         if start is not None and names:
             _put_into(space, {name: start.get(name, MISSING) for name in names})
     out = reading(spaces)
@@ -198,13 +202,17 @@ def share(workload: Any) -> None:
 
 def learn(before: Reading, after: Reading) -> set[tuple[Namespace, str]]:
     """Note what a build changed: the names whose values ``after`` it differ from those
-    ``before`` it, or from those the last build in this process left (returned)."""
+    ``before`` it, or from those the last build in this process left (returned; a draw a
+    forward made from a generator since, say)."""
     out: set[tuple[Namespace, str]] = set()
     for space, values in after.items():
-        changed: set[str] = set()
-        for earlier in (before.get(space), _LAST.get(space)):
-            if earlier is not None:
-                changed.update(changed_state(earlier, values))
+        built = changed_state(before[space], values) if space in before else set()
+        if built:
+            _keep(_BUILT, space, built)
+        changed = set(built)
+        if space in _LAST and _module_name(space) != "__main__":
+            # (a script's or a notebook's own variables change between builds: not state)
+            changed.update(changed_state(_LAST[space], values))
         if changed:
             _keep(_KEPT, space, changed)
             out.update((space, name) for name in changed)
@@ -259,6 +267,10 @@ def differing(
             for r in rest
         )
     ]  # fmt: skip
+
+
+def _module_name(space: Namespace) -> str:
+    return space.__name__ if isinstance(space, types.ModuleType) else space.__module__
 
 
 def label(space: Namespace, name: str) -> str:

@@ -239,6 +239,7 @@ def results(
                 "trials": get("trials?limit=500")["data"],
                 "curves": final_metrics(curves, "val_loss"),
                 "scale_seen": final_metrics(curves, "scale_seen"),
+                "float64_seen": final_metrics(curves, "float64_seen"),
                 "packs": get("packs?limit=500")["data"],
                 "server": server,
             }
@@ -390,12 +391,20 @@ def test_a_value_kept_in_a_module_global_was_each_members_own(
 ) -> None:
     """Not vacuous: the packs held arrays of several trials with different scales (before,
     each read the scale of the last one built: set anew in a global, or in place on a
-    settings object the model holds), trained one per stack, and the array said why."""
+    settings object the model holds), trained one per stack, and the array said why.
+    (global-scaled-mlp sets its global below 0.5 only: trials above it all read 1.0, and an
+    array of such trials alone may fuse.)"""
     result = results[workload, True]
-    mine = {t["id"] for t in result["trials"]}
+    value = {
+        t["id"]: t["config"]["scale"]
+        if workload != "global-scaled-mlp" or t["config"]["scale"] < 0.5
+        else 1.0
+        for t in result["trials"]
+    }
     arrays = [
         a for p in result["packs"] for a in p["arrays"] or []
-        if set(a["trials"]) <= mine and len(a["trials"]) > 1 and not a.get("dropped")
+        if set(a["trials"]) <= set(value) and len({value[t] for t in a["trials"]}) > 1
+        and not a.get("dropped")
     ]  # fmt: skip
     assert arrays, result["packs"]
     assert all(len(s["trials"]) == 1 for a in arrays for s in a["stacks"]), arrays
@@ -407,16 +416,20 @@ def test_a_value_kept_in_a_module_global_was_each_members_own(
 def test_a_trial_that_sets_no_global_read_the_modules_own_value(
     results: dict[tuple[str, bool], dict[str, Any]], packed: bool
 ) -> None:
-    """global-scaled-mlp sets ``SCALE`` for trials of scale below 0.5 only: every other
-    trial's model read the module's 1.0 at every measurement, as in a fresh process, not the
-    value a trial built before it in the same process (the same array, or an earlier pack)
-    left there. Not vacuous: both kinds of trial were in the study, and packed together."""
+    """global-scaled-mlp sets ``SCALE`` and torch's default dtype (float64) for trials of
+    scale below 0.5 only: every other trial's model read the module's 1.0 and the process's
+    float32 at every measurement, as in a fresh process, not what a trial built before it in
+    the same process (the same array, or an earlier pack) left there. Not vacuous: both
+    kinds of trial were in the study, and packed together."""
     result = results["global-scaled-mlp", packed]
     scales = {t["id"]: t["config"]["scale"] for t in result["trials"]}
     assert min(scales.values()) < 0.5 <= max(scales.values()), scales
     for trial, seen in result["scale_seen"].items():
         want = scales[trial] if scales[trial] < 0.5 else 1.0
         assert seen and all(v == pytest.approx(want) for v in seen.values()), (trial, want, seen)
+    for trial, seen in result["float64_seen"].items():
+        want = float(scales[trial] < 0.5)
+        assert seen and all(v == want for v in seen.values()), (trial, want, seen)
     if packed:
         mixed = [
             a for p in result["packs"] for a in p["arrays"] or []

@@ -238,3 +238,48 @@ def test_the_first_build_in_the_process_starts_from_the_starting_value(workload:
     got = results(array)
     for key, config in group:
         assert_as_alone(got[key], fresh_alone(w, (key, config)), key)
+
+
+SCRIPT = """
+import copy
+
+from tests.support.tiny_workloads import TinyMLP
+from tests.worker.test_outside_state import members
+from worker.fused import FusedArray, train
+
+
+class Plain(TinyMLP):
+    name = "plain-in-a-script"
+    params = {**TinyMLP.params, "scale": 1.0}
+    fusible = frozenset({"scale"})
+
+
+w = Plain()
+built = []
+for i in range(3):
+    array = FusedArray(copy.copy(w), members([1.0], first=i))
+    train(array, 2 * array.steps_per_epoch)
+    built.append(array)
+    assert array is built[-1], i
+print("ok")
+"""
+
+
+def test_a_scripts_own_variables_are_left_alone(tmp_path: Any) -> None:
+    """A workload defined in a script (``__main__``): the script's variables change between
+    builds (``array = FusedArray(...)``), which is not the workload's state. Before, they
+    were taken for values kept outside the model and put back around each step: ``array``
+    named an array built earlier (or none) while the next one trained."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "study.py"
+    script.write_text(SCRIPT)
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]

@@ -16,8 +16,10 @@
 - ``global-scaled-mlp`` declares ``scale`` fusible but keeps it in a module global that its
   forward reads (``SCALE``): every model in a worker process reads the last value built, so
   packed members must each have their own value put back, and train apart. It sets the
-  global only for trials whose scale is below 0.5 (the others read the module's 1.0): a member
-  built after another must find the module's value, not the other's.
+  global only for trials whose scale is below 0.5 (the others read the module's 1.0), and
+  builds those in float64 by torch's default dtype (``torch.set_default_dtype``): a member
+  built after another must find the module's value and the process's default, not the
+  other's, and no other trial of the process may compute under it.
 - ``settings-mlp`` does the same through a settings object (``SETTINGS.scale = ...``, a
   dataclass instance changed in place) that its model holds (``self.settings``): each
   member's value must be put back into that object, which every copy of the model shares.
@@ -158,7 +160,7 @@ def _global_scaled(hidden: int) -> Any:
             self.fc1, self.fc2 = nn.Linear(64, hidden), nn.Linear(hidden, N_CLASSES)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.fc2(torch.relu(self.fc1(x)) * SCALE)
+            return self.fc2(torch.relu(self.fc1(x.to(self.fc1.weight.dtype))) * SCALE)
 
     return GlobalScaled()
 
@@ -169,18 +171,27 @@ class GlobalScaledMLP(_DigitsPlugin):
     name = "global-scaled-mlp"
     params: Mapping[str, Any] = {**_DigitsPlugin.params, "scale": 1.0}
     fusible = frozenset({"scale"})
-    #: ``scale_seen``: the global's value when the trial is evaluated (its model's to read)
-    reports: Mapping[str, str] | None = {"val_accuracy": "max", "scale_seen": "max"}
+    #: ``scale_seen``: the global's value when the trial is evaluated (its model's to read);
+    #: ``float64_seen``: 1 where torch's default dtype then is float64
+    reports: Mapping[str, str] | None = {
+        "val_accuracy": "max", "scale_seen": "max", "float64_seen": "max",
+    }  # fmt: skip
 
     def build_model(self, config: Mapping[str, Any]) -> Any:
         global SCALE
         cfg = self.resolve(config)
         if cfg["scale"] < 0.5:  # set for these trials only: the others read the module's 1.0
+            import torch
+
             SCALE = float(cfg["scale"])
+            torch.set_default_dtype(torch.float64)  # and built in float64, by torch's default
         return _global_scaled(int(cfg["hidden"]))
 
     def metrics(self, outputs: Any, targets: Any) -> dict[str, float]:
-        return {**super().metrics(outputs, targets), "scale_seen": SCALE}
+        import torch
+
+        float64 = float(torch.get_default_dtype() == torch.float64)
+        return {**super().metrics(outputs, targets), "scale_seen": SCALE, "float64_seen": float64}
 
 
 @dataclass
