@@ -38,6 +38,7 @@ from packtune.workloads.base import ConfigReads, Workload, data_splits, varying_
 from service import store
 from service.db import retrying
 from service.models import TrialStatus
+from worker import outside_state as outside
 from worker.checkpoints import Staged, load_checkpoint, stage_checkpoint
 from worker.fused import BuildError, Dropped, FusedArray, Report, train
 from worker.memory import probe
@@ -370,13 +371,21 @@ def _read_data(
     workload: Workload, first: Mapping[str, Any], device: torch.device
 ) -> tuple[Any, set[str]]:
     """The workload's in-memory data for ``first`` (None: it streams), and the keys of the
-    config its data path reads (``data``, ``steps_per_epoch``, ``batch_indices``)."""
+    config its data path reads (``data``, ``steps_per_epoch``, ``batch_indices``).
+
+    Read as in a fresh process, before any build: while no other array of the process
+    steps (each of a pack's arrays reads its data in its own thread; a data() that seeds
+    torch's generator would move another's draws, and one reading a value kept outside the
+    model would read the member's that step put back), and with the values builds changed
+    put back as they were before the process's first build."""
     try:
         seen = ConfigReads(first)
-        data = None if workload.streams else data_splits(workload, seen, device)
-        if not workload.streams:
-            workload.steps_per_epoch(seen)
-            next(iter(workload.batch_indices(seen, 0)), None)
+        with GLOBAL_RNG:
+            outside.fresh(outside.namespaces(workload))
+            data = None if workload.streams else data_splits(workload, seen, device)
+            if not workload.streams:
+                workload.steps_per_epoch(seen)
+                next(iter(workload.batch_indices(seen, 0)), None)
     except NOT_A_TRIAL_FAULT:
         raise
     except Exception as exc:

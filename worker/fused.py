@@ -628,6 +628,8 @@ class FusedArray:
         self.train_split: Split | None = None
         self.val_split: Split | None = None
         if not self.streaming:
+            if data is None:  # read as before any build (as a worker reads them)
+                outside.fresh(outside.namespaces(workload))
             self.train_split, self.val_split = data or data_splits(
                 workload, self.config, self.device
             )

@@ -283,3 +283,88 @@ def test_a_scripts_own_variables_are_left_alone(tmp_path: Any) -> None:
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+#: set by DataScaled.build_model for trials whose scale is not 1, read by its data()
+DATA_SCALE = 1.0
+
+
+class DataScaled(_Conditional):
+    """Its data() scales the inputs by a module global that its build sets for some
+    trials: in a fresh process the data are read before any build, at the module's 1.0."""
+
+    name = "data-scaled-global"
+
+    def set(self, scale: float) -> None:
+        global DATA_SCALE
+        DATA_SCALE = scale
+
+    def net(self) -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+    def data(self, config: Mapping[str, Any], device: Any = "cpu") -> Any:
+        from packtune.workloads.base import Split
+
+        train, val = super().data(config, device)
+        return Split(train.x * DATA_SCALE, train.y), Split(val.x * DATA_SCALE, val.y)
+
+    def fresh(self) -> None:
+        global DATA_SCALE
+        DATA_SCALE = 1.0
+
+
+def test_data_are_read_as_before_any_build() -> None:
+    """An array built and trained before (its member's value put back around its steps)
+    left the global set; the next array's data, read as a worker reads them (before its
+    builds) or by the array itself (after them), were scaled by it."""
+    from worker.execute import _read_data
+
+    w = DataScaled()
+    w.fresh()
+    config = members([1.0], first=7)[0][1]
+    want = w.data(w.resolve(config))[0].x
+    array = FusedArray(copy.copy(w), members([3.0]))
+    train(array, EPOCHS * array.steps_per_epoch)
+    data, _ = _read_data(w, w.resolve(config), torch.device("cpu"))
+    torch.testing.assert_close(data[0].x, want, rtol=0, atol=0)
+    # the array's own read, after its members' builds (a 3.0 built last)
+    array = FusedArray(copy.copy(w), members([1.0, 3.0], first=8))
+    assert array.train_split is not None
+    torch.testing.assert_close(array.train_split.x, want, rtol=0, atol=0)
+
+
+def test_data_are_read_while_no_other_array_steps() -> None:
+    """data() may draw from torch's generator (``torch.manual_seed(data_seed)``, then
+    ``torch.randn``), or read a value another array's step has put back: it is read with the
+    process's lock held alone, never while another array's step holds it (each of a pack's
+    arrays reads its data in its own thread)."""
+    import threading
+
+    from tests.support.tiny_workloads import TinyMLP as Plain
+    from worker.execute import _read_data
+    from worker.rng import GLOBAL_RNG
+
+    held, release, done = threading.Event(), threading.Event(), threading.Event()
+
+    def step() -> None:  # another array's step, holding the lock
+        with GLOBAL_RNG:
+            held.set()
+            release.wait(30)
+
+    def read() -> None:
+        w = Plain()
+        _read_data(w, w.resolve({"seed": 1, "data_seed": 1}), torch.device("cpu"))
+        done.set()
+
+    stepping = threading.Thread(target=step)
+    stepping.start()
+    assert held.wait(30)
+    reading = threading.Thread(target=read)
+    reading.start()
+    try:
+        assert not done.wait(0.5), "data were read while another array's step held the lock"
+    finally:
+        release.set()
+        stepping.join()
+        reading.join()
+    assert done.is_set()
