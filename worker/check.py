@@ -180,13 +180,17 @@ def check(
             "trains such members as separate arrays; declare it structural to say so"
         )
     torch.manual_seed(0)
-    # read before any build (what every member's build then starts from), and built on a
-    # copy: what this build sets, on the workload, outside it or in torch's settings, is not
-    # the arrays' below
-    outside.fresh(outside.namespaces(workload))
+    # built on a copy, and undone: what this build sets, on the workload, outside it or in
+    # torch's settings, is neither the arrays' below nor a later pack's of this process
+    before = outside.fresh(outside.namespaces(workload))
+    held = outside.fresh_attributes(workload)  # objects the copy shares
     settings = torch_settings.read()
-    model = copy.copy(workload).build_model(workload.resolve(configs[0]))
-    torch_settings.put(settings)
+    try:
+        model = copy.copy(workload).build_model(workload.resolve(configs[0]))
+    finally:
+        torch_settings.put(settings)
+        outside.undo(before)
+        outside.put_attributes(workload, held)
     refuse_unsupported(workload.name, model)  # as the arrays below would, before its template
     template = meta_template(model)
     report.spill_problem = spill_problem(workload, template)

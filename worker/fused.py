@@ -522,7 +522,11 @@ class FusedArray:
             seed_host(int(config["seed"]))
             before = outside.fresh(outside.namespaces(workload))
             objects, before_attributes = dict(vars(workload)), outside.fresh_attributes(workload)
-            model = _build_model(workload, config, state)
+            try:
+                model = _build_model(workload, config, state)
+            except BaseException:
+                torch_settings.put(self.torch_base)  # not the failed build's, for what follows
+                raise
             torch_after[key] = torch_settings.read()
             held_attributes[key] = outside.attributes(workload)
             changed_attributes |= outside.learn_attributes(
@@ -659,10 +663,12 @@ class FusedArray:
                 if not probes:  # the first step looks at what it can (_rounding_noise)
                     self.unprobed.add(self.probe_keys[keys[part[0]]])
             self._put_outside(keys[part[0]])
-            probed = probe(
-                self._with_values(keys[part[0]]), models[part[0]], signatures[part[0]], probes
-            )
-            torch_settings.put(self.torch_base)  # its own were in force for its probe only
+            try:
+                probed = probe(
+                    self._with_values(keys[part[0]]), models[part[0]], signatures[part[0]], probes
+                )
+            finally:
+                torch_settings.put(self.torch_base)  # its own were in force for its probe only
             if probed.reassigned:
                 names = ", ".join(repr(n) for n in probed.reassigned)
                 raise ValueError(

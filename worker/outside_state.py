@@ -165,6 +165,17 @@ def fresh(spaces: Iterable[Namespace]) -> Reading:
     return out
 
 
+def undo(before: Reading) -> None:
+    """Put the names of ``before``'s namespaces that changed since that reading back to its
+    values (names new since then removed): a build that leaves no trace (``packtune
+    check``'s own)."""
+    now = reading(before)
+    for space, values in before.items():
+        names = changed_state(values, now[space])
+        if names:
+            _put_into(space, {name: values.get(name, MISSING) for name in names})
+
+
 def _own(space: Namespace) -> Own:
     """Whether a class is the user's as ``space`` is (:func:`_home`): its instances are
     settings, held field by field."""

@@ -368,3 +368,42 @@ def test_data_are_read_while_no_other_array_steps() -> None:
         stepping.join()
         reading.join()
     assert done.is_set()
+
+
+#: set by CheckedGlobal.build_model for trials whose scale is not 1 (no other test builds it)
+CHECKED_SCALE = 1.0
+
+
+class CheckedGlobal(_Conditional):
+    name = "checked-global"
+
+    def set(self, scale: float) -> None:
+        global CHECKED_SCALE
+        CHECKED_SCALE = scale
+
+    def net(self) -> nn.Module:
+        return _Net(lambda: CHECKED_SCALE)
+
+    def fresh(self) -> None:
+        global CHECKED_SCALE
+        CHECKED_SCALE = 1.0
+
+
+def test_packtune_checks_own_build_leaves_no_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``packtune check`` (run in a worker process too) builds a model of its first member
+    for itself: before, what that build set stayed, unlearned, as the process's value, and
+    a later array's member that sets nothing trained with it, fused with one that set it."""
+    from packtune.workloads import registry
+    from worker.check import check
+
+    w = CheckedGlobal()
+    monkeypatch.setitem(registry(), w.name, w)
+    w.fresh()
+    space = {"scale": {"type": "choice", "values": [2.0]}}  # every member of the check: 2.0
+    check(w.name, space, members=2, steps=2, ks=(1,))
+    group = members([2.0, 1.0], first=20)
+    array = FusedArray(copy.copy(w), group)
+    train(array, EPOCHS * array.steps_per_epoch)
+    got = results(array)
+    for key, config in group:
+        assert_as_alone(got[key], fresh_alone(w, (key, config)), key)

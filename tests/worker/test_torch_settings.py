@@ -122,3 +122,21 @@ def test_each_setting_is_read_and_put_back() -> None:
         torch_settings.put(before)
     assert torch_settings.read() == before
     assert not torch.are_deterministic_algorithms_enabled()
+
+
+class DoubleThenFails(DoubleSome):
+    name = "double-then-fails"
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        torch.set_default_dtype(torch.float64)
+        raise RuntimeError("out of memory")
+
+
+def test_a_build_that_fails_leaves_the_processs_settings() -> None:
+    """The array is refused (the build's error), and the process goes on with its own
+    default dtype: before, float64 stayed, and every later array was built in it."""
+    from worker.fused import BuildError
+
+    with pytest.raises(BuildError, match="out of memory"):
+        FusedArray(DoubleThenFails(), [member(0, True)])
+    assert torch.get_default_dtype() == torch.float32
