@@ -516,46 +516,48 @@ class FusedArray:
         #: starts from, and each member's after its build
         self.torch_base = torch_settings.read()
         torch_after: dict[Hashable, torch_settings.Settings] = {}
-        for key, config, state in zip(keys, configs, states, strict=True):
-            _start_from(workload, base)  # not another member's build or resumed values
-            torch_settings.put(self.torch_base)
-            seed_host(int(config["seed"]))
-            before = outside.fresh(outside.namespaces(workload))
-            objects, before_attributes = dict(vars(workload)), outside.fresh_attributes(workload)
-            try:
+        try:
+            for key, config, state in zip(keys, configs, states, strict=True):
+                _start_from(workload, base)  # not another member's build or resumed values
+                torch_settings.put(self.torch_base)
+                seed_host(int(config["seed"]))
+                before = outside.fresh(outside.namespaces(workload))
+                objects, before_attributes = (
+                    dict(vars(workload)),
+                    outside.fresh_attributes(workload),
+                )
                 model = _build_model(workload, config, state)
-            except BaseException:
-                torch_settings.put(self.torch_base)  # not the failed build's, for what follows
-                raise
-            torch_after[key] = torch_settings.read()
-            held_attributes[key] = outside.attributes(workload)
-            changed_attributes |= outside.learn_attributes(
-                workload, objects, before_attributes, held_attributes[key]
-            )
-            saved_held = state.get("python", {}).get("workload_held") if state else None
-            if saved_held:  # what its training had made of them
-                outside.resume_attributes(workload, held_attributes[key], saved_held)
-            spaces = outside.namespaces(workload, model)
-            self.outside_built[key] = outside.reading(spaces)
-            seeded |= outside.learn(before, self.outside_built[key])
-            self.outside_spaces += [s for s in spaces if s not in self.outside_spaces]
-            saved_python = state.get("python") if state else None
-            if saved_python and saved_python.get("outside"):
-                outside.resume(self.outside_built[key], saved_python["outside"])
-            if saved_python:
-                set_python_state(model, saved_python.get("model", {}))
-                for name, value in saved_python.get("workload", {}).items():
-                    built_value = vars(workload).get(name)
-                    if isinstance(value, Tensor) and isinstance(built_value, Tensor):
-                        value = value.to(built_value.device)  # saved on the CPU
-                    setattr(workload, name, copy.deepcopy(value))
-            models.append(model)
-            built[key] = dict(vars(workload))
-            # resumed: where the stream stood at the checkpoint (an array drawing from it saves it)
-            saved = state.get("host_rng") if state else None
-            self.host_streams[key] = decode_host(saved) if saved else host_state()
+                torch_after[key] = torch_settings.read()
+                held_attributes[key] = outside.attributes(workload)
+                changed_attributes |= outside.learn_attributes(
+                    workload, objects, before_attributes, held_attributes[key]
+                )
+                saved_held = state.get("python", {}).get("workload_held") if state else None
+                if saved_held:  # what its training had made of them
+                    outside.resume_attributes(workload, held_attributes[key], saved_held)
+                spaces = outside.namespaces(workload, model)
+                self.outside_built[key] = outside.reading(spaces)
+                seeded |= outside.learn(before, self.outside_built[key])
+                self.outside_spaces += [s for s in spaces if s not in self.outside_spaces]
+                saved_python = state.get("python") if state else None
+                if saved_python and saved_python.get("outside"):
+                    outside.resume(self.outside_built[key], saved_python["outside"])
+                if saved_python:
+                    set_python_state(model, saved_python.get("model", {}))
+                    for name, value in saved_python.get("workload", {}).items():
+                        built_value = vars(workload).get(name)
+                        if isinstance(value, Tensor) and isinstance(built_value, Tensor):
+                            value = value.to(built_value.device)  # saved on the CPU
+                        setattr(workload, name, copy.deepcopy(value))
+                models.append(model)
+                built[key] = dict(vars(workload))
+                # resumed: where the stream stood at the checkpoint (an array drawing from
+                # it saves it)
+                saved = state.get("host_rng") if state else None
+                self.host_streams[key] = decode_host(saved) if saved else host_state()
+        finally:  # the process's own between its steps (not a failed build's either)
+            torch_settings.put(self.torch_base)
         set_host_state(host)
-        torch_settings.put(self.torch_base)  # the process's own between its steps
         #: each member's torch settings that some member's build changed, put back around
         #: its stack's steps and evaluations (:meth:`_put_outside`), the process's after them
         self.torch_own, changed_torch, torch_apart = torch_settings.members_own(

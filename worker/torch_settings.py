@@ -24,6 +24,11 @@ def _deterministic() -> tuple[bool, bool]:
     )
 
 
+def _flag(owner: Any, attr: str) -> tuple[Any, Any]:
+    """(read, write) of a flag of a torch backend module (``torch.backends.cudnn.benchmark``)."""
+    return (lambda: getattr(owner, attr)), (lambda v: setattr(owner, attr, v))
+
+
 #: name (as the note says it) -> (read, write)
 _SETTINGS: dict[str, tuple[Any, Any]] = {
     "torch.set_default_dtype": (torch.get_default_dtype, torch.set_default_dtype),
@@ -35,22 +40,10 @@ _SETTINGS: dict[str, tuple[Any, Any]] = {
         _deterministic,
         lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1]),
     ),
-    "torch.backends.cuda.matmul.allow_tf32": (
-        lambda: torch.backends.cuda.matmul.allow_tf32,
-        lambda v: setattr(torch.backends.cuda.matmul, "allow_tf32", v),
-    ),
-    "torch.backends.cudnn.allow_tf32": (
-        lambda: torch.backends.cudnn.allow_tf32,
-        lambda v: setattr(torch.backends.cudnn, "allow_tf32", v),
-    ),
-    "torch.backends.cudnn.deterministic": (
-        lambda: torch.backends.cudnn.deterministic,
-        lambda v: setattr(torch.backends.cudnn, "deterministic", v),
-    ),
-    "torch.backends.cudnn.benchmark": (
-        lambda: torch.backends.cudnn.benchmark,
-        lambda v: setattr(torch.backends.cudnn, "benchmark", v),
-    ),
+    "torch.backends.cuda.matmul.allow_tf32": _flag(torch.backends.cuda.matmul, "allow_tf32"),
+    "torch.backends.cudnn.allow_tf32": _flag(torch.backends.cudnn, "allow_tf32"),
+    "torch.backends.cudnn.deterministic": _flag(torch.backends.cudnn, "deterministic"),
+    "torch.backends.cudnn.benchmark": _flag(torch.backends.cudnn, "benchmark"),
 }
 
 Settings = dict[str, Any]
