@@ -7,6 +7,7 @@ identity: an attribute set to another object is seen, one changed in place is no
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -120,12 +121,27 @@ def object_state(obj: Any) -> dict[str, Any]:
 
 def held_value(value: Any) -> Any:
     """``value`` held at this moment: a copy of a plain value, a :class:`Snapshot` of a small
-    tensor (both compared by value), anything else itself (compared by identity)."""
+    tensor, an :class:`ArraySnapshot` of a small NumPy array (all compared by value), anything
+    else itself (compared by identity)."""
     if _plain(value):
         return copy.deepcopy(value)
     if isinstance(value, torch.Tensor) and value.numel() <= SMALL_TENSOR and not value.is_meta:
         return Snapshot(value.detach().clone())
+    if small_array(value):
+        return ArraySnapshot(value.copy())
     return value
+
+
+def small_array(value: Any) -> bool:
+    """Whether ``value`` is a NumPy array of numbers (or booleans) of up to
+    :data:`SMALL_TENSOR` elements: a constant a build may fill in place (``NORM[:] = ...``)."""
+    numpy = sys.modules.get("numpy")  # not imported here: if no one has, there are none
+    return (
+        numpy is not None
+        and type(value) is numpy.ndarray
+        and value.size <= SMALL_TENSOR
+        and value.dtype.kind in "biufc"
+    )
 
 
 class Held:
@@ -161,17 +177,51 @@ class Snapshot(Held):
         return True
 
 
+class ArraySnapshot(Held):
+    """A small NumPy array's value at a moment (:func:`held_value`), compared bit for bit
+    (its shape, dtype and bytes: a NaN equals itself)."""
+
+    def __init__(self, array: Any) -> None:
+        self.array = array
+
+    def same_as(self, other: Any) -> bool:
+        value = other.array if isinstance(other, ArraySnapshot) else other
+        return (
+            small_array(value)
+            and value.shape == self.array.shape
+            and value.dtype == self.array.dtype
+            and value.tobytes() == self.array.tobytes()
+        )
+
+    def fill(self, current: Any) -> bool:
+        """Put the value back into ``current`` in place, whoever holds it seeing it back, if
+        ``current`` is a writeable array of the same shape and dtype; whether it was."""
+        if not (
+            small_array(current)
+            and current.shape == self.array.shape
+            and current.dtype == self.array.dtype
+            and current.flags.writeable
+        ):
+            return False
+        current[...] = self.array
+        return True
+
+    def copy(self) -> Any:
+        """A new array with the value."""
+        return self.array.copy()
+
+
 def restore(obj: Any, held: dict[str, Any], names: list[str]) -> None:
     """Put ``names`` of ``obj`` back to their values in ``held`` (:func:`object_state` or
     :func:`python_state`'s, per module); a name ``held`` lacks, or holds as :data:`MISSING`,
     is removed."""
     for name in names:
         value = held.get(name, MISSING)
-        if isinstance(value, Snapshot):
+        if isinstance(value, Snapshot | ArraySnapshot):
             current = vars(obj).get(name)
             if value.fill(current):
                 continue
-            value = value.tensor.clone()
+            value = value.tensor.clone() if isinstance(value, Snapshot) else value.copy()
         put(obj, name, held_plain(value))
 
 

@@ -27,10 +27,12 @@ import weakref
 from collections.abc import Container, Iterable, Mapping
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from worker.module_state import (
     MISSING,
+    ArraySnapshot,
     Snapshot,
     changed_state,
     checkpointable,
@@ -352,6 +354,8 @@ def saved_value(held: Any) -> dict[str, Any] | None:
 def _savable(held: Any) -> Any:
     if isinstance(held, Snapshot):
         return held.tensor.detach().to("cpu", copy=True)
+    if isinstance(held, ArraySnapshot):  # as a tensor, which a checkpoint reads back
+        return torch.from_numpy(held.copy())
     return copy.deepcopy(held) if held is not MISSING and checkpointable(held) else MISSING
 
 
@@ -362,6 +366,8 @@ def resumed_value(held: Any, entry: Mapping[str, Any]) -> Any:
         value = entry["value"]
         if isinstance(value, Tensor) and isinstance(held, Snapshot):
             value = value.to(held.tensor.device)  # saved on the CPU
+        elif isinstance(value, Tensor) and isinstance(held, ArraySnapshot):
+            value = value.numpy().astype(held.array.dtype)  # saved as a tensor
         return held_value(value)
     if "rng" in entry and isinstance(held, RandomState):
         return held.resumed(entry["rng"])

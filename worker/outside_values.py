@@ -11,7 +11,8 @@ model that keeps ``self.config = CONFIG``) reads the member's value too.
   or ``Generator``; ``GEN.manual_seed(seed)`` in ``build_model``): :class:`RandomState`,
   its state, put back with the generator's own setter;
 - a plain value (numbers, strings, containers of them): a copy, compared by value;
-- a small tensor: a :class:`~worker.module_state.Snapshot` of it, compared by value;
+- a small tensor: a :class:`~worker.module_state.Snapshot` of it, compared by value; a small
+  NumPy array of numbers (``NORM[:] = ...``) likewise (:class:`~worker.module_state.ArraySnapshot`);
 - a dict or list of other things, and an object of the user's own classes (or a
   ``SimpleNamespace``, an ``argparse.Namespace``): :class:`Fields`, the object itself
   (compared by identity) and each of its entries or attributes held in turn, a few levels
@@ -33,7 +34,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker.module_state import MISSING, Held, Snapshot, held_plain, held_value, same_value
+from worker.module_state import (
+    MISSING,
+    ArraySnapshot,
+    Held,
+    Snapshot,
+    held_plain,
+    held_value,
+    same_value,
+)
 
 #: an object or container with more fields than this is data, not settings: held as itself
 MAX_FIELDS = 1024
@@ -68,8 +77,11 @@ class Fields(Held):
         obj = self.obj
         if isinstance(obj, list):
             _fill_list(obj, list(self.fields.values()))
-        else:  # an object through its __dict__, as read: a frozen dataclass's too
+        elif isinstance(obj, dict) or not _slots(type(obj)):
+            # an object through its __dict__, as read: a frozen dataclass's too
             _fill_dict(obj if isinstance(obj, dict) else vars(obj), self.fields)
+        else:
+            _fill_object(obj, self.fields)
         return obj
 
 
@@ -213,8 +225,8 @@ def hold(value: Any, own: Own, depth: int = 0) -> Any:
         if isinstance(value, dict | list):
             items = value.items() if isinstance(value, dict) else enumerate(value)
             return Fields(value, {k: hold(v, own, depth + 1) for k, v in items})
-        if _settings(value, own) and len(vars(value)) <= MAX_FIELDS:
-            return Fields(value, {k: hold(v, own, depth + 1) for k, v in vars(value).items()})
+        if _settings(value, own) and len(fields := attributes_of(value)) <= MAX_FIELDS:
+            return Fields(value, {k: hold(v, own, depth + 1) for k, v in fields.items()})
     return Same(value) if isinstance(value, dict | list | set) else value
 
 
@@ -223,10 +235,45 @@ def _settings(value: Any, own: Own) -> bool:
         return True
     return (
         own(type(value))
-        and hasattr(value, "__dict__")
+        and (hasattr(value, "__dict__") or bool(_slots(type(value))))
         and not isinstance(value, _NOT_SETTINGS)
         and not isinstance(value, torch.Tensor)
     )
+
+
+def _slots(cls: type) -> tuple[str, ...]:
+    """The attributes ``cls``'s ``__slots__`` (and its bases') declare."""
+    names: list[str] = []
+    for klass in cls.__mro__:
+        declared = vars(klass).get("__slots__", ())
+        for name in (declared,) if isinstance(declared, str) else declared:
+            if name not in ("__dict__", "__weakref__") and name not in names:
+                names.append(name)
+    return tuple(names)
+
+
+def attributes_of(obj: Any) -> dict[str, Any]:
+    """``obj``'s attributes: its ``__dict__``'s and those its class's ``__slots__`` hold (a
+    ``@dataclass(slots=True)``'s fields), the unset ones left out."""
+    fields = dict(vars(obj)) if hasattr(obj, "__dict__") else {}
+    for name in _slots(type(obj)):
+        value = getattr(obj, name, MISSING)
+        if value is not MISSING:
+            fields.setdefault(name, value)
+    return fields
+
+
+def _fill_object(obj: Any, held: dict[str, Any]) -> None:
+    """Set ``obj``'s attributes back to ``held`` (:func:`attributes_of`), through
+    ``object.__setattr__`` as a frozen dataclass's own ``__init__`` does."""
+    current = attributes_of(obj)
+    for name in [n for n in current if n not in held]:
+        object.__delattr__(obj, name)
+    for name, value in held.items():
+        now = current.get(name, MISSING)
+        new = put(now, value)
+        if new is not now:
+            object.__setattr__(obj, name, new)
 
 
 def put(current: Any, held: Any) -> Any:
@@ -239,6 +286,8 @@ def put(current: Any, held: Any) -> Any:
         return held.obj
     if isinstance(held, Snapshot):
         return current if held.fill(current) else held.tensor.clone()
+    if isinstance(held, ArraySnapshot):
+        return current if held.fill(current) else held.copy()
     if type(current) is type(held):
         if isinstance(held, dict):
             _fill_dict(current, held)

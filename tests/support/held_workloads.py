@@ -1,5 +1,6 @@
 """Workloads whose ``build_model`` changes, in place, a value kept outside the model: a dict
-the model holds too, a settings object, a namespace, a small tensor, a dict of tensors, and
+the model holds too, a settings object, a namespace, a settings object with
+``__slots__``, a small tensor, a small NumPy array, a dict of tensors, and
 random generators seeded per trial (torch's and Python's) that the training forward draws
 from."""
 
@@ -11,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy
 import torch
 from torch import nn
 
@@ -31,6 +33,17 @@ SETTINGS = Settings()
 OPTIONS = types.SimpleNamespace(scale=1.0)
 #: a small tensor filled per trial
 FACTOR = torch.ones((), dtype=torch.float64)
+#: a small NumPy array filled per trial
+FACTORS = numpy.ones(4)
+
+
+@dataclass(slots=True)
+class SlotSettings:
+    scale: float = 1.0
+
+
+#: a settings object with no ``__dict__`` (its class has ``__slots__``), changed per trial
+SLOT_SETTINGS = SlotSettings()
 #: a dict of tensors (not a plain value): its entry set per trial
 PARTS: dict[str, Any] = {"scale": torch.ones((), dtype=torch.float64)}
 
@@ -75,6 +88,16 @@ class _FromOptions(_Base):
 class _FromFactor(_Base):
     def scale(self) -> Any:
         return FACTOR
+
+
+class _FromFactors(_Base):
+    def scale(self) -> Any:
+        return float(FACTORS.mean())
+
+
+class _FromSlots(_Base):
+    def scale(self) -> Any:
+        return SLOT_SETTINGS.scale
 
 
 class _FromParts(_Base):
@@ -134,6 +157,22 @@ class FactorTensor(_Scaled):
         return _FromFactor().double()
 
 
+class FactorArray(_Scaled):
+    name = "factor-array"
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        FACTORS[:] = self.scale(config)
+        return _FromFactors().double()
+
+
+class SlotsObject(_Scaled):
+    name = "slots-object"
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        SLOT_SETTINGS.scale = self.scale(config)
+        return _FromSlots().double()
+
+
 class PartsDict(_Scaled):
     name = "parts-dict"
 
@@ -158,5 +197,5 @@ class SeededCoin(_Scaled):
         return _FromCoin().double()
 
 
-HELD = [DictInPlace, SettingsObject, OptionsNamespace, FactorTensor, PartsDict, SeededNoise,
-        SeededCoin]  # fmt: skip
+HELD = [DictInPlace, SettingsObject, OptionsNamespace, FactorTensor, FactorArray, SlotsObject,
+        PartsDict, SeededNoise, SeededCoin]  # fmt: skip

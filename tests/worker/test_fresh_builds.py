@@ -15,6 +15,7 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy
 import pytest
 import torch
 from torch import nn
@@ -35,6 +36,17 @@ class Settings:
 
 #: changed in place by ConditionalSettings.build_model for trials whose scale is not 1
 SETTINGS = Settings()
+
+
+@dataclass(slots=True)
+class SlotSettings:
+    scale: float = 1.0
+
+
+#: a settings object with no ``__dict__``, changed in place by ConditionalSlots.build_model
+SLOT_SETTINGS = SlotSettings()
+#: a NumPy array filled in place by ConditionalArray.build_model (a normalisation constant)
+FACTORS = numpy.ones(3)
 
 
 class _Net(nn.Module):
@@ -113,6 +125,32 @@ class ConditionalSettings(_Conditional):
         SETTINGS.scale = 1.0
 
 
+class ConditionalSlots(_Conditional):
+    name = "conditional-slots"
+
+    def set(self, scale: float) -> None:
+        SLOT_SETTINGS.scale = scale
+
+    def net(self) -> nn.Module:
+        return _Net(lambda: SLOT_SETTINGS.scale)
+
+    def fresh(self) -> None:
+        SLOT_SETTINGS.scale = 1.0
+
+
+class ConditionalArray(_Conditional):
+    name = "conditional-array"
+
+    def set(self, scale: float) -> None:
+        FACTORS[:] = scale
+
+    def net(self) -> nn.Module:
+        return _Net(lambda: float(FACTORS.mean()))
+
+    def fresh(self) -> None:
+        FACTORS[:] = 1.0
+
+
 class _LossScaled(_Conditional):
     """Scales its loss by a value kept on its own object (its model is a plain MLP, which
     fuses)."""
@@ -166,6 +204,8 @@ WORKLOADS = [
     ConditionalGlobal,
     ConditionalClass,
     ConditionalSettings,
+    ConditionalSlots,
+    ConditionalArray,
     ConditionalAttribute,
     ConditionalHeld,
 ]

@@ -99,6 +99,8 @@ KEPT_AS = {
     "settings-object": f"{held_workloads.__name__}.SETTINGS",
     "options-namespace": f"{held_workloads.__name__}.OPTIONS",
     "factor-tensor": f"{held_workloads.__name__}.FACTOR",
+    "factor-array": f"{held_workloads.__name__}.FACTORS",
+    "slots-object": f"{held_workloads.__name__}.SLOT_SETTINGS",
     "parts-dict": f"{held_workloads.__name__}.PARTS",
     "seeded-noise": f"{held_workloads.__name__}.NOISE",
     "seeded-coin": f"{held_workloads.__name__}.COIN",

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from worker.module_state import Snapshot, same_value
-from worker.outside_state import saved_value
+from worker.outside_state import resumed_value, saved_value
 from worker.outside_values import MAX_FIELDS, Fields, RandomState, Same, hold, put
 
 
@@ -196,3 +196,46 @@ def test_numpy_generators_are_resumed_from_a_checkpoints(tmp_path: Path) -> None
         assert isinstance(held, RandomState)
         put(gen, held.resumed(loaded["rng"]))
         assert (draw(3) == later).all(), type(gen)
+
+
+@dataclass(frozen=True, slots=True)
+class FrozenSlots:
+    scale: float = 1.0
+    sizes: list[int] = field(default_factory=lambda: [8, 16])
+
+
+def test_a_slotted_settings_object_is_held_by_value_and_put_back_in_place() -> None:
+    """``@dataclass(slots=True)``: no ``__dict__``; a frozen one is put back all the same."""
+    settings = FrozenSlots()
+    sizes = settings.sizes
+    before = hold(settings, own)
+    object.__setattr__(settings, "scale", 2.0)
+    settings.sizes.append(32)
+    after = hold(settings, own)
+    assert isinstance(before, Fields) and before.obj is settings
+    assert not same_value(before, after)
+    assert put(settings, before) is settings
+    assert settings.scale == 1.0 and settings.sizes == [8, 16] and settings.sizes is sizes
+
+
+def test_a_small_numpy_array_is_held_by_value_and_resumed_from_a_checkpoint(
+    tmp_path: Path,
+) -> None:
+    import numpy
+
+    factors = numpy.array([1.0, 2.0, numpy.nan])
+    held = hold(factors, own)
+    assert same_value(held, factors)  # NaN included
+    factors[0] = 5.0
+    assert not same_value(held, factors)
+    assert put(factors, held) is factors and factors[0] == 1.0  # in place
+    assert put(numpy.zeros(2), held) is not factors  # another shape: a copy in its place
+    assert hold(numpy.array(["a"]), own).__class__ is numpy.ndarray  # not numbers: itself
+    factors[1] = 7.0
+    entry = saved_value(hold(factors, own))
+    assert entry is not None
+    torch.save(entry, tmp_path / "a.pt")
+    loaded = torch.load(tmp_path / "a.pt", weights_only=True)
+    factors[1] = 0.0
+    put(factors, resumed_value(held, loaded))
+    assert factors[1] == 7.0 and factors.dtype == numpy.float64
