@@ -1,5 +1,7 @@
-"""Process-wide torch settings a ``build_model`` may change: the default dtype, the float32
-matmul precision, deterministic algorithms, TF32 and cuDNN's choices.
+"""Process-wide torch settings a ``build_model`` may change: the default dtype, the default
+device (torch keeps it per thread: an array's thread is reused by later arrays), the float32
+matmul precision, deterministic algorithms, the CPU's intra-op threads (a sum's order, and so
+its rounding, may follow them), TF32 and cuDNN's choices.
 
 A worker process has one of each, which every model in it computes under: a build that
 sets one (``torch.set_default_dtype(torch.float64)`` for some configs) would leave it set
@@ -24,6 +26,13 @@ def _deterministic() -> tuple[bool, bool]:
     )
 
 
+def _default_device() -> torch.device | None:
+    """The default device ``torch.set_default_device`` set (in this thread: torch keeps it
+    per thread), or None where none is set (the CPU, at no cost per torch call)."""
+    context = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
+    return None if context is None else torch.device(context.device)
+
+
 def _flag(owner: Any, attr: str) -> tuple[Any, Any]:
     """(read, write) of a flag of a torch backend module (``torch.backends.cudnn.benchmark``)."""
     return (lambda: getattr(owner, attr)), (lambda v: setattr(owner, attr, v))
@@ -40,6 +49,8 @@ _SETTINGS: dict[str, tuple[Any, Any]] = {
         _deterministic,
         lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1]),
     ),
+    "torch.set_default_device": (_default_device, torch.set_default_device),
+    "torch.set_num_threads": (torch.get_num_threads, torch.set_num_threads),
     "torch.backends.cuda.matmul.allow_tf32": _flag(torch.backends.cuda.matmul, "allow_tf32"),
     "torch.backends.cudnn.allow_tf32": _flag(torch.backends.cudnn, "allow_tf32"),
     "torch.backends.cudnn.deterministic": _flag(torch.backends.cudnn, "deterministic"),

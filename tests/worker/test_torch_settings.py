@@ -140,3 +140,64 @@ def test_a_build_that_fails_leaves_the_processs_settings() -> None:
     with pytest.raises(BuildError, match="out of memory"):
         FusedArray(DoubleThenFails(), [member(0, True)])
     assert torch.get_default_dtype() == torch.float32
+
+
+class MetaDefaultSome(TinyMLP):
+    """Sets the default device for trials that ask (``meta``: as one that builds a large
+    model's skeleton first does), building its own model on the CPU explicitly."""
+
+    name = "meta-default-some"
+    params = {**TinyMLP.params, "meta": False}
+    fusible = frozenset({"meta"})
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        if self.resolve(config)["meta"]:
+            torch.set_default_device("meta")
+            with torch.device("cpu"):
+                return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)).double()
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)).double()
+
+
+def test_a_member_built_after_one_that_set_the_default_device_is_built_on_the_processs() -> None:
+    """Before, the second member's model was built on the meta device the first one's build
+    had left as the default: it could not train, and neither could any later array."""
+    w = MetaDefaultSome()
+    first = ("t0", {"seed": 40, "data_seed": 4, "lr": 0.1, "meta": True})
+    second = ("t1", {"seed": 41, "data_seed": 4, "lr": 0.1, "meta": False})
+    third = ("t2", {**second[1], "seed": 42})
+    want, want_later = alone(w, second), alone(w, third)
+    try:
+        array = FusedArray(copy.copy(w), [first, second])
+        assert torch.get_default_device() == torch.device("cpu")
+        train(array, EPOCHS * array.steps_per_epoch)
+        assert torch.get_default_device() == torch.device("cpu")
+        assert_as_alone(results(array)["t1"], want, "t1")
+        later = FusedArray(copy.copy(w), [third])  # a later array of the process
+        train(later, EPOCHS * later.steps_per_epoch)
+        assert_as_alone(results(later)["t2"], want_later, "t2")
+    finally:
+        torch.set_default_device("cpu")
+
+
+class ThreadsSome(MetaDefaultSome):
+    name = "threads-some"
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        if self.resolve(config)["meta"]:
+            torch.set_num_threads(1)
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)).double()
+
+
+def test_a_build_that_sets_the_threads_leaves_the_processs() -> None:
+    """The process's intra-op threads after an array whose member set them: before, 1 for
+    every later array of the process."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        array = FusedArray(ThreadsSome(), [("t0", {"seed": 40, "data_seed": 4, "lr": 0.1,
+                                                    "meta": True})])  # fmt: skip
+        assert torch.get_num_threads() == 2
+        train(array, array.steps_per_epoch)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
