@@ -56,6 +56,10 @@ _KEPT: weakref.WeakKeyDictionary[Namespace, frozenset[str]] = weakref.WeakKeyDic
 #: per namespace: those :func:`fresh` puts back (not a name the program itself changed
 #: between builds: a notebook's or a script's own variable)
 _BUILT: weakref.WeakKeyDictionary[Namespace, frozenset[str]] = weakref.WeakKeyDictionary()
+#: the names a training forward and loss changed (a counter a forward keeps in a module
+#: global), per namespace, as a probe saw (:func:`learn_trained`): those :func:`fresh` puts
+#: back too, since a trial alone starts its training from the module's value
+_TRAINED: weakref.WeakKeyDictionary[Namespace, frozenset[str]] = weakref.WeakKeyDictionary()
 #: each namespace as the last build in this process left it
 _LAST: weakref.WeakKeyDictionary[Namespace, dict[str, Any]] = weakref.WeakKeyDictionary()
 #: each namespace's values before any build in this process changed them (read before the
@@ -157,7 +161,8 @@ def fresh(spaces: Iterable[Namespace]) -> Reading:
     before any: its values then unknown) is left as it is."""
     spaces = list(spaces)
     for space in spaces:
-        start, names = _START.get(space), _BUILT.get(space)
+        start = _START.get(space)
+        names = _BUILT.get(space, frozenset()) | _TRAINED.get(space, frozenset())
         if start is not None and names:
             _put_into(space, {name: start.get(name, MISSING) for name in names})
     out = reading(spaces)
@@ -230,6 +235,20 @@ def learn(before: Reading, after: Reading) -> set[tuple[Namespace, str]]:
             _keep(_KEPT, space, changed)
             out.update((space, name) for name in changed)
         _LAST[space] = dict(values)  # not the member's reading, which its training updates
+    return out
+
+
+def learn_trained(before: Reading, after: Reading) -> list[str]:
+    """Note what training forwards changed (a probe's, read ``before`` and ``after`` them):
+    each member's own from now on, as what a build changed is, whatever module it is in (a
+    script's too: the script does not run within a probe). Returns them by :func:`label`."""
+    out: list[str] = []
+    for space, values in after.items():
+        changed = changed_state(before[space], values) if space in before else set()
+        if changed:
+            _keep(_TRAINED, space, changed)
+            _keep(_KEPT, space, changed)
+            out += [label(space, name) for name in sorted(changed)]
     return out
 
 

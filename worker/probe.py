@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from packtune.workloads.base import Workload
+from worker import outside_state as outside
 from worker.batches import tensors, tree_map
 from worker.fused_forward import model_function
 from worker.module_state import changed_state, object_state, python_state, restore_object_state
@@ -54,6 +55,9 @@ class Probed:
     reassigned: tuple[str, ...] = ()
     workload_state: tuple[str, ...] = ()
     model_state: tuple[str, ...] = ()
+    #: values outside the model it changed (a counter a forward keeps in a module global),
+    #: by ``module.NAME``: each member's own from then on, in this process
+    outside_state: tuple[str, ...] = ()
     #: of ``model_state``, those that held a tensor after the forwards (``self.ema = ...``,
     #: begun as None or as a tensor): under vmap such an attribute holds the stack's value
     tensor_state: tuple[str, ...] = ()
@@ -152,6 +156,7 @@ def _run_probe(workload: Workload, model: nn.Module, batches: Sequence[Any]) -> 
             draws=any(p.draws for p in seen), host_draws=any(p.host_draws for p in seen),
             mutates=any(p.mutates for p in seen), reassigned=union("reassigned"),
             workload_state=union("workload_state"), model_state=union("model_state"),
+            outside_state=union("outside_state"),
             tensor_state=union("tensor_state"), noise=union("noise"),
             dropout_only=any(p.draws for p in seen)
             and all(p.dropout_only for p in seen if p.draws),
@@ -185,6 +190,10 @@ def _probe_batch(workload: Workload, model: nn.Module, batch: Any, noise: bool =
             _training_loss(workload, trial, own_batch)
 
     own, held = python_state(trial), object_state(workload)
+    # values kept outside the model (module globals, class attributes) before the forwards:
+    # what they change there is training state (:func:`worker.outside_state.learn_trained`)
+    spaces = outside.namespaces(workload, model)
+    outside_before = outside.reading(spaces)
     try:
         drew = draws_random(run, device)
         mutates = [t._version for t in tensors(own_batch)] != versions
@@ -208,8 +217,10 @@ def _probe_batch(workload: Workload, model: nn.Module, batch: Any, noise: bool =
         deterministic = not (drew.host or mutates) and (not drew.torch or dropout_only)
         looked_at = quiet if dropout_only and quiet is not None else model
         rounding = model_noise(workload, looked_at, own_batch) if deterministic and noise else ()
-    finally:  # the probe's own changes to the workload object are undone
+    finally:  # the probe's own changes to the workload object and outside it are undone
         changed = restore_object_state(workload, held)
+        trained_outside = outside.learn_trained(outside_before, outside.reading(spaces))
+        outside.undo(outside_before)
     after = python_state(trial)
     changed_model = changed_state(own, after)
     return Probed(
@@ -217,7 +228,7 @@ def _probe_batch(workload: Workload, model: nn.Module, batch: Any, noise: bool =
         dropout_only=dropout_only, workload_state=tuple(changed),
         model_state=tuple(changed_model), tensor_state=tuple(
             n for n in changed_model if isinstance(after.get(n), Tensor)),
-        noise=rounding,
+        noise=rounding, outside_state=tuple(trained_outside),
     )  # fmt: skip
 
 

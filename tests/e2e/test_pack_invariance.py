@@ -38,6 +38,7 @@ from tests.support.processes import (
     serving,
     wait_finished,
 )
+from worker.workloads.digits import N_TRAIN
 
 pytestmark = pytest.mark.slow
 
@@ -78,6 +79,7 @@ SPACES: dict[str, dict[str, Any]] = {
     "settings-mlp": {"lr": TRAP_LR, "scale": {"type": "uniform", "low": 0.25, "high": 2.0}},
     # Python state a step changes: a counter on the model's module, one on the workload object
     "counting-mlp": {"lr": TRAP_LR},
+    "global-counting-mlp": {"lr": TRAP_LR},
     "annealed-loss-mlp": {"lr": TRAP_LR},
     # random draws a probe does not see: after a warm-up (torch's, Python's), at batch size
     "late-noise-mlp": {"lr": TRAP_LR},
@@ -138,7 +140,7 @@ FULL_HYPERBAND = ("digits-mlp", "schedules", "bf16")
 REL = {
     "digits-cnn": 1e-3, "resnet-cifar": 1e-3, "misdeclared-mlp": 1e-3, "scaled-mlp": 1e-3,
     "global-scaled-mlp": 1e-3, "settings-mlp": 1e-3, "dropout-net-mlp": 1e-3,
-    "multi-task": 1e-3, "counting-mlp": 1e-3,
+    "multi-task": 1e-3, "counting-mlp": 1e-3, "global-counting-mlp": 1e-3,
 }  # fmt: skip
 #: the folder of images the streaming plugins read (written once per test module)
 IMAGES: dict[str, str] = {}
@@ -175,6 +177,7 @@ def plugin_path(tmp_path_factory: pytest.TempPathFactory) -> str:
         "settings": "trap_workloads:SettingsMLP",
         "dropout-net": "trap_workloads:DropoutNetMLP",
         "counting": "trap_workloads:CountingMLP",
+        "global-counting": "trap_workloads:GlobalCountingMLP",
         "annealed": "trap_workloads:AnnealedLossMLP",
         "late-noise": "trap_workloads:LateNoiseMLP",
         "late-coin": "trap_workloads:LateCoinMLP",
@@ -240,6 +243,7 @@ def results(
                 "curves": final_metrics(curves, "val_loss"),
                 "scale_seen": final_metrics(curves, "scale_seen"),
                 "float64_seen": final_metrics(curves, "float64_seen"),
+                "steps_seen": final_metrics(curves, "steps_seen"),
                 "packs": get("packs?limit=500")["data"],
                 "server": server,
             }
@@ -436,3 +440,22 @@ def test_a_trial_that_sets_no_global_read_the_modules_own_value(
             if len({scales[t] < 0.5 for t in a["trials"] if t in scales}) == 2
         ]  # fmt: skip
         assert mixed, result["packs"]
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
+def test_a_counter_kept_in_a_module_global_counted_each_trials_own_steps(
+    results: dict[tuple[str, bool], dict[str, Any]], packed: bool
+) -> None:
+    """global-counting-mlp's forward counts its training steps in a module global: at every
+    measurement each trial's count is its own steps to that resource, as in a fresh process
+    (before, it also held the memory probe's forwards and every trial's trained before it
+    in the process, packed or not). Not vacuous: trials were packed together and resumed."""
+    result = results["global-counting-mlp", packed]
+    steps_per_epoch = N_TRAIN // 64  # _DigitsPlugin's batch_size
+    for trial, seen in result["steps_seen"].items():
+        want = {r: r * steps_per_epoch for r in seen}
+        assert seen and seen == pytest.approx(want), (trial, seen)
+    resumed = [t for t in result["trials"] if t["rung"] > 0]
+    assert resumed, result["trials"]
+    if packed:
+        assert max(len(p["members"]) for p in result["packs"]) > 1, result["packs"]

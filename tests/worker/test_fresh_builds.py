@@ -280,6 +280,53 @@ def test_the_first_build_in_the_process_starts_from_the_starting_value(workload:
         assert_as_alone(got[key], fresh_alone(w, (key, config)), key)
 
 
+#: a counter CountingGlobal's training forward keeps (a warm-up schedule, say)
+COUNT = 0
+
+
+class _CountingNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        global COUNT
+        if self.training:
+            COUNT += 1
+        return self.fc2(torch.relu(self.fc1(x)) * (1.0 + 0.05 * COUNT))
+
+
+class CountingGlobal(TinyMLP):
+    name = "counting-global"
+    params = {**TinyMLP.params, "scale": 1.0}
+    fusible = frozenset({"scale"})
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        return _CountingNet().double()
+
+
+def test_a_counter_a_forward_keeps_in_a_module_global_starts_from_the_modules_value() -> None:
+    """Alone in a fresh process, each trial's training counts from the module's 0. Before,
+    the memory probe's forwards counted too, and so did every member and array trained
+    earlier in the process: each trial read another count, packed or not."""
+    global COUNT
+    w = CountingGlobal()
+    group = members([1.0, 1.0, 1.0])
+    want = {}
+    for key, config in group:
+        COUNT = 0  # a fresh process's
+        solo = FusedArray(copy.copy(w), [(key, config)])
+        assert COUNT == 0  # its probe left no trace
+        train(solo, EPOCHS * solo.steps_per_epoch)
+        assert COUNT == EPOCHS * solo.steps_per_epoch
+        want[key] = results(solo)[key]
+    array = FusedArray(copy.copy(w), group)  # built after the others, the count left as is
+    train(array, EPOCHS * array.steps_per_epoch)
+    for key, got in results(array).items():
+        assert_as_alone(got, want[key], key)
+    assert [len(keys) for keys, _ in array.stacks] == [3]  # equal counts: still fused
+
+
 SCRIPT = """
 import copy
 

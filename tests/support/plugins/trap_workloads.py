@@ -27,9 +27,10 @@
   Sequential, its members stack through vmap, each member's masks its own stream's.
 - ``data-scaled-mlp`` declares ``input_scale`` fusible but scales the data with it: members
   with different scales must not share batches (the worker trains them as arrays apart).
-- ``counting-mlp`` keeps a step counter on its module, ``annealed-loss-mlp`` one on the
-  workload object (its loss's): Python state that must be each member's own and go on
-  from where it stood when a trial resumes, however its training was cut.
+- ``counting-mlp`` keeps a step counter on its module, ``global-counting-mlp`` one in a
+  module global, ``annealed-loss-mlp`` one on the workload object (its loss's): Python state
+  that must be each member's own, start where a fresh process's would, and go on from where
+  it stood when a trial resumes, however its training was cut.
 
 - ``late-noise-mlp`` and ``late-coin-mlp`` begin to draw (torch noise, a Python ``random``
   coin) after a warm-up longer than a probe's, ``big-batch-noise-mlp`` only on batches
@@ -328,6 +329,46 @@ class CountingMLP(_DigitsPlugin):
 
     def build_model(self, config: Mapping[str, Any]) -> Any:
         return _Counting.build(int(self.resolve(config)["hidden"]))
+
+
+#: GlobalCountingMLP's training forwards, counted in a module global (a warm-up's clock)
+STEPS = 0
+
+
+def _global_counting(hidden: int) -> Any:
+    import torch
+    from torch import nn
+
+    class GlobalCounting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(64, hidden), nn.Linear(hidden, N_CLASSES)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            global STEPS
+            if self.training:
+                STEPS += 1
+                x = x * (1.0 + 4.0 / (1.0 + STEPS))
+            return self.fc2(torch.relu(self.fc1(x)))
+
+    return GlobalCounting()
+
+
+class GlobalCountingMLP(_DigitsPlugin):
+    """MLP whose forward counts its training steps in the module global ``STEPS`` and warms
+    up by it: each trial's count must start from the module's 0 (not from what the process's
+    earlier trials, or a memory probe's forwards, left), be its own beside others in a pack,
+    and go on from where it stood when the trial resumes. ``steps_seen``: the count when the
+    trial is evaluated."""
+
+    name = "global-counting-mlp"
+    reports: Mapping[str, str] | None = {"val_accuracy": "max", "steps_seen": "max"}
+
+    def build_model(self, config: Mapping[str, Any]) -> Any:
+        return _global_counting(int(self.resolve(config)["hidden"]))
+
+    def metrics(self, outputs: Any, targets: Any) -> dict[str, float]:
+        return {**super().metrics(outputs, targets), "steps_seen": float(STEPS)}
 
 
 class AnnealedLossMLP(HiddenActMLP):
