@@ -100,12 +100,35 @@ def namespaces(workload: Any, model: nn.Module | None = None) -> list[Namespace]
     return [*modules, *classes]
 
 
+#: how many imports away from a workload's (or its model's) module :func:`_own_imports`
+#: follows the user's modules (a factory's module that imports the model's layers: 2)
+IMPORT_DEPTH = 3
+
+
 def _own_imports(module: types.ModuleType) -> list[types.ModuleType]:
     """The modules of the user's as ``module`` is (of its top-level package, or files in its
     folder: a plugin of single files) that it imports: as modules (``from my_plugin import
     knobs``), or a class or function of theirs (``from my_plugin.models import make_net``:
-    a module whose globals the factory may set before its first build is read)."""
+    a module whose globals the factory may set before its first build is read); and those
+    these import in turn, up to :data:`IMPORT_DEPTH` imports away (the factory's module may
+    set a global of the layers' module it imports)."""
     out: dict[types.ModuleType, None] = {}
+    level = [module]
+    for _ in range(IMPORT_DEPTH):
+        found = [
+            other
+            for current in level
+            for other in _imports_of(current)
+            if other is not module and other not in out and _home(module, other)
+        ]
+        out.update(dict.fromkeys(found))
+        level = list(dict.fromkeys(found))
+    return list(out)
+
+
+def _imports_of(module: types.ModuleType) -> list[types.ModuleType]:
+    """The modules ``module`` imports, as modules or through a class or function of theirs."""
+    out: list[types.ModuleType] = []
     for value in list(vars(module).values()):
         if isinstance(value, types.ModuleType):
             other: types.ModuleType | None = value
@@ -113,9 +136,9 @@ def _own_imports(module: types.ModuleType) -> list[types.ModuleType]:
             other = sys.modules.get(getattr(value, "__module__", None) or "")
         else:
             continue
-        if other is not None and other is not module and _home(module, other):
-            out[other] = None
-    return list(out)
+        if other is not None and other is not module:
+            out.append(other)
+    return out
 
 
 def _home(module: types.ModuleType, other: types.ModuleType) -> bool:

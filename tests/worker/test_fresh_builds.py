@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.support.factory_workload import FactoryGlobal
+from tests.support.factory_workload import DeepFactoryGlobal, FactoryGlobal
 from tests.support.tiny_workloads import TinyMLP
 from tests.worker.test_outside_state import EPOCHS, assert_as_alone, members, results
 from worker.fused import FusedArray, train
@@ -210,7 +210,7 @@ WORKLOADS = [
     ConditionalHeld,
 ]
 #: built first in a test (the other tests build it after): nothing of it read yet
-FIRST_BUILT: list[Any] = [FactoryGlobal]
+FIRST_BUILT: list[Any] = [FactoryGlobal, DeepFactoryGlobal]
 
 
 #: their members with different values fuse (each stack's loss reads its member's)
@@ -268,8 +268,8 @@ def test_members_that_set_nothing_still_fuse(workload: type[_Conditional]) -> No
 @pytest.mark.parametrize("workload", FIRST_BUILT, ids=lambda w: w.name)
 def test_the_first_build_in_the_process_starts_from_the_starting_value(workload: Any) -> None:
     """The module the value is kept in (its model's, whose factory the workload's module
-    imports) is read before the process's first build of the workload: its value then is
-    known, and put back before each later build."""
+    imports; or one the factory's module imports) is read before the process's first build
+    of the workload: its value then is known, and put back before each later build."""
     w = workload()
     group = members([2.0, 1.0])
     w.fresh()
