@@ -102,6 +102,7 @@ from worker.fusion_guard import model_signature, partition, split_causes, worklo
 from worker.model_rules import refuse_unsupported
 from worker.module_state import (
     MISSING,
+    SMALL_TENSOR,
     changed_state,
     checkpointable,
     copy_state,
@@ -516,6 +517,8 @@ class FusedArray:
         #: starts from, and each member's after its build
         self.torch_base = torch_settings.read()
         torch_after: dict[Hashable, torch_settings.Settings] = {}
+        #: larger tensors kept outside the model that a build changed in place (not held)
+        unheld: set[str] = set()
         try:
             for key, config, state in zip(keys, configs, states, strict=True):
                 _start_from(workload, base)  # not another member's build or resumed values
@@ -526,7 +529,9 @@ class FusedArray:
                     dict(vars(workload)),
                     outside.fresh_attributes(workload),
                 )
+                large = outside.large_tensors(before)
                 model = _build_model(workload, config, state)
+                unheld.update(outside.changed_in_place(large, outside.large_tensors(before)))
                 torch_after[key] = torch_settings.read()
                 held_attributes[key] = outside.attributes(workload)
                 changed_attributes |= outside.learn_attributes(
@@ -615,6 +620,8 @@ class FusedArray:
                 "buffer) for them to be fused"
             )
             _warn_once(("outside", workload.name, tuple(kept_apart)), self.notes[-1])
+        if unheld:
+            self._note_unheld(sorted(unheld), "build_model changed")
         if changed_torch:
             self.notes.append(
                 f"{workload.name}: build_model set {', '.join(changed_torch)}, which every "
@@ -678,6 +685,8 @@ class FusedArray:
                     "...): packtune holds buffers as stacked tensors and would keep the old "
                     "value; update it in place instead (self.x.copy_(...), .mul_(), .add_())"
                 )
+            if probed.unheld_outside:
+                self._note_unheld(list(probed.unheld_outside), "a training step changes")
             stochastic = is_stochastic(workload, models[part[0]], probed)
             self.host_random |= probed.host_draws
             self.model_state.update(probed.model_state)
@@ -1044,6 +1053,19 @@ class FusedArray:
             self._outside_on = list(group.keys)
         self._put_outside(group.keys[0])
         return self._with_values(group.keys[0])
+
+    def _note_unheld(self, where: list[str], what: str) -> None:
+        """Say that ``what`` (a build, a training step) changed the larger tensors ``where``
+        (kept outside the model) in place: values packtune cannot hold per trial."""
+        shown = ", ".join(where[:3]) + (", ..." if len(where) > 3 else "")
+        self.notes.append(
+            f"{self.workload.name}: {what} {shown} in place, a tensor kept outside the model "
+            f"and too large for packtune to hold per trial (over {SMALL_TENSOR:,} elements): "
+            "every trial in a worker process reads the last value set there, packed or not, "
+            "and its result may depend on what trained before it. Keep it in the model (a "
+            "buffer), or set it anew (NAME = torch...) rather than in place"
+        )
+        _warn_once(("unheld", self.workload.name, tuple(where)), self.notes[-1])
 
     def _outside_values(self, key: Hashable) -> dict[outside.Namespace, dict[str, Any]]:
         """``key``'s values of the names kept outside the model (none for most workloads)."""

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from worker.module_state import (
     MISSING,
+    SMALL_TENSOR,
     ArraySnapshot,
     Snapshot,
     changed_state,
@@ -39,7 +40,16 @@ from worker.module_state import (
     held_value,
     same_value,
 )
-from worker.outside_values import Fields, Own, RandomState, hold, put
+from worker.outside_values import (
+    MAX_FIELDS,
+    Fields,
+    Own,
+    RandomState,
+    attributes_of,
+    hold,
+    put,
+    settings_object,
+)
 
 #: top-level packages whose modules and classes are not read (their state is their own)
 _NOT_READ = frozenset({"builtins", "torch", "packtune", "worker", "service", "abc", "typing"})
@@ -193,6 +203,52 @@ def fresh(spaces: Iterable[Namespace]) -> Reading:
         if space not in _START and space not in _LAST:
             _START[space] = dict(values)
     return out
+
+
+#: a larger tensor kept outside the model, by where it is: (the tensor, its version)
+Versions = dict[str, tuple[Tensor, int]]
+
+
+def large_tensors(spaces: Iterable[Namespace]) -> Versions:
+    """The tensors of ``spaces`` too large to be held by value (more than
+    :data:`~worker.module_state.SMALL_TENSOR` elements; an ``nn.Module``'s parameters and
+    buffers, whatever their size), at a settings object's, dict's or list's first level too,
+    with their version counters (which an in-place change moves): :func:`changed_in_place`
+    compares two such readings."""
+    out: Versions = {}
+    for space in spaces:
+        own = _own(space)
+        for name, value in list(vars(space).items()):
+            if name.startswith("__") and name.endswith("__"):
+                continue
+            _large(label(space, name), value, own, out, depth=0)
+    return out
+
+
+def _large(where: str, value: Any, own: Own, out: Versions, depth: int) -> None:
+    if isinstance(value, Tensor):
+        if value.numel() > SMALL_TENSOR and not value.is_meta:
+            out[where] = (value, value._version)
+    elif isinstance(value, nn.Module):
+        for name, tensor in [*value.named_parameters(), *value.named_buffers()]:
+            out[f"{where}.{name}"] = (tensor, tensor._version)
+    elif depth == 0 and isinstance(value, dict | list | tuple) and len(value) <= MAX_FIELDS:
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in list(items):
+            _large(f"{where}[{key!r}]", item, own, out, depth + 1)
+    elif depth == 0 and settings_object(value, own):
+        for key, item in attributes_of(value).items():
+            _large(f"{where}.{key}", item, own, out, depth + 1)
+
+
+def changed_in_place(before: Versions, after: Versions) -> list[str]:
+    """Where the same larger tensor changed in place between ``before`` and ``after``
+    (:func:`large_tensors`): a value packtune cannot hold per trial."""
+    return sorted(
+        where
+        for where, (tensor, version) in after.items()
+        if where in before and before[where][0] is tensor and before[where][1] != version
+    )
 
 
 def undo(before: Reading) -> None:

@@ -225,12 +225,14 @@ def hold(value: Any, own: Own, depth: int = 0) -> Any:
         if isinstance(value, dict | list):
             items = value.items() if isinstance(value, dict) else enumerate(value)
             return Fields(value, {k: hold(v, own, depth + 1) for k, v in items})
-        if _settings(value, own) and len(fields := attributes_of(value)) <= MAX_FIELDS:
+        if settings_object(value, own) and len(fields := attributes_of(value)) <= MAX_FIELDS:
             return Fields(value, {k: hold(v, own, depth + 1) for k, v in fields.items()})
     return Same(value) if isinstance(value, dict | list | set) else value
 
 
-def _settings(value: Any, own: Own) -> bool:
+def settings_object(value: Any, own: Own) -> bool:
+    """Whether ``value`` is a settings object, held field by field: a namespace, or an
+    object of the user's own classes (``own``) with attributes."""
     if isinstance(value, _NAMESPACES):
         return True
     return (

@@ -58,6 +58,9 @@ class Probed:
     #: values outside the model it changed (a counter a forward keeps in a module global),
     #: by ``module.NAME``: each member's own from then on, in this process
     outside_state: tuple[str, ...] = ()
+    #: larger tensors outside the model it changed in place, which cannot be held per trial
+    #: (:func:`worker.outside_state.changed_in_place`)
+    unheld_outside: tuple[str, ...] = ()
     #: of ``model_state``, those that held a tensor after the forwards (``self.ema = ...``,
     #: begun as None or as a tensor): under vmap such an attribute holds the stack's value
     tensor_state: tuple[str, ...] = ()
@@ -156,7 +159,7 @@ def _run_probe(workload: Workload, model: nn.Module, batches: Sequence[Any]) -> 
             draws=any(p.draws for p in seen), host_draws=any(p.host_draws for p in seen),
             mutates=any(p.mutates for p in seen), reassigned=union("reassigned"),
             workload_state=union("workload_state"), model_state=union("model_state"),
-            outside_state=union("outside_state"),
+            outside_state=union("outside_state"), unheld_outside=union("unheld_outside"),
             tensor_state=union("tensor_state"), noise=union("noise"),
             dropout_only=any(p.draws for p in seen)
             and all(p.dropout_only for p in seen if p.draws),
@@ -193,7 +196,7 @@ def _probe_batch(workload: Workload, model: nn.Module, batch: Any, noise: bool =
     # values kept outside the model (module globals, class attributes) before the forwards:
     # what they change there is training state (:func:`worker.outside_state.learn_trained`)
     spaces = outside.namespaces(workload, model)
-    outside_before = outside.reading(spaces)
+    outside_before, large = outside.reading(spaces), outside.large_tensors(spaces)
     try:
         drew = draws_random(run, device)
         mutates = [t._version for t in tensors(own_batch)] != versions
@@ -220,6 +223,7 @@ def _probe_batch(workload: Workload, model: nn.Module, batch: Any, noise: bool =
     finally:  # the probe's own changes to the workload object and outside it are undone
         changed = restore_object_state(workload, held)
         trained_outside = outside.learn_trained(outside_before, outside.reading(spaces))
+        unheld = outside.changed_in_place(large, outside.large_tensors(spaces))
         outside.undo(outside_before)
     after = python_state(trial)
     changed_model = changed_state(own, after)
@@ -228,7 +232,7 @@ def _probe_batch(workload: Workload, model: nn.Module, batch: Any, noise: bool =
         dropout_only=dropout_only, workload_state=tuple(changed),
         model_state=tuple(changed_model), tensor_state=tuple(
             n for n in changed_model if isinstance(after.get(n), Tensor)),
-        noise=rounding, outside_state=tuple(trained_outside),
+        noise=rounding, outside_state=tuple(trained_outside), unheld_outside=tuple(unheld),
     )  # fmt: skip
 
 

@@ -494,3 +494,41 @@ def test_packtune_checks_own_build_leaves_no_trace(monkeypatch: pytest.MonkeyPat
     got = results(array)
     for key, config in group:
         assert_as_alone(got[key], fresh_alone(w, (key, config)), key)
+
+
+#: a projection too large to hold per trial, redrawn in place by LargeInPlace.build_model
+PROJECTION = torch.zeros(80, 80, dtype=torch.float64)
+#: the same, advanced in place by LargeInPlace's training forward (a running mean, say)
+RUNNING = torch.zeros(80, 80, dtype=torch.float64)
+
+
+class _Projected(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            RUNNING.add_(1.0)
+        return self.fc2(torch.relu(self.fc1(x)) * (1.0 + PROJECTION[0, :16]))
+
+
+class LargeInPlace(TinyMLP):
+    name = "large-in-place"
+    params = {**TinyMLP.params, "scale": 1.0}
+    fusible = frozenset({"scale"})
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        PROJECTION.normal_(std=float(self.resolve(config)["scale"]))
+        return _Projected().double()
+
+
+def test_a_larger_tensor_changed_in_place_is_said_to_be_shared() -> None:
+    """6,400 elements: more than packtune holds per trial. Every trial of the process reads
+    the last value built; before, nothing said so."""
+    array = FusedArray(LargeInPlace(), members([0.1, 0.2]))
+    built = [n for n in array.notes if "build_model changed" in n]
+    assert built and f"{__name__}.PROJECTION in place" in built[0], array.notes
+    stepped = [n for n in array.notes if "a training step changes" in n]
+    assert stepped and f"{__name__}.RUNNING in place" in stepped[0], array.notes
+    assert "4,096 elements" in built[0]
