@@ -562,7 +562,7 @@ class FusedArray:
                 self.host_streams[key] = decode_host(saved) if saved else host_state()
         finally:  # the process's own between its steps (not a failed build's either)
             torch_settings.put(self.torch_base)
-        set_host_state(host)
+            set_host_state(host)
         #: each member's torch settings that some member's build changed, put back around
         #: its stack's steps and evaluations (:meth:`_put_outside`), the process's after them
         self.torch_own, changed_torch, torch_apart = torch_settings.members_own(

@@ -201,3 +201,22 @@ def test_a_build_that_sets_the_threads_leaves_the_processs() -> None:
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_build_that_fails_leaves_the_processs_host_random_state() -> None:
+    """Python's and NumPy's global generators as the process had them: before, a failed
+    build left them seeded from its trial's seed."""
+    import random
+
+    import numpy
+
+    from worker.fused import BuildError
+
+    random.seed(123)
+    numpy.random.seed(123)
+    want = (random.random(), float(numpy.random.random()))
+    random.seed(123)
+    numpy.random.seed(123)
+    with pytest.raises(BuildError, match="out of memory"):
+        FusedArray(DoubleThenFails(), [member(0, True)])
+    assert (random.random(), float(numpy.random.random())) == want
