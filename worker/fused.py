@@ -1054,6 +1054,14 @@ class FusedArray:
         self._put_outside(group.keys[0])
         return self._with_values(group.keys[0])
 
+    @contextmanager
+    def measured_with(self, group: Group) -> Iterator[Workload]:
+        """The workload ``group``'s forward runs with outside a step (a memory estimate's
+        forward): its members' values kept outside the model and their torch settings in
+        force, as around its steps (:meth:`workload_of`), the process's put back after."""
+        with self._outside_held() if self._keeps_outside() else nullcontext():
+            yield self.workload_of(group)
+
     def _note_unheld(self, where: list[str], what: str) -> None:
         """Say that ``what`` (a build, a training step) changed the larger tensors ``where``
         (kept outside the model) in place: values packtune cannot hold per trial."""

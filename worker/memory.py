@@ -87,8 +87,12 @@ def _cpu_peak(array: FusedArray, batch: Any) -> int:
         return t
 
     for group, own in by_group:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            losses = group.batch_losses(own, array.workload)
+        # with its members' values kept outside the model and torch settings, as its steps
+        with (
+            array.measured_with(group) as workload,
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        ):
+            losses = group.batch_losses(own, workload)
         total += _storage_bytes(saved + [losses], seen)
         saved.clear()
     return total

@@ -102,3 +102,45 @@ def test_cuda_fused_array_matches_plain_runs(workload_cls, mode):
             assert torch.allclose(mine, ref, rtol=1e-9, atol=1e-9), (key, name)
     print(f"cuda {workload.name} {mode}: largest loss difference {worst:.2e}")
     assert worst < 1e-9
+
+
+#: how many times the forward of _Widened repeats its hidden layer's output, set per trial by
+#: WidenedGlobal.build_model (undeclared: a value kept outside the model)
+WIDTH = 1
+
+
+class _Widened(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = torch.relu(self.fc1(x)).repeat(1, WIDTH)  # what the step keeps grows with it
+        return self.fc2(torch.tanh(wide).reshape(x.shape[0], WIDTH, 16).mean(1))
+
+
+class WidenedGlobal(TinyMLP):
+    name = "widened-global"
+    params = {**TinyMLP.params, "width": 1}
+    fusible = frozenset({"width"})
+
+    def build_model(self, config):
+        global WIDTH
+        WIDTH = int(self.resolve(config)["width"])
+        return _Widened().double()
+
+
+def test_cpu_memory_estimate_runs_each_stack_with_its_own_values_kept_outside_the_model():
+    """Each stack's forward is measured with its members' value of ``WIDTH``: before, with
+    the last one built, for every stack (so the estimate depended on the build order)."""
+    from worker.memory import _cpu_peak
+
+    def peak(widths):
+        members = [(i, {"seed": i, "lr": 0.1, "width": w}) for i, w in enumerate(widths)]
+        array = FusedArray(WidenedGlobal(), members)
+        assert len(array.groups) == len(widths)  # each member its own stack
+        return _cpu_peak(array, next(array.epoch_inputs(0, 0, 1)))
+
+    wide_last, wide_first = peak([1, 64]), peak([64, 1])
+    assert wide_last == wide_first
+    assert wide_last > peak([1, 2]) + 20_000  # the 64-wide stack's activations counted
