@@ -206,9 +206,13 @@ class BuildError(ValueError):
 
 
 def _build_model(
-    workload: Workload, config: Mapping[str, Any], state: Mapping[str, Any] | None
+    workload: Workload,
+    config: Mapping[str, Any],
+    state: Mapping[str, Any] | None,
+    built: Callable[[], None] | None = None,
 ) -> nn.Module:
-    """One member's model, initialised exactly as a plain run of ``config`` would be."""
+    """One member's model, initialised exactly as a plain run of ``config`` would be;
+    ``built`` is called as ``build_model`` returns (before a resumed state is loaded)."""
     seed_torch(int(config["seed"]))
     try:
         model = workload.build_model(config)
@@ -217,6 +221,8 @@ def _build_model(
             f"{type(exc).__name__}: {exc} [{DETAILS}{workload.name}.build_model could not "
             f"build the model of {_suspects(config)}]"
         ) from exc
+    if built is not None:
+        built()
     if not isinstance(model, nn.Module):
         raise BuildError(
             f"{workload.name}.build_model() returned a {type(model).__name__}; it must return "
@@ -530,8 +536,13 @@ class FusedArray:
                     outside.fresh_attributes(workload),
                 )
                 large = outside.large_tensors(before)
-                model = _build_model(workload, config, state)
-                unheld.update(outside.changed_in_place(large, outside.large_tensors(before)))
+
+                def after_build(large: outside.Versions = large, spaces: Any = before) -> None:
+                    # the build's own changes (not a resumed state's load into a module
+                    # global its model holds as a buffer)
+                    unheld.update(outside.changed_in_place(large, outside.large_tensors(spaces)))
+
+                model = _build_model(workload, config, state, after_build)
                 torch_after[key] = torch_settings.read()
                 held_attributes[key] = outside.attributes(workload)
                 changed_attributes |= outside.learn_attributes(
@@ -617,7 +628,9 @@ class FusedArray:
                 "or a class attribute), differently per trial, and every model in a process "
                 "reads the last value set there; its members train one at a time, each with "
                 "its own values put back, as unpacked. Keep per-trial values in the model (a "
-                "buffer) for them to be fused"
+                "buffer) for them to be fused; a cache build_model fills on first use (a "
+                "helper loaded into a global that was None) counts too: fill it at import or "
+                "in data()"
             )
             _warn_once(("outside", workload.name, tuple(kept_apart)), self.notes[-1])
         if unheld:
@@ -1070,7 +1083,8 @@ class FusedArray:
             f"{self.workload.name}: {what} {shown} in place, a tensor kept outside the model "
             f"and too large for packtune to hold per trial (over {SMALL_TENSOR:,} elements): "
             "every trial in a worker process reads the last value set there, packed or not, "
-            "and its result may depend on what trained before it. Keep it in the model (a "
+            "and its result may depend on what trained before it (a scratch buffer a "
+            "forward overwrites before it reads it is harmless). Keep it in the model (a "
             "buffer), or set it anew (NAME = torch...) rather than in place"
         )
         _warn_once(("unheld", self.workload.name, tuple(where)), self.notes[-1])

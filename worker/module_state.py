@@ -126,9 +126,9 @@ def held_value(value: Any) -> Any:
     if _plain(value):
         return copy.deepcopy(value)
     if isinstance(value, torch.Tensor) and value.numel() <= SMALL_TENSOR and not value.is_meta:
-        return Snapshot(value.detach().clone())
+        return Snapshot(value.detach().clone(), value)
     if small_array(value):
-        return ArraySnapshot(value.copy())
+        return ArraySnapshot(value.copy(), value)
     return value
 
 
@@ -151,11 +151,35 @@ class Held:
         raise NotImplementedError
 
 
-class Snapshot(Held):
-    """A small tensor's value at a moment (:func:`object_state`), compared by value."""
+class _Copy(Held):
+    """A value copied at a moment from an object (``source``), put back by :meth:`restore`."""
 
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
+    source: Any
+
+    def fill(self, current: Any) -> bool:
+        raise NotImplementedError
+
+    def copy(self) -> Any:
+        raise NotImplementedError
+
+    def restore(self, current: Any) -> Any:
+        """What to set where ``current`` is for it to hold this value: ``current`` itself,
+        filled in place, where it is the object the value was read from (changed in place
+        since: whoever else holds it sees the value); that object, filled, where another
+        was set there since (not filling the new one, which a model built since may hold as
+        its own: a NumPy array or tensor set anew per trial); a copy where neither can be."""
+        target = current if current is self.source else self.source
+        if target is not None and self.fill(target):
+            return target
+        return self.copy()
+
+
+class Snapshot(_Copy):
+    """A small tensor's value at a moment (:func:`object_state`), compared by value;
+    ``source``: the tensor it was read from (None: from a checkpoint alone)."""
+
+    def __init__(self, tensor: torch.Tensor, source: torch.Tensor | None = None) -> None:
+        self.tensor, self.source = tensor, source
 
     def same_as(self, other: Any) -> bool:
         value = other.tensor if isinstance(other, Snapshot) else other
@@ -176,13 +200,18 @@ class Snapshot(Held):
             current.copy_(self.tensor)
         return True
 
+    def copy(self) -> torch.Tensor:
+        """A new tensor with the value."""
+        return self.tensor.clone()
 
-class ArraySnapshot(Held):
+
+class ArraySnapshot(_Copy):
     """A small NumPy array's value at a moment (:func:`held_value`), compared bit for bit
-    (its shape, dtype and bytes: a NaN equals itself)."""
+    (its shape, dtype and bytes: a NaN equals itself); ``source``: the array it was read
+    from."""
 
-    def __init__(self, array: Any) -> None:
-        self.array = array
+    def __init__(self, array: Any, source: Any = None) -> None:
+        self.array, self.source = array, source
 
     def same_as(self, other: Any) -> bool:
         value = other.array if isinstance(other, ArraySnapshot) else other
@@ -217,11 +246,11 @@ def restore(obj: Any, held: dict[str, Any], names: list[str]) -> None:
     is removed."""
     for name in names:
         value = held.get(name, MISSING)
-        if isinstance(value, Snapshot | ArraySnapshot):
-            current = vars(obj).get(name)
-            if value.fill(current):
+        if isinstance(value, _Copy):
+            current = vars(obj).get(name, MISSING)
+            value = value.restore(current)
+            if value is current:
                 continue
-            value = value.tensor.clone() if isinstance(value, Snapshot) else value.copy()
         put(obj, name, held_plain(value))
 
 

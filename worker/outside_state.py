@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 
 from worker.module_state import (
     MISSING,
@@ -167,7 +168,9 @@ def _folder(module: types.ModuleType) -> str | None:
 
 
 def reading(spaces: Iterable[Namespace]) -> Reading:
-    """Every value of ``spaces`` now (dunder names and a class's methods left out)."""
+    """Every value of ``spaces`` now (dunder names, a class's methods, and modules left out: a
+    package's submodule appears as its attribute when first imported, inside a build or a
+    forward too, and is never a value to put back)."""
     out: Reading = {}
     for space in spaces:
         own = _own(space)
@@ -176,6 +179,7 @@ def reading(spaces: Iterable[Namespace]) -> Reading:
             for name, value in list(vars(space).items())
             if not (name.startswith("__") and name.endswith("__"))
             and not (isinstance(space, type) and isinstance(value, _CODE))
+            and not isinstance(value, types.ModuleType)
         }
         out[space] = {name: hold(value, own) for name, value in values.items()}
         _SHARED[space] = [
@@ -227,11 +231,12 @@ def large_tensors(spaces: Iterable[Namespace]) -> Versions:
 
 def _large(where: str, value: Any, own: Own, out: Versions, depth: int) -> None:
     if isinstance(value, Tensor):
-        if value.numel() > SMALL_TENSOR and not value.is_meta:
+        if value.numel() > SMALL_TENSOR and _versioned(value):
             out[where] = (value, value._version)
     elif isinstance(value, nn.Module):
         for name, tensor in [*value.named_parameters(), *value.named_buffers()]:
-            out[f"{where}.{name}"] = (tensor, tensor._version)
+            if _versioned(tensor):
+                out[f"{where}.{name}"] = (tensor, tensor._version)
     elif depth == 0 and isinstance(value, dict | list | tuple) and len(value) <= MAX_FIELDS:
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, item in list(items):
@@ -239,6 +244,14 @@ def _large(where: str, value: Any, own: Own, out: Versions, depth: int) -> None:
     elif depth == 0 and settings_object(value, own):
         for key, item in attributes_of(value).items():
             _large(f"{where}.{key}", item, own, out, depth + 1)
+
+
+def _versioned(tensor: Tensor) -> bool:
+    """Whether ``tensor`` has a version counter to read (an inference-mode tensor has none;
+    a meta tensor, or a lazy module's parameter not made yet, holds no values)."""
+    if is_lazy(tensor):  # a lazy module's parameter, not made yet
+        return False
+    return not (tensor.is_meta or tensor.is_inference())
 
 
 def changed_in_place(before: Versions, after: Versions) -> list[str]:
@@ -251,13 +264,15 @@ def changed_in_place(before: Versions, after: Versions) -> list[str]:
     )
 
 
-def undo(before: Reading) -> None:
-    """Put the names of ``before``'s namespaces that changed since that reading back to its
-    values (names new since then removed): a build that leaves no trace (``packtune
-    check``'s own)."""
+def undo(before: Reading, only: Mapping[Namespace, Iterable[str]] | None = None) -> None:
+    """Put the names of ``before``'s namespaces that changed since that reading (of them,
+    those ``only`` names where given) back to its values (names new since then removed): a
+    build that leaves no trace (``packtune check``'s own), a probe's forwards."""
     now = reading(before)
     for space, values in before.items():
         names = changed_state(values, now[space])
+        if only is not None:
+            names = [n for n in names if n in set(only.get(space, ()))]
         if names:
             _put_into(space, {name: values.get(name, MISSING) for name in names})
 
@@ -308,8 +323,14 @@ def learn(before: Reading, after: Reading) -> set[tuple[Namespace, str]]:
             _keep(_BUILT, space, built)
         changed = set(built)
         if space in _LAST and _module_name(space) != "__main__":
-            # (a script's or a notebook's own variables change between builds: not state)
-            changed.update(changed_state(_LAST[space], values))
+            # (a script's or a notebook's own variables change between builds: not state;
+            # nor is a cache that training filled on first use: :func:`_filled`)
+            last = _LAST[space]
+            changed.update(
+                name
+                for name in changed_state(last, values)
+                if not _filled(last.get(name, MISSING), values.get(name, MISSING))
+            )
         if changed:
             _keep(_KEPT, space, changed)
             out.update((space, name) for name in changed)
@@ -317,18 +338,56 @@ def learn(before: Reading, after: Reading) -> set[tuple[Namespace, str]]:
     return out
 
 
-def learn_trained(before: Reading, after: Reading) -> list[str]:
-    """Note what training forwards changed (a probe's, read ``before`` and ``after`` them):
-    each member's own from now on, as what a build changed is, whatever module it is in (a
-    script's too: the script does not run within a probe). Returns them by :func:`label`."""
-    out: list[str] = []
+def learn_trained(before: Reading, first: Reading, after: Reading) -> dict[Namespace, set[str]]:
+    """Note what training forwards changed (a probe's, read ``before`` them, after the
+    ``first`` and ``after`` the last): each member's own from now on, as what a build changed
+    is, whatever module it is in (a script's too: the script does not run within a probe).
+    A value the first forward filled and the others left alone is a cache, not state (a
+    helper loaded on first use into a global that was None, a memo dict that gained
+    entries): left as it is, filled. Returns the names noted."""
+    out: dict[Namespace, set[str]] = {}
     for space, values in after.items():
-        changed = changed_state(before[space], values) if space in before else set()
+        if space not in before:
+            continue
+        was, once = before[space], first.get(space, {})
+        changed = {
+            name
+            for name in changed_state(was, values)
+            if not (
+                name in once
+                and same_value(once[name], values.get(name, MISSING))
+                and _filled(was.get(name, MISSING), once[name])
+            )
+        }
         if changed:
             _keep(_TRAINED, space, changed)
             _keep(_KEPT, space, changed)
-            out += [label(space, name) for name in sorted(changed)]
+            out[space] = changed
     return out
+
+
+def _filled(before: Any, after: Any) -> bool:
+    """Whether ``after`` is ``before`` filled as a cache is: None (or nothing) before, or a
+    dict or list that only gained entries."""
+    if before is None or before is MISSING:
+        return True
+    old, new = _entries(before), _entries(after)
+    return (
+        old is not None
+        and new is not None
+        and len(new) > len(old)
+        and all(k in new and same_value(v, new[k]) for k, v in old.items())
+    )
+
+
+def _entries(held: Any) -> dict[Any, Any] | None:
+    if isinstance(held, Fields) and isinstance(held.obj, dict | list):
+        return dict(held.fields)
+    if isinstance(held, dict):
+        return dict(held)
+    if isinstance(held, list):
+        return dict(enumerate(held))
+    return None
 
 
 def _keep(
@@ -453,7 +512,10 @@ def _savable(held: Any) -> Any:
     if isinstance(held, Snapshot):
         return held.tensor.detach().to("cpu", copy=True)
     if isinstance(held, ArraySnapshot):  # as a tensor, which a checkpoint reads back
-        return torch.from_numpy(held.copy())
+        try:
+            return torch.from_numpy(held.copy())
+        except (TypeError, ValueError):  # a dtype torch has not (longdouble, byte-swapped)
+            return MISSING
     return copy.deepcopy(held) if held is not MISSING and checkpointable(held) else MISSING
 
 
@@ -461,18 +523,24 @@ def resumed_value(held: Any, entry: Mapping[str, Any]) -> Any:
     """``held`` (a value after a resumed member's build) with its checkpoint's ``entry``
     (:func:`saved_value`) in place of the build's."""
     if "value" in entry:
-        value = entry["value"]
-        if isinstance(value, Tensor) and isinstance(held, Snapshot):
-            value = value.to(held.tensor.device)  # saved on the CPU
-        elif isinstance(value, Tensor) and isinstance(held, ArraySnapshot):
-            value = value.numpy().astype(held.array.dtype)  # saved as a tensor
-        return held_value(value)
+        return _resumed(held, entry["value"])
     if "rng" in entry and isinstance(held, RandomState):
         return held.resumed(entry["rng"])
     if "fields" in entry and isinstance(held, Fields):
-        fields = {k: held_value(v) for k, v in entry["fields"].items()}
+        fields = {k: _resumed(held.fields.get(k, MISSING), v) for k, v in entry["fields"].items()}
         return Fields(held.obj, {**held.fields, **fields})
     return held
+
+
+def _resumed(held: Any, value: Any) -> Any:
+    """A saved ``value`` held as the build's ``held`` was: a small tensor or NumPy array (saved
+    as a tensor, on the CPU) as a snapshot of the object the build's was read from, put back
+    into it."""
+    if isinstance(value, Tensor) and isinstance(held, Snapshot):
+        return Snapshot(value.to(held.tensor.device), held.source)
+    if isinstance(value, Tensor) and isinstance(held, ArraySnapshot):
+        return ArraySnapshot(value.numpy().astype(held.array.dtype), held.source)
+    return held_value(value)
 
 
 def resume(reading: Reading, saved: Mapping[str, Mapping[str, Any]]) -> None:

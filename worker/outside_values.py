@@ -248,10 +248,18 @@ def _slots(cls: type) -> tuple[str, ...]:
     names: list[str] = []
     for klass in cls.__mro__:
         declared = vars(klass).get("__slots__", ())
-        for name in (declared,) if isinstance(declared, str) else declared:
+        for declared_name in (declared,) if isinstance(declared, str) else declared:
+            name = _mangled(klass, declared_name)
             if name not in ("__dict__", "__weakref__") and name not in names:
                 names.append(name)
     return tuple(names)
+
+
+def _mangled(klass: type, name: str) -> str:
+    """The attribute a slot ``name`` of ``klass`` is stored as (``__x``: ``_Klass__x``)."""
+    if name.startswith("__") and not name.endswith("__"):
+        return f"_{klass.__name__.lstrip('_')}{name}"
+    return name
 
 
 def attributes_of(obj: Any) -> dict[str, Any]:
@@ -286,10 +294,8 @@ def put(current: Any, held: Any) -> Any:
         return held.put()
     if isinstance(held, Same):
         return held.obj
-    if isinstance(held, Snapshot):
-        return current if held.fill(current) else held.tensor.clone()
-    if isinstance(held, ArraySnapshot):
-        return current if held.fill(current) else held.copy()
+    if isinstance(held, Snapshot | ArraySnapshot):
+        return held.restore(current)
     if type(current) is type(held):
         if isinstance(held, dict):
             _fill_dict(current, held)

@@ -1,7 +1,9 @@
 """Process-wide torch settings a ``build_model`` may change: the default dtype, the default
-device (torch keeps it per thread: an array's thread is reused by later arrays), the float32
-matmul precision, deterministic algorithms, the CPU's intra-op threads (a sum's order, and so
-its rounding, may follow them), TF32 and cuDNN's choices.
+device (torch keeps its context per thread, and an array's thread is reused by later arrays;
+the device it names is also kept in a module global of torch's), the float32
+matmul precision, deterministic algorithms, TF32 and cuDNN's choices. (Not the CPU's
+intra-op threads: ``torch.set_num_threads`` is partly per thread under OpenMP, and an array
+is built in one thread and may step in another.)
 
 A worker process has one of each, which every model in it computes under: a build that
 sets one (``torch.set_default_dtype(torch.float64)`` for some configs) would leave it set
@@ -28,9 +30,11 @@ def _deterministic() -> tuple[bool, bool]:
 
 def _default_device() -> torch.device | None:
     """The default device ``torch.set_default_device`` set (in this thread: torch keeps it
-    per thread), or None where none is set (the CPU, at no cost per torch call)."""
+    per thread), or None where none is set or the CPU is (as a fresh process's: a build's
+    ``torch.set_default_device("cpu")`` changes nothing to put back)."""
     context = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
-    return None if context is None else torch.device(context.device)
+    device = None if context is None else torch.device(context.device)
+    return None if device is None or device.type == "cpu" else device
 
 
 def _flag(owner: Any, attr: str) -> tuple[Any, Any]:
@@ -50,7 +54,6 @@ _SETTINGS: dict[str, tuple[Any, Any]] = {
         lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1]),
     ),
     "torch.set_default_device": (_default_device, torch.set_default_device),
-    "torch.set_num_threads": (torch.get_num_threads, torch.set_num_threads),
     "torch.backends.cuda.matmul.allow_tf32": _flag(torch.backends.cuda.matmul, "allow_tf32"),
     "torch.backends.cudnn.allow_tf32": _flag(torch.backends.cudnn, "allow_tf32"),
     "torch.backends.cudnn.deterministic": _flag(torch.backends.cudnn, "deterministic"),

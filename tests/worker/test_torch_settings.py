@@ -176,31 +176,7 @@ def test_a_member_built_after_one_that_set_the_default_device_is_built_on_the_pr
         train(later, EPOCHS * later.steps_per_epoch)
         assert_as_alone(results(later)["t2"], want_later, "t2")
     finally:
-        torch.set_default_device("cpu")
-
-
-class ThreadsSome(MetaDefaultSome):
-    name = "threads-some"
-
-    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
-        if self.resolve(config)["meta"]:
-            torch.set_num_threads(1)
-        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)).double()
-
-
-def test_a_build_that_sets_the_threads_leaves_the_processs() -> None:
-    """The process's intra-op threads after an array whose member set them: before, 1 for
-    every later array of the process."""
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        array = FusedArray(ThreadsSome(), [("t0", {"seed": 40, "data_seed": 4, "lr": 0.1,
-                                                    "meta": True})])  # fmt: skip
-        assert torch.get_num_threads() == 2
-        train(array, array.steps_per_epoch)
-        assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(before)
+        torch.set_default_device(None)
 
 
 def test_a_build_that_fails_leaves_the_processs_host_random_state() -> None:
