@@ -4,8 +4,9 @@ it back.
 A value changed *in place* is held by value, not only one set anew: a settings object
 (``SETTINGS.scale = ...``: a dataclass, a ``SimpleNamespace``), a dict or list whose entries
 are set (``CONFIG["scale"] = ...``), a small tensor filled (``FACTOR.fill_(...)``). And it is
-put back in place, into the object that is there, so that whoever else holds that object (a
-model that keeps ``self.config = CONFIG``) reads the member's value too.
+put back in place, into the object it was read from (set there again where another was set
+since), so that whoever else holds that object (a model that keeps ``self.config =
+CONFIG``) reads the member's value too.
 
 - a random generator (a ``torch.Generator``, a ``random.Random``, NumPy's ``RandomState``
   or ``Generator``; ``GEN.manual_seed(seed)`` in ``build_model``): :class:`RandomState`,
