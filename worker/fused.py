@@ -543,6 +543,7 @@ class FusedArray:
                     unheld.update(outside.changed_in_place(large, outside.large_tensors(spaces)))
 
                 model = _build_model(workload, config, state, after_build)
+                outside.unshare(model, outside.namespaces(workload, model))
                 torch_after[key] = torch_settings.read()
                 held_attributes[key] = outside.attributes(workload)
                 changed_attributes |= outside.learn_attributes(
@@ -754,10 +755,24 @@ class FusedArray:
                 )
             only = (None if self.decoupled is None or segment is None
                     else segment_names(template, self.decoupled.segments, segment))  # fmt: skip
-            # a tensor a forward keeps on its module (not a buffer: self.ema = ...) holds a
-            # stack's batched value under vmap, which no member can hold or save: apart
+            # a tensor a forward keeps on its module (not a buffer: self.ema = ...), or in a
+            # module global, holds a stack's batched value under vmap, which no member can
+            # hold or save: apart
             apart = (probed.mutates or bool(drifted) or bool(kept_apart) or bool(torch_apart)
-                     or bool(probed.workload_state) or bool(probed.tensor_state))  # fmt: skip
+                     or bool(probed.workload_state) or bool(probed.tensor_state)
+                     or bool(probed.outside_state))  # fmt: skip
+            if probed.outside_state:
+                names = ", ".join(repr(n) for n in probed.outside_state[:3]) + (
+                    ", ..." if len(probed.outside_state) > 3 else ""
+                )
+                note = (
+                    f"{workload.name}: a training step changes {names} outside the model (a "
+                    "module global or a class attribute); its members train one at a time, "
+                    "each with its own value, as unpacked. Keep such state in the model (a "
+                    "buffer) for them to be fused"
+                )
+                if note not in self.notes:
+                    self.notes.append(note)
             rounding = bool(probed.noise) and self.scales_gradients
             # spilled and decoupled stacks run their layers in shards (worker.spill), whose
             # masks come from torch's generator (a spilled one's recompute redraws them)

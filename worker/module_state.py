@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import copy
 import sys
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -152,9 +153,21 @@ class Held:
 
 
 class _Copy(Held):
-    """A value copied at a moment from an object (``source``), put back by :meth:`restore`."""
+    """A value copied at a moment from an object (its source, held weakly: a small view of
+    a large tensor must not keep the large one alive), put back by :meth:`restore`."""
 
-    source: Any
+    _source: Callable[[], Any]
+
+    def _hold_source(self, source: Any) -> None:
+        try:
+            self._source = weakref.ref(source)
+        except TypeError:  # None (from a checkpoint alone), or an object without weakrefs
+            self._source = lambda: source
+
+    @property
+    def source(self) -> Any:
+        """The object the value was read from (None where it is gone)."""
+        return self._source()
 
     def fill(self, current: Any) -> bool:
         raise NotImplementedError
@@ -167,10 +180,15 @@ class _Copy(Held):
         filled in place, where it is the object the value was read from (changed in place
         since: whoever else holds it sees the value); that object, filled, where another
         was set there since (not filling the new one, which a model built since may hold as
-        its own: a NumPy array or tensor set anew per trial); a copy where neither can be."""
-        target = current if current is self.source else self.source
-        if target is not None and self.fill(target):
-            return target
+        its own: a NumPy array or tensor set anew per trial); a copy where neither can be
+        filled (gone, another shape, an inference-mode or broadcast tensor)."""
+        source = self.source
+        target = current if current is source else source
+        try:
+            if target is not None and self.fill(target):
+                return target
+        except RuntimeError:  # not writable in place
+            pass
         return self.copy()
 
 
@@ -179,7 +197,8 @@ class Snapshot(_Copy):
     ``source``: the tensor it was read from (None: from a checkpoint alone)."""
 
     def __init__(self, tensor: torch.Tensor, source: torch.Tensor | None = None) -> None:
-        self.tensor, self.source = tensor, source
+        self.tensor = tensor
+        self._hold_source(source)
 
     def same_as(self, other: Any) -> bool:
         value = other.tensor if isinstance(other, Snapshot) else other
@@ -211,7 +230,8 @@ class ArraySnapshot(_Copy):
     from."""
 
     def __init__(self, array: Any, source: Any = None) -> None:
-        self.array, self.source = array, source
+        self.array = array
+        self._hold_source(source)
 
     def same_as(self, other: Any) -> bool:
         value = other.array if isinstance(other, ArraySnapshot) else other

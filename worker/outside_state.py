@@ -168,9 +168,10 @@ def _folder(module: types.ModuleType) -> str | None:
 
 
 def reading(spaces: Iterable[Namespace]) -> Reading:
-    """Every value of ``spaces`` now (dunder names, a class's methods, and modules left out: a
-    package's submodule appears as its attribute when first imported, inside a build or a
-    forward too, and is never a value to put back)."""
+    """Every value of ``spaces`` now (dunder names, a class's methods, and a package's own
+    submodules left out: one appears as the package's attribute when first imported, inside
+    a build or a forward too, and is never a value to put back; a module a build sets a
+    global to, ``IMPL = impl_b``, is one)."""
     out: Reading = {}
     for space in spaces:
         own = _own(space)
@@ -179,7 +180,7 @@ def reading(spaces: Iterable[Namespace]) -> Reading:
             for name, value in list(vars(space).items())
             if not (name.startswith("__") and name.endswith("__"))
             and not (isinstance(space, type) and isinstance(value, _CODE))
-            and not isinstance(value, types.ModuleType)
+            and not _submodule(space, name, value)
         }
         out[space] = {name: hold(value, own) for name, value in values.items()}
         _SHARED[space] = [
@@ -188,6 +189,15 @@ def reading(spaces: Iterable[Namespace]) -> Reading:
             if isinstance(value, dict | list | set) or isinstance(out[space][name], Fields)
         ]
     return out
+
+
+def _submodule(space: Namespace, name: str, value: Any) -> bool:
+    """Whether ``value`` is package ``space``'s own submodule ``name`` (``pkg.extra``)."""
+    return (
+        isinstance(value, types.ModuleType)
+        and isinstance(space, types.ModuleType)
+        and value.__name__ == f"{space.__name__}.{name}"
+    )
 
 
 def fresh(spaces: Iterable[Namespace]) -> Reading:
@@ -252,6 +262,46 @@ def _versioned(tensor: Tensor) -> bool:
     if is_lazy(tensor):  # a lazy module's parameter, not made yet
         return False
     return not (tensor.is_meta or tensor.is_inference())
+
+
+def unshare(model: nn.Module, spaces: Iterable[Namespace]) -> None:
+    """Give ``model`` a copy of its own of each parameter and buffer that is a tensor kept
+    in ``spaces`` (or shares its memory: a NumPy array through ``torch.from_numpy``), at a
+    settings object's, dict's or list's first level too: a build that fills the global in
+    place and registers it as its model's buffer (``FILLED.fill_(s)``) would otherwise have
+    the next member's build fill it again before this member's model is stacked."""
+    pointers: set[int] = set()
+    for space in spaces:
+        own = _own(space)
+        for name, value in list(vars(space).items()):
+            if not (name.startswith("__") and name.endswith("__")):
+                pointers.update(_pointers(value, own, depth=0))
+    pointers.discard(0)
+    if not pointers:
+        return
+    for module in model.modules():
+        for param in list(module._parameters.values()):
+            if param is not None and _versioned(param) and param.data_ptr() in pointers:
+                with torch.no_grad():
+                    param.data = param.data.clone()
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None and _versioned(buffer) and buffer.data_ptr() in pointers:
+                module._buffers[name] = buffer.clone()
+
+
+def _pointers(value: Any, own: Own, depth: int) -> Iterable[int]:
+    """Where the values of the tensors and NumPy arrays in ``value`` start in memory."""
+    if isinstance(value, Tensor):
+        if _versioned(value):
+            yield value.data_ptr()
+    elif type(value).__module__ == "numpy" and type(value).__name__ == "ndarray":
+        yield int(value.__array_interface__["data"][0])
+    elif depth == 0 and isinstance(value, dict | list | tuple) and len(value) <= MAX_FIELDS:
+        for item in list(value.values() if isinstance(value, dict) else value):
+            yield from _pointers(item, own, depth + 1)
+    elif depth == 0 and settings_object(value, own):
+        for item in attributes_of(value).values():
+            yield from _pointers(item, own, depth + 1)
 
 
 def changed_in_place(before: Versions, after: Versions) -> list[str]:
@@ -323,14 +373,8 @@ def learn(before: Reading, after: Reading) -> set[tuple[Namespace, str]]:
             _keep(_BUILT, space, built)
         changed = set(built)
         if space in _LAST and _module_name(space) != "__main__":
-            # (a script's or a notebook's own variables change between builds: not state;
-            # nor is a cache that training filled on first use: :func:`_filled`)
-            last = _LAST[space]
-            changed.update(
-                name
-                for name in changed_state(last, values)
-                if not _filled(last.get(name, MISSING), values.get(name, MISSING))
-            )
+            # (a script's or a notebook's own variables change between builds: not state)
+            changed.update(changed_state(_LAST[space], values))
         if changed:
             _keep(_KEPT, space, changed)
             out.update((space, name) for name in changed)
@@ -338,56 +382,20 @@ def learn(before: Reading, after: Reading) -> set[tuple[Namespace, str]]:
     return out
 
 
-def learn_trained(before: Reading, first: Reading, after: Reading) -> dict[Namespace, set[str]]:
-    """Note what training forwards changed (a probe's, read ``before`` them, after the
-    ``first`` and ``after`` the last): each member's own from now on, as what a build changed
-    is, whatever module it is in (a script's too: the script does not run within a probe).
-    A value the first forward filled and the others left alone is a cache, not state (a
-    helper loaded on first use into a global that was None, a memo dict that gained
-    entries): left as it is, filled. Returns the names noted."""
+def learn_trained(before: Reading, after: Reading) -> dict[Namespace, set[str]]:
+    """Note what training forwards changed (a probe's, read ``before`` and ``after`` them):
+    each member's own from now on, as what a build changed is, whatever module it is in (a
+    script's too: the script does not run within a probe). A cache a forward fills on first
+    use counts too: it cannot be told from a value computed from the model (a scale taken
+    from the first batch's activations). Returns the names noted."""
     out: dict[Namespace, set[str]] = {}
     for space, values in after.items():
-        if space not in before:
-            continue
-        was, once = before[space], first.get(space, {})
-        changed = {
-            name
-            for name in changed_state(was, values)
-            if not (
-                name in once
-                and same_value(once[name], values.get(name, MISSING))
-                and _filled(was.get(name, MISSING), once[name])
-            )
-        }
+        changed = changed_state(before[space], values) if space in before else set()
         if changed:
             _keep(_TRAINED, space, changed)
             _keep(_KEPT, space, changed)
-            out[space] = changed
+            out[space] = set(changed)
     return out
-
-
-def _filled(before: Any, after: Any) -> bool:
-    """Whether ``after`` is ``before`` filled as a cache is: None (or nothing) before, or a
-    dict or list that only gained entries."""
-    if before is None or before is MISSING:
-        return True
-    old, new = _entries(before), _entries(after)
-    return (
-        old is not None
-        and new is not None
-        and len(new) > len(old)
-        and all(k in new and same_value(v, new[k]) for k, v in old.items())
-    )
-
-
-def _entries(held: Any) -> dict[Any, Any] | None:
-    if isinstance(held, Fields) and isinstance(held.obj, dict | list):
-        return dict(held.fields)
-    if isinstance(held, dict):
-        return dict(held)
-    if isinstance(held, list):
-        return dict(enumerate(held))
-    return None
 
 
 def _keep(

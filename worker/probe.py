@@ -187,14 +187,10 @@ def _probe_batch(workload: Workload, model: nn.Module, batch: Any, noise: bool =
     versions = [t._version for t in tensors(own_batch)]
     buffers = dict(trial.named_buffers())
 
-    after_first: list[outside.Reading] = []  # the outside values after the first forward
-
     def run(trial: nn.Module = trial) -> None:
         # with gradients on, as in training: a counter may count only then
         for _ in range(PROBE_FORWARDS):
             _training_loss(workload, trial, own_batch)
-            if not after_first:
-                after_first.append(outside.reading(spaces))
 
     own, held = python_state(trial), object_state(workload)
     # values kept outside the model (module globals, class attributes) before the forwards:
@@ -226,14 +222,10 @@ def _probe_batch(workload: Workload, model: nn.Module, batch: Any, noise: bool =
         rounding = model_noise(workload, looked_at, own_batch) if deterministic and noise else ()
     finally:  # the probe's own changes to the workload object and outside it are undone
         changed = restore_object_state(workload, held)
-        trained = outside.learn_trained(
-            outside_before,
-            after_first[0] if after_first else outside_before,
-            outside.reading(spaces),
-        )
+        trained = outside.learn_trained(outside_before, outside.reading(spaces))
         trained_outside = sorted(outside.label(s, n) for s, names in trained.items() for n in names)
         unheld = outside.changed_in_place(large, outside.large_tensors(spaces))
-        outside.undo(outside_before, only=trained)  # a cache the forwards filled stays filled
+        outside.undo(outside_before, only=trained)
     after = python_state(trial)
     changed_model = changed_state(own, after)
     return Probed(

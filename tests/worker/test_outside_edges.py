@@ -1,25 +1,30 @@
 """Values kept outside the model, in the forms a review of their handling found mishandled:
 an array set anew per trial that the model shares, a submodule imported inside a forward,
-tensors without a version counter, a cache filled on first use, a resumed array's own
-module-global buffer, a slot whose name is mangled, a NumPy dtype torch lacks, a build's
+tensors without a version counter, a value a forward fills on first use, a module picked per
+trial, small tensors not writable in place, a global filled in place that the model holds as
+its buffer, a view of a large tensor, a resumed array's own module-global buffer, a slot
+whose name is mangled, a NumPy dtype torch lacks, a build's
 ``torch.set_default_device("cpu")``. Each test failed before its fix."""
 
 from __future__ import annotations
 
 import copy
+import gc
 import sys
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy
+import pytest
 import torch
 from torch import nn
 
 import tests.support.lazy_pkg
+from tests.support.impls import relu_impl, tanh_impl
 from tests.support.tiny_workloads import TinyMLP
 from tests.worker.test_outside_state import EPOCHS, assert_as_alone, members, results
-from worker import outside_state as outside
 from worker.fused import FusedArray, train
 from worker.outside_state import resumed_value, saved_value
 from worker.outside_values import Fields, hold, put
@@ -113,56 +118,163 @@ def test_tensors_without_a_version_counter_are_left_alone() -> None:
     assert not any("in place" in n for n in array.notes)
 
 
-#: a helper loaded on first use (a perceptual loss's network, say)
-_HELPER: nn.Module | None = None
-#: a memo of masks per batch size, filled on first use
-_MASKS: dict[int, torch.Tensor] = {}
+#: a scale taken from the first batch's activations, on first use (per trial: its model's)
+_INIT: torch.Tensor | None = None
 
 
-def helper() -> nn.Module:
-    global _HELPER
-    if _HELPER is None:
-        helper.loads += 1  # type: ignore[attr-defined]  # (a function's own: not read)
-        _HELPER = nn.Identity()
-    return _HELPER
-
-
-helper.loads = 0  # type: ignore[attr-defined]
-
-
-class _Memo(nn.Module):
+class _FirstBatchScaled(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]
-        if n not in _MASKS:
-            _MASKS[n] = torch.ones(n, 1, dtype=x.dtype)
-        return self.fc2(torch.relu(self.fc1(x))) * _MASKS[n]
+        global _INIT
+        hidden = torch.relu(self.fc1(x))
+        if _INIT is None:
+            _INIT = hidden.detach().mean()
+        return self.fc2(hidden / _INIT)
 
 
-class LazyHelper(_Scaled):
-    name = "lazy-helper"
+class FirstBatchScaled(_Scaled):
+    name = "first-batch-scaled"
 
     def build_model(self, config: Mapping[str, Any]) -> nn.Module:
-        return _Memo().double()
-
-    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return super().loss(helper()(outputs), targets)
+        return _FirstBatchScaled().double()
 
 
-def test_a_cache_filled_on_first_use_is_not_training_state() -> None:
-    """Before, the probe took the helper (None, then loaded) and the memo's new entries for
-    values training changes: each array and stack loaded its own, under the exclusive lock."""
-    w = LazyHelper()
-    for i in range(3):
-        array = FusedArray(copy.copy(w), members([1.0, 1.0], first=2 * i))
-        train(array, array.steps_per_epoch)
-        kept = {n for names in outside.kept(array.outside_spaces).values() for n in names}
-        assert not kept & {"_HELPER", "_MASKS"}, kept
-        assert [len(keys) for keys, _ in array.stacks] == [2]
-    assert helper.loads == 1  # type: ignore[attr-defined]
+def test_a_value_a_forward_fills_on_first_use_is_each_members_own() -> None:
+    """It looks like a cache (None, then filled once), but it is the first member's: taken
+    for one, every later member and array read member 0's scale. (Under vmap, the members
+    fused, the forward's assignment escaped the stack: each trains apart.)"""
+    global _INIT
+    w, group = FirstBatchScaled(), members([1.0, 1.0, 1.0])
+    want = {}
+    for key, config in group:
+        _INIT = None
+        solo = FusedArray(copy.copy(w), [(key, config)])
+        train(solo, EPOCHS * solo.steps_per_epoch)
+        want[key] = results(solo)[key]
+    array = FusedArray(copy.copy(w), group)
+    train(array, EPOCHS * array.steps_per_epoch)
+    for key, got in results(array).items():
+        assert_as_alone(got, want[key], key)
+    assert any("a training step changes" in n and "_INIT" in n for n in array.notes)
+
+
+#: the activation's implementation, a module a build picks per trial
+IMPL = relu_impl
+
+
+class _Implemented(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(IMPL.act(self.fc1(x)))
+
+
+class ModuleChoice(_Scaled):
+    name = "module-choice"
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        global IMPL
+        IMPL = tanh_impl if float(self.resolve(config)["scale"]) > 1 else relu_impl
+        return _Implemented().double()
+
+
+with torch.inference_mode():
+    #: a small constant made in inference mode (not writable in place), set anew per trial
+    OFFSET = torch.zeros(16, dtype=torch.float64)
+#: a broadcast constant (not writable in place either), set anew per trial
+BROADCAST = torch.zeros((), dtype=torch.float64).expand(16)
+
+
+class _Offset(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)) + OFFSET + BROADCAST)
+
+
+class OffsetAnew(_Scaled):
+    name = "offset-anew"
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        global OFFSET, BROADCAST
+        scale = float(self.resolve(config)["scale"])
+        OFFSET = torch.full((16,), scale, dtype=torch.float64)
+        BROADCAST = torch.full((16,), -scale / 2, dtype=torch.float64)
+        return _Offset().double()
+
+
+#: filled in place per trial by FillBuffer.build_model, and registered as its model's buffer
+FILLED = torch.zeros(16, dtype=torch.float64)
+
+
+class FillBuffer(_Scaled):
+    name = "fill-buffer"
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        FILLED.fill_(float(self.resolve(config)["scale"]))
+        return _Shifted(FILLED).double()
+
+
+@pytest.mark.parametrize("workload", [ModuleChoice, OffsetAnew, FillBuffer], ids=lambda w: w.name)
+def test_members_end_as_alone(workload: type[_Scaled]) -> None:
+    """A module picked per trial (before, modules were not read: members fused, each with the
+    last one built); small tensors that cannot be written in place, set anew (before, a build
+    raised trying); a global filled in place that the model holds as its buffer (before, the
+    next member's build filled it again before this member's model was stacked)."""
+    global IMPL, OFFSET, BROADCAST
+    w, group = workload(), members([0.5, 2.0])
+    starts = IMPL, OFFSET, BROADCAST, FILLED.clone()
+    want = {}
+    for key, config in group:
+        IMPL, OFFSET, BROADCAST = starts[:3]
+        FILLED.copy_(starts[3])
+        solo = FusedArray(copy.copy(w), [(key, config)])
+        train(solo, EPOCHS * solo.steps_per_epoch)
+        want[key] = results(solo)[key]
+    array = FusedArray(copy.copy(w), group)
+    train(array, EPOCHS * array.steps_per_epoch)
+    for key, got in results(array).items():
+        assert_as_alone(got, want[key], key)
+
+
+#: a row of a table RowView.build_model makes (a view: it shares the table's memory)
+ROW = torch.zeros(16, dtype=torch.float64)
+
+
+def made() -> list[Any]:
+    """The tables the builds made, weakly (kept on this function: not a value packtune reads
+    and puts back, as a module global list would be)."""
+    return made.tables  # type: ignore[attr-defined, no-any-return]
+
+
+made.tables = []  # type: ignore[attr-defined]
+
+
+class RowView(_Scaled):
+    name = "row-view"
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        global ROW
+        table = torch.full((20_000, 16), float(self.resolve(config)["scale"]), dtype=torch.float64)
+        made().append(weakref.ref(table))
+        ROW = table[0]
+        return _Offset().double()
+
+
+def test_a_held_value_does_not_keep_what_it_was_read_from_alive() -> None:
+    """A member's 16 values of a view hold a copy, not the builds' 2.5 MB tables: before,
+    each member's table stayed alive for as long as the array."""
+    array = FusedArray(RowView(), members([1.0, 2.0, 3.0]))
+    train(array, array.steps_per_epoch)
+    gc.collect()
+    assert len(made()) == 3 and all(ref() is None for ref in made()[:2])
 
 
 #: a constant table its model holds as a buffer (the same tensor in every model)

@@ -149,7 +149,7 @@ def test_members_with_their_own_values_end_as_trained_alone(workload: type[TinyM
     w = workload()
     array = trained_as_alone(w, [0.5, 1.0, 2.0])
     assert [len(keys) for keys, _ in array.stacks] == [1, 1, 1]
-    (note,) = [n for n in array.notes if "outside the model" in n]
+    (note,) = [n for n in array.notes if "build_model set" in n and "outside the model" in n]
     assert KEPT_AS[w.name] in note and "one at a time" in note, note
 
 
