@@ -543,7 +543,6 @@ class FusedArray:
                     unheld.update(outside.changed_in_place(large, outside.large_tensors(spaces)))
 
                 model = _build_model(workload, config, state, after_build)
-                outside.unshare(model, outside.namespaces(workload, model))
                 torch_after[key] = torch_settings.read()
                 held_attributes[key] = outside.attributes(workload)
                 changed_attributes |= outside.learn_attributes(
@@ -760,16 +759,17 @@ class FusedArray:
             # hold or save: apart
             apart = (probed.mutates or bool(drifted) or bool(kept_apart) or bool(torch_apart)
                      or bool(probed.workload_state) or bool(probed.tensor_state)
-                     or bool(probed.outside_state))  # fmt: skip
-            if probed.outside_state:
-                names = ", ".join(repr(n) for n in probed.outside_state[:3]) + (
-                    ", ..." if len(probed.outside_state) > 3 else ""
+                     or bool(probed.outside_tensors))  # fmt: skip
+            if probed.outside_tensors:
+                names = ", ".join(repr(n) for n in probed.outside_tensors[:3]) + (
+                    ", ..." if len(probed.outside_tensors) > 3 else ""
                 )
                 note = (
-                    f"{workload.name}: a training step changes {names} outside the model (a "
-                    "module global or a class attribute); its members train one at a time, "
-                    "each with its own value, as unpacked. Keep such state in the model (a "
-                    "buffer) for them to be fused"
+                    f"{workload.name}: a training step sets {names} outside the model (a "
+                    "module global or a class attribute) to a tensor, which fused members' "
+                    "forward would fill with all of theirs at once; its members train one at "
+                    "a time, each with its own value, as unpacked. Keep such state in the "
+                    "model (a buffer) for them to be fused"
                 )
                 if note not in self.notes:
                     self.notes.append(note)

@@ -264,46 +264,6 @@ def _versioned(tensor: Tensor) -> bool:
     return not (tensor.is_meta or tensor.is_inference())
 
 
-def unshare(model: nn.Module, spaces: Iterable[Namespace]) -> None:
-    """Give ``model`` a copy of its own of each parameter and buffer that is a tensor kept
-    in ``spaces`` (or shares its memory: a NumPy array through ``torch.from_numpy``), at a
-    settings object's, dict's or list's first level too: a build that fills the global in
-    place and registers it as its model's buffer (``FILLED.fill_(s)``) would otherwise have
-    the next member's build fill it again before this member's model is stacked."""
-    pointers: set[int] = set()
-    for space in spaces:
-        own = _own(space)
-        for name, value in list(vars(space).items()):
-            if not (name.startswith("__") and name.endswith("__")):
-                pointers.update(_pointers(value, own, depth=0))
-    pointers.discard(0)
-    if not pointers:
-        return
-    for module in model.modules():
-        for param in list(module._parameters.values()):
-            if param is not None and _versioned(param) and param.data_ptr() in pointers:
-                with torch.no_grad():
-                    param.data = param.data.clone()
-        for name, buffer in list(module._buffers.items()):
-            if buffer is not None and _versioned(buffer) and buffer.data_ptr() in pointers:
-                module._buffers[name] = buffer.clone()
-
-
-def _pointers(value: Any, own: Own, depth: int) -> Iterable[int]:
-    """Where the values of the tensors and NumPy arrays in ``value`` start in memory."""
-    if isinstance(value, Tensor):
-        if _versioned(value):
-            yield value.data_ptr()
-    elif type(value).__module__ == "numpy" and type(value).__name__ == "ndarray":
-        yield int(value.__array_interface__["data"][0])
-    elif depth == 0 and isinstance(value, dict | list | tuple) and len(value) <= MAX_FIELDS:
-        for item in list(value.values() if isinstance(value, dict) else value):
-            yield from _pointers(item, own, depth + 1)
-    elif depth == 0 and settings_object(value, own):
-        for item in attributes_of(value).values():
-            yield from _pointers(item, own, depth + 1)
-
-
 def changed_in_place(before: Versions, after: Versions) -> list[str]:
     """Where the same larger tensor changed in place between ``before`` and ``after``
     (:func:`large_tensors`): a value packtune cannot hold per trial."""
@@ -396,6 +356,19 @@ def learn_trained(before: Reading, after: Reading) -> dict[Namespace, set[str]]:
             _keep(_KEPT, space, changed)
             out[space] = set(changed)
     return out
+
+
+def holds_tensor(held: Any, depth: int = 0) -> bool:
+    """Whether a held value is, or holds, a tensor (a snapshot of a small one, a larger one
+    itself): one that a fused forward would set to its whole stack's batched value."""
+    if isinstance(held, Snapshot | Tensor):
+        return True
+    if isinstance(held, Fields) and depth < 3:
+        return any(holds_tensor(v, depth + 1) for v in held.fields.values())
+    if isinstance(held, dict | list | tuple) and depth < 3:
+        values = held.values() if isinstance(held, dict) else held
+        return any(holds_tensor(v, depth + 1) for v in values)
+    return False
 
 
 def _keep(

@@ -58,6 +58,9 @@ class Probed:
     #: values outside the model it changed (a counter a forward keeps in a module global),
     #: by ``module.NAME``: each member's own from then on, in this process
     outside_state: tuple[str, ...] = ()
+    #: of ``outside_state``, those that held a tensor after the forwards: under vmap such a
+    #: value holds the stack's batched value, which no member can hold
+    outside_tensors: tuple[str, ...] = ()
     #: larger tensors outside the model it changed in place, which cannot be held per trial
     #: (:func:`worker.outside_state.changed_in_place`)
     unheld_outside: tuple[str, ...] = ()
@@ -159,7 +162,8 @@ def _run_probe(workload: Workload, model: nn.Module, batches: Sequence[Any]) -> 
             draws=any(p.draws for p in seen), host_draws=any(p.host_draws for p in seen),
             mutates=any(p.mutates for p in seen), reassigned=union("reassigned"),
             workload_state=union("workload_state"), model_state=union("model_state"),
-            outside_state=union("outside_state"), unheld_outside=union("unheld_outside"),
+            outside_state=union("outside_state"), outside_tensors=union("outside_tensors"),
+            unheld_outside=union("unheld_outside"),
             tensor_state=union("tensor_state"), noise=union("noise"),
             dropout_only=any(p.draws for p in seen)
             and all(p.dropout_only for p in seen if p.draws),
@@ -222,8 +226,15 @@ def _probe_batch(workload: Workload, model: nn.Module, batch: Any, noise: bool =
         rounding = model_noise(workload, looked_at, own_batch) if deterministic and noise else ()
     finally:  # the probe's own changes to the workload object and outside it are undone
         changed = restore_object_state(workload, held)
-        trained = outside.learn_trained(outside_before, outside.reading(spaces))
+        outside_after = outside.reading(spaces)
+        trained = outside.learn_trained(outside_before, outside_after)
         trained_outside = sorted(outside.label(s, n) for s, names in trained.items() for n in names)
+        outside_tensors = sorted(
+            outside.label(s, n)
+            for s, names in trained.items()
+            for n in names
+            if outside.holds_tensor(outside_after[s].get(n))
+        )
         unheld = outside.changed_in_place(large, outside.large_tensors(spaces))
         outside.undo(outside_before, only=trained)
     after = python_state(trial)
@@ -233,7 +244,8 @@ def _probe_batch(workload: Workload, model: nn.Module, batch: Any, noise: bool =
         dropout_only=dropout_only, workload_state=tuple(changed),
         model_state=tuple(changed_model), tensor_state=tuple(
             n for n in changed_model if isinstance(after.get(n), Tensor)),
-        noise=rounding, outside_state=tuple(trained_outside), unheld_outside=tuple(unheld),
+        noise=rounding, outside_state=tuple(trained_outside),
+        outside_tensors=tuple(outside_tensors), unheld_outside=tuple(unheld),
     )  # fmt: skip
 
 
