@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 _PLAIN = (int, float, complex, str, bytes, bool, type(None))
 
@@ -126,11 +127,19 @@ def held_value(value: Any) -> Any:
     else itself (compared by identity)."""
     if _plain(value):
         return copy.deepcopy(value)
-    if isinstance(value, torch.Tensor) and value.numel() <= SMALL_TENSOR and not value.is_meta:
+    if isinstance(value, torch.Tensor) and _small(value):
         return Snapshot(value.detach().clone(), value)
     if small_array(value):
         return ArraySnapshot(value.copy(), value)
     return value
+
+
+def _small(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is small enough to be held by value (and has values: not meta, nor
+    a lazy module's parameter not made yet)."""
+    if is_lazy(tensor):
+        return False
+    return tensor.numel() <= SMALL_TENSOR and not tensor.is_meta
 
 
 def small_array(value: Any) -> bool:
@@ -289,7 +298,7 @@ def checkpointable(value: Any, depth: int = 0) -> bool:
     if value is None or type(value) in (bool, int, float, str):  # not NumPy's, an Enum
         return True
     if isinstance(value, torch.Tensor):  # a small one: a counter kept as a tensor
-        return depth == 0 and value.numel() <= SMALL_TENSOR and not value.is_meta
+        return depth == 0 and _small(value)
     if depth >= 3:
         return False
     if type(value) in (list, tuple):

@@ -241,7 +241,7 @@ def large_tensors(spaces: Iterable[Namespace]) -> Versions:
 
 def _large(where: str, value: Any, own: Own, out: Versions, depth: int) -> None:
     if isinstance(value, Tensor):
-        if value.numel() > SMALL_TENSOR and _versioned(value):
+        if _versioned(value) and value.numel() > SMALL_TENSOR:  # (a lazy one has no numel)
             out[where] = (value, value._version)
     elif isinstance(value, nn.Module):
         for name, tensor in [*value.named_parameters(), *value.named_buffers()]:

@@ -348,3 +348,14 @@ def test_a_build_that_sets_the_cpu_as_the_default_device_changes_nothing() -> No
         assert not array.torch_own and not array.notes
     finally:
         torch.set_default_device(None)
+
+
+#: a lazy module's parameter, not made yet, kept as a module global
+LAZY = nn.parameter.UninitializedParameter()
+
+
+def test_a_lazy_parameter_kept_outside_the_model_is_left_alone() -> None:
+    """Before, reading it (its number of elements) raised in every build."""
+    array = FusedArray(_Scaled(), members([1.0, 1.0]))
+    train(array, array.steps_per_epoch)
+    assert [len(keys) for keys, _ in array.stacks] == [2]
