@@ -156,6 +156,11 @@ _EVAL_SALT = 0x5EED_E7A1
 _LOGGED: set[Hashable] = set()
 
 
+def _first_three(names: Sequence[str]) -> str:
+    """``names`` as a note shows them: the first three, then "..." for the rest."""
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
 def _warn_once(said: Hashable, message: str) -> None:
     if said not in _LOGGED:
         _LOGGED.add(said)
@@ -620,9 +625,7 @@ class FusedArray:
         #: what the array did that its caller should know (a vmap stack split per member)
         self.notes: list[str] = []
         if kept_apart:
-            shown = ", ".join(repr(n) for n in kept_apart[:3]) + (
-                ", ..." if len(kept_apart) > 3 else ""
-            )
+            shown = _first_three([repr(n) for n in kept_apart])
             self.notes.append(
                 f"{workload.name}: build_model set {shown} outside the model (a module global "
                 "or a class attribute), differently per trial, and every model in a process "
@@ -761,9 +764,7 @@ class FusedArray:
                      or bool(probed.workload_state) or bool(probed.tensor_state)
                      or bool(probed.outside_tensors))  # fmt: skip
             if probed.outside_tensors:
-                names = ", ".join(repr(n) for n in probed.outside_tensors[:3]) + (
-                    ", ..." if len(probed.outside_tensors) > 3 else ""
-                )
+                names = _first_three([repr(n) for n in probed.outside_tensors])
                 note = (
                     f"{workload.name}: a training step sets {names} outside the model (a "
                     "module global or a class attribute) to a tensor, which fused members' "
@@ -889,7 +890,7 @@ class FusedArray:
         step stands (it is the eager one's), the changes go to the group's own template, and
         the key trains eagerly from here on."""
         copy_state(own, group.template, changed)
-        names = ", ".join(repr(n) for n in changed[:3]) + (", ..." if len(changed) > 3 else "")
+        names = _first_three([repr(n) for n in changed])
         note = compiled.refuse(
             self.step_keys.pop(id(group)),
             f"a training step changed Python attributes of its modules ({names}), which a "
@@ -911,7 +912,7 @@ class FusedArray:
             self.notes.append(note)
 
     def _rounding_note(self, noise: tuple[str, ...]) -> str:
-        names = ", ".join(repr(n) for n in noise[:3]) + (", ..." if len(noise) > 3 else "")
+        names = _first_three([repr(n) for n in noise])
         return (
             f"{self.workload.name}: the model has gradients that are float rounding ({names}: "
             "e.g. a bias a BatchNorm cancels, or attention's key bias, which the softmax "
@@ -1093,7 +1094,7 @@ class FusedArray:
     def _note_unheld(self, where: list[str], what: str) -> None:
         """Say that ``what`` (a build, a training step) changed the larger tensors ``where``
         (kept outside the model) in place: values packtune cannot hold per trial."""
-        shown = ", ".join(where[:3]) + (", ..." if len(where) > 3 else "")
+        shown = _first_three(where)
         self.notes.append(
             f"{self.workload.name}: {what} {shown} in place, a tensor kept outside the model "
             f"and too large for packtune to hold per trial (over {SMALL_TENSOR:,} elements): "
