@@ -530,6 +530,9 @@ class FusedArray:
         torch_after: dict[Hashable, torch_settings.Settings] = {}
         #: larger tensors kept outside the model that a build changed in place (not held)
         unheld: set[str] = set()
+        #: a resumed member's values kept outside the model as its build left them (before
+        #: its checkpoint's were put in their place)
+        as_built: dict[Hashable, outside.Reading] = {}
         try:
             for key, config, state in zip(keys, configs, states, strict=True):
                 _start_from(workload, base)  # not another member's build or resumed values
@@ -562,6 +565,7 @@ class FusedArray:
                 self.outside_spaces += [s for s in spaces if s not in self.outside_spaces]
                 saved_python = state.get("python") if state else None
                 if saved_python and saved_python.get("outside"):
+                    as_built[key] = {s: dict(v) for s, v in self.outside_built[key].items()}
                     outside.resume(self.outside_built[key], saved_python["outside"])
                 if saved_python:
                     set_python_state(model, saved_python.get("model", {}))
@@ -598,6 +602,16 @@ class FusedArray:
             if outside_names
             else []
         )
+        #: of those, the ones the builds set differently (the rest differ only in the values
+        #: resumed members' checkpoints carry: a counter another workload of the module kept)
+        built_apart = (
+            outside.differing(
+                [as_built.get(key, self.outside_built[key]) for key in keys], outside_names, seeded
+            )
+            if kept_apart and as_built
+            else kept_apart
+        )
+        carried_apart = [name for name in kept_apart if name not in built_apart]
         #: each member's values of the attributes its build_model set differently per trial,
         #: put back on the workload before its stack's steps and evaluation (one per stack;
         #: :data:`MISSING`: its build set none, and the class's value shows)
@@ -624,8 +638,8 @@ class FusedArray:
             )
         #: what the array did that its caller should know (a vmap stack split per member)
         self.notes: list[str] = []
-        if kept_apart:
-            shown = _first_three([repr(n) for n in kept_apart])
+        if built_apart:
+            shown = _first_three([repr(n) for n in built_apart])
             self.notes.append(
                 f"{workload.name}: build_model set {shown} outside the model (a module global "
                 "or a class attribute), differently per trial, and every model in a process "
@@ -635,7 +649,16 @@ class FusedArray:
                 "helper loaded into a global that was None) counts too: fill it at import or "
                 "in data()"
             )
-            _warn_once(("outside", workload.name, tuple(kept_apart)), self.notes[-1])
+            _warn_once(("outside", workload.name, tuple(built_apart)), self.notes[-1])
+        if carried_apart:
+            self.notes.append(
+                f"{workload.name}: its resumed members' checkpoints hold different values of "
+                f"{_first_three([repr(n) for n in carried_apart])}, kept outside the model (a "
+                "module global or a class attribute that a build or a training step in the "
+                "module changed); its members train one at a time, each with its own values "
+                "put back, as unpacked"
+            )
+            log.info("%s", self.notes[-1])
         if unheld:
             self._note_unheld(sorted(unheld), "build_model changed")
         if changed_torch:

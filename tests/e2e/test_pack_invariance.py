@@ -412,9 +412,9 @@ def test_a_value_kept_in_a_module_global_was_each_members_own(
     ]  # fmt: skip
     assert arrays, result["packs"]
     assert all(len(s["trials"]) == 1 for a in arrays for s in a["stacks"]), arrays
-    # (the note names every kept value of the module that differs between the members: a
-    # resumed member's checkpoint carries global-counting-mlp's STEPS too, where that
-    # workload trained first in the process)
+    # (the note names what the builds set; values that differ only in resumed members'
+    # checkpoints, global-counting-mlp's STEPS where that workload trained first in the
+    # process, have a note of their own: before, they came first and hid the build's name)
     assert all(
         any("build_model set" in n and f"'{name}'" in n and "outside the model" in n
             for n in a["notes"])
