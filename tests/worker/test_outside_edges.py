@@ -12,7 +12,7 @@ import copy
 import gc
 import sys
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from torch import nn
 import tests.support.lazy_pkg
 from tests.support.impls import relu_impl, tanh_impl
 from tests.support.tiny_workloads import TinyMLP
-from tests.worker.test_outside_state import EPOCHS, assert_as_alone, members, results
+from tests.worker.test_outside_state import EPOCHS, alone, assert_as_alone, members, results
 from worker.fused import FusedArray, train
 from worker.outside_state import resumed_value, saved_value
 from worker.outside_values import Fields, hold, put
@@ -142,22 +142,33 @@ class FirstBatchScaled(_Scaled):
         return _FirstBatchScaled().double()
 
 
-def test_a_value_a_forward_fills_on_first_use_is_each_members_own() -> None:
-    """It looks like a cache (None, then filled once), but it is the first member's: taken
-    for one, every later member and array read member 0's scale. (Under vmap, the members
-    fused, the forward's assignment escaped the stack: each trains apart.)"""
-    global _INIT
-    w, group = FirstBatchScaled(), members([1.0, 1.0, 1.0])
+def trained_as_alone_from(
+    w: Any, group: list[tuple[Hashable, dict[str, Any]]], start: Callable[[], None]
+) -> FusedArray:
+    """Each member of ``group`` trained alone, each from the module's values ``start`` puts
+    back (as in a fresh process), then all in one array (from whatever the last left):
+    each ends as it ended alone. Returns the array."""
     want = {}
-    for key, config in group:
-        _INIT = None
-        solo = FusedArray(copy.copy(w), [(key, config)])
-        train(solo, EPOCHS * solo.steps_per_epoch)
-        want[key] = results(solo)[key]
+    for member in group:
+        start()
+        want[member[0]] = alone(w, member)
     array = FusedArray(copy.copy(w), group)
     train(array, EPOCHS * array.steps_per_epoch)
     for key, got in results(array).items():
         assert_as_alone(got, want[key], key)
+    return array
+
+
+def test_a_value_a_forward_fills_on_first_use_is_each_members_own() -> None:
+    """It looks like a cache (None, then filled once), but it is the first member's: taken
+    for one, every later member and array read member 0's scale. (Under vmap, the members
+    fused, the forward's assignment escaped the stack: each trains apart.)"""
+
+    def unset() -> None:
+        global _INIT
+        _INIT = None
+
+    array = trained_as_alone_from(FirstBatchScaled(), members([1.0, 1.0, 1.0]), unset)
     assert any("a training step sets" in n and "_INIT" in n for n in array.notes)
 
 
@@ -215,19 +226,13 @@ def test_members_end_as_alone(workload: type[_Scaled]) -> None:
     """A module picked per trial (before, modules were not read: members fused, each with the
     last one built); small tensors that cannot be written in place, set anew (before, a build
     raised trying)."""
-    global IMPL, OFFSET, BROADCAST
-    w, group = workload(), members([0.5, 2.0])
     starts = IMPL, OFFSET, BROADCAST
-    want = {}
-    for key, config in group:
+
+    def put_starts_back() -> None:
+        global IMPL, OFFSET, BROADCAST
         IMPL, OFFSET, BROADCAST = starts
-        solo = FusedArray(copy.copy(w), [(key, config)])
-        train(solo, EPOCHS * solo.steps_per_epoch)
-        want[key] = results(solo)[key]
-    array = FusedArray(copy.copy(w), group)
-    train(array, EPOCHS * array.steps_per_epoch)
-    for key, got in results(array).items():
-        assert_as_alone(got, want[key], key)
+
+    trained_as_alone_from(workload(), members([0.5, 2.0]), put_starts_back)
 
 
 #: a row of a table RowView.build_model makes (a view: it shares the table's memory)
