@@ -114,6 +114,7 @@ from worker.module_state import (
     set_python_state,
 )
 from worker.optim import OPTIMIZER_HYPER, build_optimizer
+from worker.outside_memory import own_copies
 from worker.probe import (
     PROBE_EXAMPLES,
     UnseenDraws,
@@ -214,10 +215,11 @@ def _build_model(
     workload: Workload,
     config: Mapping[str, Any],
     state: Mapping[str, Any] | None,
-    built: Callable[[], None] | None = None,
+    built: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """One member's model, initialised exactly as a plain run of ``config`` would be;
-    ``built`` is called as ``build_model`` returns (before a resumed state is loaded)."""
+    ``built`` is called with it as ``build_model`` returns (before a resumed state is
+    loaded)."""
     seed_torch(int(config["seed"]))
     try:
         model = workload.build_model(config)
@@ -226,14 +228,14 @@ def _build_model(
             f"{type(exc).__name__}: {exc} [{DETAILS}{workload.name}.build_model could not "
             f"build the model of {_suspects(config)}]"
         ) from exc
-    if built is not None:
-        built()
     if not isinstance(model, nn.Module):
         raise BuildError(
             f"{workload.name}.build_model() returned a {type(model).__name__}; it must return "
             "a torch.nn.Module (layers in a list: wrap them in nn.Sequential)"
         )
     refuse_unsupported(workload.name, model)  # before its state: a lazy module's too
+    if built is not None:
+        built(model)
     if state is not None:
         # by every name of a tied tensor, as the model's own state_dict has it
         model.load_state_dict(with_aliases({**state["params"], **state["buffers"]}, aliases(model)))
@@ -545,10 +547,15 @@ class FusedArray:
                 )
                 large = outside.large_tensors(before)
 
-                def after_build(large: outside.Versions = large, spaces: Any = before) -> None:
+                def after_build(
+                    model: nn.Module, large: outside.Versions = large, spaces: Any = before
+                ) -> None:
                     # the build's own changes (not a resumed state's load into a module
                     # global its model holds as a buffer)
                     unheld.update(outside.changed_in_place(large, outside.large_tensors(spaces)))
+                    # a buffer that is a value kept outside (a global the next build fills
+                    # in place): the member's own, as its build left it
+                    own_copies(model, [*outside.namespaces(workload, model), workload])
 
                 model = _build_model(workload, config, state, after_build)
                 torch_after[key] = torch_settings.read()
@@ -1121,7 +1128,8 @@ class FusedArray:
         self.notes.append(
             f"{self.workload.name}: {what} {shown} in place, a tensor kept outside the model "
             f"and too large for packtune to hold per trial (over {SMALL_TENSOR:,} elements): "
-            "every trial in a worker process reads the last value set there, packed or not, "
+            "every trial in a worker process reads the last value set there (a model that "
+            "holds it as a buffer has its own copy, as its build left it), packed or not, "
             "and its result may depend on what trained before it (a scratch buffer a "
             "forward overwrites before it reads it is harmless). Keep it in the model (a "
             "buffer), or set it anew (NAME = torch...) rather than in place"

@@ -4,7 +4,8 @@ tensors without a version counter, a value a forward fills on first use, a modul
 trial, small tensors not writable in place, a global filled in place that the model holds as
 a view of a large tensor, a resumed array's own module-global buffer, a slot
 whose name is mangled, a NumPy dtype torch lacks, a build's
-``torch.set_default_device("cpu")``. Each test failed before its fix."""
+``torch.set_default_device("cpu")``, a value filled in place that the model registers as a
+buffer. Each test failed before its fix."""
 
 from __future__ import annotations
 
@@ -413,3 +414,78 @@ def test_the_note_names_what_the_builds_set_apart_from_values_resumed_members_ca
     for name in ("AA_LEFT", "AB_LEFT", "AC_LEFT"):
         assert f"'{__name__}.{name}'" in carried, carried
     assert "SCALE_EDGE" not in carried, carried
+
+
+#: a factor its model registers as a buffer (the tensor itself), filled per trial
+FACTOR = torch.ones(16, dtype=torch.float64)
+#: the same as a NumPy array, whose memory the model's buffer shares
+FACTOR_ARRAY = numpy.ones(16)
+#: a larger one (past what packtune holds by value), registered the same way
+FACTOR_TABLE = torch.ones(300, 16, dtype=torch.float64)
+
+
+class _Factored(nn.Module):
+    def __init__(self, factor: torch.Tensor) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 3)
+        self.register_buffer("factor", factor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)) * self.factor.reshape(-1, 16)[-1])
+
+
+class FilledFactor(_Scaled):
+    name = "filled-factor"
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        FACTOR.fill_(float(self.resolve(config)["scale"]))
+        return _Factored(FACTOR).double()
+
+
+class FilledArray(_Scaled):
+    name = "filled-array"
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        FACTOR_ARRAY[:] = float(self.resolve(config)["scale"])
+        return _Factored(torch.from_numpy(FACTOR_ARRAY)).double()
+
+
+class FilledTable(_Scaled):
+    name = "filled-table"
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        FACTOR_TABLE.fill_(float(self.resolve(config)["scale"]))
+        return _Factored(FACTOR_TABLE).double()
+
+
+class FilledOwnFactor(_Scaled):
+    """The factor is the workload object's, filled per trial."""
+
+    name = "filled-own-factor"
+
+    def __init__(self) -> None:
+        self.factor = torch.ones(16, dtype=torch.float64)
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        self.factor.fill_(float(self.resolve(config)["scale"]))
+        return _Factored(self.factor).double()
+
+
+@pytest.mark.parametrize(
+    "workload", [FilledFactor, FilledArray, FilledTable, FilledOwnFactor], ids=lambda w: w.name
+)
+def test_a_value_filled_in_place_that_the_model_holds_as_a_buffer_is_each_members_own(
+    workload: type[_Scaled],
+) -> None:
+    """Before, each member's buffer was the value outside itself, which the next build (and
+    the values put back before it) filled: every member trained with one member's factor."""
+
+    def ones() -> None:
+        FACTOR.fill_(1.0)
+        FACTOR_ARRAY[:] = 1.0
+        FACTOR_TABLE.fill_(1.0)
+
+    w = workload()
+    array = trained_as_alone_from(w, members([2.0, 3.0]), ones)
+    factors = [float(array.member_state(k)["buffers"]["factor"].flatten()[-1]) for k in array.keys]
+    assert factors == [2.0, 3.0]
