@@ -77,6 +77,8 @@ SPACES: dict[str, dict[str, Any]] = {
     "global-scaled-mlp": {"lr": TRAP_LR,
                           "scale": {"type": "uniform", "low": 0.25, "high": 2.0}},
     "settings-mlp": {"lr": TRAP_LR, "scale": {"type": "uniform", "low": 0.25, "high": 2.0}},
+    "buffer-scaled-mlp": {"lr": TRAP_LR,
+                          "scale": {"type": "uniform", "low": 0.25, "high": 2.0}},
     # Python state a step changes: a counter on the model's module, one on the workload object
     "counting-mlp": {"lr": TRAP_LR},
     "global-counting-mlp": {"lr": TRAP_LR},
@@ -139,7 +141,8 @@ FULL_HYPERBAND = ("digits-mlp", "schedules", "bf16")
 #: below, set for 9, leave a wide margin for other machines' kernels.
 REL = {
     "digits-cnn": 1e-3, "resnet-cifar": 1e-3, "misdeclared-mlp": 1e-3, "scaled-mlp": 1e-3,
-    "global-scaled-mlp": 1e-3, "settings-mlp": 1e-3, "dropout-net-mlp": 1e-3,
+    "global-scaled-mlp": 1e-3, "settings-mlp": 1e-3, "buffer-scaled-mlp": 1e-3,
+    "dropout-net-mlp": 1e-3,
     "multi-task": 1e-3, "counting-mlp": 1e-3, "global-counting-mlp": 1e-3,
 }  # fmt: skip
 #: the folder of images the streaming plugins read (written once per test module)
@@ -175,6 +178,7 @@ def plugin_path(tmp_path_factory: pytest.TempPathFactory) -> str:
         "scaled": "trap_workloads:ScaledMLP",
         "global-scaled": "trap_workloads:GlobalScaledMLP",
         "settings": "trap_workloads:SettingsMLP",
+        "buffer-scaled": "trap_workloads:BufferScaledMLP",
         "dropout-net": "trap_workloads:DropoutNetMLP",
         "counting": "trap_workloads:CountingMLP",
         "global-counting": "trap_workloads:GlobalCountingMLP",
@@ -389,14 +393,19 @@ def test_dropout_trials_were_fused_each_with_masks_of_its_own(
 
 @pytest.mark.parametrize(
     ("workload", "name"),
-    [("global-scaled-mlp", "trap_workloads.SCALE"), ("settings-mlp", "trap_workloads.SETTINGS")],
+    [
+        ("global-scaled-mlp", "trap_workloads.SCALE"),
+        ("settings-mlp", "trap_workloads.SETTINGS"),
+        ("buffer-scaled-mlp", "trap_workloads.SCALE_ARRAY"),
+    ],
 )
 def test_a_value_kept_in_a_module_global_was_each_members_own(
     results: dict[tuple[str, bool], dict[str, Any]], workload: str, name: str
 ) -> None:
     """Not vacuous: the packs held arrays of several trials with different scales (before,
     each read the scale of the last one built: set anew in a global, or in place on a
-    settings object the model holds), trained one per stack, and the array said why.
+    settings object the model holds or in an array its buffer shares), trained one per
+    stack, and the array said why.
     (global-scaled-mlp sets its global below 0.5 only: trials above it all read 1.0, and an
     array of such trials alone may fuse.)"""
     result = results[workload, True]

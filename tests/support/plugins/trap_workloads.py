@@ -23,6 +23,9 @@
 - ``settings-mlp`` does the same through a settings object (``SETTINGS.scale = ...``, a
   dataclass instance changed in place) that its model holds (``self.settings``): each
   member's value must be put back into that object, which every copy of the model shares.
+- ``buffer-scaled-mlp`` does the same through a NumPy array (``SCALE_ARRAY[:] = ...``, filled
+  in place) that its model registers as a buffer (``torch.from_numpy``, sharing its memory):
+  each member's buffer must hold its own build's value, not the one the next build filled in.
 - ``dropout-net-mlp`` is an MLP class of its own with an ``nn.Dropout``: not a hand-fusable
   Sequential, its members stack through vmap, each member's masks its own stream's.
 - ``data-scaled-mlp`` declares ``input_scale`` fusible but scales the data with it: members
@@ -55,6 +58,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import numpy
 
 from packtune.workloads.base import OPTIMIZER_PARAMS, Split
 from worker.workloads.digits import N_CLASSES, N_TRAIN, digits_splits
@@ -232,6 +237,38 @@ class SettingsMLP(_DigitsPlugin):
         cfg = self.resolve(config)
         SETTINGS.scale = float(cfg["scale"])
         return _settings_scaled(int(cfg["hidden"]), SETTINGS)
+
+
+#: filled in place per trial by BufferScaledMLP.build_model; its model's buffer shares it
+SCALE_ARRAY = numpy.ones(1, dtype=numpy.float32)
+
+
+class BufferScaledMLP(_DigitsPlugin):
+    """MLP that declares ``scale`` fusible yet fills it into the module's ``SCALE_ARRAY``,
+    which its model registers as a buffer."""
+
+    name = "buffer-scaled-mlp"
+    params: Mapping[str, Any] = {**_DigitsPlugin.params, "scale": 1.0}
+    fusible = frozenset({"scale"})
+
+    def build_model(self, config: Mapping[str, Any]) -> Any:
+        import torch
+        from torch import nn
+
+        cfg = self.resolve(config)
+        SCALE_ARRAY[:] = float(cfg["scale"])
+        hidden = int(cfg["hidden"])
+
+        class BufferScaled(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.fc1, self.fc2 = nn.Linear(64, hidden), nn.Linear(hidden, N_CLASSES)
+                self.register_buffer("scale", torch.from_numpy(SCALE_ARRAY))
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.fc2(torch.relu(self.fc1(x)) * self.scale)
+
+        return BufferScaled()
 
 
 class DropoutNetMLP(_DigitsPlugin):
