@@ -115,6 +115,7 @@ from worker.module_state import (
 )
 from worker.optim import OPTIMIZER_HYPER, build_optimizer
 from worker.outside_memory import own_copies
+from worker.outside_state import MAX_HELD_LARGE
 from worker.probe import (
     PROBE_EXAMPLES,
     UnseenDraws,
@@ -545,13 +546,18 @@ class FusedArray:
                     dict(vars(workload)),
                     outside.fresh_attributes(workload),
                 )
+                copies = outside.large_copies(before)
                 large = outside.large_tensors(before)
 
                 def after_build(
-                    model: nn.Module, large: outside.Versions = large, spaces: Any = before
+                    model: nn.Module,
+                    large: outside.Versions = large,
+                    spaces: Any = before,
+                    copies: outside.Copies = copies,
                 ) -> None:
                     # the build's own changes (not a resumed state's load into a module
-                    # global its model holds as a buffer)
+                    # global its model holds as a buffer); those held from now on first
+                    outside.held_large(spaces, copies)
                     unheld.update(outside.changed_in_place(large, outside.large_tensors(spaces)))
                     # a buffer that is a value kept outside (a global the next build fills
                     # in place): the member's own, as its build left it
@@ -1127,7 +1133,9 @@ class FusedArray:
         shown = _first_three(where)
         self.notes.append(
             f"{self.workload.name}: {what} {shown} in place, a tensor kept outside the model "
-            f"and too large for packtune to hold per trial (over {SMALL_TENSOR:,} elements): "
+            f"and too large for packtune to hold per trial (over {SMALL_TENSOR:,} elements; "
+            f"of those, only a module global or class attribute of up to {MAX_HELD_LARGE:,} "
+            "that a build changes is held): "
             "every trial in a worker process reads the last value set there (a model that "
             "holds it as a buffer has its own copy, as its build left it), packed or not, "
             "and its result may depend on what trained before it (a scratch buffer a "

@@ -81,6 +81,13 @@ _START: weakref.WeakKeyDictionary[Namespace, dict[str, Any]] = weakref.WeakKeyDi
 _SHARED: weakref.WeakKeyDictionary[Namespace, list[Any]] = weakref.WeakKeyDictionary()
 #: the workload objects of the arrays alive (a model may hold one: a bound method of it)
 _WORKLOADS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+#: per namespace, the names of larger tensors (over :data:`SMALL_TENSOR` elements) that a
+#: build in this process changed in place: held by value from then on, as a small one is
+#: (:func:`held_large`)
+_HELD_LARGE: weakref.WeakKeyDictionary[Namespace, frozenset[str]] = weakref.WeakKeyDictionary()
+#: the most elements of a larger tensor that a build may change in place and have held per
+#: member (copied before each build, and per member after it); a larger one is only noted
+MAX_HELD_LARGE = 1 << 22
 
 
 def _read(module_name: str) -> bool:
@@ -182,12 +189,65 @@ def reading(spaces: Iterable[Namespace]) -> Reading:
             and not (isinstance(space, type) and isinstance(value, _CODE))
             and not _submodule(space, name, value)
         }
-        out[space] = {name: hold(value, own) for name, value in values.items()}
+        large = _HELD_LARGE.get(space, frozenset())
+        out[space] = {
+            name: _snapshot(value) if name in large else hold(value, own)
+            for name, value in values.items()
+        }
         _SHARED[space] = [
             value
             for name, value in values.items()
             if isinstance(value, dict | list | set) or isinstance(out[space][name], Fields)
         ]
+    return out
+
+
+def _snapshot(value: Any) -> Any:
+    """A larger tensor held by value (:data:`_HELD_LARGE`), as a small one is."""
+    if isinstance(value, Tensor) and _versioned(value):
+        return Snapshot(value.detach().clone(), value)
+    return hold(value, lambda cls: False)
+
+
+#: before a build, each larger tensor it might change in place: its namespace and name ->
+#: (the tensor, its version, a copy of its values)
+Copies = dict[tuple[Namespace, str], tuple[Tensor, int, Tensor]]
+
+
+def large_copies(spaces: Iterable[Namespace]) -> Copies:
+    """Before a build: a copy of each larger tensor (up to :data:`MAX_HELD_LARGE` elements)
+    that ``spaces`` hold by name and do not hold by value yet, for :func:`held_large`."""
+    out: Copies = {}
+    for space in spaces:
+        held = _HELD_LARGE.get(space, frozenset())
+        for name, value in list(vars(space).items()):
+            if (
+                isinstance(value, Tensor)
+                and name not in held
+                and _versioned(value)
+                and SMALL_TENSOR < value.numel() <= MAX_HELD_LARGE
+            ):
+                out[space, name] = (value, value._version, value.detach().clone())
+    return out
+
+
+def held_large(before: Reading, copies: Copies) -> list[str]:
+    """After a build: the tensors of ``copies`` it changed in place are held by value from
+    now on (:func:`reading`), their values before it put into ``before`` (the build's reading
+    before it, which :func:`learn` compares) and, where no build in this process changed them
+    yet, into the values a fresh process's build starts from (:func:`fresh`). Returns their
+    labels."""
+    out = []
+    for (space, name), (tensor, version, values) in copies.items():
+        if tensor._version == version or vars(space).get(name) is not tensor:
+            continue
+        _keep(_HELD_LARGE, space, {name})
+        start = _START.get(space)
+        if start is not None and name in start and not isinstance(start[name], Snapshot):
+            start[name] = Snapshot(values, tensor)
+        if space in before:
+            before[space][name] = Snapshot(values, tensor)
+        out.append(label(space, name))
     return out
 
 
@@ -232,9 +292,10 @@ def large_tensors(spaces: Iterable[Namespace]) -> Versions:
     out: Versions = {}
     for space in spaces:
         own = _own(space)
+        held = _HELD_LARGE.get(space, frozenset())
         for name, value in list(vars(space).items()):
-            if name.startswith("__") and name.endswith("__"):
-                continue
+            if (name.startswith("__") and name.endswith("__")) or name in held:
+                continue  # (one held by value: its changes are read as a small one's)
             _large(label(space, name), value, own, out, depth=0)
     return out
 
@@ -457,9 +518,15 @@ def _put_into(obj: Any, values: Mapping[str, Any]) -> None:
 def now(values: Mapping[Namespace, Mapping[str, Any]]) -> dict[Namespace, dict[str, Any]]:
     """The current values of the names of ``values`` (what training made of them)."""
     return {
-        space: {name: hold(vars(space).get(name, MISSING), _own(space)) for name in names}
-        for space, names in values.items()
+        space: {name: _held_now(space, name) for name in names} for space, names in values.items()
     }
+
+
+def _held_now(space: Namespace, name: str) -> Any:
+    value = vars(space).get(name, MISSING)
+    if name in _HELD_LARGE.get(space, frozenset()):
+        return _snapshot(value)
+    return hold(value, _own(space))
 
 
 def saved(values: Mapping[Namespace, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -489,3 +489,48 @@ def test_a_value_filled_in_place_that_the_model_holds_as_a_buffer_is_each_member
     array = trained_as_alone_from(w, members([2.0, 3.0]), ones)
     factors = [float(array.member_state(k)["buffers"]["factor"].flatten()[-1]) for k in array.keys]
     assert factors == [2.0, 3.0]
+
+
+#: a table (past what packtune held by value before) a build scales in place, its forward
+#: reads (not a buffer)
+TABLE = torch.ones(300, 16, dtype=torch.float64)
+
+
+class _Tabled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)) * TABLE[-1])
+
+
+class ScaledTable(_Scaled):
+    name = "scaled-table"
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        TABLE.mul_(float(self.resolve(config)["scale"]))  # from the module's value
+        return _Tabled().double()
+
+
+def test_a_larger_tensor_a_build_changes_in_place_is_each_members_own() -> None:
+    """Before, a tensor over 4,096 elements was not held: a warning, and every member read
+    the last build's table (scaled by every build before it, too)."""
+
+    def ones() -> None:
+        TABLE.fill_(1.0)
+
+    w, group = ScaledTable(), members([2.0, 3.0])
+    array = trained_as_alone_from(w, group, ones)
+    assert not any("too large" in n for n in array.notes), array.notes
+    assert any("build_model set" in n and ".TABLE'" in n for n in array.notes), array.notes
+    # resumed from its checkpoint, a member goes on from its own table
+    ones()
+    first = FusedArray(copy.copy(w), group)
+    train(first, first.steps_per_epoch)
+    states = [first.member_state(key) for key in first.keys]
+    TABLE.fill_(5.0)  # what the process's last build or step left
+    resumed = FusedArray(copy.copy(w), group, states=states)
+    train(resumed, EPOCHS * resumed.steps_per_epoch)
+    for key, got in results(resumed).items():
+        assert_as_alone(got, results(array)[key], key)
