@@ -203,50 +203,61 @@ def reading(spaces: Iterable[Namespace]) -> Reading:
 
 
 def _snapshot(value: Any) -> Any:
-    """A larger tensor held by value (:data:`_HELD_LARGE`), as a small one is."""
+    """A larger tensor or NumPy array held by value (:data:`_HELD_LARGE`), as a small one is."""
     if isinstance(value, Tensor) and _versioned(value):
         return Snapshot(value.detach().clone(), value)
+    if _numbers(value):
+        return ArraySnapshot(value.copy(), value)
     return hold(value, lambda cls: False)
 
 
-#: before a build, each larger tensor it might change in place: its namespace and name ->
-#: (the tensor, its version, a copy of its values)
-Copies = dict[tuple[Namespace, str], tuple[Tensor, int, Tensor]]
+def _numbers(value: Any) -> bool:
+    """Whether ``value`` is a NumPy array of numbers (or booleans), of any size."""
+    numpy = sys.modules.get("numpy")  # not imported here: if no one has, there are none
+    return numpy is not None and type(value) is numpy.ndarray and value.dtype.kind in "biufc"
+
+
+#: before a build, each larger tensor or NumPy array it might change in place: its namespace
+#: and name -> (the object, a tensor's version (None: an array's), a copy of its values)
+Copies = dict[tuple[Namespace, str], tuple[Any, int | None, Any]]
 
 
 def large_copies(spaces: Iterable[Namespace]) -> Copies:
-    """Before a build: a copy of each larger tensor (up to :data:`MAX_HELD_LARGE` elements)
-    that ``spaces`` hold by name and do not hold by value yet, for :func:`held_large`."""
+    """Before a build: a copy of each larger tensor or NumPy array of numbers (up to
+    :data:`MAX_HELD_LARGE` elements) that ``spaces`` hold by name and do not hold by value
+    yet, for :func:`held_large`."""
     out: Copies = {}
     for space in spaces:
         held = _HELD_LARGE.get(space, frozenset())
         for name, value in list(vars(space).items()):
-            if (
-                isinstance(value, Tensor)
-                and name not in held
-                and _versioned(value)
-                and SMALL_TENSOR < value.numel() <= MAX_HELD_LARGE
-            ):
-                out[space, name] = (value, value._version, value.detach().clone())
+            if name in held:
+                continue
+            if isinstance(value, Tensor) and _versioned(value):
+                if SMALL_TENSOR < value.numel() <= MAX_HELD_LARGE:
+                    out[space, name] = (value, value._version, value.detach().clone())
+            elif _numbers(value) and SMALL_TENSOR < value.size <= MAX_HELD_LARGE:
+                out[space, name] = (value, None, value.copy())
     return out
 
 
 def held_large(before: Reading, copies: Copies) -> list[str]:
-    """After a build: the tensors of ``copies`` it changed in place are held by value from
-    now on (:func:`reading`), their values before it put into ``before`` (the build's reading
-    before it, which :func:`learn` compares) and, where no build in this process changed them
-    yet, into the values a fresh process's build starts from (:func:`fresh`). Returns their
-    labels."""
+    """After a build: the tensors and arrays of ``copies`` it changed in place are held by
+    value from now on (:func:`reading`), their values before it put into ``before`` (the
+    build's reading before it, which :func:`learn` compares) and, where no build in this
+    process changed them yet, into the values a fresh process's build starts from
+    (:func:`fresh`). Returns their labels."""
     out = []
-    for (space, name), (tensor, version, values) in copies.items():
-        if tensor._version == version or vars(space).get(name) is not tensor:
+    for (space, name), (obj, version, values) in copies.items():
+        was = Snapshot(values, obj) if version is not None else ArraySnapshot(values, obj)
+        unchanged = obj._version == version if version is not None else was.same_as(obj)
+        if unchanged or vars(space).get(name) is not obj:
             continue
         _keep(_HELD_LARGE, space, {name})
         start = _START.get(space)
-        if start is not None and name in start and not isinstance(start[name], Snapshot):
-            start[name] = Snapshot(values, tensor)
+        if start is not None and name in start and start[name] is obj:
+            start[name] = was  # (held as itself until now)
         if space in before:
-            before[space][name] = Snapshot(values, tensor)
+            before[space][name] = was
         out.append(label(space, name))
     return out
 

@@ -79,6 +79,8 @@ SPACES: dict[str, dict[str, Any]] = {
     "settings-mlp": {"lr": TRAP_LR, "scale": {"type": "uniform", "low": 0.25, "high": 2.0}},
     "buffer-scaled-mlp": {"lr": TRAP_LR,
                           "scale": {"type": "uniform", "low": 0.25, "high": 2.0}},
+    "table-scaled-mlp": {"lr": TRAP_LR,
+                         "scale": {"type": "uniform", "low": 0.25, "high": 2.0}},
     # Python state a step changes: a counter on the model's module, one on the workload object
     "counting-mlp": {"lr": TRAP_LR},
     "global-counting-mlp": {"lr": TRAP_LR},
@@ -142,7 +144,7 @@ FULL_HYPERBAND = ("digits-mlp", "schedules", "bf16")
 REL = {
     "digits-cnn": 1e-3, "resnet-cifar": 1e-3, "misdeclared-mlp": 1e-3, "scaled-mlp": 1e-3,
     "global-scaled-mlp": 1e-3, "settings-mlp": 1e-3, "buffer-scaled-mlp": 1e-3,
-    "dropout-net-mlp": 1e-3,
+    "table-scaled-mlp": 1e-3, "dropout-net-mlp": 1e-3,
     "multi-task": 1e-3, "counting-mlp": 1e-3, "global-counting-mlp": 1e-3,
 }  # fmt: skip
 #: the folder of images the streaming plugins read (written once per test module)
@@ -179,6 +181,7 @@ def plugin_path(tmp_path_factory: pytest.TempPathFactory) -> str:
         "global-scaled": "trap_workloads:GlobalScaledMLP",
         "settings": "trap_workloads:SettingsMLP",
         "buffer-scaled": "trap_workloads:BufferScaledMLP",
+        "table-scaled": "trap_workloads:TableScaledMLP",
         "dropout-net": "trap_workloads:DropoutNetMLP",
         "counting": "trap_workloads:CountingMLP",
         "global-counting": "trap_workloads:GlobalCountingMLP",
@@ -397,6 +400,7 @@ def test_dropout_trials_were_fused_each_with_masks_of_its_own(
         ("global-scaled-mlp", "trap_workloads.SCALE"),
         ("settings-mlp", "trap_workloads.SETTINGS"),
         ("buffer-scaled-mlp", "trap_workloads.SCALE_ARRAY"),
+        ("table-scaled-mlp", "trap_workloads.SCALE_TABLE"),
     ],
 )
 def test_a_value_kept_in_a_module_global_was_each_members_own(
@@ -404,8 +408,8 @@ def test_a_value_kept_in_a_module_global_was_each_members_own(
 ) -> None:
     """Not vacuous: the packs held arrays of several trials with different scales (before,
     each read the scale of the last one built: set anew in a global, or in place on a
-    settings object the model holds or in an array its buffer shares), trained one per
-    stack, and the array said why.
+    settings object the model holds, in an array its buffer shares or in a larger array),
+    trained one per stack, and the array said why.
     (global-scaled-mlp sets its global below 0.5 only: trials above it all read 1.0, and an
     array of such trials alone may fuse.)"""
     result = results[workload, True]

@@ -494,6 +494,8 @@ def test_a_value_filled_in_place_that_the_model_holds_as_a_buffer_is_each_member
 #: a table (past what packtune held by value before) a build scales in place, its forward
 #: reads (not a buffer)
 TABLE = torch.ones(300, 16, dtype=torch.float64)
+#: the same as a NumPy array
+TABLE_ARRAY = numpy.ones((300, 16))
 
 
 class _Tabled(nn.Module):
@@ -502,7 +504,8 @@ class _Tabled(nn.Module):
         self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x)) * TABLE[-1])
+        scale = TABLE[-1] * torch.from_numpy(TABLE_ARRAY[-1])
+        return self.fc2(torch.relu(self.fc1(x)) * scale)
 
 
 class ScaledTable(_Scaled):
@@ -513,23 +516,37 @@ class ScaledTable(_Scaled):
         return _Tabled().double()
 
 
-def test_a_larger_tensor_a_build_changes_in_place_is_each_members_own() -> None:
-    """Before, a tensor over 4,096 elements was not held: a warning, and every member read
-    the last build's table (scaled by every build before it, too)."""
+class ScaledTableArray(_Scaled):
+    name = "scaled-table-array"
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        TABLE_ARRAY[:] *= float(self.resolve(config)["scale"])
+        return _Tabled().double()
+
+
+@pytest.mark.parametrize("workload", [ScaledTable, ScaledTableArray], ids=lambda w: w.name)
+def test_a_larger_tensor_a_build_changes_in_place_is_each_members_own(
+    workload: type[_Scaled],
+) -> None:
+    """Before, a tensor or NumPy array over 4,096 elements was not held: every member read
+    the last build's table (scaled by every build before it, too), with a warning (a
+    tensor's) or without a word (an array's)."""
 
     def ones() -> None:
         TABLE.fill_(1.0)
+        TABLE_ARRAY[:] = 1.0
 
-    w, group = ScaledTable(), members([2.0, 3.0])
+    w, group = workload(), members([2.0, 3.0])
     array = trained_as_alone_from(w, group, ones)
     assert not any("too large" in n for n in array.notes), array.notes
-    assert any("build_model set" in n and ".TABLE'" in n for n in array.notes), array.notes
+    assert any("build_model set" in n and ".TABLE" in n for n in array.notes), array.notes
     # resumed from its checkpoint, a member goes on from its own table
     ones()
     first = FusedArray(copy.copy(w), group)
     train(first, first.steps_per_epoch)
     states = [first.member_state(key) for key in first.keys]
     TABLE.fill_(5.0)  # what the process's last build or step left
+    TABLE_ARRAY[:] = 5.0
     resumed = FusedArray(copy.copy(w), group, states=states)
     train(resumed, EPOCHS * resumed.steps_per_epoch)
     for key, got in results(resumed).items():

@@ -26,6 +26,9 @@
 - ``buffer-scaled-mlp`` does the same through a NumPy array (``SCALE_ARRAY[:] = ...``, filled
   in place) that its model registers as a buffer (``torch.from_numpy``, sharing its memory):
   each member's buffer must hold its own build's value, not the one the next build filled in.
+- ``table-scaled-mlp`` does the same through a larger NumPy array (``SCALE_TABLE``, 8,192
+  elements: past what is held by value until a build is seen to change it), filled in
+  place, that its forward reads.
 - ``dropout-net-mlp`` is an MLP class of its own with an ``nn.Dropout``: not a hand-fusable
   Sequential, its members stack through vmap, each member's masks its own stream's.
 - ``data-scaled-mlp`` declares ``input_scale`` fusible but scales the data with it: members
@@ -269,6 +272,38 @@ class BufferScaledMLP(_DigitsPlugin):
                 return self.fc2(torch.relu(self.fc1(x)) * self.scale)
 
         return BufferScaled()
+
+
+#: filled in place per trial by TableScaledMLP.build_model; its forward reads a row
+SCALE_TABLE = numpy.ones((128, 64), dtype=numpy.float32)
+
+
+class TableScaledMLP(_DigitsPlugin):
+    """MLP that declares ``scale`` fusible yet fills it into the module's larger array
+    ``SCALE_TABLE``, which its forward reads."""
+
+    name = "table-scaled-mlp"
+    params: Mapping[str, Any] = {**_DigitsPlugin.params, "scale": 1.0}
+    fusible = frozenset({"scale"})
+
+    def build_model(self, config: Mapping[str, Any]) -> Any:
+        import torch
+        from torch import nn
+
+        cfg = self.resolve(config)
+        SCALE_TABLE[:] = float(cfg["scale"])
+        hidden = int(cfg["hidden"])
+
+        class TableScaled(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.fc1, self.fc2 = nn.Linear(64, hidden), nn.Linear(hidden, N_CLASSES)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                scale = torch.from_numpy(SCALE_TABLE[-1, :hidden]).to(x.device)
+                return self.fc2(torch.relu(self.fc1(x)) * scale)
+
+        return TableScaled()
 
 
 class DropoutNetMLP(_DigitsPlugin):
