@@ -1134,8 +1134,8 @@ class FusedArray:
         self.notes.append(
             f"{self.workload.name}: {what} {shown} in place, a tensor kept outside the model "
             f"and too large for packtune to hold per trial (over {SMALL_TENSOR:,} elements; "
-            f"of those, only a module global or class attribute of up to {MAX_HELD_LARGE:,} "
-            "that a build changes is held): "
+            f"of those, a module global or class attribute of up to {MAX_HELD_LARGE:,} is "
+            "held once a build or the probe's forwards change it): "
             "every trial in a worker process reads the last value set there (a model that "
             "holds it as a buffer has its own copy, as its build left it), packed or not, "
             "and its result may depend on what trained before it (a scratch buffer a "

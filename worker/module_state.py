@@ -145,13 +145,13 @@ def _small(tensor: torch.Tensor) -> bool:
 def small_array(value: Any) -> bool:
     """Whether ``value`` is a NumPy array of numbers (or booleans) of up to
     :data:`SMALL_TENSOR` elements: a constant a build may fill in place (``NORM[:] = ...``)."""
+    return number_array(value) and value.size <= SMALL_TENSOR
+
+
+def number_array(value: Any) -> bool:
+    """Whether ``value`` is a NumPy array of numbers (or booleans), of any size."""
     numpy = sys.modules.get("numpy")  # not imported here: if no one has, there are none
-    return (
-        numpy is not None
-        and type(value) is numpy.ndarray
-        and value.size <= SMALL_TENSOR
-        and value.dtype.kind in "biufc"
-    )
+    return numpy is not None and type(value) is numpy.ndarray and value.dtype.kind in "biufc"
 
 
 class Held:
@@ -245,7 +245,7 @@ class ArraySnapshot(_Copy):
     def same_as(self, other: Any) -> bool:
         value = other.array if isinstance(other, ArraySnapshot) else other
         return (
-            small_array(value)
+            number_array(value)
             and value.shape == self.array.shape
             and value.dtype == self.array.dtype
             and value.tobytes() == self.array.tobytes()
@@ -255,7 +255,7 @@ class ArraySnapshot(_Copy):
         """Put the value back into ``current`` in place, whoever holds it seeing it back, if
         ``current`` is a writeable array of the same shape and dtype; whether it was."""
         if not (
-            small_array(current)
+            number_array(current)
             and current.shape == self.array.shape
             and current.dtype == self.array.dtype
             and current.flags.writeable

@@ -39,6 +39,7 @@ from worker.module_state import (
     changed_state,
     checkpointable,
     held_value,
+    number_array,
     same_value,
 )
 from worker.outside_values import (
@@ -206,15 +207,9 @@ def _snapshot(value: Any) -> Any:
     """A larger tensor or NumPy array held by value (:data:`_HELD_LARGE`), as a small one is."""
     if isinstance(value, Tensor) and _versioned(value):
         return Snapshot(value.detach().clone(), value)
-    if _numbers(value):
+    if number_array(value):
         return ArraySnapshot(value.copy(), value)
     return hold(value, lambda cls: False)
-
-
-def _numbers(value: Any) -> bool:
-    """Whether ``value`` is a NumPy array of numbers (or booleans), of any size."""
-    numpy = sys.modules.get("numpy")  # not imported here: if no one has, there are none
-    return numpy is not None and type(value) is numpy.ndarray and value.dtype.kind in "biufc"
 
 
 #: before a build, each larger tensor or NumPy array it might change in place: its namespace
@@ -235,7 +230,7 @@ def large_copies(spaces: Iterable[Namespace]) -> Copies:
             if isinstance(value, Tensor) and _versioned(value):
                 if SMALL_TENSOR < value.numel() <= MAX_HELD_LARGE:
                     out[space, name] = (value, value._version, value.detach().clone())
-            elif _numbers(value) and SMALL_TENSOR < value.size <= MAX_HELD_LARGE:
+            elif number_array(value) and SMALL_TENSOR < value.size <= MAX_HELD_LARGE:
                 out[space, name] = (value, None, value.copy())
     return out
 

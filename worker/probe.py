@@ -201,6 +201,7 @@ def _probe_batch(workload: Workload, model: nn.Module, batch: Any, noise: bool =
     # what they change there is training state (:func:`worker.outside_state.learn_trained`)
     spaces = outside.namespaces(workload, model)
     outside_before, large = outside.reading(spaces), outside.large_tensors(spaces)
+    copies = outside.large_copies(spaces)  # a larger tensor the forwards change: held from then
     try:
         drew = draws_random(run, device)
         mutates = [t._version for t in tensors(own_batch)] != versions
@@ -226,6 +227,7 @@ def _probe_batch(workload: Workload, model: nn.Module, batch: Any, noise: bool =
         rounding = model_noise(workload, looked_at, own_batch) if deterministic and noise else ()
     finally:  # the probe's own changes to the workload object and outside it are undone
         changed = restore_object_state(workload, held)
+        outside.held_large(outside_before, copies)
         outside_after = outside.reading(spaces)
         trained = outside.learn_trained(outside_before, outside_after)
         trained_outside = sorted(outside.label(s, n) for s, names in trained.items() for n in names)

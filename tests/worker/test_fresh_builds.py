@@ -22,8 +22,15 @@ from torch import nn
 
 from tests.support.factory_workload import DeepFactoryGlobal, FactoryGlobal
 from tests.support.tiny_workloads import TinyMLP
-from tests.worker.test_outside_state import EPOCHS, assert_as_alone, members, results
+from tests.worker.test_outside_state import (
+    EPOCHS,
+    assert_as_alone,
+    members,
+    results,
+    trained_as_alone_from,
+)
 from worker.fused import FusedArray, train
+from worker.outside_state import MAX_HELD_LARGE
 
 #: set by ConditionalGlobal.build_model for trials whose scale is not 1
 SCALE = 1.0
@@ -501,6 +508,8 @@ def test_packtune_checks_own_build_leaves_no_trace(monkeypatch: pytest.MonkeyPat
 PROJECTION = torch.zeros(80, 80, dtype=torch.float64)
 #: the same, advanced in place by LargeInPlace's training forward (a running mean, say)
 RUNNING = torch.zeros(80, 80, dtype=torch.float64)
+#: larger than packtune holds per trial, advanced in place by the training forward too
+HUGE_RUNNING = torch.zeros(MAX_HELD_LARGE + 1, dtype=torch.float64)
 
 
 class _Projected(nn.Module):
@@ -511,7 +520,9 @@ class _Projected(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
             RUNNING.add_(1.0)
-        return self.fc2(torch.relu(self.fc1(x)) * (1.0 + PROJECTION[0, :16]))
+            HUGE_RUNNING[:16].add_(1.0)
+        scale = 1.0 + PROJECTION[0, :16] + 0.01 * RUNNING[0, :16]
+        return self.fc2(torch.relu(self.fc1(x)) * scale)
 
 
 class LargeInPlace(TinyMLP):
@@ -524,13 +535,18 @@ class LargeInPlace(TinyMLP):
         return _Projected().double()
 
 
-def test_a_larger_tensor_a_training_step_changes_in_place_is_said_to_be_shared() -> None:
-    """6,400 elements. A training step's in-place change is not held per trial: every trial
-    of the process reads the last value; before, nothing said so. The build's redraw is
-    held (it was said to be shared too, before the build's were held)."""
-    array = FusedArray(LargeInPlace(), members([0.1, 0.2]))
-    stepped = [n for n in array.notes if "a training step changes" in n]
-    assert stepped and f"{__name__}.RUNNING in place" in stepped[0], array.notes
-    assert "4,096 elements" in stepped[0]
-    assert not any("build_model changed" in n for n in array.notes), array.notes
+def test_a_larger_tensor_changed_in_place_is_each_members_own() -> None:
+    """6,400 elements, redrawn by each build and advanced by each training step: before,
+    neither was held per trial, a warning said so, and every member read the last build's
+    projection and every step's count. Now both are each member's own; only a tensor larger
+    than packtune holds is said to be shared."""
+
+    def zeros() -> None:
+        PROJECTION.zero_()
+        RUNNING.zero_()
+
+    array = trained_as_alone_from(LargeInPlace(), members([0.1, 0.2]), zeros)
     assert any("build_model set" in n and f"'{__name__}.PROJECTION'" in n for n in array.notes)
+    assert any("a training step sets" in n and f"'{__name__}.RUNNING'" in n for n in array.notes)
+    unheld = [n for n in array.notes if "too large" in n]
+    assert len(unheld) == 1 and f"{__name__}.HUGE_RUNNING in place" in unheld[0], array.notes

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import pytest
@@ -142,6 +142,23 @@ def assert_as_alone(got: Any, want: Any, key: Hashable) -> None:
     for name, tensor in want[0].items():
         torch.testing.assert_close(got[0][name], tensor, rtol=0, atol=1e-12, msg=f"{key} {name}")
     assert got[1]["val_loss"] == pytest.approx(want[1]["val_loss"], rel=1e-12), key
+
+
+def trained_as_alone_from(
+    w: Any, group: list[tuple[Hashable, dict[str, Any]]], start: Callable[[], None]
+) -> FusedArray:
+    """Each member of ``group`` trained alone, each from the module's values ``start`` puts
+    back (as in a fresh process), then all in one array (from whatever the last left):
+    each ends as it ended alone. Returns the array."""
+    want = {}
+    for member in group:
+        start()
+        want[member[0]] = alone(w, member)
+    array = FusedArray(copy.copy(w), group)
+    train(array, EPOCHS * array.steps_per_epoch)
+    for key, got in results(array).items():
+        assert_as_alone(got, want[key], key)
+    return array
 
 
 @pytest.mark.parametrize("workload", WORKLOADS, ids=lambda w: w.name)
