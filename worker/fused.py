@@ -114,7 +114,7 @@ from worker.module_state import (
     set_python_state,
 )
 from worker.optim import OPTIMIZER_HYPER, build_optimizer
-from worker.outside_memory import own_copies
+from worker.outside_memory import Layers, outside_layers, own_copies, own_layers
 from worker.outside_state import MAX_HELD_LARGE
 from worker.probe import (
     PROBE_EXAMPLES,
@@ -216,11 +216,11 @@ def _build_model(
     workload: Workload,
     config: Mapping[str, Any],
     state: Mapping[str, Any] | None,
-    built: Callable[[nn.Module], None] | None = None,
+    built: Callable[[nn.Module], nn.Module] | None = None,
 ) -> nn.Module:
     """One member's model, initialised exactly as a plain run of ``config`` would be;
     ``built`` is called with it as ``build_model`` returns (before a resumed state is
-    loaded)."""
+    loaded), and returns the model to go on with."""
     seed_torch(int(config["seed"]))
     try:
         model = workload.build_model(config)
@@ -236,7 +236,7 @@ def _build_model(
         )
     refuse_unsupported(workload.name, model)  # before its state: a lazy module's too
     if built is not None:
-        built(model)
+        model = built(model)
     if state is not None:
         # by every name of a tied tensor, as the model's own state_dict has it
         model.load_state_dict(with_aliases({**state["params"], **state["buffers"]}, aliases(model)))
@@ -548,20 +548,24 @@ class FusedArray:
                 )
                 copies = outside.large_copies(before)
                 large = outside.large_tensors(before)
+                layers = outside_layers([*before, workload])
 
                 def after_build(
                     model: nn.Module,
                     large: outside.Versions = large,
                     spaces: Any = before,
                     copies: outside.Copies = copies,
-                ) -> None:
+                    layers: Layers = layers,
+                ) -> nn.Module:
                     # the build's own changes (not a resumed state's load into a module
                     # global its model holds as a buffer); those held from now on first
                     outside.held_large(spaces, copies)
                     unheld.update(outside.changed_in_place(large, outside.large_tensors(spaces)))
-                    # a buffer that is a value kept outside (a global the next build fills
-                    # in place): the member's own, as its build left it
+                    # a buffer or a layer kept outside (a global the next build fills or
+                    # initialises in place): the member's own, as its build left it
+                    model, _ = own_layers(model, layers, outside.copy_model)
                     own_copies(model, [*outside.namespaces(workload, model), workload])
+                    return model
 
                 model = _build_model(workload, config, state, after_build)
                 torch_after[key] = torch_settings.read()
@@ -1137,7 +1141,8 @@ class FusedArray:
             f"of those, a module global or class attribute of up to {MAX_HELD_LARGE:,} is "
             "held once a build or the probe's forwards change it): "
             "every trial in a worker process reads the last value set there (a model that "
-            "holds it as a buffer has its own copy, as its build left it), packed or not, "
+            "holds it, as a buffer or a layer, has its own copy, as its build left it), "
+            "packed or not, "
             "and its result may depend on what trained before it (a scratch buffer a "
             "forward overwrites before it reads it is harmless). Keep it in the model (a "
             "buffer), or set it anew (NAME = torch...) rather than in place"

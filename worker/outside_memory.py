@@ -1,19 +1,22 @@
 """A model's tensors that share memory with a value kept outside it: a module global or a
 workload attribute that the model registers as a buffer or parameter
-(``self.register_buffer("scale", SCALE)``, ``torch.from_numpy(NORM)``).
+(``self.register_buffer("scale", SCALE)``, ``torch.from_numpy(NORM)``), or a layer kept
+outside that it holds as a submodule (``self.enc = ENCODER``).
 
-Where a build fills that value in place (``SCALE.fill_(cfg["scale"])``), the next member's
-build, and the values put back before it, fill the earlier member's buffer too: every
-member's model would read the last value set there. :func:`own_copies` gives a member's
-model copies of such tensors as its build left them, so that each member's stacked buffer
-is the one its build made. The value outside stays what it is, held and put back per
-member as any value kept outside (:mod:`worker.outside_state`).
+Where a build fills that value in place (``SCALE.fill_(cfg["scale"])``,
+``ENCODER.reset_parameters()``), the next member's build, and the values put back before
+it, fill the earlier member's buffer too: every member's model would read the last value
+set there. :func:`own_copies` gives a member's model copies of such tensors as its build
+left them, and :func:`own_layers` copies of such layers that its build changed, so that
+each member's stacked tensors are the ones its build made. The value outside stays what
+it is, held and put back per member as any value kept outside
+(:mod:`worker.outside_state`), or noted where it is not held (a layer's weights).
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -113,3 +116,64 @@ def _shares(tensor: Tensor, spans: list[Span]) -> bool:
         return False
     device, start, end = own
     return any(d == device and s < end and start < e for d, s, e in spans)
+
+
+#: the layers kept outside the model (``nn.Module`` values of the holders), each with its
+#: tensors' version counters, before a build
+Layers = list[tuple[nn.Module, tuple[int, ...]]]
+
+
+def outside_layers(holders: Iterable[Any]) -> Layers:
+    """The ``nn.Module`` values of ``holders`` (namespaces, a workload object) and their
+    tensors' versions now, to see which a build changes in place (:func:`own_layers`)."""
+    seen: dict[int, tuple[nn.Module, tuple[int, ...]]] = {}
+    for holder in holders:
+        for value in list(vars(holder).values()):
+            if isinstance(value, nn.Module) and id(value) not in seen:
+                seen[id(value)] = (value, _versions(value))
+    return list(seen.values())
+
+
+def own_layers(
+    model: nn.Module, before: Layers, copy_model: Callable[[nn.Module], nn.Module]
+) -> tuple[nn.Module, list[str]]:
+    """``model`` with its own copy (by ``copy_model``) of each layer kept outside whose
+    tensors the build changed in place since ``before`` (:func:`outside_layers`), or of any
+    module within one; and the names of the layers copied (``""``: the model itself is
+    one)."""
+    changed = {
+        id(sub): sub
+        for layer, versions in before
+        if _versions(layer) != versions
+        for sub in layer.modules()
+    }
+    if not changed:
+        return model, []
+    if id(model) in changed:
+        return copy_model(model), [""]
+    copies: dict[int, nn.Module] = {}
+    names: list[str] = []
+
+    def walk(parent: nn.Module, prefix: str) -> None:
+        for name, child in list(parent._modules.items()):
+            if child is None:
+                continue
+            where = f"{prefix}{name}"
+            if id(child) in changed:
+                if id(child) not in copies:
+                    copies[id(child)] = copy_model(child)
+                parent._modules[name] = copies[id(child)]
+                names.append(where)
+            else:
+                walk(child, f"{where}.")
+
+    walk(model, "")
+    return model, names
+
+
+def _versions(module: nn.Module) -> tuple[int, ...]:
+    return tuple(
+        t._version
+        for t in [*module.parameters(), *module.buffers()]
+        if not (is_lazy(t) or t.is_meta or t.is_inference())
+    )

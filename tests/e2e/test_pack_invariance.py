@@ -81,6 +81,7 @@ SPACES: dict[str, dict[str, Any]] = {
                           "scale": {"type": "uniform", "low": 0.25, "high": 2.0}},
     "table-scaled-mlp": {"lr": TRAP_LR,
                          "scale": {"type": "uniform", "low": 0.25, "high": 2.0}},
+    "reset-encoder-mlp": {"lr": TRAP_LR},
     # Python state a step changes: a counter on the model's module, one on the workload object
     "counting-mlp": {"lr": TRAP_LR},
     "global-counting-mlp": {"lr": TRAP_LR},
@@ -144,7 +145,7 @@ FULL_HYPERBAND = ("digits-mlp", "schedules", "bf16")
 REL = {
     "digits-cnn": 1e-3, "resnet-cifar": 1e-3, "misdeclared-mlp": 1e-3, "scaled-mlp": 1e-3,
     "global-scaled-mlp": 1e-3, "settings-mlp": 1e-3, "buffer-scaled-mlp": 1e-3,
-    "table-scaled-mlp": 1e-3, "dropout-net-mlp": 1e-3,
+    "table-scaled-mlp": 1e-3, "reset-encoder-mlp": 1e-3, "dropout-net-mlp": 1e-3,
     "multi-task": 1e-3, "counting-mlp": 1e-3, "global-counting-mlp": 1e-3,
 }  # fmt: skip
 #: the folder of images the streaming plugins read (written once per test module)
@@ -182,6 +183,7 @@ def plugin_path(tmp_path_factory: pytest.TempPathFactory) -> str:
         "settings": "trap_workloads:SettingsMLP",
         "buffer-scaled": "trap_workloads:BufferScaledMLP",
         "table-scaled": "trap_workloads:TableScaledMLP",
+        "reset-encoder": "layer_workloads:ResetEncoderMLP",
         "dropout-net": "trap_workloads:DropoutNetMLP",
         "counting": "trap_workloads:CountingMLP",
         "global-counting": "trap_workloads:GlobalCountingMLP",

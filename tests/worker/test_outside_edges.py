@@ -5,7 +5,8 @@ trial, small tensors not writable in place, a global filled in place that the mo
 a view of a large tensor, a resumed array's own module-global buffer, a slot
 whose name is mangled, a NumPy dtype torch lacks, a build's
 ``torch.set_default_device("cpu")``, a value filled in place that the model registers as a
-buffer. Each test failed before its fix."""
+buffer, a larger tensor or array a build or a training step changes in place, a global layer
+a build initialises in place. Each test failed before its fix."""
 
 from __future__ import annotations
 
@@ -556,3 +557,32 @@ def test_members_whose_builds_leave_equal_larger_tables_still_fuse(workload: typ
     FusedArray(workload(), members([2.0]))  # a build is seen to change it: held from now on
     array = FusedArray(workload(), members([1.0, 1.0], first=1))
     assert [len(keys) for keys, _ in array.stacks] == [2], array.notes
+
+
+#: a layer kept in a module global that each build initialises anew, in place (from the
+#: trial's seed), and the model holds as a submodule
+ENCODER = nn.Linear(8, 16).double()
+
+
+class _Encoded(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.fc2 = ENCODER, nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.enc(x)))
+
+
+class ResetEncoder(_Scaled):
+    name = "reset-encoder"
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        ENCODER.reset_parameters()
+        return _Encoded().double()
+
+
+def test_a_global_layer_a_build_initialises_in_place_is_each_members_own() -> None:
+    """Before, each member's model held the global layer itself, which the next build
+    initialised again: every member started from the last build's weights."""
+    array = trained_as_alone_from(ResetEncoder(), members([1.0, 1.0]), lambda: None)
+    assert any("ENCODER" in n and "own copy" in n for n in array.notes), array.notes
