@@ -508,6 +508,8 @@ def test_packtune_checks_own_build_leaves_no_trace(monkeypatch: pytest.MonkeyPat
 PROJECTION = torch.zeros(80, 80, dtype=torch.float64)
 #: the same, advanced in place by LargeInPlace's training forward (a running mean, say)
 RUNNING = torch.zeros(80, 80, dtype=torch.float64)
+#: the same as a NumPy array
+RUNNING_ARRAY = numpy.zeros((80, 80))
 #: larger than packtune holds per trial, advanced in place by the training forward too
 HUGE_RUNNING = torch.zeros(MAX_HELD_LARGE + 1, dtype=torch.float64)
 
@@ -520,8 +522,10 @@ class _Projected(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
             RUNNING.add_(1.0)
+            RUNNING_ARRAY[:] += 1.0
             HUGE_RUNNING[:16].add_(1.0)
         scale = 1.0 + PROJECTION[0, :16] + 0.01 * RUNNING[0, :16]
+        scale = scale + 0.01 * torch.from_numpy(RUNNING_ARRAY[0, :16])
         return self.fc2(torch.relu(self.fc1(x)) * scale)
 
 
@@ -536,14 +540,15 @@ class LargeInPlace(TinyMLP):
 
 
 def test_a_larger_tensor_changed_in_place_is_each_members_own() -> None:
-    """6,400 elements, redrawn by each build and advanced by each training step: before,
-    neither was held per trial, a warning said so, and every member read the last build's
-    projection and every step's count. Now both are each member's own; only a tensor larger
-    than packtune holds is said to be shared."""
+    """6,400 elements, redrawn by each build and advanced by each training step (a tensor and
+    a NumPy array): before, none was held per trial, a warning said so (of the tensors), and
+    every member read the last build's projection and every step's count. Now each is each
+    member's own; only a tensor larger than packtune holds is said to be shared."""
 
     def zeros() -> None:
         PROJECTION.zero_()
         RUNNING.zero_()
+        RUNNING_ARRAY[:] = 0.0
 
     array = trained_as_alone_from(LargeInPlace(), members([0.1, 0.2]), zeros)
     assert any("build_model set" in n and f"'{__name__}.PROJECTION'" in n for n in array.notes)
