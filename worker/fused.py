@@ -564,7 +564,10 @@ class FusedArray:
                     # a buffer or a layer kept outside (a global the next build fills or
                     # initialises in place): the member's own, as its build left it
                     model, _ = own_layers(model, layers, outside.copy_model)
-                    own_copies(model, [*outside.namespaces(workload, model), workload])
+                    holders = outside.namespaces(workload, model)
+                    larger = [t for t, version in large.values() if t._version != version]
+                    larger += outside.held_larger(holders)
+                    own_copies(model, [*holders, workload], {id(v) for v in larger})
                     return model
 
                 model = _build_model(workload, config, state, after_build)
@@ -734,6 +737,8 @@ class FusedArray:
                 )
             finally:
                 torch_settings.put(self.torch_base)  # its own were in force for its probe only
+            for reading in [*self.outside_built.values(), *as_built.values()]:
+                outside.settle(reading)  # a larger tensor the probe saw a step change
             if probed.reassigned:
                 names = ", ".join(repr(n) for n in probed.reassigned)
                 raise ValueError(

@@ -16,25 +16,29 @@ it is, held and put back per member as any value kept outside
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
+from worker.module_state import SMALL_TENSOR
 from worker.outside_values import MAX_DEPTH, MAX_FIELDS, attributes_of, settings_object
 
 #: a span of host or device memory: (device, first byte, byte after the last)
 Span = tuple[str, int, int]
 
 
-def own_copies(model: nn.Module, holders: Iterable[Any]) -> list[str]:
+def own_copies(model: nn.Module, holders: Iterable[Any], larger: Container[int] = ()) -> list[str]:
     """Give ``model`` its own copy of each parameter and buffer whose memory some value of
     ``holders`` (namespaces: modules, classes, a workload object) shares, a few levels into
-    dicts, lists and settings objects; the names copied. A module kept outside (a global
-    ``nn.Module`` the model uses) is left as it is: its tensors are its own."""
-    spans = sorted({span for holder in holders for span in _spans_of(vars(holder), 0)})
+    dicts, lists and settings objects; the names copied. Of the values over
+    :data:`~worker.module_state.SMALL_TENSOR` elements, only those in ``larger`` (by id: the
+    ones builds change in place) count: a large table every model shares as it is (a
+    pretrained embedding) is not copied per member. A module kept outside (a global
+    ``nn.Module`` the model uses) is left as it is here (:func:`own_layers`)."""
+    spans = sorted({s for holder in holders for s in _spans_of(vars(holder), 0, larger)})
     if not spans:
         return []
     copied: dict[int, Tensor] = {}
@@ -59,19 +63,19 @@ def _copy(tensor: Tensor) -> Tensor:
     return clone
 
 
-def _spans_of(values: dict[str, Any], depth: int) -> Iterator[Span]:
+def _spans_of(values: dict[str, Any], depth: int, larger: Container[int]) -> Iterator[Span]:
     for name, value in list(values.items()):
         if not (name.startswith("__") and name.endswith("__")):
-            yield from _spans(value, depth)
+            yield from _spans(value, depth, larger)
 
 
-def _spans(value: Any, depth: int) -> Iterator[Span]:
+def _spans(value: Any, depth: int, larger: Container[int]) -> Iterator[Span]:
     if isinstance(value, Tensor):
         span = _tensor_span(value)
-        if span is not None:
+        if span is not None and (_small(value) or id(value) in larger):
             yield span
     elif _is_array(value):
-        if value.nbytes:
+        if value.nbytes and (value.size <= SMALL_TENSOR or id(value) in larger):
             numpy = sys.modules["numpy"]
             utils = getattr(numpy.lib, "array_utils", numpy)  # NumPy 2's home, else 1's
             low, high = utils.byte_bounds(value)
@@ -81,13 +85,20 @@ def _spans(value: Any, depth: int) -> Iterator[Span]:
     elif isinstance(value, dict | list | tuple) and len(value) <= MAX_FIELDS:
         items = value.values() if isinstance(value, dict) else value
         for item in list(items):
-            yield from _spans(item, depth + 1)
+            yield from _spans(item, depth + 1, larger)
     elif settings_object(value, lambda cls: True):
         try:
             fields = attributes_of(value)
         except Exception:  # an attribute that raises when read: not a value to look into
             return
-        yield from _spans_of(fields, depth + 1)
+        yield from _spans_of(fields, depth + 1, larger)
+
+
+def _small(tensor: Tensor) -> bool:
+    try:
+        return tensor.numel() <= SMALL_TENSOR
+    except (RuntimeError, NotImplementedError, TypeError):  # a subclass without one
+        return False
 
 
 def _is_array(value: Any) -> bool:
@@ -102,12 +113,12 @@ def _tensor_span(tensor: Tensor) -> Span | None:
         return None
     try:
         storage = tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # a sparse or other storage-less tensor
+        start, size = storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None  # a sparse tensor, a wrapper subclass (its storage is not its data)
+    if not start or not size:
         return None
-    start = storage.data_ptr()
-    if not start or not storage.nbytes():
-        return None
-    return (str(tensor.device), start, start + storage.nbytes())
+    return (str(tensor.device), start, start + size)
 
 
 def _shares(tensor: Tensor, spans: list[Span]) -> bool:
@@ -136,39 +147,18 @@ def outside_layers(holders: Iterable[Any]) -> Layers:
 
 def own_layers(
     model: nn.Module, before: Layers, copy_model: Callable[[nn.Module], nn.Module]
-) -> tuple[nn.Module, list[str]]:
-    """``model`` with its own copy (by ``copy_model``) of each layer kept outside whose
-    tensors the build changed in place since ``before`` (:func:`outside_layers`), or of any
-    module within one; and the names of the layers copied (``""``: the model itself is
-    one)."""
-    changed = {
-        id(sub): sub
-        for layer, versions in before
-        if _versions(layer) != versions
-        for sub in layer.modules()
-    }
-    if not changed:
-        return model, []
-    if id(model) in changed:
-        return copy_model(model), [""]
-    copies: dict[int, nn.Module] = {}
-    names: list[str] = []
-
-    def walk(parent: nn.Module, prefix: str) -> None:
-        for name, child in list(parent._modules.items()):
-            if child is None:
-                continue
-            where = f"{prefix}{name}"
-            if id(child) in changed:
-                if id(child) not in copies:
-                    copies[id(child)] = copy_model(child)
-                parent._modules[name] = copies[id(child)]
-                names.append(where)
-            else:
-                walk(child, f"{where}.")
-
-    walk(model, "")
-    return model, names
+) -> tuple[nn.Module, bool]:
+    """``model``, or where it holds a layer kept outside whose tensors the build changed in
+    place since ``before`` (:func:`outside_layers`), a module within one or one of their
+    tensors, a copy of it (by ``copy_model``, whole: tied weights stay tied); and whether it
+    was copied."""
+    changed = [layer for layer, versions in before if _versions(layer) != versions]
+    modules = {id(sub) for layer in changed for sub in layer.modules()}
+    tensors = {id(t) for layer in changed for t in [*layer.parameters(), *layer.buffers()]}
+    holds = any(id(m) in modules for m in model.modules()) or any(
+        id(t) in tensors for t in [*model.parameters(), *model.buffers()]
+    )
+    return (copy_model(model), True) if holds else (model, False)
 
 
 def _versions(module: nn.Module) -> tuple[int, ...]:

@@ -257,6 +257,28 @@ def held_large(before: Reading, copies: Copies) -> list[str]:
     return out
 
 
+def held_larger(spaces: Iterable[Namespace]) -> list[Any]:
+    """The larger tensors and arrays of ``spaces`` held by value (builds or training steps
+    change them in place)."""
+    return [
+        vars(space)[name]
+        for space in spaces
+        for name in _HELD_LARGE.get(space, frozenset())
+        if name in vars(space)
+    ]
+
+
+def settle(reading: Reading) -> None:
+    """Hold by value, in a member's ``reading``, the larger tensors held as themselves there
+    that are held by value since it was taken (a probe saw a training step change them in
+    place), at their values now: those its build left (a build that changed one would have
+    been seen as it ran)."""
+    for space, values in reading.items():
+        for name in _HELD_LARGE.get(space, frozenset()) & values.keys():
+            if values[name] is vars(space).get(name, MISSING):
+                values[name] = _snapshot(values[name])
+
+
 def _submodule(space: Namespace, name: str, value: Any) -> bool:
     """Whether ``value`` is package ``space``'s own submodule ``name`` (``pkg.extra``)."""
     return (
@@ -594,7 +616,20 @@ def _resumed(held: Any, value: Any) -> Any:
         return Snapshot(value.to(held.tensor.device), held.source)
     if isinstance(value, Tensor) and isinstance(held, ArraySnapshot):
         return ArraySnapshot(value.numpy().astype(held.array.dtype), held.source)
+    if isinstance(value, Tensor) and _large_held(held):
+        # a larger one this process has not seen changed yet (a training step changes it:
+        # its probe comes after the builds), held as itself: put back into it, as there
+        if isinstance(held, Tensor):
+            return Snapshot(value.to(held.device, held.dtype), held)
+        return ArraySnapshot(value.numpy().astype(held.dtype), held)
     return held_value(value)
+
+
+def _large_held(held: Any) -> bool:
+    """Whether ``held`` is a larger tensor or NumPy array of numbers, held as itself."""
+    if isinstance(held, Tensor):
+        return _versioned(held) and SMALL_TENSOR < held.numel() <= MAX_HELD_LARGE
+    return number_array(held) and SMALL_TENSOR < held.size <= MAX_HELD_LARGE
 
 
 def resume(reading: Reading, saved: Mapping[str, Mapping[str, Any]]) -> None:
@@ -604,6 +639,11 @@ def resume(reading: Reading, saved: Mapping[str, Mapping[str, Any]]) -> None:
         for name in list(values):
             entry = saved.get(label(space, name))
             if entry is not None:
+                if _large_held(values[name]) and isinstance(entry.get("value"), Tensor):
+                    _keep(_HELD_LARGE, space, {name})  # by value from now on, as it was saved
+                    start = _START.get(space)
+                    if start is not None and start.get(name) is values[name]:
+                        start[name] = _snapshot(values[name])  # (as the build left it)
                 values[name] = resumed_value(values[name], entry)
                 _keep(_KEPT, space, {name})
 

@@ -555,3 +555,63 @@ def test_a_larger_tensor_changed_in_place_is_each_members_own() -> None:
     assert any("a training step sets" in n and f"'{__name__}.RUNNING'" in n for n in array.notes)
     unheld = [n for n in array.notes if "too large" in n]
     assert len(unheld) == 1 and f"{__name__}.HUGE_RUNNING in place" in unheld[0], array.notes
+
+
+RESUME_SCRIPT = """
+import importlib
+import sys
+
+import torch
+
+from tests.worker.test_outside_state import EPOCHS, members, results
+from worker.fused import FusedArray, train
+
+# this module by the name the checkpoints' values were saved under (pytest's, here)
+workload = importlib.import_module(sys.argv[3]).LargeInPlace
+states = torch.load(sys.argv[1], weights_only=False) if sys.argv[1] != "-" else None
+group = members([0.1, 0.2])
+resumed = FusedArray(workload(), group, states=states)
+train(resumed, EPOCHS * resumed.steps_per_epoch)
+torch.save(results(resumed), sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("resumed", [True, False], ids=["resumed", "first"])
+def test_a_larger_tensor_a_step_changes_in_a_new_process(tmp_path: Any, resumed: bool) -> None:
+    """In another worker process, a tensor or array only a training step changes is not
+    known yet as the builds run (the probe comes after them). Before, a trial resumed there
+    had its checkpointed value set in place of the NumPy array (a tensor: the forward's
+    from_numpy raised); and in the first array of a process, every member's value was the
+    global itself: each member's steps went on from the count the one before it left."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def zeros() -> None:
+        PROJECTION.zero_()
+        RUNNING.zero_()
+        RUNNING_ARRAY[:] = 0.0
+
+    group = members([0.1, 0.2])
+    zeros()
+    first = FusedArray(LargeInPlace(), group)
+    train(first, first.steps_per_epoch)
+    torch.save([first.member_state(key) for key in first.keys], tmp_path / "states.pt")
+    zeros()
+    straight = FusedArray(LargeInPlace(), group)
+    train(straight, EPOCHS * straight.steps_per_epoch)
+    script = tmp_path / "resume.py"
+    script.write_text(RESUME_SCRIPT)
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parents[1]), str(here)])}
+    states = str(tmp_path / "states.pt") if resumed else "-"
+    paths = [states, str(tmp_path / "out.pt"), LargeInPlace.__module__]
+    proc = subprocess.run(
+        [sys.executable, str(script), *paths], env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = torch.load(tmp_path / "out.pt", weights_only=False)
+    for key, want in results(straight).items():
+        assert_as_alone(got[key], want, key)

@@ -22,6 +22,7 @@ import numpy
 import pytest
 import torch
 from torch import nn
+from torch.testing._internal.two_tensor import TwoTensor
 
 import tests.support.lazy_pkg
 from tests.support.impls import relu_impl, tanh_impl
@@ -34,6 +35,7 @@ from tests.worker.test_outside_state import (
     trained_as_alone_from,
 )
 from worker.fused import FusedArray, train
+from worker.outside_memory import own_copies
 from worker.outside_state import resumed_value, saved_value
 from worker.outside_values import Fields, hold, put
 
@@ -119,8 +121,20 @@ with torch.inference_mode():
     ENCODER = nn.Linear(4, 4)
 
 
+#: a wrapper tensor subclass (as a DTensor or a quantized weight), whose storage has no data
+WRAPPED = TwoTensor(torch.randn(16), torch.randn(16))
+
+
+def test_a_wrapper_tensor_kept_outside_is_left_alone() -> None:
+    """Before, every build of a workload of this module raised reading its storage."""
+    array = FusedArray(_Scaled(), members([1.0, 1.0]))
+    train(array, array.steps_per_epoch)
+    assert [len(keys) for keys, _ in array.stacks] == [2]
+
+
 def test_tensors_without_a_version_counter_are_left_alone() -> None:
     """Before, every build raised reading their version counters."""
+    assert TABLE.is_inference() and ENCODER.weight.is_inference()  # (no other global's)
     array = FusedArray(_Scaled(), members([1.0, 1.0]))
     train(array, array.steps_per_epoch)
     assert not any("in place" in n for n in array.notes)
@@ -483,9 +497,9 @@ def test_a_value_filled_in_place_that_the_model_holds_as_a_buffer_is_each_member
 
 #: a table (past what packtune held by value before) a build scales in place, its forward
 #: reads (not a buffer)
-TABLE = torch.ones(300, 16, dtype=torch.float64)
+SCALES = torch.ones(300, 16, dtype=torch.float64)
 #: the same as a NumPy array
-TABLE_ARRAY = numpy.ones((300, 16))
+SCALES_ARRAY = numpy.ones((300, 16))
 
 
 class _Tabled(nn.Module):
@@ -494,19 +508,19 @@ class _Tabled(nn.Module):
         self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x)) * TABLE[-1])
+        return self.fc2(torch.relu(self.fc1(x)) * SCALES[-1])
 
 
 class _TabledArray(_Tabled):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x)) * torch.from_numpy(TABLE_ARRAY[-1]))
+        return self.fc2(torch.relu(self.fc1(x)) * torch.from_numpy(SCALES_ARRAY[-1]))
 
 
 class ScaledTable(_Scaled):
     name = "scaled-table"
 
     def build_model(self, config: Mapping[str, Any]) -> nn.Module:
-        TABLE.mul_(float(self.resolve(config)["scale"]))  # from the module's value
+        SCALES.mul_(float(self.resolve(config)["scale"]))  # from the module's value
         return _Tabled().double()
 
 
@@ -514,7 +528,7 @@ class ScaledTableArray(_Scaled):
     name = "scaled-table-array"
 
     def build_model(self, config: Mapping[str, Any]) -> nn.Module:
-        TABLE_ARRAY[:] *= float(self.resolve(config)["scale"])
+        SCALES_ARRAY[:] *= float(self.resolve(config)["scale"])
         return _TabledArray().double()
 
 
@@ -527,20 +541,20 @@ def test_a_larger_tensor_a_build_changes_in_place_is_each_members_own(
     tensor's) or without a word (an array's)."""
 
     def ones() -> None:
-        TABLE.fill_(1.0)
-        TABLE_ARRAY[:] = 1.0
+        SCALES.fill_(1.0)
+        SCALES_ARRAY[:] = 1.0
 
     w, group = workload(), members([2.0, 3.0])
     array = trained_as_alone_from(w, group, ones)
     assert not any("too large" in n for n in array.notes), array.notes
-    assert any("build_model set" in n and ".TABLE" in n for n in array.notes), array.notes
+    assert any("build_model set" in n and ".SCALES" in n for n in array.notes), array.notes
     # resumed from its checkpoint, a member goes on from its own table
     ones()
     first = FusedArray(copy.copy(w), group)
     train(first, first.steps_per_epoch)
     states = [first.member_state(key) for key in first.keys]
-    TABLE.fill_(5.0)  # what the process's last build or step left
-    TABLE_ARRAY[:] = 5.0
+    SCALES.fill_(5.0)  # what the process's last build or step left
+    SCALES_ARRAY[:] = 5.0
     resumed = FusedArray(copy.copy(w), group, states=states)
     train(resumed, EPOCHS * resumed.steps_per_epoch)
     for key, got in results(resumed).items():
@@ -552,8 +566,8 @@ def test_members_whose_builds_leave_equal_larger_tables_still_fuse(workload: typ
     """Held by value, a larger table compares by value: before, a larger NumPy array's held
     copies never compared equal (a check meant for small ones), and equal members trained
     apart."""
-    TABLE.fill_(1.0)
-    TABLE_ARRAY[:] = 1.0
+    SCALES.fill_(1.0)
+    SCALES_ARRAY[:] = 1.0
     FusedArray(workload(), members([2.0]))  # a build is seen to change it: held from now on
     array = FusedArray(workload(), members([1.0, 1.0], first=1))
     assert [len(keys) for keys, _ in array.stacks] == [2], array.notes
@@ -561,13 +575,13 @@ def test_members_whose_builds_leave_equal_larger_tables_still_fuse(workload: typ
 
 #: a layer kept in a module global that each build initialises anew, in place (from the
 #: trial's seed), and the model holds as a submodule
-ENCODER = nn.Linear(8, 16).double()
+RESET_ENCODER = nn.Linear(8, 16).double()
 
 
 class _Encoded(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.enc, self.fc2 = ENCODER, nn.Linear(16, 3)
+        self.enc, self.fc2 = RESET_ENCODER, nn.Linear(16, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(torch.relu(self.enc(x)))
@@ -577,12 +591,54 @@ class ResetEncoder(_Scaled):
     name = "reset-encoder"
 
     def build_model(self, config: Mapping[str, Any]) -> nn.Module:
-        ENCODER.reset_parameters()
+        RESET_ENCODER.reset_parameters()
         return _Encoded().double()
 
 
-def test_a_global_layer_a_build_initialises_in_place_is_each_members_own() -> None:
+class _TiedEncoded(nn.Module):
+    """Its decoder is tied to the global layer's weight (no submodule of it but the encoder)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.fc2 = RESET_ENCODER, nn.Linear(8, 3)
+        self.dec = nn.Linear(16, 8, bias=False)
+        self.dec.weight = RESET_ENCODER.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.enc(x)) @ self.dec.weight)
+
+
+class ResetTiedEncoder(_Scaled):
+    name = "reset-tied-encoder"
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        RESET_ENCODER.reset_parameters()
+        return _TiedEncoded().double()
+
+
+@pytest.mark.parametrize("workload", [ResetEncoder, ResetTiedEncoder], ids=lambda w: w.name)
+def test_a_global_layer_a_build_initialises_in_place_is_each_members_own(
+    workload: type[_Scaled],
+) -> None:
     """Before, each member's model held the global layer itself, which the next build
-    initialised again: every member started from the last build's weights."""
-    array = trained_as_alone_from(ResetEncoder(), members([1.0, 1.0]), lambda: None)
-    assert any("ENCODER" in n and "own copy" in n for n in array.notes), array.notes
+    initialised again: every member started from the last build's weights. (A first fix
+    copied the layer alone, and a weight tied to it stayed the global's: the model had two
+    weights where it had one.)"""
+    array = trained_as_alone_from(workload(), members([1.0, 1.0]), lambda: None)
+    assert any("RESET_ENCODER" in n and "own copy" in n for n in array.notes), array.notes
+
+
+#: a larger table every model shares as it is (a pretrained embedding, say)
+SHARED_TABLE = torch.randn(100, 50)
+
+
+def test_a_larger_table_no_build_changes_is_not_copied_per_member() -> None:
+    """Copying it would cost a table per member (a 480 MB embedding, eight times) for
+    nothing; a small value the model holds is copied (a later build may fill it)."""
+    model = nn.Module()
+    model.register_buffer("table", SHARED_TABLE)
+    model.register_buffer("factor", FACTOR)
+    space = sys.modules[__name__]
+    assert own_copies(model, [space]) == ["factor"]
+    assert model.table is SHARED_TABLE and model.factor is not FACTOR
+    assert own_copies(model, [space], larger={id(SHARED_TABLE)}) == ["table"]
