@@ -564,10 +564,7 @@ class FusedArray:
                     # a buffer or a layer kept outside (a global the next build fills or
                     # initialises in place): the member's own, as its build left it
                     model, _ = own_layers(model, layers, outside.copy_model)
-                    holders = outside.namespaces(workload, model)
-                    larger = [t for t, version in large.values() if t._version != version]
-                    larger += outside.held_larger(holders)
-                    own_copies(model, [*holders, workload], {id(v) for v in larger})
+                    own_copies(model, [*outside.namespaces(workload, model), workload])
                     return model
 
                 model = _build_model(workload, config, state, after_build)

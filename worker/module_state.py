@@ -216,7 +216,8 @@ class Snapshot(_Copy):
             and value.shape == self.tensor.shape
             and value.dtype == self.tensor.dtype
             and value.device == self.tensor.device
-            and bool(torch.equal(value.detach(), self.tensor))
+            and value.layout == self.tensor.layout
+            and _equal(value.detach(), self.tensor)
         )
 
     def fill(self, current: Any) -> bool:
@@ -231,6 +232,14 @@ class Snapshot(_Copy):
     def copy(self) -> torch.Tensor:
         """A new tensor with the value."""
         return self.tensor.clone()
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one layout hold the same values (a sparse one's too, which
+    ``torch.equal`` does not take)."""
+    if a.layout != torch.strided:
+        a, b = a.to_dense(), b.to_dense()
+    return bool(torch.equal(a, b))
 
 
 class ArraySnapshot(_Copy):

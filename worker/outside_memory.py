@@ -16,29 +16,29 @@ it is, held and put back per member as any value kept outside
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Container, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
-from worker.module_state import SMALL_TENSOR
 from worker.outside_values import MAX_DEPTH, MAX_FIELDS, attributes_of, settings_object
 
 #: a span of host or device memory: (device, first byte, byte after the last)
 Span = tuple[str, int, int]
 
 
-def own_copies(model: nn.Module, holders: Iterable[Any], larger: Container[int] = ()) -> list[str]:
+def own_copies(model: nn.Module, holders: Iterable[Any]) -> list[str]:
     """Give ``model`` its own copy of each parameter and buffer whose memory some value of
     ``holders`` (namespaces: modules, classes, a workload object) shares, a few levels into
-    dicts, lists and settings objects; the names copied. Of the values over
-    :data:`~worker.module_state.SMALL_TENSOR` elements, only those in ``larger`` (by id: the
-    ones builds change in place) count: a large table every model shares as it is (a
-    pretrained embedding) is not copied per member. A module kept outside (a global
-    ``nn.Module`` the model uses) is left as it is here (:func:`own_layers`)."""
-    spans = sorted({s for holder in holders for s in _spans_of(vars(holder), 0, larger)})
+    dicts, lists and settings objects, whatever its size; the names copied. A large one
+    too: a table every model shares (a pretrained embedding, fine-tuned) would otherwise
+    take a resumed member's checkpoint in place, and the next build would start from it;
+    copying costs a copy per member while the array is built (its stacks hold one anyway).
+    A module kept outside (a global ``nn.Module`` the model uses) is left as it is here
+    (:func:`own_layers`)."""
+    spans = sorted({s for holder in holders for s in _spans_of(vars(holder), 0)})
     if not spans:
         return []
     copied: dict[int, Tensor] = {}
@@ -63,19 +63,19 @@ def _copy(tensor: Tensor) -> Tensor:
     return clone
 
 
-def _spans_of(values: dict[str, Any], depth: int, larger: Container[int]) -> Iterator[Span]:
+def _spans_of(values: dict[str, Any], depth: int) -> Iterator[Span]:
     for name, value in list(values.items()):
         if not (name.startswith("__") and name.endswith("__")):
-            yield from _spans(value, depth, larger)
+            yield from _spans(value, depth)
 
 
-def _spans(value: Any, depth: int, larger: Container[int]) -> Iterator[Span]:
+def _spans(value: Any, depth: int) -> Iterator[Span]:
     if isinstance(value, Tensor):
         span = _tensor_span(value)
-        if span is not None and (_small(value) or id(value) in larger):
+        if span is not None:
             yield span
     elif _is_array(value):
-        if value.nbytes and (value.size <= SMALL_TENSOR or id(value) in larger):
+        if value.nbytes:
             numpy = sys.modules["numpy"]
             utils = getattr(numpy.lib, "array_utils", numpy)  # NumPy 2's home, else 1's
             low, high = utils.byte_bounds(value)
@@ -85,20 +85,13 @@ def _spans(value: Any, depth: int, larger: Container[int]) -> Iterator[Span]:
     elif isinstance(value, dict | list | tuple) and len(value) <= MAX_FIELDS:
         items = value.values() if isinstance(value, dict) else value
         for item in list(items):
-            yield from _spans(item, depth + 1, larger)
+            yield from _spans(item, depth + 1)
     elif settings_object(value, lambda cls: True):
         try:
             fields = attributes_of(value)
         except Exception:  # an attribute that raises when read: not a value to look into
             return
-        yield from _spans_of(fields, depth + 1, larger)
-
-
-def _small(tensor: Tensor) -> bool:
-    try:
-        return tensor.numel() <= SMALL_TENSOR
-    except (RuntimeError, NotImplementedError, TypeError):  # a subclass without one
-        return False
+        yield from _spans_of(fields, depth + 1)
 
 
 def _is_array(value: Any) -> bool:

@@ -257,17 +257,6 @@ def held_large(before: Reading, copies: Copies) -> list[str]:
     return out
 
 
-def held_larger(spaces: Iterable[Namespace]) -> list[Any]:
-    """The larger tensors and arrays of ``spaces`` held by value (builds or training steps
-    change them in place)."""
-    return [
-        vars(space)[name]
-        for space in spaces
-        for name in _HELD_LARGE.get(space, frozenset())
-        if name in vars(space)
-    ]
-
-
 def settle(reading: Reading) -> None:
     """Hold by value, in a member's ``reading``, the larger tensors held as themselves there
     that are held by value since it was taken (a probe saw a training step change them in
