@@ -339,6 +339,7 @@ def _forwards(
     apart: bool = False,
     rounding: bool = False,
     dropout_only: bool = False,
+    shared_as: Mapping[int, Any] | None = None,
 ) -> list[tuple[list[int], Stack]]:
     """The stacks a part of equal models runs as: ``(member indices, stack)``.
 
@@ -383,14 +384,15 @@ def _forwards(
         return stack_of(workload, template, mode, stochastic, MemberStreams() if own else None)
 
     if mode == "serial":
-        return [([i], stack(own_copy(template, n))) for n, i in enumerate(part)]
+        return [([i], stack(own_copy(template, n, shared_as))) for n, i in enumerate(part)]
     return [(list(part), stack(template))]
 
 
-def own_copy(template: nn.Module, n: int) -> nn.Module:
+def own_copy(template: nn.Module, n: int, shared_as: Mapping[int, Any] | None = None) -> nn.Module:
     """The template of a stack's ``n``-th one-member stack: the first takes ``template``,
-    each other one a copy of it (meta tensors: no memory)."""
-    return template if n == 0 else outside.copy_model(template)
+    each other one a copy of it (meta tensors: no memory; ``shared_as``: as
+    :func:`worker.outside_state.copy_model`)."""
+    return template if n == 0 else outside.copy_model(template, shared_as)
 
 
 def _split_warning(
@@ -536,6 +538,8 @@ class FusedArray:
         #: a resumed member's values kept outside the model as its build left them (before
         #: its checkpoint's were put in their place)
         as_built: dict[Hashable, outside.Reading] = {}
+        #: the dicts, lists and sets each name held after each build, by id
+        containers: dict[tuple[outside.Namespace, str], dict[int, Any]] = {}
         try:
             for key, config, state in zip(keys, configs, states, strict=True):
                 _start_from(workload, base)  # not another member's build or resumed values
@@ -578,6 +582,10 @@ class FusedArray:
                     outside.resume_attributes(workload, held_attributes[key], saved_held)
                 spaces = outside.namespaces(workload, model)
                 self.outside_built[key] = outside.reading(spaces)
+                for space in spaces:  # the containers this build left there (set anew?)
+                    for name, value in list(vars(space).items()):
+                        if isinstance(value, dict | list | set):
+                            containers.setdefault((space, name), {})[id(value)] = value
                 seeded |= outside.learn(before, self.outside_built[key])
                 self.outside_spaces += [s for s in spaces if s not in self.outside_spaces]
                 saved_python = state.get("python") if state else None
@@ -614,6 +622,19 @@ class FusedArray:
             | set(outside.differing_attributes(held_attributes.values(), changed_attributes))
         )
         outside_names = outside.kept(self.outside_spaces)
+        #: a kept name's container that builds set anew (``CONFIG = {...}``): a member's
+        #: model may hold the one its build made, which later builds' starts fill in place,
+        #: so the array's templates hold the one there now instead (:data:`shared_as`), and
+        #: each member's values are put back into it (:meth:`_put_outside`)
+        self.outside_targets: dict[tuple[outside.Namespace, str], Any] = {}
+        #: objects a copy of a member's model holds as another (by id: the target; while
+        #: the templates are made, the builds' containers too)
+        self.shared_as: dict[int, Any] = {}
+        for (space, name), made in containers.items():
+            target = vars(space).get(name)
+            if name in outside_names.get(space, ()) and isinstance(target, dict | list | set):
+                self.outside_targets[space, name] = target
+                self.shared_as.update({i: target for i in made} | {id(target): target})
         kept_apart = (
             outside.differing(self.outside_built.values(), outside_names, seeded)
             if outside_names
@@ -720,7 +741,9 @@ class FusedArray:
         #: gradient of float rounding, ~1e-8 of the weights, and nothing shows)
         self.scales_gradients = str(self.config.get("optimizer", "sgd")) != "sgd"
         for part in parts:
-            template = meta_template(models[part[0]], outside.copy_model)
+            template = meta_template(
+                models[part[0]], lambda m: outside.copy_model(m, self.shared_as)
+            )
             for i in part:
                 self.probe_keys[keys[i]] = probe_key(workload, signatures[part[0]])
             if self.streaming and not probes and not probed_already(workload, signatures[part[0]]):
@@ -821,7 +844,8 @@ class FusedArray:
             # masks come from torch's generator (a spilled one's recompute redraws them)
             own_masks = probed.dropout_only and spill_budget is None and self.decoupled is None
             stacks = _forwards(workload, template, part, mode, stochastic, self.precision,
-                               apart=apart, rounding=rounding, dropout_only=own_masks)  # fmt: skip
+                               apart=apart, rounding=rounding, dropout_only=own_masks,
+                               shared_as=self.shared_as)  # fmt: skip
             if mode == "auto" and len(stacks) > 1 and not apart:  # say why, as for the rest
                 why = (
                     "draws random numbers (dropout, or a draw in its forward): fused, its "
@@ -840,6 +864,8 @@ class FusedArray:
                     [keys[i] for i in idx], params, buffers,
                     [s["optimizer"] if s else None for s in (states[i] for i in idx)], stack,
                 ))  # fmt: skip
+        # (the builds' own containers may go now, and their ids be another's: the targets)
+        self.shared_as = {id(t): t for t in self.outside_targets.values()}
         self.stochastic = any(group.stochastic for group in self.groups)
         #: each compiled group's step key (:mod:`worker.compiled`), and the compile mode
         self.step_keys: dict[int, Hashable] = {}
@@ -1057,7 +1083,7 @@ class FusedArray:
                 [group.optimizer.member_state(i)],
                 stack_of(
                     self.workload,
-                    own_copy(group.template, i),
+                    own_copy(group.template, i, self.shared_as),
                     "serial",
                     group.stochastic,
                     MemberStreams() if group.stack.streams is not None else None,
@@ -1162,6 +1188,9 @@ class FusedArray:
         """``key``'s values kept outside the model (module globals, class attributes that
         its build_model set) put back where its forward reads them."""
         values = self._outside_values(key)
+        for (space, name), target in self.outside_targets.items():
+            if vars(space).get(name) is not target:  # (another array's build set its own)
+                setattr(space, name, target)
         if values:
             outside.put_back(values)
         if self.torch_own:

@@ -377,13 +377,15 @@ def _own(space: Namespace) -> Own:
     return own
 
 
-def copy_model(model: nn.Module) -> nn.Module:
+def copy_model(model: nn.Module, shared_as: Mapping[int, Any] | None = None) -> nn.Module:
     """A deep copy of ``model`` that still holds the objects of the namespaces read in this
     process (``self.settings = SETTINGS``) and the arrays' workload objects and their
     attributes' (a model holding ``workload.noise``, a bound method, or
     ``workload.settings``): what :func:`put_back` and :func:`put_attributes` put into them,
-    its forward reads, as the model's own does."""
+    its forward reads, as the model's own does. ``shared_as``: objects (by id) the copy holds
+    another in place of (a dict a member's build set anew: the one a name holds now)."""
     memo = {id(obj): obj for objs in list(_SHARED.values()) for obj in objs}
+    memo.update(shared_as or {})
     for workload in list(_WORKLOADS.values()):
         memo[id(workload)] = workload
         for value in list(vars(workload).values()):  # its settings object, its generator

@@ -82,6 +82,7 @@ SPACES: dict[str, dict[str, Any]] = {
     "table-scaled-mlp": {"lr": TRAP_LR,
                          "scale": {"type": "uniform", "low": 0.25, "high": 2.0}},
     "reset-encoder-mlp": {"lr": TRAP_LR},
+    "dict-scaled-mlp": {"lr": TRAP_LR, "scale": {"type": "uniform", "low": 0.25, "high": 2.0}},
     # Python state a step changes: a counter on the model's module, one on the workload object
     "counting-mlp": {"lr": TRAP_LR},
     "global-counting-mlp": {"lr": TRAP_LR},
@@ -146,6 +147,7 @@ REL = {
     "digits-cnn": 1e-3, "resnet-cifar": 1e-3, "misdeclared-mlp": 1e-3, "scaled-mlp": 1e-3,
     "global-scaled-mlp": 1e-3, "settings-mlp": 1e-3, "buffer-scaled-mlp": 1e-3,
     "table-scaled-mlp": 1e-3, "reset-encoder-mlp": 1e-3, "dropout-net-mlp": 1e-3,
+    "dict-scaled-mlp": 1e-3,
     "multi-task": 1e-3, "counting-mlp": 1e-3, "global-counting-mlp": 1e-3,
 }  # fmt: skip
 #: the folder of images the streaming plugins read (written once per test module)
@@ -184,6 +186,7 @@ def plugin_path(tmp_path_factory: pytest.TempPathFactory) -> str:
         "buffer-scaled": "trap_workloads:BufferScaledMLP",
         "table-scaled": "trap_workloads:TableScaledMLP",
         "reset-encoder": "layer_workloads:ResetEncoderMLP",
+        "dict-scaled": "trap_workloads:DictScaledMLP",
         "dropout-net": "trap_workloads:DropoutNetMLP",
         "counting": "trap_workloads:CountingMLP",
         "global-counting": "trap_workloads:GlobalCountingMLP",
@@ -403,6 +406,7 @@ def test_dropout_trials_were_fused_each_with_masks_of_its_own(
         ("settings-mlp", "trap_workloads.SETTINGS"),
         ("buffer-scaled-mlp", "trap_workloads.SCALE_ARRAY"),
         ("table-scaled-mlp", "trap_workloads.SCALE_TABLE"),
+        ("dict-scaled-mlp", "trap_workloads.SCALE_DICT"),
     ],
 )
 def test_a_value_kept_in_a_module_global_was_each_members_own(

@@ -696,3 +696,38 @@ def test_a_sparse_tensor_a_build_fills_in_place_is_each_members_own() -> None:
         SPARSE.values().fill_(1.0)
 
     trained_as_alone_from(SparseFilled(), members([2.0, 3.0]), ones)
+
+
+#: set anew by each DictAnew build; its model holds it
+CONFIG: dict[str, float] = {"scale": 1.0}
+
+
+class _DictScaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 3)
+        self.cfg = CONFIG
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)) * self.cfg["scale"])
+
+
+class DictAnew(_Scaled):
+    name = "dict-anew"
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        global CONFIG
+        CONFIG = {"scale": float(self.resolve(config)["scale"])}
+        return _DictScaled().double()
+
+
+def test_a_dict_set_anew_per_build_that_the_model_holds_is_each_members_own() -> None:
+    """Seen in review: the members trained one at a time, each with its dict put back as
+    the global, but every stack's template held one dict (a copy of one member's), so
+    the others trained with its scale."""
+
+    def start() -> None:
+        global CONFIG
+        CONFIG = {"scale": 1.0}
+
+    trained_as_alone_from(DictAnew(), members([2.0, 3.0, 0.5]), start)

@@ -26,6 +26,9 @@
 - ``buffer-scaled-mlp`` does the same through a NumPy array (``SCALE_ARRAY[:] = ...``, filled
   in place) that its model registers as a buffer (``torch.from_numpy``, sharing its memory):
   each member's buffer must hold its own build's value, not the one the next build filled in.
+- ``dict-scaled-mlp`` does the same through a dict its build sets anew (``SCALE_DICT =
+  {...}``) and its model holds (``self.cfg``): each member's model must read its own dict's
+  value, though later builds' starts fill the dicts there in place.
 - ``table-scaled-mlp`` does the same through a larger NumPy array (``SCALE_TABLE``, 8,192
   elements: past what is held by value until a build is seen to change it), filled in
   place, that its forward reads.
@@ -272,6 +275,39 @@ class BufferScaledMLP(_DigitsPlugin):
                 return self.fc2(torch.relu(self.fc1(x)) * self.scale)
 
         return BufferScaled()
+
+
+#: set anew per trial by DictScaledMLP.build_model; its model holds it
+SCALE_DICT: dict[str, float] = {"scale": 1.0}
+
+
+class DictScaledMLP(_DigitsPlugin):
+    """MLP that declares ``scale`` fusible yet sets it in a new dict ``SCALE_DICT`` per build,
+    which its model holds."""
+
+    name = "dict-scaled-mlp"
+    params: Mapping[str, Any] = {**_DigitsPlugin.params, "scale": 1.0}
+    fusible = frozenset({"scale"})
+
+    def build_model(self, config: Mapping[str, Any]) -> Any:
+        import torch
+        from torch import nn
+
+        global SCALE_DICT
+        cfg = self.resolve(config)
+        SCALE_DICT = {"scale": float(cfg["scale"])}
+        hidden = int(cfg["hidden"])
+
+        class DictScaled(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.fc1, self.fc2 = nn.Linear(64, hidden), nn.Linear(hidden, N_CLASSES)
+                self.cfg = SCALE_DICT
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.fc2(torch.relu(self.fc1(x)) * self.cfg["scale"])
+
+        return DictScaled()
 
 
 #: filled in place per trial by TableScaledMLP.build_model; its forward reads a row
