@@ -632,7 +632,13 @@ class FusedArray:
         self.shared_as: dict[int, Any] = {}
         for (space, name), made in containers.items():
             target = vars(space).get(name)
-            if name in outside_names.get(space, ()) and isinstance(target, dict | list | set):
+            # (held as a plain copy, which put_back fills into the container there: one of
+            # other values, or of more entries, is put back into its own object)
+            plain = all(
+                type(held) in (dict, list, set)
+                for held in (r.get(space, {}).get(name) for r in self.outside_built.values())
+            )
+            if name in outside_names.get(space, ()) and plain and type(target) in (dict, list, set):
                 self.outside_targets[space, name] = target
                 self.shared_as.update({i: target for i in made} | {id(target): target})
         kept_apart = (
@@ -1055,7 +1061,7 @@ class FusedArray:
             # each run from the same state: a step counter on a module or on the workload
             # object moved by the first would make the second's gradient another one
             restore_object_state(workload, held)
-            own = outside.copy_model(group.template)
+            own = outside.copy_model(group.template, self.shared_as)
             single = stack_of(workload, own, "serial", group.stochastic)
             run = losses_function(single, workload, self.precision, self.device)
             return run(params, {n: b.clone() for n, b in buffers.items()}, first)

@@ -721,13 +721,37 @@ class DictAnew(_Scaled):
         return _DictScaled().double()
 
 
-def test_a_dict_set_anew_per_build_that_the_model_holds_is_each_members_own() -> None:
+#: the same, holding a function too (held field by field, not as a copy)
+FUNC_CONFIG: dict[str, Any] = {"scale": 1.0, "act": torch.relu}
+
+
+class _FuncDictScaled(_DictScaled):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cfg = FUNC_CONFIG
+
+
+class FuncDictAnew(_Scaled):
+    name = "func-dict-anew"
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        global FUNC_CONFIG
+        FUNC_CONFIG = {"scale": float(self.resolve(config)["scale"]), "act": torch.relu}
+        return _FuncDictScaled().double()
+
+
+@pytest.mark.parametrize("workload", [DictAnew, FuncDictAnew], ids=lambda w: w.name)
+def test_a_dict_set_anew_per_build_that_the_model_holds_is_each_members_own(
+    workload: type[_Scaled],
+) -> None:
     """Seen in review: the members trained one at a time, each with its dict put back as
     the global, but every stack's template held one dict (a copy of one member's), so
-    the others trained with its scale."""
+    the others trained with its scale. (A first fix broke the dict of a function, which is
+    put back into its own object.)"""
 
     def start() -> None:
-        global CONFIG
+        global CONFIG, FUNC_CONFIG
         CONFIG = {"scale": 1.0}
+        FUNC_CONFIG = {"scale": 1.0, "act": torch.relu}
 
-    trained_as_alone_from(DictAnew(), members([2.0, 3.0, 0.5]), start)
+    trained_as_alone_from(workload(), members([2.0, 3.0, 0.5]), start)
