@@ -388,6 +388,22 @@ def _forwards(
     return [(list(part), stack(template))]
 
 
+def paired(obj: Any, target: Any, depth: int = 0) -> dict[int, Any]:
+    """``obj`` (a dict, list or set a build set) and the containers within it, by id, each
+    to the one at its place in ``target`` (of the same shape), where there is one."""
+    out: dict[int, Any] = {id(obj): target}
+    if depth < 3 and isinstance(obj, dict) and isinstance(target, dict):
+        pairs = [(v, target[k]) for k, v in obj.items() if k in target]
+    elif depth < 3 and isinstance(obj, list) and isinstance(target, list):
+        pairs = list(zip(obj, target, strict=False))
+    else:
+        pairs = []
+    for inner, there in pairs:
+        if isinstance(inner, dict | list | set) and type(inner) is type(there):
+            out.update(paired(inner, there, depth + 1))
+    return out
+
+
 def own_copy(template: nn.Module, n: int, shared_as: Mapping[int, Any] | None = None) -> nn.Module:
     """The template of a stack's ``n``-th one-member stack: the first takes ``template``,
     each other one a copy of it (meta tensors: no memory; ``shared_as``: as
@@ -639,8 +655,12 @@ class FusedArray:
                 for held in (r.get(space, {}).get(name) for r in self.outside_built.values())
             )
             if name in outside_names.get(space, ()) and plain and type(target) in (dict, list, set):
+                if target is not outside.start_container(space, name):
+                    # one of the array's own (not a dict a build took: a table's entry)
+                    target = copy.deepcopy(target)
                 self.outside_targets[space, name] = target
-                self.shared_as.update({i: target for i in made} | {id(target): target})
+                for obj in [*made.values(), target]:  # (a copy of a template holds it)
+                    self.shared_as.update(paired(obj, target))
         kept_apart = (
             outside.differing(self.outside_built.values(), outside_names, seeded)
             if outside_names
@@ -871,7 +891,9 @@ class FusedArray:
                     [s["optimizer"] if s else None for s in (states[i] for i in idx)], stack,
                 ))  # fmt: skip
         # (the builds' own containers may go now, and their ids be another's: the targets)
-        self.shared_as = {id(t): t for t in self.outside_targets.values()}
+        self.shared_as = {
+            k: v for t in self.outside_targets.values() for k, v in paired(t, t).items()
+        }
         self.stochastic = any(group.stochastic for group in self.groups)
         #: each compiled group's step key (:mod:`worker.compiled`), and the compile mode
         self.step_keys: dict[int, Hashable] = {}

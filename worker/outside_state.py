@@ -77,6 +77,11 @@ _LAST: weakref.WeakKeyDictionary[Namespace, dict[str, Any]] = weakref.WeakKeyDic
 #: each namespace's values before any build in this process changed them (read before the
 #: first build that reads it): where a fresh process's build starts from (:func:`fresh`)
 _START: weakref.WeakKeyDictionary[Namespace, dict[str, Any]] = weakref.WeakKeyDictionary()
+#: each namespace's dicts, lists and sets as :data:`_START` read them (the objects): where a
+#: name a build set to another is put back to (:func:`fresh`)
+_START_CONTAINERS: weakref.WeakKeyDictionary[Namespace, dict[str, Any]] = (
+    weakref.WeakKeyDictionary()
+)
 #: the objects each namespace held as last read that a model may hold too (a dict, a list,
 #: a settings object): a copy of the model keeps them shared (:func:`copy_model`)
 _SHARED: weakref.WeakKeyDictionary[Namespace, list[Any]] = weakref.WeakKeyDictionary()
@@ -288,12 +293,28 @@ def fresh(spaces: Iterable[Namespace]) -> Reading:
         start = _START.get(space)
         names = _BUILT.get(space, frozenset()) | _TRAINED.get(space, frozenset())
         if start is not None and names:
+            # a dict a build set there (a table's entry, an earlier member's) is not filled
+            # with the start: the module's own is put back there, and filled
+            for name, original in _START_CONTAINERS.get(space, {}).items():
+                if name in names and vars(space).get(name, MISSING) is not original:
+                    setattr(space, name, original)
             _put_into(space, {name: start.get(name, MISSING) for name in names})
     out = reading(spaces)
     for space, values in out.items():
         if space not in _START and space not in _LAST:
             _START[space] = dict(values)
+            _START_CONTAINERS[space] = {
+                name: value
+                for name, value in list(vars(space).items())
+                if name in values and isinstance(value, dict | list | set)
+            }
     return out
+
+
+def start_container(space: Namespace, name: str) -> Any:
+    """The dict, list or set ``space`` held at ``name`` before any build in this process
+    (None: another value, or not read then)."""
+    return _START_CONTAINERS.get(space, {}).get(name)
 
 
 #: a larger tensor kept outside the model, by where it is: (the tensor, its version)

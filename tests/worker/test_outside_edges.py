@@ -755,3 +755,61 @@ def test_a_dict_set_anew_per_build_that_the_model_holds_is_each_members_own(
         FUNC_CONFIG = {"scale": 1.0, "act": torch.relu}
 
     trained_as_alone_from(workload(), members([2.0, 3.0, 0.5]), start)
+
+
+#: a table of settings a build picks from (each entry a plain dict the model holds)
+PRESETS: dict[float, dict[str, float]] = {s: {"scale": s} for s in (2.0, 3.0, 0.5)}
+#: the entry the last build picked
+PRESET: dict[str, float] = {"scale": 1.0}
+
+
+class _PresetScaled(_DictScaled):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cfg = PRESET
+
+
+class PresetAnew(_Scaled):
+    name = "preset-anew"
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        global PRESET
+        PRESET = PRESETS[float(self.resolve(config)["scale"])]
+        return _PresetScaled().double()
+
+
+#: set anew by each NestedAnew build; its model holds the inner dict
+NESTED: dict[str, dict[str, float]] = {"inner": {"scale": 1.0}}
+
+
+class _NestedScaled(_DictScaled):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cfg = NESTED["inner"]
+
+
+class NestedAnew(_Scaled):
+    name = "nested-anew"
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        global NESTED
+        NESTED = {"inner": {"scale": float(self.resolve(config)["scale"])}}
+        return _NestedScaled().double()
+
+
+@pytest.mark.parametrize("workload", [PresetAnew, NestedAnew], ids=lambda w: w.name)
+def test_a_dict_a_build_takes_from_a_table_or_nests_is_each_members_own(
+    workload: type[_Scaled],
+) -> None:
+    """Before, the next build's start filled the dict the name held in place: a table's
+    entry (the table lost its values, unpacked in one process too) or an earlier member's
+    dict, the inner one its model holds included."""
+    table = copy.deepcopy(PRESETS)
+
+    def start() -> None:
+        global PRESET, NESTED
+        PRESET = {"scale": 1.0}
+        NESTED = {"inner": {"scale": 1.0}}
+
+    trained_as_alone_from(workload(), members([2.0, 3.0, 0.5]), start)
+    assert table == PRESETS
