@@ -562,6 +562,7 @@ class FusedArray:
                 torch_settings.put(self.torch_base)
                 seed_host(int(config["seed"]))
                 before = outside.fresh(outside.namespaces(workload))
+                objects_before = outside.containers(before)
                 objects, before_attributes = (
                     dict(vars(workload)),
                     outside.fresh_attributes(workload),
@@ -597,6 +598,7 @@ class FusedArray:
                 if saved_held:  # what its training had made of them
                     outside.resume_attributes(workload, held_attributes[key], saved_held)
                 spaces = outside.namespaces(workload, model)
+                outside.note_set_anew(objects_before, spaces)
                 self.outside_built[key] = outside.reading(spaces)
                 for space in spaces:  # the containers this build left there (set anew?)
                     for name, value in list(vars(space).items()):
@@ -655,7 +657,7 @@ class FusedArray:
                 for held in (r.get(space, {}).get(name) for r in self.outside_built.values())
             )
             if name in outside_names.get(space, ()) and plain and type(target) in (dict, list, set):
-                if target is not outside.start_container(space, name):
+                if target is outside.set_anew(space, name):
                     # one of the array's own (not a dict a build took: a table's entry)
                     target = copy.deepcopy(target)
                 self.outside_targets[space, name] = target

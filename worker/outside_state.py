@@ -77,9 +77,10 @@ _LAST: weakref.WeakKeyDictionary[Namespace, dict[str, Any]] = weakref.WeakKeyDic
 #: each namespace's values before any build in this process changed them (read before the
 #: first build that reads it): where a fresh process's build starts from (:func:`fresh`)
 _START: weakref.WeakKeyDictionary[Namespace, dict[str, Any]] = weakref.WeakKeyDictionary()
-#: each namespace's dicts, lists and sets as :data:`_START` read them (the objects): where a
-#: name a build set to another is put back to (:func:`fresh`)
-_START_CONTAINERS: weakref.WeakKeyDictionary[Namespace, dict[str, Any]] = (
+#: per namespace, each name's dict, list or set that the last build setting one anew set
+#: there, and the object before the first of such builds in a row: where :func:`fresh` puts
+#: the name back (never filling a container a build set: a table's entry)
+_SET_ANEW: weakref.WeakKeyDictionary[Namespace, dict[str, tuple[Any, Any]]] = (
     weakref.WeakKeyDictionary()
 )
 #: the objects each namespace held as last read that a model may hold too (a dict, a list,
@@ -294,27 +295,48 @@ def fresh(spaces: Iterable[Namespace]) -> Reading:
         names = _BUILT.get(space, frozenset()) | _TRAINED.get(space, frozenset())
         if start is not None and names:
             # a dict a build set there (a table's entry, an earlier member's) is not filled
-            # with the start: the module's own is put back there, and filled
-            for name, original in _START_CONTAINERS.get(space, {}).items():
-                if name in names and vars(space).get(name, MISSING) is not original:
-                    setattr(space, name, original)
+            # with the start: the one before it is put back there, and filled
+            for name, (made, restore) in list(_SET_ANEW.get(space, {}).items()):
+                if name in names and vars(space).get(name, MISSING) is made:
+                    setattr(space, name, restore)
             _put_into(space, {name: start.get(name, MISSING) for name in names})
     out = reading(spaces)
     for space, values in out.items():
         if space not in _START and space not in _LAST:
             _START[space] = dict(values)
-            _START_CONTAINERS[space] = {
-                name: value
-                for name, value in list(vars(space).items())
-                if name in values and isinstance(value, dict | list | set)
-            }
     return out
 
 
-def start_container(space: Namespace, name: str) -> Any:
-    """The dict, list or set ``space`` held at ``name`` before any build in this process
-    (None: another value, or not read then)."""
-    return _START_CONTAINERS.get(space, {}).get(name)
+#: the dicts, lists and sets of namespaces by where they are, at one moment (the objects)
+Containers = dict[tuple[Namespace, str], Any]
+
+
+def containers(spaces: Iterable[Namespace]) -> Containers:
+    """The dicts, lists and sets ``spaces`` hold now, by namespace and name."""
+    return {
+        (space, name): value
+        for space in spaces
+        for name, value in list(vars(space).items())
+        if isinstance(value, dict | list | set)
+    }
+
+
+def note_set_anew(before: Containers, spaces: Iterable[Namespace]) -> None:
+    """After a build: the containers it set anew (another object than ``before`` it, where
+    one was known), for :func:`fresh` and :func:`set_anew`."""
+    for (space, name), value in containers(spaces).items():
+        if (space, name) not in before or before[space, name] is value:
+            continue
+        was = before[space, name]
+        last = _SET_ANEW.get(space, {}).get(name)
+        restore = last[1] if last is not None and was is last[0] else was
+        _SET_ANEW.setdefault(space, {})[name] = (value, restore)
+
+
+def set_anew(space: Namespace, name: str) -> Any:
+    """The container the last build that set one anew at ``name`` set there (None: none)."""
+    last = _SET_ANEW.get(space, {}).get(name)
+    return last[0] if last is not None else None
 
 
 #: a larger tensor kept outside the model, by where it is: (the tensor, its version)

@@ -813,3 +813,43 @@ def test_a_dict_a_build_takes_from_a_table_or_nests_is_each_members_own(
 
     trained_as_alone_from(workload(), members([2.0, 3.0, 0.5]), start)
     assert table == PRESETS
+
+
+#: filled in place by each LossHeld build; the workload object holds it, its loss reads it
+LOSS_CONFIG: dict[str, float] = {"scale": 1.0}
+
+
+def seen() -> list[float]:
+    """The scales LossHeld's loss read (kept on this function: not a value packtune reads)."""
+    return seen.scales  # type: ignore[attr-defined, no-any-return]
+
+
+seen.scales = []  # type: ignore[attr-defined]
+
+
+class LossHeld(_Scaled):
+    name = "loss-held"
+
+    def __init__(self) -> None:
+        self.config = LOSS_CONFIG  # as it stands when the workload is made
+
+    def build_model(self, config: Mapping[str, Any]) -> nn.Module:
+        LOSS_CONFIG["scale"] = float(self.resolve(config)["scale"])
+        return _Shifted(torch.zeros(16, dtype=torch.float64)).double()
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        seen().append(self.config["scale"])
+        return nn.functional.cross_entropy(outputs * self.config["scale"], targets)
+
+
+def test_a_dict_the_program_rebinds_between_arrays_is_filled_where_it_now_is() -> None:
+    """Seen in review of a first fix for dicts set anew: it put the dict first read back at
+    the name before each build, even where the program itself had set another there since
+    (a reloaded config), which the workload holds: its loss read the start value."""
+    global LOSS_CONFIG
+    train(FusedArray(LossHeld(), members([2.0, 3.0])), 2)  # an array before, in the process
+    LOSS_CONFIG = {"scale": 1.0}  # reloaded
+    seen().clear()
+    array = FusedArray(LossHeld(), members([5.0, 7.0], first=5))
+    train(array, array.steps_per_epoch)
+    assert set(seen()) == {5.0, 7.0}
