@@ -388,22 +388,6 @@ def _forwards(
     return [(list(part), stack(template))]
 
 
-def paired(obj: Any, target: Any, depth: int = 0) -> dict[int, Any]:
-    """``obj`` (a dict, list or set a build set) and the containers within it, by id, each
-    to the one at its place in ``target`` (of the same shape), where there is one."""
-    out: dict[int, Any] = {id(obj): target}
-    if depth < 3 and isinstance(obj, dict) and isinstance(target, dict):
-        pairs = [(v, target[k]) for k, v in obj.items() if k in target]
-    elif depth < 3 and isinstance(obj, list) and isinstance(target, list):
-        pairs = list(zip(obj, target, strict=False))
-    else:
-        pairs = []
-    for inner, there in pairs:
-        if isinstance(inner, dict | list | set) and type(inner) is type(there):
-            out.update(paired(inner, there, depth + 1))
-    return out
-
-
 def own_copy(template: nn.Module, n: int, shared_as: Mapping[int, Any] | None = None) -> nn.Module:
     """The template of a stack's ``n``-th one-member stack: the first takes ``template``,
     each other one a copy of it (meta tensors: no memory; ``shared_as``: as
@@ -584,7 +568,7 @@ class FusedArray:
                     unheld.update(outside.changed_in_place(large, outside.large_tensors(spaces)))
                     # a buffer or a layer kept outside (a global the next build fills or
                     # initialises in place): the member's own, as its build left it
-                    model, _ = own_layers(model, layers, outside.copy_model)
+                    model = own_layers(model, layers, outside.copy_model)
                     own_copies(model, [*outside.namespaces(workload, model), workload])
                     return model
 
@@ -598,12 +582,11 @@ class FusedArray:
                 if saved_held:  # what its training had made of them
                     outside.resume_attributes(workload, held_attributes[key], saved_held)
                 spaces = outside.namespaces(workload, model)
-                outside.note_set_anew(objects_before, spaces)
+                objects_after = outside.containers(spaces)
+                outside.note_set_anew(objects_before, objects_after)
                 self.outside_built[key] = outside.reading(spaces)
-                for space in spaces:  # the containers this build left there (set anew?)
-                    for name, value in list(vars(space).items()):
-                        if isinstance(value, dict | list | set):
-                            containers.setdefault((space, name), {})[id(value)] = value
+                for where, value in objects_after.items():  # (set anew per build?)
+                    containers.setdefault(where, {})[id(value)] = value
                 seeded |= outside.learn(before, self.outside_built[key])
                 self.outside_spaces += [s for s in spaces if s not in self.outside_spaces]
                 saved_python = state.get("python") if state else None
@@ -662,7 +645,7 @@ class FusedArray:
                     target = copy.deepcopy(target)
                 self.outside_targets[space, name] = target
                 for obj in [*made.values(), target]:  # (a copy of a template holds it)
-                    self.shared_as.update(paired(obj, target))
+                    self.shared_as.update(outside.paired(obj, target))
         kept_apart = (
             outside.differing(self.outside_built.values(), outside_names, seeded)
             if outside_names
@@ -894,7 +877,7 @@ class FusedArray:
                 ))  # fmt: skip
         # (the builds' own containers may go now, and their ids be another's: the targets)
         self.shared_as = {
-            k: v for t in self.outside_targets.values() for k, v in paired(t, t).items()
+            k: v for t in self.outside_targets.values() for k, v in outside.paired(t, t).items()
         }
         self.stochastic = any(group.stochastic for group in self.groups)
         #: each compiled group's step key (:mod:`worker.compiled`), and the compile mode

@@ -140,18 +140,17 @@ def outside_layers(holders: Iterable[Any]) -> Layers:
 
 def own_layers(
     model: nn.Module, before: Layers, copy_model: Callable[[nn.Module], nn.Module]
-) -> tuple[nn.Module, bool]:
+) -> nn.Module:
     """``model``, or where it holds a layer kept outside whose tensors the build changed in
     place since ``before`` (:func:`outside_layers`), a module within one or one of their
-    tensors, a copy of it (by ``copy_model``, whole: tied weights stay tied); and whether it
-    was copied."""
+    tensors, a copy of it (by ``copy_model``, whole: tied weights stay tied)."""
     changed = [layer for layer, versions in before if _versions(layer) != versions]
     modules = {id(sub) for layer in changed for sub in layer.modules()}
     tensors = {id(t) for layer in changed for t in [*layer.parameters(), *layer.buffers()]}
     holds = any(id(m) in modules for m in model.modules()) or any(
         id(t) in tensors for t in [*model.parameters(), *model.buffers()]
     )
-    return (copy_model(model), True) if holds else (model, False)
+    return copy_model(model) if holds else model
 
 
 def _versions(module: nn.Module) -> tuple[int, ...]:

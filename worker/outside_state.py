@@ -43,6 +43,7 @@ from worker.module_state import (
     same_value,
 )
 from worker.outside_values import (
+    MAX_DEPTH,
     MAX_FIELDS,
     Fields,
     Own,
@@ -196,17 +197,21 @@ def reading(spaces: Iterable[Namespace]) -> Reading:
             and not (isinstance(space, type) and isinstance(value, _CODE))
             and not _submodule(space, name, value)
         }
-        large = _HELD_LARGE.get(space, frozenset())
-        out[space] = {
-            name: _snapshot(value) if name in large else hold(value, own)
-            for name, value in values.items()
-        }
+        out[space] = {name: _held(space, name, value, own) for name, value in values.items()}
         _SHARED[space] = [
             value
             for name, value in values.items()
             if isinstance(value, dict | list | set) or isinstance(out[space][name], Fields)
         ]
     return out
+
+
+def _held(space: Namespace, name: str, value: Any, own: Own) -> Any:
+    """``space``'s ``value`` at ``name`` held (:func:`hold`; a larger tensor or array by
+    value where builds or steps change it: :data:`_HELD_LARGE`)."""
+    if name in _HELD_LARGE.get(space, frozenset()):
+        return _snapshot(value)
+    return hold(value, own)
 
 
 def _snapshot(value: Any) -> Any:
@@ -231,23 +236,21 @@ def large_copies(spaces: Iterable[Namespace]) -> Copies:
     for space in spaces:
         held = _HELD_LARGE.get(space, frozenset())
         for name, value in list(vars(space).items()):
-            if name in held:
+            if name in held or not _large_held(value):
                 continue
-            if isinstance(value, Tensor) and _versioned(value):
-                if SMALL_TENSOR < value.numel() <= MAX_HELD_LARGE:
-                    out[space, name] = (value, value._version, value.detach().clone())
-            elif number_array(value) and SMALL_TENSOR < value.size <= MAX_HELD_LARGE:
+            if isinstance(value, Tensor):
+                out[space, name] = (value, value._version, value.detach().clone())
+            else:
                 out[space, name] = (value, None, value.copy())
     return out
 
 
-def held_large(before: Reading, copies: Copies) -> list[str]:
+def held_large(before: Reading, copies: Copies) -> None:
     """After a build: the tensors and arrays of ``copies`` it changed in place are held by
     value from now on (:func:`reading`), their values before it put into ``before`` (the
     build's reading before it, which :func:`learn` compares) and, where no build in this
     process changed them yet, into the values a fresh process's build starts from
-    (:func:`fresh`). Returns their labels."""
-    out = []
+    (:func:`fresh`)."""
     for (space, name), (obj, version, values) in copies.items():
         was = Snapshot(values, obj) if version is not None else ArraySnapshot(values, obj)
         unchanged = obj._version == version if version is not None else was.same_as(obj)
@@ -259,8 +262,6 @@ def held_large(before: Reading, copies: Copies) -> list[str]:
             start[name] = was  # (held as itself until now)
         if space in before:
             before[space][name] = was
-        out.append(label(space, name))
-    return out
 
 
 def settle(reading: Reading) -> None:
@@ -321,16 +322,34 @@ def containers(spaces: Iterable[Namespace]) -> Containers:
     }
 
 
-def note_set_anew(before: Containers, spaces: Iterable[Namespace]) -> None:
-    """After a build: the containers it set anew (another object than ``before`` it, where
-    one was known), for :func:`fresh` and :func:`set_anew`."""
-    for (space, name), value in containers(spaces).items():
+def note_set_anew(before: Containers, after: Containers) -> None:
+    """After a build: the containers it set anew (another object ``after`` it than
+    ``before`` it, where one was known: :func:`containers`), for :func:`fresh` and
+    :func:`set_anew`."""
+    for (space, name), value in after.items():
         if (space, name) not in before or before[space, name] is value:
             continue
         was = before[space, name]
         last = _SET_ANEW.get(space, {}).get(name)
         restore = last[1] if last is not None and was is last[0] else was
         _SET_ANEW.setdefault(space, {})[name] = (value, restore)
+
+
+def paired(obj: Any, target: Any, depth: int = 0) -> dict[int, Any]:
+    """``obj`` (a dict, list or set a build set) and the containers within it, by id, each
+    to the one at its place in ``target`` (of the same shape), where there is one: what a
+    copy of a model that holds them holds instead (:func:`copy_model`'s ``shared_as``)."""
+    out: dict[int, Any] = {id(obj): target}
+    if depth < MAX_DEPTH and isinstance(obj, dict) and isinstance(target, dict):
+        pairs = [(v, target[k]) for k, v in obj.items() if k in target]
+    elif depth < MAX_DEPTH and isinstance(obj, list) and isinstance(target, list):
+        pairs = list(zip(obj, target, strict=False))
+    else:
+        pairs = []
+    for inner, there in pairs:
+        if isinstance(inner, dict | list | set) and type(inner) is type(there):
+            out.update(paired(inner, there, depth + 1))
+    return out
 
 
 def set_anew(space: Namespace, name: str) -> Any:
@@ -585,10 +604,7 @@ def now(values: Mapping[Namespace, Mapping[str, Any]]) -> dict[Namespace, dict[s
 
 
 def _held_now(space: Namespace, name: str) -> Any:
-    value = vars(space).get(name, MISSING)
-    if name in _HELD_LARGE.get(space, frozenset()):
-        return _snapshot(value)
-    return hold(value, _own(space))
+    return _held(space, name, vars(space).get(name, MISSING), _own(space))
 
 
 def saved(values: Mapping[Namespace, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
