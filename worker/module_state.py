@@ -134,6 +134,14 @@ def held_value(value: Any) -> Any:
     return value
 
 
+def versioned(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` has a version counter to read (an inference-mode tensor has none;
+    a meta tensor, or a lazy module's parameter not made yet, holds no values)."""
+    if is_lazy(tensor):  # a lazy module's parameter, not made yet
+        return False
+    return not (tensor.is_meta or tensor.is_inference())
+
+
 def _small(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is small enough to be held by value (and has values: not meta, nor
     a lazy module's parameter not made yet)."""

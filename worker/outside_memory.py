@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
+from worker.module_state import versioned
 from worker.outside_values import MAX_DEPTH, MAX_FIELDS, attributes_of, settings_object
 
 #: a span of host or device memory: (device, first byte, byte after the last)
@@ -154,8 +155,4 @@ def own_layers(
 
 
 def _versions(module: nn.Module) -> tuple[int, ...]:
-    return tuple(
-        t._version
-        for t in [*module.parameters(), *module.buffers()]
-        if not (is_lazy(t) or t.is_meta or t.is_inference())
-    )
+    return tuple(t._version for t in [*module.parameters(), *module.buffers()] if versioned(t))

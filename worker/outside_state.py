@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.parameter import is_lazy
 
 from worker.module_state import (
     MISSING,
@@ -41,6 +40,7 @@ from worker.module_state import (
     held_value,
     number_array,
     same_value,
+    versioned,
 )
 from worker.outside_values import (
     MAX_DEPTH,
@@ -216,7 +216,7 @@ def _held(space: Namespace, name: str, value: Any, own: Own) -> Any:
 
 def _snapshot(value: Any) -> Any:
     """A larger tensor or NumPy array held by value (:data:`_HELD_LARGE`), as a small one is."""
-    if isinstance(value, Tensor) and _versioned(value):
+    if isinstance(value, Tensor) and versioned(value):
         return Snapshot(value.detach().clone(), value)
     if number_array(value):
         return ArraySnapshot(value.copy(), value)
@@ -381,11 +381,11 @@ def large_tensors(spaces: Iterable[Namespace]) -> Versions:
 
 def _large(where: str, value: Any, own: Own, out: Versions, depth: int) -> None:
     if isinstance(value, Tensor):
-        if _versioned(value) and value.numel() > SMALL_TENSOR:  # (a lazy one has no numel)
+        if versioned(value) and value.numel() > SMALL_TENSOR:  # (a lazy one has no numel)
             out[where] = (value, value._version)
     elif isinstance(value, nn.Module):
         for name, tensor in [*value.named_parameters(), *value.named_buffers()]:
-            if _versioned(tensor):
+            if versioned(tensor):
                 out[f"{where}.{name}"] = (tensor, tensor._version)
     elif depth == 0 and isinstance(value, dict | list | tuple) and len(value) <= MAX_FIELDS:
         items = value.items() if isinstance(value, dict) else enumerate(value)
@@ -394,14 +394,6 @@ def _large(where: str, value: Any, own: Own, out: Versions, depth: int) -> None:
     elif depth == 0 and settings_object(value, own):
         for key, item in attributes_of(value).items():
             _large(f"{where}.{key}", item, own, out, depth + 1)
-
-
-def _versioned(tensor: Tensor) -> bool:
-    """Whether ``tensor`` has a version counter to read (an inference-mode tensor has none;
-    a meta tensor, or a lazy module's parameter not made yet, holds no values)."""
-    if is_lazy(tensor):  # a lazy module's parameter, not made yet
-        return False
-    return not (tensor.is_meta or tensor.is_inference())
 
 
 def changed_in_place(before: Versions, after: Versions) -> list[str]:
@@ -678,7 +670,7 @@ def _resumed(held: Any, value: Any) -> Any:
 def _large_held(held: Any) -> bool:
     """Whether ``held`` is a larger tensor or NumPy array of numbers, held as itself."""
     if isinstance(held, Tensor):
-        return _versioned(held) and SMALL_TENSOR < held.numel() <= MAX_HELD_LARGE
+        return versioned(held) and SMALL_TENSOR < held.numel() <= MAX_HELD_LARGE
     return number_array(held) and SMALL_TENSOR < held.size <= MAX_HELD_LARGE
 
 
