@@ -1187,11 +1187,17 @@ def test_a_time_budget_does_not_count_the_time_an_interrupted_study_sat_stopped(
     with engine.begin() as conn:
         assert conn.execute(sa.text("select interrupted_at from studies")).scalar() is not None
     moved = moved_back(engine, timedelta(seconds=21))
-    assert {"studies.started_at", "studies.interrupted_at", "packs.finished_at"} <= moved, moved
+    # (a pack's start, not its end: on a loaded machine the first pack may still have been
+    # training when Ctrl-C came, and no pack had ended)
+    assert {"studies.started_at", "studies.interrupted_at", "packs.started_at"} <= moved, moved
     stopped = count("select count(*) from measurements")
     with serving(env, tmp_path / "serve.log") as url:
         summary = wait_finished(url, 1, timeout=120, log=tmp_path / "serve.log")
-    assert summary["status"] == "completed", summary
+    # ended by its budget: completed with what it had, or, on a machine slow enough that no
+    # trial reached max_resource in its 20 s, failed saying so
+    assert summary["status"] in ("completed", "failed"), summary
+    if summary["status"] == "failed":
+        assert "ran out before any trial reached max_resource" in summary["error"], summary
     assert summary["budget"]["stop_reason"] == "max_seconds", summary["budget"]
     # it trained on after the resume, and its clock did not count the 21 s it sat stopped
     assert count("select count(*) from measurements") > stopped
