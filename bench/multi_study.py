@@ -40,6 +40,8 @@ with the N beside it.
     python -m bench.multi_study --modes serve --variants sequential new
     python -m bench.multi_study --repeats 3            # each run 3 times: medians of paired ratios
     python -m bench.multi_study --quick                # three tiny studies; writes nothing
+    python -m bench.multi_study --modes rq:2 --set preempt=false --no-append
+                                                       # a setting for new (out of RESULTS.md)
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from bench._study import (
     ROOT,
     _stop,
     load_spec,
+    parse_settings,
     rq_service,
     service_env,
     start_serve,
@@ -314,6 +317,8 @@ def run_once(
     settings = dict(SETTINGS[variant])
     if mode == "serve" and variant == "new" and args.runners > 1:
         settings["embedded_runners"] = str(args.runners)
+    if variant == "new":
+        settings.update(getattr(args, "new_settings", {}))
     # --quick checks that the script runs and times nothing: no warm-up (a third of its time)
     warm = [] if args.quick else [m.spec() for m in WARM_UP]
     with fleet(mode, workdir, settings, args.device) as f:
@@ -367,8 +372,13 @@ def runners_of(settings: dict[str, str]) -> int:
 def label(run: dict[str, Any]) -> str:
     if run["variant"] == "sequential":
         return "sequential"
-    runners = runners_of(run.get("settings", {}))
+    settings = run.get("settings", {})
+    runners = runners_of(settings)
     more = f" ({runners} runners)" if runners > 1 else ""
+    own = SETTINGS.get(run["variant"], {})
+    extra = [f"{k}={v}" for k, v in sorted(settings.items())
+             if k != "embedded_runners" and own.get(k) != v]  # fmt: skip
+    more += f" ({', '.join(extra)})" if extra else ""
     return f"{run['variant']}{more} {run['pattern']}"
 
 
@@ -603,7 +613,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runners", type=int, default=1,
                         help="serve's new variant: embedded runners (PACKTUNE_EMBEDDED_RUNNERS; "
                         "sequential and today keep 1)")  # fmt: skip
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a packtune setting for the new variant's processes (e.g. "
+                        "preempt=false); such a run's JSON stays out of RESULTS.md")  # fmt: skip
     args = parser.parse_args(argv)
+    try:
+        args.new_settings = parse_settings(args.set)
+    except ValueError as exc:
+        parser.error(str(exc))
     members = QUICK_FLEET if args.quick else FLEET
     args.small = small_of(members)
     if args.stagger is None:
@@ -621,11 +638,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick and args.out_dir is None:
         return
     kind = recording.device_kind(info)
-    recording.save_json(f"multi_study_{kind}", {
+    extra = "".join(f"_{key}-{value}" for key, value in sorted(args.new_settings.items()))
+    recording.save_json(f"multi_study_{kind}{extra}", {
         "machine": info, "date": recording.now(), "command": recording.command_line(),
         "fleet": [m.to_json() for m in members], "warm_up": [m.to_json() for m in WARM_UP],
-        "stagger": args.stagger, "settings_known": known, "summary": summary,
-        "runs": runs}, args.out_dir)  # fmt: skip
+        "stagger": args.stagger, "settings_known": known, "settings": args.new_settings,
+        "summary": summary, "runs": runs}, args.out_dir)  # fmt: skip
     if not (args.quick or args.no_append):
         recording.append_section(
             section(info),

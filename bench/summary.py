@@ -165,7 +165,7 @@ def multi_rows() -> Iterator[Row]:
     small study's time behind a large one against its time alone."""
     from bench.multi_study import runners_of
 
-    for _, (path, data) in sorted(newest("multi_study_*.json").items()):
+    for _, (path, data) in sorted(newest("multi_study_*.json", plain=True).items()):
         for name, summary in sorted(data["summary"].items()):
             runs = data.get("runs", {}).get(name, [])
             runners = max((runners_of(r.get("settings", {})) for r in runs), default=1)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import study_walltime, summary
+from bench import multi_study, study_walltime, summary
 
 
 def test_a_run_of_another_spec_is_named_after_it() -> None:
@@ -63,3 +63,32 @@ def test_fused_step_ab_takes_what_ab_sh_passes_and_writes_its_figures(tmp_path: 
     data = json.loads((tmp_path / "fused_step_ab_synthetic-mlp_k2.json").read_text())
     assert data["k"] == 2 and len(data["ratios"]) == 2 and data["fused_ms"] > 0
     assert data["machine"]["device"] == "cpu" and data["commit"]
+
+
+def _multi(folder: Path, name: str, date: str, ratio: float, settings: dict[str, str]) -> None:
+    data = {
+        "machine": {"device": "cpu", "cpu": "AMD EPYC", "cores": 2, "torch": "2.13.0+cpu"},
+        "date": date, "command": "python -m bench.multi_study", "fleet": [{}] * 8,
+        "settings": settings, "runs": {},
+        "summary": {"rq:2": {"at-once": {"sequential_over_new": ratio, "today_over_new": 1.0}}},
+    }  # fmt: skip
+    (folder / f"{name}.json").write_text(json.dumps(data))
+
+
+def test_bench_g_s_row_leaves_out_a_run_with_a_setting_for_new(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``bench.multi_study --set preempt=false`` measures the new scheduler with a setting
+    that is not the default: named after it, and not bench g's figure even when newer."""
+    monkeypatch.setattr(summary, "RESULTS", tmp_path)
+    _multi(tmp_path, "multi_study_cpu", "2026-11-28 10:00 UTC", 1.2, {})
+    _multi(tmp_path, "multi_study_cpu_preempt-false", "2026-11-30 10:00 UTC", 1.6,
+           {"preempt": "false"})  # fmt: skip
+    [row] = summary.multi_rows()
+    assert row.value.startswith("1.20x"), row
+    run = {"variant": "new", "pattern": "at-once",
+           "settings": {**multi_study.NEW, "preempt": "false"}}  # fmt: skip
+    assert multi_study.label(run) == "new (preempt=false) at-once"
+    assert multi_study.label({**run, "settings": dict(multi_study.NEW)}) == "new at-once"
+    with pytest.raises(SystemExit):  # argparse's error: a one-line message, exit 2
+        multi_study.main(["--set", "no_such_setting=1"])
