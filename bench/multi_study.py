@@ -77,6 +77,8 @@ TODAY = {"share_packs": "false", "dispatch_order": "id"}
 NEW = {"share_packs": "true", "dispatch_order": "fair"}
 SETTINGS = {"sequential": TODAY, "today": TODAY, "new": NEW}
 VARIANTS = ("sequential", "today", "new")
+#: the modes a run measures unless told otherwise
+MODES = ("serve", "rq:2")
 #: behind: only the large study, then the small one --stagger seconds later (the target's case)
 PATTERNS = ("at-once", "staggered", "behind")
 FINAL = ("completed", "failed", "cancelled")
@@ -597,7 +599,7 @@ def settings_known() -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", nargs="+", default=["serve", "rq:2"])
+    parser.add_argument("--modes", nargs="+", default=list(MODES))
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--patterns", nargs="+", choices=PATTERNS, default=list(PATTERNS))
     parser.add_argument("--stagger", type=float, default=None,
@@ -638,8 +640,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick and args.out_dir is None:
         return
     kind = recording.device_kind(info)
-    extra = "".join(f"_{key}-{value}" for key, value in sorted(args.new_settings.items()))
-    recording.save_json(f"multi_study_{kind}{extra}", {
+    recording.save_json(result_name(kind, args.modes, args.new_settings), {
         "machine": info, "date": recording.now(), "command": recording.command_line(),
         "fleet": [m.to_json() for m in members], "warm_up": [m.to_json() for m in WARM_UP],
         "stagger": args.stagger, "settings_known": known, "settings": args.new_settings,
@@ -651,6 +652,22 @@ def main(argv: list[str] | None = None) -> None:
             history_lines(members, args.stagger, known, body),
             load,
         )
+
+
+def result_name(kind: str, modes: list[str], settings: dict[str, str]) -> str:
+    """The JSON's name: ``multi_study_<device kind>``, then the modes where they are not
+    the default ones (a run of one mode does not replace the other's figures), then the
+    settings of ``--set``.
+
+    >>> result_name("cpu", ["serve", "rq:2"], {}), result_name("cpu", ["rq:2"], {})
+    ('multi_study_cpu', 'multi_study_cpu_rq-2')
+    >>> result_name("cpu", ["rq:2"], {"preempt": "false"})
+    'multi_study_cpu_rq-2_preempt-false'
+    """
+    name = f"multi_study_{kind}"
+    if sorted(modes) != sorted(MODES):
+        name += "".join(f"_{mode.replace(':', '-')}" for mode in modes)
+    return name + "".join(f"_{key}-{value}" for key, value in sorted(settings.items()))
 
 
 def section(info: dict[str, Any]) -> str:

@@ -57,6 +57,22 @@ def newest(
     return found
 
 
+def newest_by_mode(pattern: str) -> dict[tuple[str, str], tuple[Path, dict[str, Any]]]:
+    """The newest result at the default settings that measured each mode, per device:
+    ``{(device, mode): (path, data)}`` (a run of one mode leaves the others' figures to
+    the run that measured them)."""
+    found: dict[tuple[str, str], tuple[Path, dict[str, Any]]] = {}
+    for path in sorted(RESULTS.rglob(pattern)):
+        data = json.loads(path.read_text())
+        if data.get("settings"):
+            continue
+        for mode in data["summary"]:
+            key = (data["machine"]["device"], mode)
+            if key not in found or data["date"] > found[key][1]["date"]:
+                found[key] = (path, data)
+    return found
+
+
 def _ratio(ks: dict[str, Any], k: int, over: str = "serial") -> float:
     entry = ks[str(k)]
     return statistics.median(entry["fused"]) / statistics.median(entry[over])
@@ -165,31 +181,31 @@ def multi_rows() -> Iterator[Row]:
     small study's time behind a large one against its time alone."""
     from bench.multi_study import runners_of
 
-    for _, (path, data) in sorted(newest("multi_study_*.json", plain=True).items()):
-        for name, summary in sorted(data["summary"].items()):
-            runs = data.get("runs", {}).get(name, [])
-            runners = max((runners_of(r.get("settings", {})) for r in runs), default=1)
-            mode = f"{name} (new: {runners} runners)" if runners > 1 else name
-            at_once = summary.get("at-once") or {}
-            ratio = at_once.get("sequential_over_new")
-            if ratio is not None:
-                yield Row(
-                    f"g. {len(data['fleet'])} studies at once, sequential / new makespan, {mode}",
-                    f"{ratio:.2f}x (today's scheduler's makespan / new: "
-                    f"{at_once.get('today_over_new') or float('nan'):.2f}x)"
-                    + _repeats(at_once, "sequential_over_new"),
-                    ">= 1.5x", ratio >= 1.5, path, data,
-                )  # fmt: skip
-            behind = summary.get("behind") or {}
-            small = behind.get("small_over_alone")
-            if small is not None:
-                yield Row(
-                    f"g. a small study behind a large one, x its time alone, {mode}",
-                    f"{small:.2f}x (today's scheduler: "
-                    f"{behind.get('today_small_over_alone') or float('nan'):.2f}x)"
-                    + _repeats(behind, "small_over_alone"),
-                    "<= 2x", small <= 2.0, path, data,
-                )  # fmt: skip
+    for (_, name), (path, data) in sorted(newest_by_mode("multi_study_*.json").items()):
+        summary = data["summary"][name]
+        runs = data.get("runs", {}).get(name, [])
+        runners = max((runners_of(r.get("settings", {})) for r in runs), default=1)
+        mode = f"{name} (new: {runners} runners)" if runners > 1 else name
+        at_once = summary.get("at-once") or {}
+        ratio = at_once.get("sequential_over_new")
+        if ratio is not None:
+            yield Row(
+                f"g. {len(data['fleet'])} studies at once, sequential / new makespan, {mode}",
+                f"{ratio:.2f}x (today's scheduler's makespan / new: "
+                f"{at_once.get('today_over_new') or float('nan'):.2f}x)"
+                + _repeats(at_once, "sequential_over_new"),
+                ">= 1.5x", ratio >= 1.5, path, data,
+            )  # fmt: skip
+        behind = summary.get("behind") or {}
+        small = behind.get("small_over_alone")
+        if small is not None:
+            yield Row(
+                f"g. a small study behind a large one, x its time alone, {mode}",
+                f"{small:.2f}x (today's scheduler: "
+                f"{behind.get('today_small_over_alone') or float('nan'):.2f}x)"
+                + _repeats(behind, "small_over_alone"),
+                "<= 2x", small <= 2.0, path, data,
+            )  # fmt: skip
 
 
 def scheduler_rows() -> Iterator[Row]:

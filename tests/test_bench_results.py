@@ -65,12 +65,15 @@ def test_fused_step_ab_takes_what_ab_sh_passes_and_writes_its_figures(tmp_path: 
     assert data["machine"]["device"] == "cpu" and data["commit"]
 
 
-def _multi(folder: Path, name: str, date: str, ratio: float, settings: dict[str, str]) -> None:
+def _multi(
+    folder: Path, name: str, date: str, ratio: float, settings: dict[str, str],
+    modes: tuple[str, ...] = ("rq:2",),
+) -> None:  # fmt: skip
+    at_once = {"at-once": {"sequential_over_new": ratio, "today_over_new": 1.0}}
     data = {
         "machine": {"device": "cpu", "cpu": "AMD EPYC", "cores": 2, "torch": "2.13.0+cpu"},
         "date": date, "command": "python -m bench.multi_study", "fleet": [{}] * 8,
-        "settings": settings, "runs": {},
-        "summary": {"rq:2": {"at-once": {"sequential_over_new": ratio, "today_over_new": 1.0}}},
+        "settings": settings, "runs": {}, "summary": {mode: at_once for mode in modes},
     }  # fmt: skip
     (folder / f"{name}.json").write_text(json.dumps(data))
 
@@ -92,3 +95,19 @@ def test_bench_g_s_row_leaves_out_a_run_with_a_setting_for_new(
     assert multi_study.label({**run, "settings": dict(multi_study.NEW)}) == "new at-once"
     with pytest.raises(SystemExit):  # argparse's error: a one-line message, exit 2
         multi_study.main(["--set", "no_such_setting=1"])
+
+
+def test_bench_g_s_run_of_one_mode_keeps_the_other_mode_s_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``bench.multi_study --modes rq:2`` saved its JSON under the name of a run of both
+    modes, so serve's rows left RESULTS.md. It is named after its mode now, and each
+    mode's row is the newest run that measured it."""
+    monkeypatch.setattr(summary, "RESULTS", tmp_path)
+    both = multi_study.result_name("cpu", ["serve", "rq:2"], {})
+    one = multi_study.result_name("cpu", ["rq:2"], {})
+    assert (both, one) == ("multi_study_cpu", "multi_study_cpu_rq-2")
+    _multi(tmp_path, both, "2026-11-28 10:00 UTC", 1.2, {}, modes=("serve", "rq:2"))
+    _multi(tmp_path, one, "2026-11-30 10:00 UTC", 1.4, {})
+    rows = {row.figure.rsplit(", ", 1)[1]: row.value for row in summary.multi_rows()}
+    assert rows["serve"].startswith("1.20x") and rows["rq:2"].startswith("1.40x"), rows
