@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,12 +47,21 @@ def _shown(path: Path) -> Path:
 DEFAULT_SPEC = ROOT / "examples" / "digits-mlp.yaml"
 
 
-def result_name(spec_file: Path, kind: str, settings: dict[str, str]) -> str:
+#: the modes a run measures unless told otherwise
+MODES = ("embedded", "rq:1", "rq:2")
+
+
+def result_name(
+    spec_file: Path, kind: str, settings: dict[str, str], modes: Sequence[str] = MODES
+) -> str:
     """The JSON result's name: ``study_walltime_<device kind>``, then the spec's name where
-    it is not the default one, then the settings of ``--set``."""
+    it is not the default one, then the modes where they are not the default ones (a run of
+    some modes does not replace the others' figures), then the settings of ``--set``."""
     name = f"study_walltime_{kind}"
     if spec_file.resolve() != DEFAULT_SPEC.resolve():
         name += f"_{spec_file.stem}"
+    if sorted(modes) != sorted(MODES):
+        name += "".join(f"_{mode.replace(':', '-')}" for mode in modes)
     return name + "".join(f"_{key}-{value}" for key, value in sorted(settings.items()))
 
 
@@ -164,7 +174,7 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> tuple[list[str], dict[st
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spec", type=Path, default=DEFAULT_SPEC)
-    parser.add_argument("--modes", nargs="+", default=["embedded", "rq:1", "rq:2"])
+    parser.add_argument("--modes", nargs="+", default=list(MODES))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda (the workers')")
     parser.add_argument("--quick", action="store_true", help="a tiny study; appends nothing")
@@ -197,7 +207,8 @@ def run(args: argparse.Namespace, settings: dict[str, str]) -> None:
     print("\n".join(body))
     if args.quick and args.out_dir is None:
         return
-    recording.save_json(result_name(args.spec, recording.device_kind(info), settings), {
+    kind = recording.device_kind(info)
+    recording.save_json(result_name(args.spec, kind, settings, args.modes), {
         "machine": info, "date": recording.now(), "command": recording.command_line(),
         "spec_file": str(_shown(args.spec.resolve())), "spec": spec, "settings": settings,
         "summary": summary, "runs": runs}, args.out_dir)  # fmt: skip

@@ -57,14 +57,16 @@ def newest(
     return found
 
 
-def newest_by_mode(pattern: str) -> dict[tuple[str, str], tuple[Path, dict[str, Any]]]:
+def newest_by_mode(
+    pattern: str, keep: Callable[[dict[str, Any]], bool] = lambda data: True
+) -> dict[tuple[str, str], tuple[Path, dict[str, Any]]]:
     """The newest result at the default settings that measured each mode, per device:
     ``{(device, mode): (path, data)}`` (a run of one mode leaves the others' figures to
-    the run that measured them)."""
+    the run that measured them); ``keep``: only results it accepts."""
     found: dict[tuple[str, str], tuple[Path, dict[str, Any]]] = {}
     for path in sorted(RESULTS.rglob(pattern)):
         data = json.loads(path.read_text())
-        if data.get("settings"):
+        if data.get("settings") or not keep(data):
             continue
         for mode in data["summary"]:
             key = (data["machine"]["device"], mode)
@@ -112,17 +114,17 @@ def study_rows() -> Iterator[Row]:
     def default_study(data: dict[str, Any]) -> bool:  # older results name no spec file
         return data.get("spec_file", DEFAULT_STUDY) == DEFAULT_STUDY
 
-    results = newest("study_walltime_*.json", plain=True, keep=default_study)
-    for device, (path, data) in sorted(results.items()):
+    results = newest_by_mode("study_walltime_*.json", keep=default_study)
+    for (device, mode), (path, data) in sorted(results.items()):
         target = 3.0 if device == "cpu" else 5.0
-        for mode, summary in sorted(data["summary"].items()):
-            ratio = summary["ratio_of_medians"]
-            yield Row(
-                f"b. study unpacked / packed wall time, {mode}",
-                f"{ratio:.2f}x ({summary['unpacked_wall']:.1f} s / {summary['packed_wall']:.1f} s)"
-                f"{'' if summary['best_agree'] else ', best trials differ'}",
-                f">= {target:g}x", ratio >= target and summary["best_agree"], path, data,
-            )  # fmt: skip
+        summary = data["summary"][mode]
+        ratio = summary["ratio_of_medians"]
+        yield Row(
+            f"b. study unpacked / packed wall time, {mode}",
+            f"{ratio:.2f}x ({summary['unpacked_wall']:.1f} s / {summary['packed_wall']:.1f} s)"
+            f"{'' if summary['best_agree'] else ', best trials differ'}",
+            f">= {target:g}x", ratio >= target and summary["best_agree"], path, data,
+        )  # fmt: skip
 
 
 def peer_rows() -> Iterator[Row]:

@@ -26,12 +26,16 @@ def test_a_run_of_another_spec_is_named_after_it() -> None:
     )
 
 
-def _result(folder: Path, name: str, date: str, ratio: float, spec_file: str | None) -> None:
+def _result(
+    folder: Path, name: str, date: str, ratio: float, spec_file: str | None,
+    modes: tuple[str, ...] = ("serve",),
+) -> None:  # fmt: skip
+    figures = {"ratio_of_medians": ratio, "unpacked_wall": 10.0 * ratio, "packed_wall": 10.0,
+               "best_agree": True}  # fmt: skip
     data = {
         "machine": {"device": "cpu", "cpu": "AMD EPYC", "cores": 2, "torch": "2.13.0+cpu"},
         "date": date, "command": "python -m bench.study_walltime", "settings": {},
-        "summary": {"serve": {"ratio_of_medians": ratio, "unpacked_wall": 10.0 * ratio,
-                              "packed_wall": 10.0, "best_agree": True}},
+        "summary": {mode: figures for mode in modes},
         **({"spec_file": spec_file} if spec_file is not None else {}),
     }  # fmt: skip
     (folder / f"{name}.json").write_text(json.dumps(data))
@@ -63,6 +67,27 @@ def test_fused_step_ab_takes_what_ab_sh_passes_and_writes_its_figures(tmp_path: 
     data = json.loads((tmp_path / "fused_step_ab_synthetic-mlp_k2.json").read_text())
     assert data["k"] == 2 and len(data["ratios"]) == 2 and data["fused_ms"] > 0
     assert data["machine"]["device"] == "cpu" and data["commit"]
+
+
+def test_bench_b_s_run_of_one_mode_keeps_the_other_mode_s_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``bench.study_walltime --modes serve`` saved its JSON under the name of a run of
+    every mode, so the embedded row left RESULTS.md. It is named after its mode now, and
+    each mode's row is the newest run of the default study that measured it."""
+    monkeypatch.setattr(summary, "RESULTS", tmp_path)
+    spec = study_walltime.DEFAULT_SPEC
+    assert study_walltime.result_name(spec, "cpu", {}, ["embedded", "rq:1", "rq:2"]) == (
+        "study_walltime_cpu"
+    )
+    both = study_walltime.result_name(spec, "cpu", {}, ["embedded", "serve"])
+    one = study_walltime.result_name(spec, "cpu", {}, ["serve"])
+    assert (both, one) == ("study_walltime_cpu_embedded_serve", "study_walltime_cpu_serve")
+    _result(tmp_path, both, "2026-11-28 10:00 UTC", 2.0, summary.DEFAULT_STUDY,
+            modes=("embedded", "serve"))  # fmt: skip
+    _result(tmp_path, one, "2026-11-30 10:00 UTC", 3.5, summary.DEFAULT_STUDY)
+    rows = {row.figure.rsplit(", ", 1)[1]: row.value for row in summary.study_rows()}
+    assert rows["embedded"].startswith("2.00x") and rows["serve"].startswith("3.50x"), rows
 
 
 def _multi(
