@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -72,6 +73,16 @@ def variant(spec: dict[str, Any], packed: bool) -> dict[str, Any]:
 
 #: packtune settings a benchmark's ``--set KEY=VALUE`` gives every process it starts
 EXTRA_SETTINGS: dict[str, str] = {}
+
+
+def name_safe(name: str) -> str:
+    """``name`` as a result file's name: every character but letters, digits and ``._-``
+    (a mode's ``:``, a setting's path) made ``-``.
+
+    >>> name_safe("multi_study_cpu_rq:2_checkpoint_dir-/tmp/ck")
+    'multi_study_cpu_rq-2_checkpoint_dir--tmp-ck'
+    """
+    return re.sub(r"[^A-Za-z0-9._-]", "-", name)
 
 
 def parse_settings(pairs: list[str]) -> dict[str, str]:

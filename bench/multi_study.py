@@ -49,7 +49,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -64,6 +64,7 @@ from bench._study import (
     ROOT,
     _stop,
     load_spec,
+    name_safe,
     parse_settings,
     rq_service,
     service_env,
@@ -77,8 +78,13 @@ TODAY = {"share_packs": "false", "dispatch_order": "id"}
 NEW = {"share_packs": "true", "dispatch_order": "fair"}
 SETTINGS = {"sequential": TODAY, "today": TODAY, "new": NEW}
 VARIANTS = ("sequential", "today", "new")
-#: the modes a run measures unless told otherwise
+#: the modes, variants and patterns a run measures unless told otherwise
 MODES = ("serve", "rq:2")
+#: the settings each service gets from the bench itself (not ``--set``'s to give)
+BENCH_SETTINGS = frozenset({
+    "database_url", "redis_url", "device", "checkpoint_dir", "queue_name",
+    "heartbeat_interval", "log_level", "embedded_runners", *TODAY, *NEW,
+})  # fmt: skip
 #: behind: only the large study, then the small one --stagger seconds later (the target's case)
 PATTERNS = ("at-once", "staggered", "behind")
 FINAL = ("completed", "failed", "cancelled")
@@ -623,6 +629,8 @@ def main(argv: list[str] | None = None) -> None:
         args.new_settings = parse_settings(args.set)
     except ValueError as exc:
         parser.error(str(exc))
+    if own := sorted(set(args.new_settings) & BENCH_SETTINGS):
+        parser.error(f"--set {own[0]}: the bench sets it itself (or use --device, --runners)")
     members = QUICK_FLEET if args.quick else FLEET
     args.small = small_of(members)
     if args.stagger is None:
@@ -640,10 +648,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick and args.out_dir is None:
         return
     kind = recording.device_kind(info)
-    recording.save_json(result_name(kind, args.modes, args.new_settings), {
+    name = result_name(kind, args.modes, args.new_settings, args.variants, args.patterns)
+    recording.save_json(name, {
         "machine": info, "date": recording.now(), "command": recording.command_line(),
         "fleet": [m.to_json() for m in members], "warm_up": [m.to_json() for m in WARM_UP],
         "stagger": args.stagger, "settings_known": known, "settings": args.new_settings,
+        "variants": args.variants, "patterns": args.patterns,
         "summary": summary, "runs": runs}, args.out_dir)  # fmt: skip
     if not (args.quick or args.no_append):
         recording.append_section(
@@ -654,20 +664,28 @@ def main(argv: list[str] | None = None) -> None:
         )
 
 
-def result_name(kind: str, modes: list[str], settings: dict[str, str]) -> str:
-    """The JSON's name: ``multi_study_<device kind>``, then the modes where they are not
-    the default ones (a run of one mode does not replace the other's figures), then the
-    settings of ``--set``.
+def result_name(
+    kind: str,
+    modes: Sequence[str],
+    settings: dict[str, str],
+    variants: Sequence[str] = VARIANTS,
+    patterns: Sequence[str] = PATTERNS,
+) -> str:
+    """The JSON's name: ``multi_study_<device kind>``, then the modes, variants and
+    patterns where they are not the default ones (a run of some does not replace the
+    others' figures), then the settings of ``--set``.
 
     >>> result_name("cpu", ["serve", "rq:2"], {}), result_name("cpu", ["rq:2"], {})
     ('multi_study_cpu', 'multi_study_cpu_rq-2')
-    >>> result_name("cpu", ["rq:2"], {"preempt": "false"})
-    'multi_study_cpu_rq-2_preempt-false'
+    >>> result_name("cpu", ["rq:2"], {"preempt": "false"}, patterns=["behind"])
+    'multi_study_cpu_rq-2_behind_preempt-false'
     """
     name = f"multi_study_{kind}"
-    if sorted(modes) != sorted(MODES):
-        name += "".join(f"_{mode.replace(':', '-')}" for mode in modes)
-    return name + "".join(f"_{key}-{value}" for key, value in sorted(settings.items()))
+    for chosen, default in ((modes, MODES), (variants, VARIANTS), (patterns, PATTERNS)):
+        if sorted(chosen) != sorted(default):
+            name += "".join(f"_{part}" for part in sorted(chosen))
+    name += "".join(f"_{key}-{value}" for key, value in sorted(settings.items()))
+    return name_safe(name)
 
 
 def section(info: dict[str, Any]) -> str:

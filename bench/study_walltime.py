@@ -29,6 +29,7 @@ from bench._study import (
     StudyRun,
     breakdown,
     load_spec,
+    name_safe,
     parse_settings,
     run_embedded,
     run_rq,
@@ -61,8 +62,9 @@ def result_name(
     if spec_file.resolve() != DEFAULT_SPEC.resolve():
         name += f"_{spec_file.stem}"
     if sorted(modes) != sorted(MODES):
-        name += "".join(f"_{mode.replace(':', '-')}" for mode in modes)
-    return name + "".join(f"_{key}-{value}" for key, value in sorted(settings.items()))
+        name += "".join(f"_{mode}" for mode in sorted(modes))
+    name += "".join(f"_{key}-{value}" for key, value in sorted(settings.items()))
+    return name_safe(name)
 
 
 def run_one(mode: str, spec: dict[str, Any], workdir: Path, device: str) -> StudyRun:

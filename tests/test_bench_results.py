@@ -92,13 +92,19 @@ def test_bench_b_s_run_of_one_mode_keeps_the_other_mode_s_row(
 
 def _multi(
     folder: Path, name: str, date: str, ratio: float, settings: dict[str, str],
-    modes: tuple[str, ...] = ("rq:2",),
+    modes: tuple[str, ...] = ("rq:2",), patterns: tuple[str, ...] = ("at-once",),
+    variants: tuple[str, ...] | None = None,
 ) -> None:  # fmt: skip
-    at_once = {"at-once": {"sequential_over_new": ratio, "today_over_new": 1.0}}
+    figures = {
+        "at-once": {"sequential_over_new": ratio, "today_over_new": 1.0},
+        "behind": {"small_over_alone": ratio, "today_small_over_alone": 3.0},
+    }
     data = {
         "machine": {"device": "cpu", "cpu": "AMD EPYC", "cores": 2, "torch": "2.13.0+cpu"},
         "date": date, "command": "python -m bench.multi_study", "fleet": [{}] * 8,
-        "settings": settings, "runs": {}, "summary": {mode: at_once for mode in modes},
+        "settings": settings, "runs": {},
+        "summary": {mode: {p: figures[p] for p in patterns} for mode in modes},
+        **({"variants": list(variants)} if variants is not None else {}),
     }  # fmt: skip
     (folder / f"{name}.json").write_text(json.dumps(data))
 
@@ -136,3 +142,45 @@ def test_bench_g_s_run_of_one_mode_keeps_the_other_mode_s_row(
     _multi(tmp_path, one, "2026-11-30 10:00 UTC", 1.4, {})
     rows = {row.figure.rsplit(", ", 1)[1]: row.value for row in summary.multi_rows()}
     assert rows["serve"].startswith("1.20x") and rows["rq:2"].startswith("1.40x"), rows
+
+
+def test_bench_g_s_rows_come_from_runs_of_every_variant_per_pattern(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A newer run of one pattern keeps the other pattern's row from the full run, and a
+    run without today's scheduler (``--variants sequential new``) makes no row: its
+    "today / new" would read nan (review)."""
+    monkeypatch.setattr(summary, "RESULTS", tmp_path)
+    full = ("at-once", "behind")
+    _multi(tmp_path, "multi_study_cpu", "2026-11-28 10:00 UTC", 1.2, {}, ("serve",), full)
+    behind = multi_study.result_name("cpu", ["serve"], {}, patterns=["behind"])
+    assert behind == "multi_study_cpu_serve_behind"
+    _multi(tmp_path, behind, "2026-11-29 10:00 UTC", 1.7, {}, ("serve",), ("behind",))
+    two = multi_study.result_name("cpu", ["serve"], {}, variants=["sequential", "new"])
+    assert two == "multi_study_cpu_serve_new_sequential"
+    _multi(tmp_path, two, "2026-11-30 10:00 UTC", 1.9, {}, ("serve",), full,
+           variants=("sequential", "new"))  # fmt: skip
+    rows = [(row.figure.split(",")[0], row.value[:5]) for row in summary.multi_rows()]
+    assert rows == [("g. 8 studies at once", "1.20x"), ("g. a small study behind a large one",
+                                                        "1.70x")], rows  # fmt: skip
+
+
+def test_bench_names_are_file_names_and_do_not_depend_on_the_modes_order() -> None:
+    spec = study_walltime.DEFAULT_SPEC
+    assert study_walltime.result_name(spec, "cpu", {}, ["serve", "embedded"]) == (
+        study_walltime.result_name(spec, "cpu", {}, ["embedded", "serve"])
+    )
+    name = multi_study.result_name("cpu", ["rq:2"], {"checkpoint_dir": "/tmp/ck"})
+    assert "/" not in name and ":" not in name, name
+
+
+@pytest.mark.parametrize("setting", ["device=cuda", "checkpoint_dir=/tmp/x", "share_packs=false"])
+def test_bench_g_refuses_a_setting_it_gives_its_services_itself(
+    setting: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--set device=cuda`` raised TypeError at the first new run, after the sequential and
+    today runs had been measured and were then lost (review): refused before anything runs."""
+    with pytest.raises(SystemExit) as exc:
+        multi_study.main(["--set", setting])
+    assert exc.value.code == 2
+    assert f"--set {setting.split('=')[0]}: the bench sets it itself" in capsys.readouterr().err
