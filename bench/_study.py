@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -75,13 +75,23 @@ def variant(spec: dict[str, Any], packed: bool) -> dict[str, Any]:
 EXTRA_SETTINGS: dict[str, str] = {}
 
 
-def name_safe(name: str) -> str:
-    """``name`` as a result file's name: every character but letters, digits and ``._-``
-    (a mode's ``:``, a setting's path) made ``-``.
+def result_name(
+    name: str,
+    settings: dict[str, str],
+    chosen: Sequence[tuple[Sequence[str], Sequence[str]]] = (),
+) -> str:
+    """A benchmark's JSON result's name: ``name``, then each of ``chosen``'s (chosen,
+    default) lists that is not its default (a run of some modes does not replace the
+    others' figures), sorted, then the settings of ``--set``; every character but letters,
+    digits and ``._-`` (a mode's ``:``, a setting's path) made ``-``.
 
-    >>> name_safe("multi_study_cpu_rq:2_checkpoint_dir-/tmp/ck")
+    >>> result_name("multi_study_cpu", {"checkpoint_dir": "/tmp/ck"}, [(["rq:2"], ["serve"])])
     'multi_study_cpu_rq-2_checkpoint_dir--tmp-ck'
     """
+    for part, default in chosen:
+        if sorted(part) != sorted(default):
+            name += "".join(f"_{p}" for p in sorted(part))
+    name += "".join(f"_{key}-{value}" for key, value in sorted(settings.items()))
     return re.sub(r"[^A-Za-z0-9._-]", "-", name)
 
 

@@ -59,12 +59,11 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from bench import recording
+from bench import _study, recording
 from bench._study import (
     ROOT,
     _stop,
     load_spec,
-    name_safe,
     parse_settings,
     rq_service,
     service_env,
@@ -326,7 +325,7 @@ def run_once(
     if mode == "serve" and variant == "new" and args.runners > 1:
         settings["embedded_runners"] = str(args.runners)
     if variant == "new":
-        settings.update(getattr(args, "new_settings", {}))
+        settings.update(args.new_settings)
     # --quick checks that the script runs and times nothing: no warm-up (a third of its time)
     warm = [] if args.quick else [m.spec() for m in WARM_UP]
     with fleet(mode, workdir, settings, args.device) as f:
@@ -680,12 +679,8 @@ def result_name(
     >>> result_name("cpu", ["rq:2"], {"preempt": "false"}, patterns=["behind"])
     'multi_study_cpu_rq-2_behind_preempt-false'
     """
-    name = f"multi_study_{kind}"
-    for chosen, default in ((modes, MODES), (variants, VARIANTS), (patterns, PATTERNS)):
-        if sorted(chosen) != sorted(default):
-            name += "".join(f"_{part}" for part in sorted(chosen))
-    name += "".join(f"_{key}-{value}" for key, value in sorted(settings.items()))
-    return name_safe(name)
+    chosen = [(modes, MODES), (variants, VARIANTS), (patterns, PATTERNS)]
+    return _study.result_name(f"multi_study_{kind}", settings, chosen)
 
 
 def section(info: dict[str, Any]) -> str:

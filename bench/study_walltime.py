@@ -29,7 +29,6 @@ from bench._study import (
     StudyRun,
     breakdown,
     load_spec,
-    name_safe,
     parse_settings,
     run_embedded,
     run_rq,
@@ -61,10 +60,7 @@ def result_name(
     name = f"study_walltime_{kind}"
     if spec_file.resolve() != DEFAULT_SPEC.resolve():
         name += f"_{spec_file.stem}"
-    if sorted(modes) != sorted(MODES):
-        name += "".join(f"_{mode}" for mode in sorted(modes))
-    name += "".join(f"_{key}-{value}" for key, value in sorted(settings.items()))
-    return name_safe(name)
+    return _study.result_name(name, settings, [(modes, MODES)])
 
 
 def run_one(mode: str, spec: dict[str, Any], workdir: Path, device: str) -> StudyRun:

@@ -15,7 +15,7 @@ import argparse
 import json
 import statistics
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,30 +46,28 @@ def newest(
     """The newest result matching ``pattern`` per device: ``{device: (path, data)}``;
     ``plain``: only runs at the default settings (no ``--set``); ``keep``: only results
     it accepts."""
-    found: dict[str, tuple[Path, dict[str, Any]]] = {}
+    found = newest_each(pattern, lambda data: [()], keep, plain, where)
+    return {device: result for (device,), result in found.items()}
+
+
+def newest_each(
+    pattern: str,
+    parts: Callable[[dict[str, Any]], Iterable[tuple[str, ...]]],
+    keep: Callable[[dict[str, Any]], bool] = lambda data: True,
+    plain: bool = True,
+    where: Path | None = None,
+) -> dict[tuple[str, ...], tuple[Path, dict[str, Any]]]:
+    """The newest result matching ``pattern`` for each part a result measured (``parts``:
+    a run of one mode, say, leaves the others' figures to the run that measured them), per
+    device: ``{(device, *part): (path, data)}``; ``plain`` and ``keep`` as in
+    :func:`newest`."""
+    found: dict[tuple[str, ...], tuple[Path, dict[str, Any]]] = {}
     for path in sorted((where or RESULTS).rglob(pattern)):
         data = json.loads(path.read_text())
         if (plain and data.get("settings")) or not keep(data):
             continue
-        device = data["machine"]["device"]
-        if device not in found or data["date"] > found[device][1]["date"]:
-            found[device] = (path, data)
-    return found
-
-
-def newest_by_mode(
-    pattern: str, keep: Callable[[dict[str, Any]], bool] = lambda data: True
-) -> dict[tuple[str, str], tuple[Path, dict[str, Any]]]:
-    """The newest result at the default settings that measured each mode, per device:
-    ``{(device, mode): (path, data)}`` (a run of one mode leaves the others' figures to
-    the run that measured them); ``keep``: only results it accepts."""
-    found: dict[tuple[str, str], tuple[Path, dict[str, Any]]] = {}
-    for path in sorted(RESULTS.rglob(pattern)):
-        data = json.loads(path.read_text())
-        if data.get("settings") or not keep(data):
-            continue
-        for mode in data["summary"]:
-            key = (data["machine"]["device"], mode)
+        for part in parts(data):
+            key = (data["machine"]["device"], *part)
             if key not in found or data["date"] > found[key][1]["date"]:
                 found[key] = (path, data)
     return found
@@ -114,7 +112,10 @@ def study_rows() -> Iterator[Row]:
     def default_study(data: dict[str, Any]) -> bool:  # older results name no spec file
         return data.get("spec_file", DEFAULT_STUDY) == DEFAULT_STUDY
 
-    results = newest_by_mode("study_walltime_*.json", keep=default_study)
+    def modes(data: dict[str, Any]) -> list[tuple[str]]:
+        return [(mode,) for mode in data["summary"]]
+
+    results = newest_each("study_walltime_*.json", modes, keep=default_study)
     for (device, mode), (path, data) in sorted(results.items()):
         target = 3.0 if device == "cpu" else 5.0
         summary = data["summary"][mode]
@@ -184,19 +185,18 @@ def multi_rows() -> Iterator[Row]:
     from the newest run that measured it with every variant (sequential, today, new)."""
     from bench.multi_study import VARIANTS
 
-    chosen: dict[tuple[str, str, str], tuple[Path, dict[str, Any]]] = {}
-    for path in sorted(RESULTS.rglob("multi_study_*.json")):
-        data = json.loads(path.read_text())
-        # older results name no variants: all of them ran
-        if data.get("settings") or not set(VARIANTS) <= set(data.get("variants", VARIANTS)):
-            continue
-        for name, summary in data["summary"].items():
-            for pattern in ("at-once", "behind"):
-                key = (data["machine"]["device"], name, pattern)
-                if summary.get(pattern) and (
-                    key not in chosen or data["date"] > chosen[key][1]["date"]
-                ):
-                    chosen[key] = (path, data)
+    def every_variant(data: dict[str, Any]) -> bool:  # older results name none: all ran
+        return set(VARIANTS) <= set(data.get("variants", VARIANTS))
+
+    def measured(data: dict[str, Any]) -> list[tuple[str, str]]:
+        return [
+            (name, pattern)
+            for name, summary in data["summary"].items()
+            for pattern in ("at-once", "behind")
+            if summary.get(pattern)
+        ]
+
+    chosen = newest_each("multi_study_*.json", measured, keep=every_variant)
     for (_, name, pattern), (path, data) in sorted(chosen.items()):
         row = _multi_row(name, pattern, path, data)
         if row is not None:
