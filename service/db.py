@@ -14,7 +14,11 @@ Two backends are supported:
   writer nor holds it up.
 * **PostgreSQL** (scale-out). ``postgresql://`` URLs are served by the psycopg 3
   driver; pooled connections are pinged before use so a restarted server does
-  not hand out dead ones.
+  not hand out dead ones. A worker's connections ask the server to end a session left
+  idle inside a transaction for the heartbeat timeout
+  (:func:`end_idle_transactions_after`): a worker cut off between a statement and its
+  commit otherwise held that transaction's row locks for as long as the server kept the
+  connection, and the scheduler waited on them.
 
 Database errors that mean "cannot reach or use the store" are turned into
 :class:`packtune.errors.StoreUnavailable` at one boundary, :func:`session_scope`.
@@ -40,6 +44,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import (
     ArgumentError,
     DatabaseError,
+    DBAPIError,
     InterfaceError,
     NoSuchModuleError,
     OperationalError,
@@ -150,14 +155,56 @@ def _configure_sqlite(engine: Engine) -> None:
         conn.exec_driver_sql("BEGIN" if reads_only else "BEGIN IMMEDIATE")
 
 
-def make_engine(url: str | URL) -> Engine:
+def _end_idle_transactions(engine: Engine, seconds: float) -> None:
+    """Each of ``engine``'s PostgreSQL connections, as it is made, sets
+    ``idle_in_transaction_session_timeout``: the server ends a session that sits inside a
+    transaction for ``seconds`` without a statement, and with it the transaction's locks."""
+    milliseconds = max(1, math.ceil(seconds * 1000))
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        autocommit = dbapi_conn.autocommit
+        dbapi_conn.autocommit = True  # a SET of its own, not the start of a transaction
+        try:
+            with dbapi_conn.cursor() as cursor:
+                cursor.execute(f"SET idle_in_transaction_session_timeout = {milliseconds}")
+        finally:
+            dbapi_conn.autocommit = autocommit
+
+
+#: seconds after which PostgreSQL ends this process's sessions idle inside a transaction
+#: (:func:`end_idle_transactions_after`); None: the server's own setting
+_idle_transaction_limit: float | None = None
+
+
+def end_idle_transactions_after(seconds: float | None) -> None:
+    """From now on, this process's PostgreSQL sessions that sit idle inside a transaction
+    for ``seconds`` are ended by the server (None: never, the server's default). A worker
+    sets its heartbeat timeout: a worker cut off between a statement and its commit (a
+    network partition, a frozen host: no connection is closed) held the transaction's row
+    locks for as long as the server kept the connection (hours of TCP keepalive), and the
+    scheduler's tick, marking that worker dead, waited on them: nothing was scheduled. A
+    worker silent that long counts as dead anyway; none of its transactions waits on
+    training. Engines this process already made are disposed of (new connections take the
+    setting)."""
+    global _idle_transaction_limit
+    _idle_transaction_limit = seconds
+    dispose_engines()
+
+
+def make_engine(url: str | URL, idle_transaction_limit: float | None = None) -> Engine:
     """An engine configured for ``url``'s backend (see the module docstring); a URL that
     cannot be used (unparsable, an unknown dialect, its driver not installed) raises
-    :class:`SettingsError` naming ``PACKTUNE_DATABASE_URL``."""
+    :class:`SettingsError` naming ``PACKTUNE_DATABASE_URL``. ``idle_transaction_limit``:
+    seconds after which PostgreSQL ends a session idle inside a transaction (see
+    :func:`end_idle_transactions_after`; SQLite has no such sessions)."""
     try:
-        return _make_engine(url)
+        engine = _make_engine(url)
     except (ArgumentError, NoSuchModuleError, ImportError) as exc:
         raise SettingsError(f"{ENV_PREFIX}DATABASE_URL: cannot use it: {exc}") from exc
+    if idle_transaction_limit is not None and engine.dialect.name == "postgresql":
+        _end_idle_transactions(engine, idle_transaction_limit)
+    return engine
 
 
 def _make_engine(url: str | URL) -> Engine:
@@ -203,7 +250,7 @@ _engines_lock = threading.Lock()
 def _cached(url: str) -> tuple[Engine, sessionmaker[Session]]:
     with _engines_lock:
         if url not in _engines:
-            engine = make_engine(url)
+            engine = make_engine(url, _idle_transaction_limit)
             _engines[url] = (engine, session_factory(engine))
         return _engines[url]
 
@@ -239,7 +286,19 @@ def _rollback_quietly(session: Session) -> None:
 DATABASE_ERRORS: tuple[type[BaseException], ...] = (SQLAlchemyError, StoreUnavailable, PoolTimeout)
 
 
-def unavailable(exc: OperationalError | InterfaceError) -> StoreUnavailable:
+#: SQLSTATE of a session the server ended for sitting idle inside a transaction
+#: (:func:`end_idle_transactions_after`): psycopg raises it as an ``InternalError``
+IDLE_SESSION_ENDED = "25P03"
+
+
+def connection_lost(exc: DBAPIError) -> bool:
+    """Whether ``exc`` says the connection is lost or unusable (not what the statement did)."""
+    if isinstance(exc, OperationalError | InterfaceError):
+        return True
+    return getattr(exc.orig, "sqlstate", None) == IDLE_SESSION_ENDED
+
+
+def unavailable(exc: DBAPIError) -> StoreUnavailable:
     """The error a lost or unusable connection becomes, with the driver's own words."""
     return StoreUnavailable(f"database unavailable: {exc.orig or exc}")
 
@@ -248,17 +307,20 @@ def unavailable(exc: OperationalError | InterfaceError) -> StoreUnavailable:
 def session_scope(factory: sessionmaker[Session] | None = None) -> Iterator[Session]:
     """A session that commits when the block ends and rolls back if it raises.
 
-    Lost or unusable connections (``OperationalError``, ``InterfaceError``),
-    raised in the block or at commit, become :class:`StoreUnavailable`; so
-    does waiting in vain for a pooled connection (an overloaded process).
+    Lost or unusable connections (``OperationalError``, ``InterfaceError``, a session
+    the server ended: :func:`connection_lost`), raised in the block or at commit, become
+    :class:`StoreUnavailable`; so does waiting in vain for a pooled connection (an
+    overloaded process).
     """
     session = (factory or get_sessionmaker())()
     try:
         yield session
         session.commit()
-    except (OperationalError, InterfaceError) as exc:
+    except DBAPIError as exc:
         _rollback_quietly(session)
-        raise unavailable(exc) from exc
+        if connection_lost(exc):
+            raise unavailable(exc) from exc
+        raise
     except PoolTimeout as exc:
         _rollback_quietly(session)
         raise StoreUnavailable(f"database busy: no connection free: {exc}") from exc

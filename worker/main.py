@@ -181,6 +181,7 @@ def run_worker(gpu: int | None = None, name: str | None = None, burst: bool = Fa
     # for seconds (longer than a short heartbeat timeout).
     import torch  # noqa: F401
 
+    from service.db import end_idle_transactions_after
     from worker.jobs import device_problem  # after CUDA_VISIBLE_DEVICES: it asks CUDA
 
     problem = device_problem(settings.device) or (None if gpu is None else gpu_problem(gpu))
@@ -192,6 +193,8 @@ def run_worker(gpu: int | None = None, name: str | None = None, burst: bool = Fa
     assert settings.redis_url is not None
     redis = Redis.from_url(settings.redis_url)
     queue = Queue(settings.queue_name, connection=redis)
+    # a transaction of this worker's left open by a partition ends with its locks
+    end_idle_transactions_after(settings.heartbeat_timeout)
     reclaim(name)  # what a previous incarnation of this name died holding
     send_heartbeat(name, gpu, busy=False)  # fail fast on a bad database URL
     beat = Heartbeat(name, gpu, settings.heartbeat_interval)

@@ -531,6 +531,39 @@ def age_heartbeat(factory: Factory, name: str, seconds: float) -> None:
         s.execute(stmt.values(last_heartbeat=utcnow() - timedelta(seconds=seconds)))
 
 
+@pytest.mark.postgres
+def test_a_session_idle_inside_a_transaction_is_ended_by_the_server_past_the_limit(
+    postgres_url: str,
+) -> None:
+    """A worker's engine (``idle_transaction_limit``: its heartbeat timeout) has the server end
+    a session left inside a transaction, its locks with it: the row it locked is free again
+    for another session. An engine without the limit keeps the server's default."""
+    import time
+
+    limited = make_engine(postgres_url, idle_transaction_limit=0.5)
+    plain = make_engine(postgres_url)
+    try:
+        with plain.connect() as conn:
+            assert conn.execute(text("SHOW idle_in_transaction_session_timeout")).scalar() == "0"
+            conn.execute(text("CREATE TEMP TABLE t (x int)"))
+            time.sleep(1.0)  # idle inside a transaction: kept
+            conn.execute(text("SELECT 1"))
+        with limited.connect() as conn:
+            setting = conn.execute(text("SHOW idle_in_transaction_session_timeout")).scalar()
+            assert setting == "500ms"
+        # what the ended session's owner sees: the store unavailable (a worker's writes retry)
+        with pytest.raises(StoreUnavailable, match="idle-in-transaction"):
+            with session_scope(session_factory(limited)) as s:
+                s.execute(text("SELECT pg_advisory_xact_lock(4242)"))  # held to the commit
+                time.sleep(1.5)
+                s.execute(text("SELECT 1"))
+        with plain.connect() as other:  # the ended session's lock went with it
+            assert other.execute(text("SELECT pg_try_advisory_xact_lock(4242)")).scalar()
+    finally:
+        limited.dispose()
+        plain.dispose()
+
+
 def test_heartbeat_upserts_by_name(factory: Factory) -> None:
     gpu = {"name": "H100", "free": 10}
     with session_scope(factory) as s:

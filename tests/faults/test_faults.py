@@ -736,6 +736,83 @@ def test_a_worker_killed_between_taking_a_job_and_claiming_its_pack(
     assert faults == 1, faults
 
 
+def stalled_transactions(engine: sa.Engine, table: str) -> int:
+    """Sessions of the database idle inside a transaction whose last statement named
+    ``table``: a client gone quiet between a statement and its commit, its locks held."""
+    with engine.connect() as conn:
+        return int(conn.execute(sa.text(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND state = 'idle in transaction' AND query ILIKE :pattern"
+        ), {"pattern": f"%{table}%"}).scalar_one())  # fmt: skip
+
+
+def test_a_worker_cut_off_inside_a_transaction_does_not_stall_the_fleet(
+    cluster: Services, database: str, redis_server: RedisServer, reference: Outcome
+) -> None:
+    """Issue: a worker whose network went quiet between a heartbeat's write and its commit
+    (a partition, a frozen host: no connection closed) left that transaction open on the
+    server, its lock on the worker's row held. Once the worker counted as dead, the
+    scheduler's tick waited on that lock to mark it so, for as long as the server kept the
+    connection (hours of TCP keepalive): nothing was scheduled, every study stalled (the
+    fault tests' 150 s timeout, now and then, when a stall began at that moment). A worker's
+    sessions now end on the server once idle in a transaction for the heartbeat timeout:
+    the lock goes, the dead worker's job is re-queued, and the study ends as the
+    undisturbed one."""
+    from redis import Redis
+    from rq.exceptions import NoSuchJobError
+    from rq.job import Job, JobStatus
+
+    parsed = sa.engine.make_url(database)
+    gate = TcpGate((parsed.host or "127.0.0.1", parsed.port or 5432))
+    engine = make_engine(database)
+    redis = Redis.from_url(redis_server.url)
+    try:
+        cluster.start("scheduler", "scheduler")
+        cluster.start("w1", "worker", "--name", "w1",
+                      env={"PACKTUNE_DATABASE_URL": gate.url(database)})  # fmt: skip
+
+        def heartbeat() -> bool:
+            with engine.connect() as conn:
+                return bool(
+                    conn.execute(sa.text("SELECT 1 FROM workers WHERE name = 'w1'")).first()
+                )
+
+        wait_for(heartbeat, 60, "w1's first heartbeat")
+        gate.hold_after(b"INSERT INTO workers")  # the next heartbeat runs; its commit waits
+        wait_for(lambda: stalled_transactions(engine, "workers"), 60, "a stalled heartbeat")
+        study_id = submit(engine, SPEC)
+
+        def taken() -> int | None:
+            with engine.connect() as conn:
+                rows = conn.execute(sa.select(Pack.id, Pack.job_id).where(
+                    Pack.status == PackStatus.queued, Pack.job_id.is_not(None))).all()  # fmt: skip
+            for pack_id, job_id in rows:
+                try:
+                    job = Job.fetch(job_id, connection=redis)
+                except NoSuchJobError:
+                    continue
+                if job.get_status() == JobStatus.STARTED:
+                    return int(pack_id)
+            return None
+
+        pack_id = wait_for(taken, 60, "a job taken by w1 (its claim stalled too)")
+        cluster.kill("w1")  # the gate, still held, keeps its server connections open
+        cluster.start("w2", "worker", "--name", "w2")
+        limit = COMMON["heartbeat_timeout"] + 30
+        wait_for(lambda: stalled_transactions(engine, "workers") == 0, limit,
+                 "the server to end w1's stalled transaction")  # fmt: skip
+        assert wait_study(engine, study_id, STUDY_TIMEOUT, cluster) == "completed"
+    finally:
+        gate.close()
+        redis.close()
+        engine.dispose()
+    got = outcome(database, study_id)
+    assert_same_outcome(got, reference)
+    pack = next(p for p in got.packs if p.id == pack_id)
+    assert pack.status == "completed" and pack.error is not None, pack
+    assert "worker w1" in pack.error, pack
+
+
 LONG_UNIT_SPEC: dict[str, Any] = {
     "name": "long-unit",
     "workload": "synthetic-mlp",

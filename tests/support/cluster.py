@@ -381,7 +381,8 @@ def assert_same_outcome(got: Outcome, want: Outcome) -> float:
 
 class TcpGate:
     """A TCP forwarder to ``upstream`` that can be held shut: while :attr:`held` is set,
-    nothing is forwarded either way (the client's requests wait, as on a stalled network).
+    nothing is forwarded either way, a closed end included (the client's requests wait, and
+    a client killed meanwhile leaves its server connection open, as on a stalled network).
     Point one process's database URL at :attr:`port` to stall that process alone."""
 
     def __init__(self, upstream: tuple[str, int]) -> None:
@@ -390,10 +391,16 @@ class TcpGate:
 
         self.upstream = upstream
         self.held = threading.Event()
+        self._marker: bytes | None = None
         self._server = socket.create_server(("127.0.0.1", 0))
         self.port = self._server.getsockname()[1]
         self._closed = threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
+
+    def hold_after(self, marker: bytes) -> None:
+        """Hold the gate as soon as a client's request holding ``marker`` has been passed on:
+        the server runs it (its locks taken), and the answer and whatever follows wait."""
+        self._marker = marker
 
     def _accept(self) -> None:
         import socket
@@ -405,18 +412,25 @@ class TcpGate:
             except OSError:
                 return
             server = socket.create_connection(self.upstream)
-            for src, dst in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+            for src, dst, upward in ((client, server, True), (server, client, False)):
+                threading.Thread(target=self._pump, args=(src, dst, upward), daemon=True).start()
 
-    def _pump(self, src: Any, dst: Any) -> None:
+    def _wait_while_held(self) -> None:
+        while self.held.is_set() and not self._closed.is_set():
+            time.sleep(0.01)
+
+    def _pump(self, src: Any, dst: Any, upward: bool) -> None:
         try:
             while data := src.recv(65536):
-                while self.held.is_set() and not self._closed.is_set():
-                    time.sleep(0.01)
+                self._wait_while_held()
                 dst.sendall(data)
+                if upward and self._marker is not None and self._marker in data:
+                    self._marker = None
+                    self.held.set()
         except OSError:
             pass
         finally:
+            self._wait_while_held()
             for sock in (src, dst):
                 try:
                     sock.close()
