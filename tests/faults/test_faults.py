@@ -13,7 +13,7 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -667,17 +667,18 @@ def test_a_worker_restarted_under_its_name_requeues_its_pack_at_once(
     assert pack.error is not None and f"worker {victim} restarted" in pack.error
 
 
-def test_a_worker_killed_between_taking_a_job_and_claiming_its_pack(
-    cluster: Services, database: str, redis_server: RedisServer, reference: Outcome
-) -> None:
-    """Issue: a worker killed after RQ handed it a job (the job "started") but before it
-    claimed the pack in the database left the pack queued for an hour (until RQ gives such
-    a job up as abandoned, and then as a failure charged to the trials), the study stalled
-    behind it while a healthy worker idled. The scheduler re-queues it as soon as that
-    worker's heartbeats stop, as a fault; the study ends as the undisturbed one.
-
-    The gap (a fresh worker's first job imports its training modules before it claims:
-    a fraction of a second) is held open by stalling the worker's database connections."""
+def job_taken_by_w1(
+    cluster: Services,
+    database: str,
+    redis_server: RedisServer,
+    stall: Callable[[TcpGate, sa.Engine], None],
+    killed: Callable[[sa.Engine], None] = lambda engine: None,
+) -> tuple[int, int]:
+    """The fault tests of a worker ``w1`` whose database connections go through a gate:
+    once it has sent its first heartbeat, ``stall`` holds the gate (w1 still counts as live
+    for the heartbeat timeout: it gets a job); a study is submitted; once w1 has taken a job
+    whose pack is still queued (its claim stalled), w1 is killed, ``w2`` started, and
+    ``killed`` runs. The study must complete; returns (study id, the pack w1 had taken)."""
     from redis import Redis
     from rq.exceptions import NoSuchJobError
     from rq.job import Job, JobStatus
@@ -698,7 +699,7 @@ def test_a_worker_killed_between_taking_a_job_and_claiming_its_pack(
                 )
 
         wait_for(heartbeat, 60, "w1's first heartbeat")
-        gate.held.set()  # w1 still counts as live for the heartbeat timeout: it gets a job
+        stall(gate, engine)
         study_id = submit(engine, SPEC)
 
         def taken() -> int | None:
@@ -715,13 +716,19 @@ def test_a_worker_killed_between_taking_a_job_and_claiming_its_pack(
             return None
 
         pack_id = wait_for(taken, 60, "a job taken by w1, its pack still queued")
-        cluster.kill("w1")
+        cluster.kill("w1")  # a held gate keeps w1's server connections open
         cluster.start("w2", "worker", "--name", "w2")
+        killed(engine)
         assert wait_study(engine, study_id, STUDY_TIMEOUT, cluster) == "completed"
     finally:
         gate.close()
         redis.close()
         engine.dispose()
+    return study_id, pack_id
+
+
+def assert_w1_fault_only(database: str, study_id: int, pack_id: int, reference: Outcome) -> None:
+    """The study ended as the undisturbed one; w1's pack was re-queued once, as a fault."""
     got = outcome(database, study_id)
     assert_same_outcome(got, reference)
     pack = next(p for p in got.packs if p.id == pack_id)
@@ -734,6 +741,23 @@ def test_a_worker_killed_between_taking_a_job_and_claiming_its_pack(
     finally:
         engine.dispose()
     assert faults == 1, faults
+
+
+def test_a_worker_killed_between_taking_a_job_and_claiming_its_pack(
+    cluster: Services, database: str, redis_server: RedisServer, reference: Outcome
+) -> None:
+    """Issue: a worker killed after RQ handed it a job (the job "started") but before it
+    claimed the pack in the database left the pack queued for an hour (until RQ gives such
+    a job up as abandoned, and then as a failure charged to the trials), the study stalled
+    behind it while a healthy worker idled. The scheduler re-queues it as soon as that
+    worker's heartbeats stop, as a fault; the study ends as the undisturbed one.
+
+    The gap (a fresh worker's first job imports its training modules before it claims:
+    a fraction of a second) is held open by stalling the worker's database connections."""
+    study_id, pack_id = job_taken_by_w1(
+        cluster, database, redis_server, lambda gate, engine: gate.held.set()
+    )
+    assert_w1_fault_only(database, study_id, pack_id, reference)
 
 
 def stalled_transactions(engine: sa.Engine, table: str) -> int:
@@ -754,63 +778,22 @@ def test_a_worker_cut_off_inside_a_transaction_does_not_stall_the_fleet(
     server, its lock on the worker's row held. Once the worker counted as dead, the
     scheduler's tick waited on that lock to mark it so, for as long as the server kept the
     connection (hours of TCP keepalive): nothing was scheduled, every study stalled (the
-    fault tests' 150 s timeout, now and then, when a stall began at that moment). A worker's
+    test above timed out now and then, when its stall began at that moment). A worker's
     sessions now end on the server once idle in a transaction for the heartbeat timeout:
     the lock goes, the dead worker's job is re-queued, and the study ends as the
     undisturbed one."""
-    from redis import Redis
-    from rq.exceptions import NoSuchJobError
-    from rq.job import Job, JobStatus
 
-    parsed = sa.engine.make_url(database)
-    gate = TcpGate((parsed.host or "127.0.0.1", parsed.port or 5432))
-    engine = make_engine(database)
-    redis = Redis.from_url(redis_server.url)
-    try:
-        cluster.start("scheduler", "scheduler")
-        cluster.start("w1", "worker", "--name", "w1",
-                      env={"PACKTUNE_DATABASE_URL": gate.url(database)})  # fmt: skip
-
-        def heartbeat() -> bool:
-            with engine.connect() as conn:
-                return bool(
-                    conn.execute(sa.text("SELECT 1 FROM workers WHERE name = 'w1'")).first()
-                )
-
-        wait_for(heartbeat, 60, "w1's first heartbeat")
+    def stall(gate: TcpGate, engine: sa.Engine) -> None:
         gate.hold_after(b"INSERT INTO workers")  # the next heartbeat runs; its commit waits
         wait_for(lambda: stalled_transactions(engine, "workers"), 60, "a stalled heartbeat")
-        study_id = submit(engine, SPEC)
 
-        def taken() -> int | None:
-            with engine.connect() as conn:
-                rows = conn.execute(sa.select(Pack.id, Pack.job_id).where(
-                    Pack.status == PackStatus.queued, Pack.job_id.is_not(None))).all()  # fmt: skip
-            for pack_id, job_id in rows:
-                try:
-                    job = Job.fetch(job_id, connection=redis)
-                except NoSuchJobError:
-                    continue
-                if job.get_status() == JobStatus.STARTED:
-                    return int(pack_id)
-            return None
-
-        pack_id = wait_for(taken, 60, "a job taken by w1 (its claim stalled too)")
-        cluster.kill("w1")  # the gate, still held, keeps its server connections open
-        cluster.start("w2", "worker", "--name", "w2")
+    def killed(engine: sa.Engine) -> None:
         limit = COMMON["heartbeat_timeout"] + 30
-        wait_for(lambda: stalled_transactions(engine, "workers") == 0, limit,
-                 "the server to end w1's stalled transaction")  # fmt: skip
-        assert wait_study(engine, study_id, STUDY_TIMEOUT, cluster) == "completed"
-    finally:
-        gate.close()
-        redis.close()
-        engine.dispose()
-    got = outcome(database, study_id)
-    assert_same_outcome(got, reference)
-    pack = next(p for p in got.packs if p.id == pack_id)
-    assert pack.status == "completed" and pack.error is not None, pack
-    assert "worker w1" in pack.error, pack
+        what = "the server to end w1's stalled transaction"
+        wait_for(lambda: stalled_transactions(engine, "workers") == 0, limit, what)
+
+    study_id, pack_id = job_taken_by_w1(cluster, database, redis_server, stall, killed)
+    assert_w1_fault_only(database, study_id, pack_id, reference)
 
 
 LONG_UNIT_SPEC: dict[str, Any] = {
