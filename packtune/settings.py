@@ -122,7 +122,10 @@ class Settings(BaseSettings):
         gt=0,
         le=LONGEST_SECONDS,
         allow_inf_nan=False,
-        description="A worker silent this long is dead; its packs re-queue.",
+        description=(
+            "A worker silent this long is dead; its packs re-queue. On PostgreSQL a "
+            "worker's session idle inside a transaction this long is ended by the server."
+        ),
     )
     cpu_memory_budget: int = Field(
         default=4 * 2**30, gt=0, description="Bytes a CPU device may give one pack."

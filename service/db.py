@@ -155,11 +155,18 @@ def _configure_sqlite(engine: Engine) -> None:
         conn.exec_driver_sql("BEGIN" if reads_only else "BEGIN IMMEDIATE")
 
 
+#: the largest ``idle_in_transaction_session_timeout`` PostgreSQL takes (milliseconds)
+LONGEST_IDLE_MS = 2**31 - 1
+
+
 def _end_idle_transactions(engine: Engine, seconds: float) -> None:
     """Each of ``engine``'s PostgreSQL connections, as it is made, sets
     ``idle_in_transaction_session_timeout``: the server ends a session that sits inside a
-    transaction for ``seconds`` without a statement, and with it the transaction's locks."""
-    milliseconds = max(1, math.ceil(seconds * 1000))
+    transaction for ``seconds`` without a statement, and with it the transaction's locks
+    (over a value from the URL's ``options``, the role's or the database's)."""
+    # (PostgreSQL takes at most 2^31 - 1 ms, ~24.8 days: a longer heartbeat timeout, which
+    # settings allow, made every connection fail)
+    milliseconds = min(max(1, math.ceil(seconds * 1000)), LONGEST_IDLE_MS)
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:

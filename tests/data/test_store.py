@@ -559,6 +559,14 @@ def test_a_session_idle_inside_a_transaction_is_ended_by_the_server_past_the_lim
                 s.execute(text("SELECT 1"))
         with plain.connect() as other:  # the ended session's lock went with it
             assert other.execute(text("SELECT pg_try_advisory_xact_lock(4242)")).scalar()
+        # the settings take heartbeat timeouts up to 10^9 s; PostgreSQL up to 2^31 - 1 ms
+        longest = make_engine(postgres_url, idle_transaction_limit=1e9)
+        try:
+            with longest.connect() as conn:
+                setting = conn.execute(text("SHOW idle_in_transaction_session_timeout"))
+                assert setting.scalar() == "2147483647ms"
+        finally:
+            longest.dispose()
     finally:
         limited.dispose()
         plain.dispose()

@@ -673,12 +673,14 @@ def job_taken_by_w1(
     redis_server: RedisServer,
     stall: Callable[[TcpGate, sa.Engine], None],
     killed: Callable[[sa.Engine], None] = lambda engine: None,
+    arm: Callable[[TcpGate], None] = lambda gate: None,
 ) -> tuple[int, int]:
-    """The fault tests of a worker ``w1`` whose database connections go through a gate:
-    once it has sent its first heartbeat, ``stall`` holds the gate (w1 still counts as live
-    for the heartbeat timeout: it gets a job); a study is submitted; once w1 has taken a job
-    whose pack is still queued (its claim stalled), w1 is killed, ``w2`` started, and
-    ``killed`` runs. The study must complete; returns (study id, the pack w1 had taken)."""
+    """The fault tests of a worker ``w1`` whose database connections go through a gate
+    (set by ``arm`` before w1 starts): once it has sent its first heartbeat, ``stall`` holds
+    the gate (w1 still counts as live for the heartbeat timeout: it gets a job); a study is
+    submitted; once w1 has taken a job whose pack is still queued (its claim stalled), w1 is
+    killed, ``w2`` started, and ``killed`` runs. The study must complete; returns (study
+    id, the pack w1 had taken)."""
     from redis import Redis
     from rq.exceptions import NoSuchJobError
     from rq.job import Job, JobStatus
@@ -689,6 +691,7 @@ def job_taken_by_w1(
     redis = Redis.from_url(redis_server.url)
     try:
         cluster.start("scheduler", "scheduler")
+        arm(gate)
         cluster.start("w1", "worker", "--name", "w1",
                       env={"PACKTUNE_DATABASE_URL": gate.url(database)})  # fmt: skip
 
@@ -781,18 +784,26 @@ def test_a_worker_cut_off_inside_a_transaction_does_not_stall_the_fleet(
     test above timed out now and then, when its stall began at that moment). A worker's
     sessions now end on the server once idle in a transaction for the heartbeat timeout:
     the lock goes, the dead worker's job is re-queued, and the study ends as the
-    undisturbed one."""
+    undisturbed one.
+
+    The gate holds w1's second heartbeat, its first from the heartbeat thread (a later one
+    may be a prepared statement, its text not sent), once it has run. The heartbeat timeout
+    is 10 s here, not 3, so that the test sees the stalled transaction, and the scheduler
+    w1 alive, before the timeout ends either on a loaded machine."""
+    timeout = 10
+    cluster.env["PACKTUNE_HEARTBEAT_TIMEOUT"] = str(timeout)
+
+    def arm(gate: TcpGate) -> None:
+        gate.hold_after(b"INSERT INTO workers", skip=1)  # the second heartbeat's commit waits
 
     def stall(gate: TcpGate, engine: sa.Engine) -> None:
-        gate.hold_after(b"INSERT INTO workers")  # the next heartbeat runs; its commit waits
         wait_for(lambda: stalled_transactions(engine, "workers"), 60, "a stalled heartbeat")
 
     def killed(engine: sa.Engine) -> None:
-        limit = COMMON["heartbeat_timeout"] + 30
         what = "the server to end w1's stalled transaction"
-        wait_for(lambda: stalled_transactions(engine, "workers") == 0, limit, what)
+        wait_for(lambda: stalled_transactions(engine, "workers") == 0, timeout + 30, what)
 
-    study_id, pack_id = job_taken_by_w1(cluster, database, redis_server, stall, killed)
+    study_id, pack_id = job_taken_by_w1(cluster, database, redis_server, stall, killed, arm)
     assert_w1_fault_only(database, study_id, pack_id, reference)
 
 

@@ -392,15 +392,18 @@ class TcpGate:
         self.upstream = upstream
         self.held = threading.Event()
         self._marker: bytes | None = None
+        self._skip = 0
         self._server = socket.create_server(("127.0.0.1", 0))
         self.port = self._server.getsockname()[1]
         self._closed = threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
 
-    def hold_after(self, marker: bytes) -> None:
-        """Hold the gate as soon as a client's request holding ``marker`` has been passed on:
-        the server runs it (its locks taken), and the answer and whatever follows wait."""
-        self._marker = marker
+    def hold_after(self, marker: bytes, skip: int = 0) -> None:
+        """Hold the gate as soon as a client's request holding ``marker`` has been passed on,
+        after ``skip`` such requests went through: the server runs it (its locks taken), and
+        the answer and whatever follows wait. (psycopg prepares a statement it has run five
+        times on a connection; its text is not sent again.)"""
+        self._marker, self._skip = marker, skip
 
     def _accept(self) -> None:
         import socket
@@ -425,8 +428,11 @@ class TcpGate:
                 self._wait_while_held()
                 dst.sendall(data)
                 if upward and self._marker is not None and self._marker in data:
-                    self._marker = None
-                    self.held.set()
+                    if self._skip:
+                        self._skip -= 1
+                    else:
+                        self._marker = None
+                        self.held.set()
         except OSError:
             pass
         finally:
