@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -197,6 +198,53 @@ def test_run_trains_a_study_and_prints_the_leaderboard(env: dict[str, str], tmp_
     # output to a pipe: the progress line is whole, not cut to 80 columns
     progress = next(line for line in result.stdout.splitlines() if "packs running" in line)
     assert "…" not in progress and "units" in progress and "best: trial" in progress
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux: read from /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_the_runner_trains_at_the_priority_set(env: dict[str, str], tmp_path: Path) -> None:
+    """``PACKTUNE_RUNNER_NICE``: the embedded runner (the child that trains) runs at that
+    nice increment, the process that started it (its API and scheduler) at its own. The
+    suite's other processes run with it at 0 (``tests.support.processes.RUNNER_NICE``)."""
+    spec = write(tmp_path / "small.yaml", SMALL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service", "run", str(spec)],
+        env={**env, "PACKTUNE_RUNNER_NICE": "7"}, cwd=tmp_path,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    seen: dict[int, int] = {}  # the runner's priority, as it was last read
+    try:  # (the runner lowers its own priority first thing, once started)
+        while proc.poll() is None and set(seen.values()) != {ours + 7}:
+            for child in children_of(proc.pid):
+                try:
+                    cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+                    if b"spawn_main" in cmdline:  # (not multiprocessing's resource tracker)
+                        seen[child] = os.getpriority(os.PRIO_PROCESS, child)
+                except OSError:
+                    continue
+            time.sleep(0.05)
+        parent = os.getpriority(os.PRIO_PROCESS, proc.pid) if proc.poll() is None else None
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert seen and set(seen.values()) == {ours + 7}, seen
+    assert parent in (None, ours), parent
 
 
 def test_run_with_a_queue_set_refuses_in_one_line(
