@@ -18,7 +18,14 @@ import yaml
 
 from tests.support.plugins import HERE as PLUGIN_MODULES
 from tests.support.plugins import install_plugin
-from tests.support.processes import free_port, http, packtune_env, serving, wait_finished
+from tests.support.processes import (
+    free_port,
+    http,
+    packtune_env,
+    runners,
+    serving,
+    wait_finished,
+)
 
 SMALL = {
     "name": "cli-small",
@@ -200,23 +207,11 @@ def test_run_trains_a_study_and_prints_the_leaderboard(env: dict[str, str], tmp_
     assert "…" not in progress and "units" in progress and "best: trial" in progress
 
 
-def children_of(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (Linux: read from /proc)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # ended meanwhile
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
-
-
-@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc (Linux)")
 def test_the_runner_trains_at_the_priority_set(env: dict[str, str], tmp_path: Path) -> None:
-    """``PACKTUNE_RUNNER_NICE``: the embedded runner (the child that trains) runs at that
-    nice increment, the process that started it (its API and scheduler) at its own. The
+    """``PACKTUNE_RUNNER_NICE`` read from the environment by ``packtune run``: its runner
+    (the child that trains) runs at that nice increment, the process that started it at its
+    own (the default, 10, is checked in ``tests/worker/test_embedded_runner.py``). The
     suite's other processes run with it at 0 (``tests.support.processes.RUNNER_NICE``)."""
     spec = write(tmp_path / "small.yaml", SMALL)
     proc = subprocess.Popen(
@@ -228,12 +223,10 @@ def test_the_runner_trains_at_the_priority_set(env: dict[str, str], tmp_path: Pa
     seen: dict[int, int] = {}  # the runner's priority, as it was last read
     try:  # (the runner lowers its own priority first thing, once started)
         while proc.poll() is None and set(seen.values()) != {ours + 7}:
-            for child in children_of(proc.pid):
+            for child in runners(proc.pid):
                 try:
-                    cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-                    if b"spawn_main" in cmdline:  # (not multiprocessing's resource tracker)
-                        seen[child] = os.getpriority(os.PRIO_PROCESS, child)
-                except OSError:
+                    seen[child] = os.getpriority(os.PRIO_PROCESS, child)
+                except OSError:  # ended meanwhile
                     continue
             time.sleep(0.05)
         parent = os.getpriority(os.PRIO_PROCESS, proc.pid) if proc.poll() is None else None

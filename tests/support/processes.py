@@ -42,7 +42,7 @@ TERMINAL_SIZE = ("COLUMNS", "LINES")
 #: training at nice 0: the invariance module's studies took 337 s in a full run against 129 s
 #: alone, and with two busy processes beside it (AMD EPYC, 2 cores) `packtune run` of
 #: examples/digits-mlp.yaml did not end in 150 s, against 22.7 s at nice 0, so tests timed
-#: out. ``test_the_runner_trains_at_the_priority_set`` checks the setting itself.
+#: out. tests/worker/test_embedded_runner.py checks the default, test_cli.py a value set.
 RUNNER_NICE = 0
 
 
@@ -195,6 +195,18 @@ def children(pid: int) -> list[int]:
             out += [int(p) for p in task.read_text().split()]
         except FileNotFoundError:
             continue  # the thread ended meanwhile
+    return out
+
+
+def runners(pid: int) -> list[int]:
+    """``pid``'s spawned multiprocessing children (not its resource tracker)."""
+    out = []
+    for kid in children(pid):
+        try:
+            if b"spawn_main" in Path(f"/proc/{kid}/cmdline").read_bytes():
+                out.append(kid)
+        except FileNotFoundError:
+            pass
     return out
 
 

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from packtune.settings import get_settings
-from tests.support.processes import children, gone, packtune_env, runner_identity
+from tests.support.processes import gone, packtune_env, runner_identity, runners
 from worker.embedded import EmbeddedDispatcher
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")
@@ -29,18 +29,6 @@ SMALL = {
     "space": {"lr": {"type": "loguniform", "low": 0.01, "high": 0.3}},
     "hyperband": {"max_resource": 3, "eta": 3},
 }
-
-
-def runners(pid: int) -> list[int]:
-    """``pid``'s spawned multiprocessing children (not its resource tracker)."""
-    out = []
-    for kid in children(pid):
-        try:
-            if b"spawn_main" in Path(f"/proc/{kid}/cmdline").read_bytes():
-                out.append(kid)
-        except FileNotFoundError:
-            pass
-    return out
 
 
 def mappers_configured() -> bool:
